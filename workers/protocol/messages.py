@@ -1,0 +1,288 @@
+"""Every control message of wire protocol v3, as msgspec structs.
+
+The JSON object's ``type`` field carries the message name exactly as the seed writes it
+(``"HELLO"``, ``"EMBED_BATCH"``, ...). Unknown fields are ignored on decode so that a foreign
+worker written from the seed, or a newer peer, interoperates; optional fields default.
+
+One decoder per direction: a side can only ever receive the messages the other side may send,
+so anything else is a decode error, which the session turns into a protocol violation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 3
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF_FFFF_FFFF)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+Phase = Literal["setup", "inference", "control"]
+Pooling = Literal["none", "mean", "cls", "last", "rank"]
+
+# ERR codes a worker may answer with (DESIGN section 3).
+WORKER_ERROR_CODES = frozenset(
+    {
+        "artifact_invalid",
+        "oom",
+        "config_invalid",
+        "invalid_request",
+        "model_not_loaded",
+        "unsupported",
+        "shape_unsupported",
+        "compile_failed",
+    }
+)
+
+
+class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
+    """Base for every control frame; the subclass name is the wire ``type``."""
+
+
+# ---- handshake ---------------------------------------------------------------------------
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    engine: str
+    version: str
+    build_flags: str = ""
+
+
+class HELLO(_Msg, tag="HELLO"):
+    # `v` stays a plain int so that a v2 worker decodes and is rejected by the session with a
+    # clear reason ("version 2, expected 3") rather than an opaque schema error.
+    v: int
+    nonce: str
+    engine: EngineInfo
+    pid: U32
+    max_frame: U32 = DEFAULT_MAX_FRAME
+    manifest_digest: str | None = None
+    kernel_revision: str | None = None
+    packed: bool | None = None
+
+
+class HELLO_ACK(_Msg, tag="HELLO_ACK"):
+    v: int
+    accept: bool
+    max_frame: U32
+
+
+# ---- requests (host -> worker) --------------------------------------------------------------
+
+
+class LOAD(_Msg, tag="LOAD"):
+    req_id: U64
+    artifact_path: str
+    artifact_digest: str
+    format: str
+    runtime_config: dict[str, Any] = {}
+
+
+class EmbedItem(msgspec.Struct, frozen=True):
+    id: U64
+    n_tokens: Count
+
+
+class EMBED_BATCH(_Msg, tag="EMBED_BATCH"):
+    req_id: U64
+    model_ref: str
+    items: list[EmbedItem]
+    pooling: str = "mean"
+    normalize: bool = True
+
+
+class RerankCandidate(msgspec.Struct, frozen=True):
+    n_tokens: Count
+
+
+class RERANK(_Msg, tag="RERANK"):
+    req_id: U64
+    model_ref: str
+    query_n_tokens: Count
+    candidates: list[RerankCandidate]
+
+
+class RerankSequence(msgspec.Struct, frozen=True):
+    n_tokens: Count
+    n_first: Count
+
+
+class RERANK_SEQUENCES(_Msg, tag="RERANK_SEQUENCES"):
+    req_id: U64
+    model_ref: str
+    sequences: list[RerankSequence]
+
+
+class GENERATE(_Msg, tag="GENERATE"):
+    req_id: U64
+    model_ref: str
+    max_tokens: Count
+    grammar: str | None = None
+
+
+class ADMIT_SHAPE(_Msg, tag="ADMIT_SHAPE"):
+    req_id: U64
+    model_ref: str
+    rows: Count
+    seq_len: Count
+    packed: bool = False
+    # Extension (optional): segments per packed row; the seed leaves it to the engine.
+    max_segments: Count | None = None
+
+
+class EVICT(_Msg, tag="EVICT"):
+    req_id: U64
+    model_ref: str
+    shape_id: str | None = None
+
+
+class UNLOAD(_Msg, tag="UNLOAD"):
+    req_id: U64
+    model_ref: str
+
+
+class PING(_Msg, tag="PING"):
+    req_id: U64
+
+
+class SHUTDOWN(_Msg, tag="SHUTDOWN"):
+    pass
+
+
+# ---- replies (worker -> host) --------------------------------------------------------------
+
+
+class LOADED(_Msg, tag="LOADED"):
+    req_id: U64
+    model_ref: str
+    dims: Count
+    cold_load_ms: float = 0.0
+
+
+class VECTORS(_Msg, tag="VECTORS"):
+    req_id: U64
+    dims: Count
+    n: Count
+
+
+class SCORES(_Msg, tag="SCORES"):
+    req_id: U64
+
+
+class TEXT(_Msg, tag="TEXT"):
+    req_id: U64
+    text: str
+    n_prompt: Count
+    n_gen: Count
+    finish_reason: str
+
+
+class SHAPE_ADMITTED(_Msg, tag="SHAPE_ADMITTED"):
+    req_id: U64
+    shape_id: str
+    cache_hit: bool
+    compile_ms: float = 0.0
+
+
+class EVICTED(_Msg, tag="EVICTED"):
+    req_id: U64
+    shape_ids: list[str] = []
+    freed_bytes: Count = 0
+
+
+class UNLOADED(_Msg, tag="UNLOADED"):
+    req_id: U64
+
+
+class PONG(_Msg, tag="PONG"):
+    req_id: U64
+    rss_mb: float
+    models_loaded: list[str] = []
+    placement_share: float | None = None
+    # Extension: where placement_share comes from, "compute_plan" or "estimate".
+    placement_source: str | None = None
+
+
+class PROGRESS(_Msg, tag="PROGRESS"):
+    req_id: U64
+    completed: U64
+    phase: Phase
+
+
+class ERR(_Msg, tag="ERR"):
+    req_id: U64
+    code: str
+    msg: str = ""
+
+
+HostToWorker = Union[
+    HELLO_ACK,
+    LOAD,
+    EMBED_BATCH,
+    RERANK,
+    RERANK_SEQUENCES,
+    GENERATE,
+    ADMIT_SHAPE,
+    EVICT,
+    UNLOAD,
+    PING,
+    SHUTDOWN,
+]
+WorkerToHost = Union[
+    HELLO,
+    LOADED,
+    VECTORS,
+    SCORES,
+    TEXT,
+    SHAPE_ADMITTED,
+    EVICTED,
+    UNLOADED,
+    PONG,
+    PROGRESS,
+    ERR,
+]
+
+Request = Union[
+    LOAD, EMBED_BATCH, RERANK, RERANK_SEQUENCES, GENERATE, ADMIT_SHAPE, EVICT, UNLOAD, PING
+]
+
+# Which reply ends which request, and which phase its PROGRESS runs in after setup.
+REPLY_FOR: dict[type, type] = {
+    LOAD: LOADED,
+    EMBED_BATCH: VECTORS,
+    RERANK: SCORES,
+    RERANK_SEQUENCES: SCORES,
+    GENERATE: TEXT,
+    ADMIT_SHAPE: SHAPE_ADMITTED,
+    EVICT: EVICTED,
+    UNLOAD: UNLOADED,
+    PING: PONG,
+}
+INFERENCE_REQUESTS: frozenset[type] = frozenset({EMBED_BATCH, RERANK, RERANK_SEQUENCES, GENERATE})
+CONTROL_REQUESTS: frozenset[type] = frozenset({LOAD, ADMIT_SHAPE, EVICT, UNLOAD})
+
+_encoder = msgspec.json.Encoder()
+_host_decoder = msgspec.json.Decoder(WorkerToHost)  # what the HOST receives
+_worker_decoder = msgspec.json.Decoder(HostToWorker)  # what the WORKER receives
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_from_worker(data: bytes | memoryview) -> WorkerToHost:
+    """Decode a control frame the host received. Raises msgspec.DecodeError/ValidationError."""
+    return _host_decoder.decode(data)
+
+
+def decode_from_host(data: bytes | memoryview) -> HostToWorker:
+    """Decode a control frame the worker received. Raises msgspec.DecodeError/ValidationError."""
+    return _worker_decoder.decode(data)
+
+
+def message_name(msg: object) -> str:
+    return type(msg).__name__
