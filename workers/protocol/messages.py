@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 3
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-U64 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF_FFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # msgspec bounds stop at int64
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
 Phase = Literal["setup", "inference", "control"]
@@ -39,8 +39,9 @@ WORKER_ERROR_CODES = frozenset(
 )
 
 
-class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, frozen=True):
-    """Base for every control frame; the subclass name is the wire ``type``."""
+class _Msg(msgspec.Struct, tag_field="type", frozen=True):
+    """Base for every control frame; the subclass name is the wire ``type``. Every field is
+    written, defaults included: a foreign peer built from the seed may require them."""
 
 
 # ---- handshake ---------------------------------------------------------------------------

@@ -1,0 +1,414 @@
+"""The project's own converter: a Hugging Face BERT-family directory -> GGUF (arch `bert`).
+
+Mirrors what llama.cpp's convert_hf_to_gguf.py `BertModel` writes, so llama.cpp's BERT graph
+loads it unchanged:
+- tensors under llama.cpp's BERT names (taken from `gguf.constants`, never spelled by hand);
+  HF Linear weights are (out, in), which GGUFWriter stores as ggml ne [in, out] — exactly
+  what llama.cpp expects, so nothing is transposed;
+- f16 files keep 1-D tensors (norms, biases), position and token-type embeddings in f32, as
+  llama.cpp's converter does (its kernels want f32 there);
+- WordPiece vocab in llama.cpp's "phantom space" form (`##x` -> `x`, word-initial `w` ->
+  `▁w`, control tokens untouched) under `tokenizer.ggml.model = "bert"`;
+- `BertForSequenceClassification`: the pooler (dense + tanh) becomes `cls` and the
+  classifier becomes `cls.output`, which llama.cpp's RANK pooling applies in that order
+  (tanh(W_p h_cls + b_p), then W_c x + b_c) — the same function HF computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import gguf
+import msgspec
+import numpy as np
+from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
+
+from host.artifacts.errors import ArtifactInvalid, InvalidRequest
+from host.artifacts.safetensors_io import read_model_weights
+
+Dtype = Literal["f32", "f16"]
+PoolingName = Literal["mean", "cls", "last", "rank"]
+
+_POOLING = {
+    "mean": gguf.PoolingType.MEAN,
+    "cls": gguf.PoolingType.CLS,
+    "last": gguf.PoolingType.LAST,
+    "rank": gguf.PoolingType.RANK,
+}
+_EMBED_ARCHS = {"BertModel", "BertForMaskedLM"}
+_RERANK_ARCHS = {"BertForSequenceClassification"}
+
+
+class BertGGUFInfo(msgspec.Struct, frozen=True):
+    """What the converter learned; the store turns it into a manifest."""
+
+    kind: Literal["embed", "rerank"]
+    dtype: Dtype
+    dims: int
+    pooling: PoolingName
+    n_ctx_train: int  # max_position_embeddings: llama.cpp's hard position limit
+    vocab_size: int
+    n_layers: int
+    n_labels: int  # classifier outputs (0 for embedders)
+    cls_id: int
+    sep_id: int
+    max_seq_length: int | None  # sentence-transformers' trained sequence length, if any
+
+
+def _name(t: MODEL_TENSOR, bid: int | None = None) -> str:
+    # Guard against a gguf upgrade renaming/removing a BERT tensor under us.
+    assert t in MODEL_TENSORS[MODEL_ARCH.BERT], t
+    base = TENSOR_NAMES[t]
+    return base.format(bid=bid) if bid is not None else base
+
+
+_EMBEDDINGS = {
+    "embeddings.word_embeddings": MODEL_TENSOR.TOKEN_EMBD,
+    "embeddings.token_type_embeddings": MODEL_TENSOR.TOKEN_TYPES,
+    "embeddings.position_embeddings": MODEL_TENSOR.POS_EMBD,
+    "embeddings.LayerNorm": MODEL_TENSOR.TOKEN_EMBD_NORM,
+}
+_LAYER = {
+    "attention.self.query": MODEL_TENSOR.ATTN_Q,
+    "attention.self.key": MODEL_TENSOR.ATTN_K,
+    "attention.self.value": MODEL_TENSOR.ATTN_V,
+    "attention.output.dense": MODEL_TENSOR.ATTN_OUT,
+    "attention.output.LayerNorm": MODEL_TENSOR.ATTN_OUT_NORM,
+    "intermediate.dense": MODEL_TENSOR.FFN_UP,
+    "output.dense": MODEL_TENSOR.FFN_DOWN,
+    "output.LayerNorm": MODEL_TENSOR.LAYER_OUT_NORM,
+}
+_HEAD = {"pooler.dense": MODEL_TENSOR.CLS, "classifier": MODEL_TENSOR.CLS_OUT}
+# Keys that carry no inference weights for our use (MLM/NSP heads, a buffer).
+_IGNORED = re.compile(r"^(embeddings\.position_ids|cls\.predictions\..*|cls\.seq_relationship\..*)$")
+_LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+# Tensors llama.cpp's converter keeps f32 even in an f16 file.
+_KEEP_F32 = {MODEL_TENSOR.POS_EMBD, MODEL_TENSOR.TOKEN_TYPES}
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ArtifactInvalid(f"missing {path.name} in {path.parent}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactInvalid(f"unreadable {path}: {e}") from e
+
+
+def _model_kind(config: dict) -> Literal["embed", "rerank"]:
+    if config.get("model_type", "bert") != "bert":
+        raise ArtifactInvalid(f"unsupported model_type {config.get('model_type')!r} (only bert)")
+    archs = config.get("architectures") or ["BertModel"]
+    if len(archs) != 1:
+        raise ArtifactInvalid(f"expected one architecture, got {archs}")
+    if archs[0] in _EMBED_ARCHS:
+        return "embed"
+    if archs[0] in _RERANK_ARCHS:
+        return "rerank"
+    raise ArtifactInvalid(f"unsupported architecture {archs[0]!r}")
+
+
+def _check_config(config: dict) -> None:
+    # llama.cpp's BERT graph is absolute-position, GELU; anything else would load and be wrong.
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ArtifactInvalid("only absolute position embeddings are supported")
+    if config.get("hidden_act", "gelu") not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ArtifactInvalid(f"unsupported hidden_act {config.get('hidden_act')!r}")
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "vocab_size",
+    ):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            raise ArtifactInvalid(f"config.json: {key} missing or not a positive integer")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
+
+
+def _st_pooling(model_dir: Path) -> PoolingName | None:
+    """Pooling declared by a sentence-transformers Pooling module, if the dir has one."""
+    modules_path = model_dir / "modules.json"
+    pooling_dir = None
+    if modules_path.is_file():
+        for mod in _load_json(modules_path):
+            if mod.get("type") == "sentence_transformers.models.Pooling":
+                pooling_dir = model_dir / mod.get("path", "")
+                break
+    elif (model_dir / "1_Pooling" / "config.json").is_file():
+        pooling_dir = model_dir / "1_Pooling"
+    if pooling_dir is None:
+        return None
+    cfg = _load_json(pooling_dir / "config.json")
+    if cfg.get("pooling_mode_mean_tokens"):
+        return "mean"
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls"
+    if cfg.get("pooling_mode_lasttoken"):
+        return "last"
+    raise ArtifactInvalid(f"unsupported sentence-transformers pooling {cfg} (mean/cls/last only)")
+
+
+def _phantom(token: str, control: bool) -> str:
+    if control:
+        return token
+    return token[2:] if token.startswith("##") else "\u2581" + token
+
+
+def _vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], dict[str, int]]:
+    """Tokens (phantom form), token types, and the raw token -> id map."""
+    tok_path = model_dir / "tokenizer.json"
+    special: set[str] = set()
+    if tok_path.is_file():
+        tok = _load_json(tok_path)
+        model = tok.get("model") or {}
+        if model.get("type") != "WordPiece":
+            raise ArtifactInvalid(f"tokenizer.json model is {model.get('type')!r}, not WordPiece")
+        vocab: dict[str, int] = dict(model["vocab"])
+        for added in tok.get("added_tokens", []):
+            vocab.setdefault(added["content"], added["id"])
+            if added.get("special"):
+                special.add(added["content"])
+    elif (model_dir / "vocab.txt").is_file():
+        lines = (model_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        vocab = {t: i for i, t in enumerate(lines)}
+        special = {t for t in vocab if re.fullmatch(r"\[(CLS|SEP|PAD|UNK|MASK)\]", t)}
+    else:
+        raise ArtifactInvalid(f"{model_dir} has neither tokenizer.json nor vocab.txt")
+    if not vocab or max(vocab.values()) >= n_vocab or min(vocab.values()) < 0:
+        raise ArtifactInvalid(f"vocab ids do not fit the embedding table ({n_vocab} rows)")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [int(gguf.TokenType.UNUSED)] * n_vocab
+    for text, i in vocab.items():
+        control = text in special
+        tokens[i] = _phantom(text, control)
+        types[i] = int(gguf.TokenType.CONTROL if control else gguf.TokenType.NORMAL)
+    return tokens, types, vocab
+
+
+def _special_ids(model_dir: Path, vocab: dict[str, int]) -> dict[str, int]:
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = _load_json(cfg_path) if cfg_path.is_file() else {}
+    ids: dict[str, int] = {}
+    for kind, default in (
+        ("cls", "[CLS]"),
+        ("sep", "[SEP]"),
+        ("unk", "[UNK]"),
+        ("pad", "[PAD]"),
+        ("mask", "[MASK]"),
+    ):
+        text = cfg.get(f"{kind}_token", default)
+        if isinstance(text, dict):  # AddedToken serialised as an object
+            text = text.get("content", default)
+        if text in vocab:
+            ids[kind] = vocab[text]
+    for kind in ("cls", "sep"):
+        if kind not in ids:
+            raise ArtifactInvalid(f"vocab has no {kind} token")
+    return ids
+
+
+def _map_tensors(
+    weights: dict[str, np.ndarray], kind: str, n_layers: int
+) -> list[tuple[MODEL_TENSOR, str, np.ndarray]]:
+    """(tensor kind, gguf name, array) for every weight; strict about unknown keys."""
+    out: list[tuple[MODEL_TENSOR, str, np.ndarray]] = []
+    for key, arr in weights.items():
+        k = key[5:] if key.startswith("bert.") else key
+        k = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k))
+        if _IGNORED.match(k):
+            continue
+        stem, _, suffix = k.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            raise ArtifactInvalid(f"unexpected tensor {key!r}")
+        if stem in _EMBEDDINGS:
+            t, bid = _EMBEDDINGS[stem], None
+        elif stem in _HEAD:
+            if kind != "rerank":
+                continue  # embedders pool themselves; the NSP pooler is unused (as upstream)
+            t, bid = _HEAD[stem], None
+        elif m := _LAYER_KEY.match(k):
+            bid, sub = int(m.group(1)), m.group(2)
+            if sub not in _LAYER or bid >= n_layers:
+                raise ArtifactInvalid(f"unexpected tensor {key!r}")
+            t = _LAYER[sub]
+        else:
+            raise ArtifactInvalid(f"unexpected tensor {key!r}")
+        out.append((t, f"{_name(t, bid)}.{suffix}", arr))
+    names = {n for _, n, _ in out}
+    if len(names) != len(out):
+        raise ArtifactInvalid("duplicate tensors after name mapping (bert. and bare keys?)")
+    required = [f"{_name(t)}.{s}" for t in _EMBEDDINGS.values() for s in ("weight", "bias")
+                if not (t in (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.TOKEN_TYPES,
+                              MODEL_TENSOR.POS_EMBD) and s == "bias")]
+    required += [f"{_name(t, b)}.{s}" for b in range(n_layers) for t in _LAYER.values()
+                 for s in ("weight", "bias")]
+    if kind == "rerank":
+        required += [f"{_name(t)}.{s}" for t in _HEAD.values() for s in ("weight", "bias")]
+    missing = [n for n in required if n not in names]
+    if missing:
+        raise ArtifactInvalid(f"missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return out
+
+
+def _check_shapes(tensors: dict[str, np.ndarray], config: dict, n_labels: int) -> None:
+    h, ff = config["hidden_size"], config["intermediate_size"]
+    want = {
+        "token_embd.weight": (config["vocab_size"], h),
+        "position_embd.weight": (config["max_position_embeddings"], h),
+        "token_types.weight": (config.get("type_vocab_size", 2), h),
+        "blk.0.attn_q.weight": (h, h),
+        "blk.0.ffn_up.weight": (ff, h),
+        "blk.0.ffn_down.weight": (h, ff),
+    }
+    if n_labels:
+        want["cls.weight"] = (h, h)
+        want["cls.output.weight"] = (n_labels, h)
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ArtifactInvalid(f"{name} has shape {tensors[name].shape}, config says {shape}")
+
+
+def convert_bert_dir(
+    model_dir: str | Path,
+    out_path: str | Path,
+    dtype: Dtype = "f16",
+    *,
+    pooling: PoolingName | None = None,
+    name: str | None = None,
+) -> BertGGUFInfo:
+    """Convert `model_dir` to a GGUF at `out_path` (written atomically: temp file + rename).
+
+    `pooling` overrides what the directory declares; embedders without a sentence-transformers
+    Pooling module must be given one. Raises ArtifactInvalid / InvalidRequest.
+    """
+    if dtype not in ("f32", "f16"):
+        raise InvalidRequest(f"dtype must be 'f32' or 'f16', not {dtype!r}")
+    if pooling is not None and pooling not in _POOLING:
+        raise InvalidRequest(f"pooling must be one of {sorted(_POOLING)}, not {pooling!r}")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    if not model_dir.is_dir():
+        raise ArtifactInvalid(f"{model_dir} is not a directory")
+    config = _load_json(model_dir / "config.json")
+    kind = _model_kind(config)
+    _check_config(config)
+
+    n_labels = 0
+    labels: list[str] = []
+    if kind == "rerank":
+        id2label = config.get("id2label") or {"0": "LABEL_0"}
+        labels = [v for _, v in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
+        n_labels = len(labels)
+        if pooling not in (None, "rank"):
+            raise InvalidRequest("a sequence classifier is served with rank pooling only")
+        pooling = "rank"
+    elif pooling is None:
+        pooling = _st_pooling(model_dir)
+        if pooling is None:
+            raise InvalidRequest(f"{model_dir} declares no pooling; pass pooling=")
+    elif pooling == "rank":
+        raise InvalidRequest("rank pooling needs a BertForSequenceClassification model")
+
+    n_layers = config["num_hidden_layers"]
+    mapped = _map_tensors(read_model_weights(model_dir), kind, n_layers)
+    by_name = {n: a for _, n, a in mapped}
+    _check_shapes(by_name, config, n_labels)
+    tokens, toktypes, vocab = _vocab(model_dir, config["vocab_size"])
+    special = _special_ids(model_dir, vocab)
+
+    st_cfg_path = model_dir / "sentence_bert_config.json"
+    max_seq = _load_json(st_cfg_path).get("max_seq_length") if st_cfg_path.is_file() else None
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".gguf", dir=out_path.parent)
+    os.close(fd)
+    try:
+        _write(
+            Path(tmp), mapped, config, dtype, pooling, tokens, toktypes, special, labels,
+            name or model_dir.name,
+        )
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary cache files
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return BertGGUFInfo(
+        kind=kind,
+        dtype=dtype,
+        dims=config["hidden_size"],
+        pooling=pooling,
+        n_ctx_train=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        n_layers=n_layers,
+        n_labels=n_labels,
+        cls_id=special["cls"],
+        sep_id=special["sep"],
+        max_seq_length=max_seq if isinstance(max_seq, int) else None,
+    )
+
+
+def _write(
+    path: Path,
+    mapped: list[tuple[MODEL_TENSOR, str, np.ndarray]],
+    config: dict,
+    dtype: Dtype,
+    pooling: PoolingName,
+    tokens: list[str],
+    toktypes: list[int],
+    special: dict[str, int],
+    labels: list[str],
+    model_name: str,
+) -> None:
+    arch = gguf.MODEL_ARCH_NAMES[MODEL_ARCH.BERT]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(model_name)
+    w.add_file_type(
+        int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    )
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-12)))
+    w.add_causal_attention(False)
+    w.add_pooling_type(_POOLING[pooling])
+    if labels:
+        w.add_classifier_output_labels(labels)
+
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")  # llama.cpp ignores the pre-tokenizer for WPM vocabs
+    w.add_token_list(tokens)
+    w.add_token_types(toktypes)
+    w.add_token_type_count(int(config.get("type_vocab_size", 2)))
+    # As gguf's SpecialVocab does for BERT: CLS doubles as BOS and SEP as EOS, so
+    # "BOS a EOS" is "[CLS] a [SEP]" and a rerank pair is "[CLS] q [SEP] d [SEP]".
+    w.add_bos_token_id(special["cls"])
+    w.add_eos_token_id(special["sep"])
+    w.add_sep_token_id(special["sep"])
+    for kind, add in (("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id),
+                      ("mask", w.add_mask_token_id)):
+        if kind in special:
+            add(special[kind])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(False)
+
+    for t, name, arr in mapped:
+        keep_f32 = arr.ndim <= 1 or name.endswith("_norm.weight") or t in _KEEP_F32
+        target = np.float32 if (dtype == "f32" or keep_f32) else np.float16
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=target))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "rb+") as f:  # durable before the rename publishes it
+        os.fsync(f.fileno())

