@@ -85,7 +85,9 @@ _LAYER = {
 }
 _HEAD = {"pooler.dense": MODEL_TENSOR.CLS, "classifier": MODEL_TENSOR.CLS_OUT}
 # Keys that carry no inference weights for our use (MLM/NSP heads, a buffer).
-_IGNORED = re.compile(r"^(embeddings\.position_ids|cls\.predictions\..*|cls\.seq_relationship\..*)$")
+_IGNORED = re.compile(
+    r"^(embeddings\.position_ids|cls\.predictions\..*|cls\.seq_relationship\..*)$"
+)
 _LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 # Tensors llama.cpp's converter keeps f32 even in an f16 file.
 _KEEP_F32 = {MODEL_TENSOR.POS_EMBD, MODEL_TENSOR.TOKEN_TYPES}

@@ -38,6 +38,7 @@ from host.artifacts.errors import (
     ArtifactNotFound,
     InvalidRequest,
 )
+from host.artifacts.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"
@@ -381,19 +382,16 @@ def _write_manifest(mdir: Path, manifest: Manifest) -> None:
 
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Architecture-level scalars of a GGUF (`<arch>.` prefix stripped) plus `architecture`."""
-    import gguf
-
+    """Scalar metadata of a GGUF, `<arch>.` prefix stripped, plus `architecture`."""
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/struct.error/... on corrupt files
+        hdr = read_gguf_header(path)
+    except (OSError, GGUFFormatError) as e:
         raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
-    arch_field = reader.fields.get("general.architecture")
-    if arch_field is None:
+    arch = hdr.architecture
+    if not arch:
         raise ArtifactInvalid(f"{path} has no general.architecture")
-    arch = arch_field.contents()
     meta: dict[str, Any] = {"architecture": arch}
-    for key, field in reader.fields.items():
-        if key.startswith(arch + ".") and len(field.types) == 1:
-            meta[key[len(arch) + 1 :]] = field.contents()
+    for key, value in hdr.kv.items():
+        if key.startswith(arch + ".") and not isinstance(value, ArrayInfo):
+            meta[key[len(arch) + 1 :]] = value
     return meta

