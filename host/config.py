@@ -46,7 +46,9 @@ class HostConfig(msgspec.Struct, kw_only=True):
             raise ConfigInvalid("strike_limit must be >= 1")
 
     def resolved_runtime_dir(self) -> Path:
-        base = self.runtime_dir or os.environ.get("XDG_RUNTIME_DIR")
+        if self.runtime_dir:  # an explicit choice is used as given (and created)
+            return Path(self.runtime_dir)
+        base = os.environ.get("XDG_RUNTIME_DIR")
         if base is None or not os.access(base, os.W_OK):
             base = os.path.join(tempfile.gettempdir(), f"synapse-{os.getuid()}")
         return Path(base)

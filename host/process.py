@@ -88,6 +88,11 @@ class WorkerProcess:
         done, pending = await asyncio.wait(self._pumps, timeout=timeout)
         for task in pending:
             task.cancel()
+        # asyncio closes the transport itself only when both pipes saw EOF; a straggler that
+        # kept a pipe open must not leave it (and its fds) to the garbage collector.
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None and self.returncode is not None:
+            transport.close()
 
     async def terminate(self, term_grace_s: float) -> None:
         """SIGTERM, a grace period, then SIGKILL. Always reaps."""

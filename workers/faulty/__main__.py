@@ -23,9 +23,7 @@ class FaultRuntime(runtime.WorkerRuntime):
             return m.HELLO(**{**_fields(hello), "v": 2})
         if self.fault == "no_hello":
             time.sleep(3600)
-        if self.fault == "early_progress":
-            assert self.channel is not None
-            self.channel.send(hello)
+        if self.fault == "early_progress":  # something other than HELLO comes first
             return m.PROGRESS(req_id=0, completed=1, phase="setup")  # type: ignore[return-value]
         return hello
 

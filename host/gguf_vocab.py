@@ -1,0 +1,302 @@
+"""Derive a HF `tokenizer.json` from a GGUF file's own vocabulary.
+
+The host tokenizes module-side and must never import llama_cpp, so for GGUF models the
+tokenizer is rebuilt at ingest from the vocabulary stored in the GGUF itself and saved as a
+plain `tokenizer.json` (HF `tokenizers`). `tests/test_gguf_vocab.py` proves it equal to
+llama.cpp's own tokenization on a corpus.
+
+Supported: `tokenizer.ggml.model == "llama"` (SentencePiece-style vocab with scores and token
+types: Llama 1/2, Mistral, Gemma 1-3). How llama.cpp tokenizes such a vocab, and how each step
+is reproduced here:
+
+1. Special-token partition on the RAW text (before any escaping). USER_DEFINED tokens (Gemma:
+   runs of spaces/newlines/tabs, HTML tags) are always split out; CONTROL/UNKNOWN tokens only
+   when `special=True`. -> HF added tokens with `normalized=False`: user-defined ones as
+   non-special, control/unknown ones as special; `Tokenizer.encode_special_tokens = True`
+   (see `set_parse_special`) is exactly llama.cpp's `special=False`.
+2. Each remaining text fragment: optional "▁" prefix (`add_space_prefix`, per fragment that
+   follows a special token, like HF's per-split normalization), then every " " -> "▁".
+   -> normalizers Prepend + Replace.
+3. SPM merging: start from UTF-8 characters, repeatedly merge the adjacent pair whose
+   concatenation is a vocab token with the highest score (ties: leftmost). -> BPE whose merge
+   list is every (left, right) split of every vocab token where both halves are tokens,
+   ranked by the merged token's score (descending). For a vocab whose scores are unique (Gemma
+   3's normal tokens are) the two procedures pick the same merge at every step.
+4. Leftover characters that are not tokens become `<0xNN>` byte tokens. -> `byte_fallback`.
+5. BOS/EOS from `add_bos_token` / `add_eos_token`. -> TemplateProcessing.
+
+Decoding mirrors llama.cpp's `detokenize`: "▁" -> " ", byte tokens -> bytes, control tokens
+dropped with `skip_special_tokens=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf.constants import GGUF_MAGIC, GGUFValueType
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+# llama.cpp's `llama_token_type` values as stored in `tokenizer.ggml.token_type`.
+TYPE_NORMAL = 1
+TYPE_UNKNOWN = 2
+TYPE_CONTROL = 3
+TYPE_USER_DEFINED = 4
+TYPE_UNUSED = 5
+TYPE_BYTE = 6
+
+SPACE_ESCAPE = "\u2581"  # "▁", SentencePiece's visible space
+
+
+class UnsupportedVocab(ValueError):
+    """The GGUF's tokenizer model is one this module cannot reproduce faithfully."""
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    model: str
+    tokens: list[str]
+    scores: np.ndarray  # float32, one per token
+    types: np.ndarray  # int32, llama_token_type per token
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+
+    @classmethod
+    def read(cls, gguf_path: str | Path) -> GGUFVocab:
+        fields = read_gguf_metadata(gguf_path)
+
+        def get(key: str, default: object = None) -> object:
+            return fields.get(key, default)
+
+        model = str(get("tokenizer.ggml.model", ""))
+        tokens = list(get("tokenizer.ggml.tokens", []))  # type: ignore[arg-type]
+        n = len(tokens)
+        scores = np.asarray(get("tokenizer.ggml.scores", [0.0] * n), dtype=np.float32)
+        types = np.asarray(get("tokenizer.ggml.token_type", [TYPE_NORMAL] * n), dtype=np.int32)
+
+        def opt_id(key: str) -> int | None:
+            value = get(key)
+            return None if value is None else int(value)  # type: ignore[call-overload]
+
+        return cls(
+            model=model,
+            tokens=tokens,
+            scores=scores,
+            types=types,
+            bos_id=opt_id("tokenizer.ggml.bos_token_id"),
+            eos_id=opt_id("tokenizer.ggml.eos_token_id"),
+            unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
+            # llama.cpp's defaults for an SPM vocab when the keys are absent.
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+        )
+
+
+_SCALARS: dict[int, tuple[str, int]] = {
+    GGUFValueType.UINT8: ("<B", 1),
+    GGUFValueType.INT8: ("<b", 1),
+    GGUFValueType.UINT16: ("<H", 2),
+    GGUFValueType.INT16: ("<h", 2),
+    GGUFValueType.UINT32: ("<I", 4),
+    GGUFValueType.INT32: ("<i", 4),
+    GGUFValueType.FLOAT32: ("<f", 4),
+    GGUFValueType.BOOL: ("<?", 1),
+    GGUFValueType.UINT64: ("<Q", 8),
+    GGUFValueType.INT64: ("<q", 8),
+    GGUFValueType.FLOAT64: ("<d", 8),
+}
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, object]:
+    """The key/value metadata of a little-endian GGUF (v2/v3), tensors untouched.
+
+    `gguf.GGUFReader` builds numpy views for every array element and tensor and takes tens of
+    seconds on a 262k-token vocabulary; this reads only the header, in well under a second.
+    Numeric arrays come back as numpy arrays, string arrays as lists of str.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            return _parse_metadata(buf)
+        finally:
+            buf.release()
+
+
+def _parse_metadata(buf: memoryview) -> dict[str, object]:
+    magic, version = struct.unpack_from("<II", buf, 0)
+    if magic != GGUF_MAGIC:
+        raise UnsupportedVocab("not a GGUF file (bad magic)")
+    if version not in (2, 3):
+        raise UnsupportedVocab(f"GGUF version {version} (big-endian or unknown) is not supported")
+    _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    pos = 24
+
+    def read_str(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        start = at + 8
+        return bytes(buf[start : start + n]).decode("utf-8"), start + n
+
+    def read_value(kind: int, at: int) -> tuple[object, int]:
+        if kind == GGUFValueType.STRING:
+            return read_str(at)
+        if kind == GGUFValueType.ARRAY:
+            elem, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if elem in _SCALARS:
+                fmt, size = _SCALARS[elem]
+                arr = np.frombuffer(buf, dtype=np.dtype(fmt), count=count, offset=at).copy()
+                return arr, at + size * count
+            items = []
+            for _ in range(count):
+                item, at = read_value(elem, at)
+                items.append(item)
+            return items, at
+        if kind in _SCALARS:
+            fmt, size = _SCALARS[kind]
+            return struct.unpack_from(fmt, buf, at)[0], at + size
+        raise UnsupportedVocab(f"unknown GGUF value type {kind}")
+
+    out: dict[str, object] = {}
+    for _ in range(n_kv):
+        key, pos = read_str(pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        out[key], pos = read_value(kind, pos + 4)
+    return out
+
+
+def spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+    """Every (left, right) split of every token whose halves are both tokens, in SPM order.
+
+    llama.cpp merges by the score of the merged token; BPE merges by rank, so rank = order of
+    the merged token's score (descending), ties by token id (only the -1000 control/user
+    tokens and the 0.0 byte tokens tie in Gemma 3, and those never compete in practice).
+    """
+    index = {text: i for i, text in enumerate(tokens)}
+    order = sorted(range(len(tokens)), key=lambda i: (-float(scores[i]), i))
+    merges: list[tuple[str, str]] = []
+    for i in order:
+        text = tokens[i]
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in index and right in index:
+                merges.append((left, right))
+    return merges
+
+
+def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
+    """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
+    if vocab.model != "llama":
+        raise UnsupportedVocab(
+            f"tokenizer.ggml.model={vocab.model!r}: only SentencePiece-style 'llama' vocabularies "
+            "are derived; refusing rather than tokenizing differently from llama.cpp"
+        )
+    known = set(vocab.tokens)
+    if len(known) != len(vocab.tokens):
+        # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
+        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
+    missing_bytes = [b for b in range(256) if f"<0x{b:02X}>" not in known]
+    if missing_bytes:
+        raise UnsupportedVocab(f"vocabulary lacks byte-fallback tokens for {len(missing_bytes)} bytes")
+
+    unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
+    model = models.BPE(
+        vocab={text: i for i, text in enumerate(vocab.tokens)},
+        merges=spm_merges(vocab.tokens, vocab.scores),
+        unk_token=unk,
+        byte_fallback=True,
+        fuse_unk=False,
+        ignore_merges=False,  # llama.cpp never short-cuts a whole-word vocab hit
+    )
+    tok = Tokenizer(model)
+
+    steps: list[normalizers.Normalizer] = []
+    if vocab.add_space_prefix:
+        steps.append(normalizers.Prepend(SPACE_ESCAPE))
+    steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = None  # SPM sees each fragment whole: no pre-splitting
+
+    special, plain = [], []
+    for i, (text, kind) in enumerate(zip(vocab.tokens, vocab.types.tolist(), strict=True)):
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
+            special.append((i, text))
+        elif kind == TYPE_USER_DEFINED:
+            plain.append((i, text))
+    # Ids are preserved because every added token already exists in the model vocab.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for _, t in plain])
+
+    tok.post_processor = _template(vocab)
+    tok.decoder = _decoder(vocab)
+    return tok
+
+
+def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
+    prefix: list[str] = []
+    suffix: list[str] = []
+    specials: list[tuple[str, int]] = []
+    if vocab.add_bos and vocab.bos_id is not None:
+        prefix.append(vocab.tokens[vocab.bos_id])
+        specials.append((vocab.tokens[vocab.bos_id], vocab.bos_id))
+    if vocab.add_eos and vocab.eos_id is not None:
+        suffix.append(vocab.tokens[vocab.eos_id])
+        if vocab.eos_id != vocab.bos_id:
+            specials.append((vocab.tokens[vocab.eos_id], vocab.eos_id))
+    single = " ".join([*prefix, "$A", *suffix])
+    # llama.cpp has no pair template; a pair is the two texts back to back under one BOS.
+    pair = " ".join([*prefix, "$A", "$B:1", *suffix])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _decoder(vocab: GGUFVocab) -> decoders.Decoder:
+    steps: list[decoders.Decoder] = [
+        decoders.Replace(SPACE_ESCAPE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if vocab.add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # drop the prefix space llama.cpp added
+    return decoders.Sequence(steps)
+
+
+def set_parse_special(tok: Tokenizer, parse_special: bool) -> None:
+    """Match llama.cpp's `tokenize(..., special=parse_special)` for control tokens in text."""
+    tok.encode_special_tokens = not parse_special
+
+
+def write_tokenizer_json(gguf_path: str | Path, out_path: str | Path) -> Path:
+    """Derive the tokenizer from `gguf_path` and save it as `out_path` (a tokenizer.json)."""
+    vocab = GGUFVocab.read(gguf_path)
+    tok = build_tokenizer(vocab)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tok.save(str(tmp))
+    # Record where it came from, beside HF's own keys (HF ignores unknown top-level keys? no:
+    # it rejects them), so provenance goes in a sidecar file instead.
+    tmp.replace(out)
+    sidecar = out.with_name(out.stem + ".source.json")
+    sidecar.write_text(
+        json.dumps(
+            {
+                "derived_from": "gguf",
+                "gguf": str(Path(gguf_path).name),
+                "tokenizer_model": vocab.model,
+                "n_tokens": len(vocab.tokens),
+                "add_bos": vocab.add_bos,
+                "add_eos": vocab.add_eos,
+                "add_space_prefix": vocab.add_space_prefix,
+            },
+            indent=2,
+        )
+    )
+    return out
