@@ -1,8 +1,8 @@
 """The host's end of one worker connection on asyncio: a reader task and request exchange.
 
-The reader task owns the socket's receive side for the connection's whole life: it reads
-straight into the frame decoder's buffers (`sock_recv_into`, so large tensors are written
-once), validates every frame with `HostSession` and queues only VALID events. An exchange
+A BufferedProtocol owns the socket's receive side for the connection's whole life: the event
+loop reads straight into the frame decoder's buffers (so a large tensor is written once),
+every frame is validated by `HostSession`, and only VALID events are queued. An exchange
 waits on that queue with the watchdog window as its timeout, so the window is renewed only by
 progress that already passed validation.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,50 +52,71 @@ WindowFor = Callable[[str | None], float]
 
 
 class WorkerConnection:
+    """Open with `await WorkerConnection.open(sock, session)`."""
+
     def __init__(self, sock: socket.socket, session: HostSession) -> None:
-        sock.setblocking(False)
         self.sock = sock
         self.session = session
         self.decoder = FrameDecoder(session.max_frame)
-        self._events: asyncio.Queue[object] = asyncio.Queue()
         self.ended: _Ended | None = None  # set once the stream is unusable
-        self._reader = asyncio.create_task(self._read_loop())
+        self._events: deque[object] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        # Sends go through a dup of the socket: the read side belongs to the transport (whose
+        # reader stays registered, no per-read setup), while sock_sendall sends large payloads
+        # straight from the caller's buffer — asyncio's transport.write would copy them.
+        self._wsock = sock.dup()
+        self._wsock.setblocking(False)
 
-    # ---- receive side ---------------------------------------------------------------------
-
-    async def _read_loop(self) -> None:
+    @classmethod
+    async def open(cls, sock: socket.socket, session: HostSession) -> WorkerConnection:
+        _widen_buffers(sock)
+        conn = cls(sock, session)
         loop = asyncio.get_running_loop()
-        decoder, session, sock = self.decoder, self.session, self.sock
+        conn._transport, _ = await loop.connect_accepted_socket(lambda: _Reader(conn), sock)
+        return conn
+
+    # ---- receive side (called by _Reader) -------------------------------------------------
+
+    def _on_bytes(self, nbytes: int) -> None:
+        decoder, session = self.decoder, self.session
         try:
-            while True:
-                n = await loop.sock_recv_into(sock, decoder.get_buffer())
-                if n == 0:
-                    why = "mid-frame" if decoder.in_frame else "between frames"
-                    return self._end(EOF, f"worker closed the connection ({why})")
-                decoder.buffer_updated(n)
-                while (frame := decoder.next_frame()) is not NEED_DATA:
-                    event = session.receive_frame(frame)  # type: ignore[arg-type]
-                    if event is not None:
-                        self._events.put_nowait(event)
+            decoder.buffer_updated(nbytes)
+            while (frame := decoder.next_frame()) is not NEED_DATA:
+                event = session.receive_frame(frame)  # type: ignore[arg-type]
+                if event is not None:
+                    self._deliver(event)
         except ProtocolError as exc:
             self._end(VIOLATION, exc.reason)
-        except (ConnectionError, OSError) as exc:
-            self._end(EOF, f"connection error: {exc}")
-        except asyncio.CancelledError:
-            self._end(EOF, "connection closed by host")
-            raise
+            if self._transport is not None:
+                self._transport.pause_reading()  # nothing after a violation is trusted
 
     def _end(self, kind: str, reason: str) -> None:
         if self.ended is None:
             self.ended = _Ended(kind, reason)
-            self._events.put_nowait(self.ended)
+            self._deliver(self.ended)
+
+    def _deliver(self, event: object) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _next_event(self, timeout: float) -> object:
-        try:
-            event = await asyncio.wait_for(self._events.get(), timeout)
-        except TimeoutError:
-            raise ConnectionFault(SILENCE, f"no valid progress for {timeout:g} s") from None
+        if not self._events:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._events:
+                raise ConnectionFault(SILENCE, f"no valid progress for {timeout:g} s")
+        event = self._events.popleft()
         if isinstance(event, _Ended):
+            self._events.appendleft(event)  # stays the answer for anyone who asks again
             raise ConnectionFault(event.kind, event.reason)
         return event
 
@@ -106,10 +128,10 @@ class WorkerConnection:
         head = frame_header(len(body)) + body
         try:
             if raw is None:
-                await loop.sock_sendall(self.sock, head)
+                await loop.sock_sendall(self._wsock, head)
             else:
-                await loop.sock_sendall(self.sock, head + frame_header(len(raw)))
-                await loop.sock_sendall(self.sock, raw)
+                await loop.sock_sendall(self._wsock, head + frame_header(len(raw)))
+                await loop.sock_sendall(self._wsock, raw)
         except (ConnectionError, OSError) as exc:
             self._end(EOF, f"send failed: {exc}")
             raise ConnectionFault(EOF, f"send failed: {exc}") from None
@@ -135,7 +157,8 @@ class WorkerConnection:
         tracker = self.session.start_request(req, None if raw is None else len(raw))
         try:
             # A stopped worker can stall a large send, so the first window covers it too.
-            await asyncio.wait_for(self._send(req, raw), window_for(None))
+            async with asyncio.timeout(window_for(None)):
+                await self._send(req, raw)
         except TimeoutError:
             raise ConnectionFault(SILENCE, "worker did not take the request") from None
         while True:
@@ -150,7 +173,42 @@ class WorkerConnection:
         await self._send(m.SHUTDOWN(), None)
 
     async def close(self) -> None:
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._reader
-        self.sock.close()
+        if self._transport is not None:
+            self._transport.close()
+        else:
+            self.sock.close()
+        self._wsock.close()
+        self._end(EOF, "connection closed by host")
+
+
+class _Reader(asyncio.BufferedProtocol):
+    """Bytes go straight from the socket into the decoder's buffers."""
+
+    def __init__(self, conn: WorkerConnection) -> None:
+        self.conn = conn
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.conn._on_bytes(nbytes)
+
+    def eof_received(self) -> bool:
+        why = "mid-frame" if self.conn.decoder.in_frame else "between frames"
+        self.conn._end(EOF, f"worker closed the connection ({why})")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn._end(EOF, f"connection lost: {exc}" if exc else "connection lost")
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _widen_buffers(sock: socket.socket) -> None:
+    # Bigger kernel buffers mean fewer wake-ups per large tensor (the kernel caps the value).
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 2**20)

@@ -170,7 +170,8 @@ class Lane:
         self._jobs.add(task)
         task.add_done_callback(self._job_done)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), deadline_s)
+            async with asyncio.timeout(deadline_s):
+                return await asyncio.shield(task)
         except TimeoutError:
             job.abandoned = True
             raise DeadlineExceeded(

@@ -97,7 +97,7 @@ async def spawn_worker(
         deadline = time.monotonic() + config.hello_timeout_s
         sock = await _accept(listener, process, config.hello_timeout_s)
         _check_peer(sock, process.pid)
-        conn = WorkerConnection(sock, HostSession(nonce, config.max_frame))
+        conn = await WorkerConnection.open(sock, HostSession(nonce, config.max_frame))
         try:
             remaining = max(0.001, deadline - time.monotonic())
             hello = await conn.handshake(remaining)

@@ -39,6 +39,7 @@ EXIT_OK = 0
 EXIT_PROTOCOL = 2
 EXIT_ENGINE_BUG = 70
 _PR_SET_PDEATHSIG = 1
+_SELF = psutil.Process()
 
 
 class WireProgress:
@@ -184,7 +185,7 @@ class WorkerRuntime:
             share, source = engine.placement()
             return m.PONG(
                 req_id=req.req_id,
-                rss_mb=psutil.Process().memory_info().rss / 2**20,
+                rss_mb=_SELF.memory_info().rss / 2**20,
                 models_loaded=engine.models_loaded(),
                 placement_share=share,
                 placement_source=source,

@@ -1,0 +1,44 @@
+"""The `synapse` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="synapse", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log host events")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="supervise real worker processes through real faults")
+    demo.set_defaults(func=_demo)
+
+    try:
+        from compile_cache.cli import add_cache_parser
+    except ImportError:  # the cache tool is optional to the rest of the CLI
+        pass
+    else:
+        add_cache_parser(sub)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from host.demo import main as demo_main
+
+    return demo_main()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
