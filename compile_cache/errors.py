@@ -35,6 +35,18 @@ class InvalidSize(CompileCacheError, ValueError):
     code = "invalid_size"
 
 
+class InvalidArgument(CompileCacheError, ValueError):
+    """A parameter outside its domain (negative timeout, ...)."""
+
+    code = "invalid_argument"
+
+
+class InvalidRoot(CompileCacheError):
+    """The cache root cannot be created or written (a file, read-only, ...)."""
+
+    code = "invalid_root"
+
+
 class InvalidSelector(CompileCacheError, ValueError):
     """`evict` got something that is neither a key mapping nor a hex digest prefix."""
 

@@ -12,6 +12,7 @@ renames the object away while holding its lock, so a lock won on a stale inode m
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -120,4 +121,5 @@ class Lease:
         self.release()
 
     def __del__(self) -> None:
-        self.release()
+        with contextlib.suppress(Exception):  # may run during interpreter shutdown
+            self.release()

@@ -30,6 +30,8 @@ from compile_cache.errors import (
     EntryEvicted,
     EntryLeased,
     EntryNotFound,
+    InvalidArgument,
+    InvalidRoot,
     InvalidSelector,
     InvalidSize,
     LockTimeout,
@@ -86,6 +88,12 @@ def _object_paths(objects: Path, digest: str) -> tuple[Path, Path]:
     return obj, obj / DATA_NAME
 
 
+def _check_seconds(name: str, value: object) -> float:
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):  # type: ignore[operator]
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def check_budget(budget: object) -> int | None:
     if budget is None:
         return None
@@ -118,17 +126,23 @@ class CompileCache:
     ) -> None:
         self.root = Path(root).expanduser().absolute()
         self.budget_bytes = check_budget(budget_bytes)
-        self._touch_interval = touch_interval
-        self._poll = lock_poll_interval
+        self._touch_interval = _check_seconds("touch_interval", touch_interval)
+        self._poll = _check_seconds("lock_poll_interval", lock_poll_interval)
         self._hook = fault_hook
         self._layout = Layout(self.root)
-        self._layout.ensure()
+        self._ensure_layout()
         self._index = Index(self._layout.index_path, self._layout.index_lock, self._reconcile)
         self._index.open(populate=True)
         self._clean_tmp()
 
     def close(self) -> None:
         self._index.close()
+
+    def _ensure_layout(self) -> None:
+        try:
+            self._layout.ensure()
+        except OSError as e:
+            raise InvalidRoot(f"cannot use {self.root} as a cache root: {e}") from e
 
     def __enter__(self) -> CompileCache:
         return self
@@ -161,6 +175,8 @@ class CompileCache:
         entry = self._lookup(digest, touch=True)
         if entry is not None:
             return entry
+        if timeout is not None:
+            _check_seconds("timeout", timeout)
         lock = FileLock(self._layout.build_lock(digest), poll_interval=self._poll)
         try:
             lock.acquire(timeout=-1 if timeout is None else timeout)
@@ -257,6 +273,7 @@ class CompileCache:
     def _build_and_publish(self, digest: str, key_json: str, build: Build) -> Entry:
         """Called with the key's lock held."""
         layout = self._layout
+        self._ensure_layout()  # survive someone deleting the cache directory under us
         obj = layout.object_dir(digest)
         if obj.exists():
             # An object _lookup could not adopt (damaged metadata) would block the rename.
@@ -382,6 +399,8 @@ class CompileCache:
                     continue  # a live process is building this key
                 try:
                     remove_tree(path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._layout.build_lock(digest))  # see _drop_build_lock
                 finally:
                     lock.release()
 

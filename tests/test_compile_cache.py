@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sqlite3
 import time
@@ -23,7 +24,10 @@ from compile_cache import (
     CompileCache,
     EntryLeased,
     EntryNotFound,
+    InvalidArgument,
     InvalidKey,
+    InvalidRoot,
+    InvalidSize,
     LockTimeout,
     key_digest,
 )
@@ -386,3 +390,27 @@ def test_bad_key_is_a_typed_error_before_any_build(tmp_path: Path) -> None:
     with pytest.raises(InvalidKey, match="None is not allowed"):
         cache.get({**KEY, "precision": None})
     assert calls == []
+
+
+def test_bad_arguments_and_roots_are_typed_errors(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(InvalidRoot) as info:
+        CompileCache(tmp_path / "file")
+    assert info.value.code == "invalid_root"
+    with pytest.raises(InvalidSize):
+        CompileCache(tmp_path / "c", budget_bytes=-1)
+    with pytest.raises(InvalidArgument):
+        CompileCache(tmp_path / "c", touch_interval=float("nan"))
+    with pytest.raises(InvalidArgument):
+        CompileCache(tmp_path / "c").get_or_build(KEY, lambda tmp: None, timeout=-1)
+
+
+def test_cache_dir_deleted_under_a_running_process(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    cache = CompileCache(root)
+    first = cache.get_or_build(KEY, _make_build(str(tmp_path / "count")))
+    shutil.rmtree(root)
+    assert cache.get(KEY) is None
+    again = cache.get_or_build(KEY, _make_build(str(tmp_path / "count")))
+    assert again.digest == first.digest and _count(tmp_path / "count") == 2
+    assert _index_digests(root) == _disk_digests(root) == {first.digest}
