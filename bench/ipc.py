@@ -134,7 +134,9 @@ async def _measure(lane: Lane, raw: RawEcho, pings: int, repeats: int) -> dict:
     for mib in SIZES_MIB:
         n = mib * 2**20
         ids = np.random.default_rng(0).integers(0, 2**31 - 1, n // 4, dtype=np.int32)
-        req = m.EMBED_BATCH(req_id=0, model_ref="fault:echo", items=[m.EmbedItem(id=0, n_tokens=n // 4)])
+        req = m.EMBED_BATCH(
+            req_id=0, model_ref="fault:echo", items=[m.EmbedItem(id=0, n_tokens=n // 4)]
+        )
         payload = memoryview(ids).cast("B")
         reply, back = await lane.request(req, ids)  # warm + correctness
         assert np.array_equal(back.view(np.int32).reshape(-1), ids), "echo corrupted the payload"

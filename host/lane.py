@@ -250,8 +250,9 @@ class Lane:
         if self._generation > 1:
             self.restarts += 1
         self._worker = worker
-        log.info("lane %s: worker %s up (pid %d)", self.config.lane_id, worker.worker_id,
-                 worker.pid)
+        log.info(
+            "lane %s: worker %s up (pid %d)", self.config.lane_id, worker.worker_id, worker.pid
+        )
         for load in list(self._loads.values()):
             await self._exchange(worker, load, None)  # replay; a failure fails this request
         return worker
@@ -370,8 +371,10 @@ def _as_raw(payload) -> memoryview | None:
     if payload is None:
         return None
     if isinstance(payload, np.ndarray):
-        return payloads.ids_to_wire(payload) if payload.dtype.kind in "iu" else (
-            payloads.floats_to_wire(payload)
+        return (
+            payloads.ids_to_wire(payload)
+            if payload.dtype.kind in "iu"
+            else (payloads.floats_to_wire(payload))
         )
     return memoryview(payload).cast("B")
 

@@ -162,8 +162,7 @@ def _startup_error(
 ):
     cls = {SILENCE: WatchdogExpired, VIOLATION: ProtocolViolation}.get(fault.kind, WorkerDied)
     return cls(
-        f"worker of lane {lane.lane_id} failed to start: {fault.reason} "
-        f"({process.exit_status()})",
+        f"worker of lane {lane.lane_id} failed to start: {fault.reason} ({process.exit_status()})",
         lane_id=lane.lane_id,
         log_tail=process.ring.tail(tail_bytes),
         exit_status=process.exit_status(),

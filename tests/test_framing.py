@@ -107,6 +107,4 @@ def test_any_bytes_yield_frames_or_the_typed_protocol_error(data, chunk):
     except ProtocolError as exc:
         assert "max_frame" in exc.reason
         # Only a header that really declared too much can fail the stream.
-        assert any(
-            struct.unpack_from("<I", data, i)[0] > 512 for i in range(0, len(data) - 3)
-        )
+        assert any(struct.unpack_from("<I", data, i)[0] > 512 for i in range(0, len(data) - 3))

@@ -65,7 +65,9 @@ async def running_lane(runtime_dir, fault: str | None = None, start=True, **kw):
         await lane.stop()
 
 
-def embed_req(model_ref: str = "ok", lengths=(3, 2), first_id=0) -> tuple[m.EMBED_BATCH, np.ndarray]:
+def embed_req(
+    model_ref: str = "ok", lengths=(3, 2), first_id=0
+) -> tuple[m.EMBED_BATCH, np.ndarray]:
     items = [m.EmbedItem(id=first_id + i, n_tokens=n) for i, n in enumerate(lengths)]
     ids = np.arange(1, sum(lengths) + 1, dtype=np.int32) + first_id
     return m.EMBED_BATCH(req_id=0, model_ref=model_ref, items=items), ids
@@ -358,8 +360,13 @@ async def test_worker_error_is_typed_and_not_a_strike(short_runtime_dir):
 
 async def test_loads_are_replayed_on_a_fresh_worker(short_runtime_dir):
     async with running_lane(short_runtime_dir) as lane:
-        load = m.LOAD(req_id=0, artifact_path="-", artifact_digest="-", format="echo",
-                      runtime_config={"model_ref": "m1"})
+        load = m.LOAD(
+            req_id=0,
+            artifact_path="-",
+            artifact_digest="-",
+            format="echo",
+            runtime_config={"model_ref": "m1"},
+        )
         reply, _ = await lane.request(load)
         assert reply.model_ref == "m1"
         await expect_fault(lane, "sigkill", WorkerDied, bound=5)
@@ -375,8 +382,13 @@ async def test_loads_are_replayed_on_a_fresh_worker(short_runtime_dir):
 async def test_control_window_applies_to_load(short_runtime_dir):
     async with running_lane(short_runtime_dir, control_window_s=1.0) as lane:
         pid = lane.worker.pid
-        load = m.LOAD(req_id=0, artifact_path="-", artifact_digest="-", format="echo",
-                      runtime_config={"fault": "hang"})
+        load = m.LOAD(
+            req_id=0,
+            artifact_path="-",
+            artifact_digest="-",
+            format="echo",
+            runtime_config={"fault": "hang"},
+        )
         with pytest.raises(WatchdogExpired):
             async with asyncio.timeout(6):
                 await lane.request(load)
@@ -445,8 +457,10 @@ async def test_stop_shuts_down_cleanly_and_reaps(short_runtime_dir):
 
 
 async def test_stop_with_a_request_in_flight(short_runtime_dir):
-    lane = Lane(LaneConfig(lane_id="t", argv=WORKER), config(short_runtime_dir, inference_window_s=30,
-                                                            shutdown_grace_s=0.3))
+    lane = Lane(
+        LaneConfig(lane_id="t", argv=WORKER),
+        config(short_runtime_dir, inference_window_s=30, shutdown_grace_s=0.3),
+    )
     await lane.start()
     pid = lane.worker.pid
     req, ids = embed_req("fault:hang")

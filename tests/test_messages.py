@@ -14,11 +14,18 @@ INFO = m.EngineInfo(engine="e", version="1", build_flags="AVX2")
 
 TO_WORKER = [
     m.HELLO_ACK(v=3, accept=True, max_frame=1024),
-    m.LOAD(req_id=1, artifact_path="/a", artifact_digest="sha", format="gguf",
-           runtime_config={"n_ctx": 512}),
+    m.LOAD(
+        req_id=1,
+        artifact_path="/a",
+        artifact_digest="sha",
+        format="gguf",
+        runtime_config={"n_ctx": 512},
+    ),
     m.EMBED_BATCH(req_id=2, model_ref="m", items=[m.EmbedItem(id=0, n_tokens=3)]),
     m.RERANK(req_id=3, model_ref="m", query_n_tokens=2, candidates=[m.RerankCandidate(n_tokens=1)]),
-    m.RERANK_SEQUENCES(req_id=4, model_ref="m", sequences=[m.RerankSequence(n_tokens=5, n_first=2)]),
+    m.RERANK_SEQUENCES(
+        req_id=4, model_ref="m", sequences=[m.RerankSequence(n_tokens=5, n_first=2)]
+    ),
     m.GENERATE(req_id=5, model_ref="g", max_tokens=8, grammar='root ::= "a"'),
     m.ADMIT_SHAPE(req_id=6, model_ref="m", rows=4, seq_len=128, packed=True),
     m.EVICT(req_id=7, model_ref="m", shape_id="s1"),
@@ -27,8 +34,16 @@ TO_WORKER = [
     m.SHUTDOWN(),
 ]
 TO_HOST = [
-    m.HELLO(v=3, nonce="n", engine=INFO, pid=42, max_frame=1024, manifest_digest="md",
-            kernel_revision="k1", packed=True),
+    m.HELLO(
+        v=3,
+        nonce="n",
+        engine=INFO,
+        pid=42,
+        max_frame=1024,
+        manifest_digest="md",
+        kernel_revision="k1",
+        packed=True,
+    ),
     m.LOADED(req_id=1, model_ref="m", dims=384, cold_load_ms=12.5),
     m.VECTORS(req_id=2, dims=384, n=1),
     m.SCORES(req_id=3),
@@ -36,8 +51,13 @@ TO_HOST = [
     m.SHAPE_ADMITTED(req_id=6, shape_id="s1", cache_hit=False, compile_ms=900.0),
     m.EVICTED(req_id=7, shape_ids=["s1"], freed_bytes=10),
     m.UNLOADED(req_id=8),
-    m.PONG(req_id=9, rss_mb=100.5, models_loaded=["m"], placement_share=0.95,
-           placement_source="estimate"),
+    m.PONG(
+        req_id=9,
+        rss_mb=100.5,
+        models_loaded=["m"],
+        placement_share=0.95,
+        placement_source="estimate",
+    ),
     m.PROGRESS(req_id=2, completed=1, phase="inference"),
     m.ERR(req_id=2, code="invalid_request", msg="bad"),
 ]

@@ -217,9 +217,7 @@ class HostSession(_Base):
             )
         expected = m.REPLY_FOR[type(req)]
         if not isinstance(msg, expected | m.ERR):
-            raise ProtocolError(
-                f"{m.message_name(msg)} does not answer {m.message_name(req)}"
-            )
+            raise ProtocolError(f"{m.message_name(msg)} does not answer {m.message_name(req)}")
         if isinstance(msg, m.VECTORS) and isinstance(req, m.EMBED_BATCH):
             if msg.n != len(req.items):
                 raise ProtocolError(f"VECTORS n={msg.n} for {len(req.items)} items")
@@ -261,9 +259,7 @@ class WorkerSession(_Base):
 
     def _receive(self, frame: bytes | bytearray) -> object:
         if self.state is State.AWAIT_RAW:
-            payloads.check_raw_length(
-                len(frame), self._raw_count, 4, m.message_name(self._pending)
-            )
+            payloads.check_raw_length(len(frame), self._raw_count, 4, m.message_name(self._pending))
             event = RequestReceived(self._pending, frame)
             self._pending, self.state = None, State.IDLE
             return event
