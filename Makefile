@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/synapse demo
+	$(BIN)/synapse quickstart
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -16,6 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="supervise real worker processes through real faults")
     demo.set_defaults(func=_demo)
 
+    from host.commands import add_model_commands
+
+    add_model_commands(sub)
+
     try:
         from compile_cache.cli import add_cache_parser
     except ImportError:  # the cache tool is optional to the rest of the CLI

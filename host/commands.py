@@ -1,0 +1,236 @@
+"""Handlers of the model-facing CLI commands: models, embed, rerank, generate, quickstart.
+
+Each handler returns an exit code. Typed errors print as `error[<code>]: message` on stderr
+and exit 2 (caller's fault) or 3 (engine/host fault), so scripts can tell them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from host.artifacts.errors import ArtifactError
+from host.artifacts.store import ArtifactStore
+from host.errors import SynapseError
+from host.module import Module, ModuleConfig
+
+console = Console()
+err_console = Console(stderr=True)
+
+QUICKSTART_SENTENCES = [
+    "The cat sits on the mat.",
+    "A kitten is resting on a rug.",
+    "Stock markets fell sharply on Monday.",
+    "Le chat dort sur le tapis.",
+]
+
+
+def add_model_commands(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="the artifact store: ls | ingest PATH | rm NAME")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    ls = models_sub.add_parser("ls", help="list installed models")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_models_ls)
+    ingest = models_sub.add_parser("ingest", help="convert a Hugging Face BERT dir to GGUF")
+    ingest.add_argument("path", nargs="?", help="model dir; omit to install the defaults")
+    ingest.add_argument("--name")
+    ingest.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    ingest.set_defaults(func=_models_ingest)
+    rm = models_sub.add_parser("rm", help="remove a model")
+    rm.add_argument("name")
+    rm.set_defaults(func=_models_rm)
+
+    embed = sub.add_parser("embed", help="embed texts")
+    embed.add_argument("texts", nargs="+")
+    embed.add_argument("--model")
+    embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--no-truncate", action="store_true")
+    embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed.set_defaults(func=_embed)
+
+    rerank = sub.add_parser("rerank", help="rank documents against a query")
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+")
+    rerank.add_argument("--model")
+    rerank.add_argument("--json", action="store_true")
+    rerank.set_defaults(func=_rerank)
+
+    gen = sub.add_parser("generate", help="short greedy generation")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--grammar", type=Path, help="a GBNF grammar file")
+    gen.add_argument("--model")
+    gen.add_argument("--json", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    quick = sub.add_parser("quickstart", help="install the default models and embed a few texts")
+    quick.set_defaults(func=_quickstart)
+
+
+def _run(coro) -> int:
+    try:
+        return asyncio.run(coro)
+    except SynapseError as exc:
+        err_console.print(f"error[{exc.code}]: {exc.message}")
+        return 2 if exc.http_status < 500 else 3
+    except ArtifactError as exc:
+        err_console.print(f"error[{exc.code}]: {exc}")
+        return 2
+
+
+def _store() -> ArtifactStore:
+    return ArtifactStore()
+
+
+def ensure_defaults() -> None:
+    from host.gguf_vocab import write_tokenizer_json
+
+    _store().ingest_default(tokenizer_builder=write_tokenizer_json)
+
+
+def _models_ls(args: argparse.Namespace) -> int:
+    records = _store().ls()
+    if args.json:
+        print(json.dumps([{"name": r.name, **_manifest_dict(r)} for r in records]))
+        return 0
+    table = Table("name", "kind", "dims", "dtype", "size", "digest")
+    for r in records:
+        man = r.manifest
+        table.add_row(
+            r.name, man.kind, str(man.dims), str(man.dtype), f"{man.size_bytes / 2**20:.1f} MiB",
+            man.digest[:12],
+        )
+    console.print(table)
+    return 0
+
+
+def _manifest_dict(record) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(record.manifest)
+
+
+def _models_ingest(args: argparse.Namespace) -> int:
+    try:
+        if args.path is None:
+            ensure_defaults()
+        else:
+            rec = _store().ingest_hf_dir(args.path, name=args.name, dtype=args.dtype)
+            console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
+    except ArtifactError as exc:
+        err_console.print(f"error[{exc.code}]: {exc}")
+        return 2
+    return _models_ls(argparse.Namespace(json=False))
+
+
+def _models_rm(args: argparse.Namespace) -> int:
+    try:
+        _store().rm(args.name)
+    except ArtifactError as exc:
+        err_console.print(f"error[{exc.code}]: {exc}")
+        return 2
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        ensure_defaults()
+        async with Module(ModuleConfig()) as mod:
+            result = await mod.embed(
+                args.texts, args.model, normalize=not args.no_normalize,
+                truncate=not args.no_truncate,
+            )
+        if args.json:
+            print(json.dumps({
+                "model": result.model,
+                "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                          "total_tokens": result.usage.total_tokens},
+                "data": [v.tolist() for v in result.vectors],
+            }))
+            return 0
+        _print_embeddings(args.texts, result)
+        return 0
+
+    return _run(go())
+
+
+def _print_embeddings(texts: list[str], result) -> None:
+    v = result.vectors
+    console.print(
+        f"model [bold]{result.model}[/]: {v.shape[0]} vectors x {v.shape[1]} dims, "
+        f"{result.usage.total_tokens} tokens"
+    )
+    for text, row, cut in zip(texts, v, result.truncated, strict=True):
+        head = ", ".join(f"{x:+.3f}" for x in row[:4])
+        note = " (truncated)" if cut else ""
+        console.print(f"  [{head}, ...] |v|={np.linalg.norm(row):.3f}  {text[:60]!r}{note}")
+    if len(texts) > 1:
+        sims = v @ v.T
+        table = Table("cosine", *[str(i) for i in range(len(texts))])
+        for i, row in enumerate(sims):
+            table.add_row(str(i), *[f"{x:.3f}" for x in row])
+        console.print(table)
+
+
+def _rerank(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        ensure_defaults()
+        async with Module(ModuleConfig()) as mod:
+            result = await mod.rerank(args.query, args.documents, args.model)
+        if args.json:
+            print(json.dumps({
+                "model": result.model, "method": result.method,
+                "results": [{"index": i, "score": s} for i, s in result.results],
+            }))
+            return 0
+        console.print(f"model [bold]{result.model}[/] ({result.method})")
+        for rank, (i, score) in enumerate(result.results, 1):
+            console.print(f"  {rank}. {score:+.4f}  [{i}] {args.documents[i][:70]!r}")
+        return 0
+
+    return _run(go())
+
+
+def _generate(args: argparse.Namespace) -> int:
+    async def go() -> int:
+        grammar = args.grammar.read_text() if args.grammar else None
+        ensure_defaults()
+        async with Module(ModuleConfig()) as mod:
+            result = await mod.generate(args.prompt, args.max_tokens, grammar, args.model)
+        if args.json:
+            print(json.dumps({
+                "model": result.model, "text": result.text, "finish_reason": result.finish_reason,
+                "usage": {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_gen},
+            }))
+            return 0
+        console.print(f"{args.prompt}[bold]{result.text}[/]")
+        console.print(
+            f"[dim]{result.model}: {result.n_prompt} prompt + {result.n_gen} generated tokens, "
+            f"finish_reason={result.finish_reason}[/]"
+        )
+        return 0
+
+    return _run(go())
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    console.rule("installing the default models (once)")
+    ensure_defaults()
+    _models_ls(argparse.Namespace(json=False))
+    console.rule("embedding through a supervised llama.cpp worker")
+    code = _embed(
+        argparse.Namespace(
+            texts=QUICKSTART_SENTENCES, model=None, no_normalize=False, no_truncate=False,
+            json=False,
+        )
+    )
+    console.print("next: `synapse rerank QUERY DOC...`, `synapse generate PROMPT`")
+    sys.stdout.flush()
+    return code
