@@ -275,9 +275,9 @@ class CompileCache:
         layout = self._layout
         self._ensure_layout()  # survive someone deleting the cache directory under us
         obj = layout.object_dir(digest)
-        if obj.exists():
+        if obj.exists() and self._evict_object(digest) == "leased":
             # An object _lookup could not adopt (damaged metadata) would block the rename.
-            self._evict_object(digest)
+            raise EntryLeased(f"damaged entry {digest[:12]} is leased; cannot replace it yet")
         # We hold the lock, so every other temp dir of this key belongs to a dead build.
         for name in os.listdir(layout.tmp):
             if name.startswith(f"{BUILD_PREFIX}{digest}."):
