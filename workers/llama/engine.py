@@ -1,0 +1,723 @@
+"""`LlamaEngine`: the llama.cpp engine over llama-cpp-python's low-level API.
+
+One engine holds several models at once (e.g. an embedder and a generator), each with its own
+llama_model, llama_context and llama_batch, keyed by `model_ref`.
+
+Every input that could reach a GGML_ASSERT/abort in llama.cpp is validated here first and
+refused with `EngineError("invalid_request")`, the engine staying usable:
+- token ids in [0, n_vocab) (llama.cpp also checks, but only by failing the whole decode);
+- per-item length 1..min(n_ctx, n_ubatch, n_ctx_train) for embed/rerank, since an encoder
+  decode must fit one micro-batch (`GGML_ASSERT(n_ubatch >= n_tokens)`) and positions index
+  the position-embedding table (n_ctx_train rows for BERT);
+- decodes are packed to at most min(n_batch, n_ubatch) tokens and n_seq_max sequences
+  (`GGML_ASSERT(n_tokens_all <= n_batch)`);
+- grammars are parsed by our GBNF validator, and a NULL grammar sampler is a refusal (handing
+  NULL on, as `LlamaSampler.add_grammar` does, crashes); sampling never lets the grammar
+  `accept` a token it rejected (llama.cpp aborts/throws through the C API there).
+`SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE=1` turns the request validation off so that tests can
+trip a real GGML_ASSERT in a worker process. Never set it in production.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from workers.engine import Engine, EngineError, Generation, Progress
+from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
+from workers.llama.gbnf import GrammarError, validate_gbnf
+from workers.llama.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
+from workers.protocol import messages as m
+
+UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
+VERBOSE_ENV = "SYNAPSE_LLAMA_VERBOSE"
+
+_POOLING_IDS = {
+    "none": llama_cpp.LLAMA_POOLING_TYPE_NONE,
+    "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+    "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+    "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK,
+}
+_POOLING_NAMES = {v: k for k, v in _POOLING_IDS.items()}
+_TOKEN_NULL = -1
+_HASH_CHUNK = 4 * 1024 * 1024
+
+# Encoder defaults: one decode may pack up to 2048 tokens from up to 64 sequences.
+_ENC_BATCH = 2048
+_ENC_SEQ_MAX = 64
+# Generation defaults: prompts are short here (DESIGN 5), so a 2k context and 512-token
+# prompt chunks (llama-cpp-python's own defaults for n_batch/n_ubatch).
+_GEN_CTX = 2048
+_GEN_BATCH = 512
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        llama_cpp.llama_backend_init()
+        # llama-cpp-python routes llama.cpp's log through this logger; keep INFO chatter out
+        # of the worker log ring unless asked (errors still print).
+        verbose = os.environ.get(VERBOSE_ENV) == "1"
+        logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+        _backend_ready = True
+
+
+def _unsafe() -> bool:
+    return os.environ.get(UNSAFE_ENV) == "1"
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class _Model:
+    ref: str
+    path: str
+    kind: Kind
+    model: ctypes.c_void_p
+    ctx: ctypes.c_void_p
+    batch: llama_cpp.llama_batch
+    vocab: ctypes.c_void_p
+    n_vocab: int
+    n_embd: int
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_ctx_train: int
+    pooling: str
+    causal: bool
+    n_cls_out: int
+    arch: str
+    # Token views into the llama_batch (filled with numpy, not per-token ctypes calls).
+    tok: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
+    pos: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
+    nsid: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
+    out: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int8))
+
+    @property
+    def item_limit(self) -> int:
+        """Longest single sequence an embed/rerank decode can take."""
+        return min(self.n_ctx, self.n_ubatch, self.n_batch, self.n_ctx_train)
+
+    def free(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+def _batch_views(b: llama_cpp.llama_batch, n: int) -> tuple[np.ndarray, ...]:
+    def view(ptr: object, ctype: type) -> np.ndarray:
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
+
+    return (
+        view(b.token, ctypes.c_int32),
+        view(b.pos, ctypes.c_int32),
+        view(b.n_seq_id, ctypes.c_int32),
+        view(b.logits, ctypes.c_int8),
+    )
+
+
+def _split(ids: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    bounds = np.cumsum([0, *lengths])
+    return [ids[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
+
+
+def pack(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Group item indices, in order, into decodes of <= max_tokens tokens and <= max_seqs items.
+
+    An item longer than `max_tokens` still gets a group of its own (only reachable with
+    validation off, where it is meant to reach llama.cpp).
+    """
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and (used + n > max_tokens or len(cur) >= max_seqs):
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class LlamaEngine(Engine):
+    """See the module docstring. Rerank pair composition is documented on `rerank`."""
+
+    def __init__(self) -> None:
+        _init_backend()
+        self._models: dict[str, _Model] = {}
+
+    # ---- identity --------------------------------------------------------------------------
+
+    def info(self) -> m.EngineInfo:
+        flags = llama_cpp.llama_print_system_info()
+        return m.EngineInfo(
+            engine="llama.cpp",
+            version=llama_cpp.__version__,
+            build_flags=flags.decode("utf-8", "replace").strip() if flags else "",
+        )
+
+    def models_loaded(self) -> list[str]:
+        return sorted(self._models)
+
+    # ---- LOAD / UNLOAD -----------------------------------------------------------------------
+
+    def load(self, req: m.LOAD, progress: Progress) -> m.LOADED:
+        t0 = time.perf_counter()
+        try:
+            cfg = parse_runtime_config(req.runtime_config)
+        except ValueError as e:
+            raise EngineError("config_invalid", f"runtime_config: {e}") from e
+        if req.format.lower() != "gguf":
+            raise EngineError("unsupported", f"format {req.format!r}: this engine loads gguf")
+        path = req.artifact_path
+        ref = cfg.model_ref or _default_ref(path)
+        if ref in self._models:
+            raise EngineError("config_invalid", f"model_ref {ref!r} is already loaded")
+
+        self._verify_digest(path, req.artifact_digest)
+        progress.advance("control")
+        try:
+            hdr = read_gguf_header(path, want_arrays=frozenset())
+        except (OSError, GGUFFormatError) as e:
+            raise EngineError("artifact_invalid", f"{path}: not a valid GGUF: {e}") from e
+        kind, pooling = _decide_kind(hdr, cfg)
+        n_cls_out = _n_cls_out(hdr)
+        if kind == "rerank" and n_cls_out != 1:
+            raise EngineError(
+                "unsupported", f"rerank needs a single-logit classifier, this one has {n_cls_out}"
+            )
+
+        model = self._load_model(path, cfg)
+        try:
+            loaded = self._make_context(ref, path, model, hdr, cfg, kind, pooling, n_cls_out)
+        except BaseException:
+            llama_cpp.llama_model_free(model)
+            raise
+        self._models[ref] = loaded
+        progress.advance("control")
+        return m.LOADED(
+            req_id=req.req_id,
+            model_ref=ref,
+            dims=loaded.n_embd,
+            cold_load_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+
+    def unload(self, req: m.UNLOAD, progress: Progress) -> None:
+        mdl = self._models.pop(req.model_ref, None)
+        if mdl is None:
+            raise EngineError("model_not_loaded", f"{req.model_ref!r} is not loaded")
+        mdl.free()
+        progress.advance("control")
+
+    def close(self) -> None:
+        for ref in list(self._models):
+            self._models.pop(ref).free()
+
+    # ---- inference ---------------------------------------------------------------------------
+
+    def embed(self, req: m.EMBED_BATCH, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        mdl = self._get(req.model_ref, "embed")
+        if req.pooling != mdl.pooling and not _unsafe():
+            raise EngineError(
+                "invalid_request",
+                f"{mdl.ref} was loaded with {mdl.pooling} pooling, request asks {req.pooling}",
+            )
+        lengths = [it.n_tokens for it in req.items]
+        ids = self._check_ids(mdl, ids, lengths)
+        seqs = _split(ids, lengths)
+        out = self._encode(mdl, seqs, progress)
+        if req.normalize:
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            out = out / np.maximum(norms, 1e-12)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def rerank(self, req: m.RERANK, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        """Score each candidate against the query with the model's RANK head.
+
+        Wire contract: the host sends the query's ids, then each candidate's ids, all WITHOUT
+        special tokens. The worker composes every pair itself from the GGUF's vocabulary,
+        exactly as llama-server's `format_prompt_rerank` does:
+
+            [BOS if add_bos] q [EOS if add_eos] [SEP if add_sep] d [EOS if add_eos]
+
+        with EOS falling back to SEP when the vocab has no EOS. For BERT cross-encoders our
+        converter writes BOS=[CLS], EOS=SEP=[SEP], add_bos=add_eos=1, add_sep=0, giving
+        `[CLS] q [SEP] d [SEP]`. The pair length (query + candidate + specials) must fit
+        min(n_ctx, n_ubatch, n_ctx_train). Returns the raw classifier logit per candidate
+        (float32). llama.cpp feeds token type 0 to every position (segment B is not marked).
+        """
+        mdl = self._get(req.model_ref, "rerank")
+        lengths = [req.query_n_tokens] + [c.n_tokens for c in req.candidates]
+        if not req.candidates:
+            return np.zeros(0, dtype=np.float32)
+        ids = self._check_ids(mdl, ids, lengths, allow_empty=True)
+        parts = _split(ids, lengths)
+        pre, mid, post = _pair_template(mdl)
+        pairs = [np.concatenate([pre, parts[0], mid, d, post]).astype(np.int32) for d in parts[1:]]
+        if not _unsafe():
+            if req.query_n_tokens == 0 or any(len(d) == 0 for d in parts[1:]):
+                raise EngineError("invalid_request", "query and candidates need >= 1 token each")
+            too_long = [i for i, p in enumerate(pairs) if len(p) > mdl.item_limit]
+            if too_long:
+                raise EngineError(
+                    "invalid_request",
+                    f"candidate {too_long[0]}: pair of {len(pairs[too_long[0]])} tokens exceeds "
+                    f"the limit of {mdl.item_limit}",
+                )
+        scores = self._encode(mdl, pairs, progress)
+        return np.ascontiguousarray(scores[:, 0], dtype=np.float32)
+
+    def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
+        """Greedy decoding (argmax, first index on ties — llama.cpp's greedy sampler).
+
+        Stops at an end-of-generation token (`stop`, token not included) or after
+        `max_tokens` tokens (`length`). With a GBNF grammar, tokens the grammar rejects are
+        masked before the argmax; if it leaves no token at all, generation ends with `stop`.
+        Text is the UTF-8 decoding of the generated pieces (special tokens not rendered;
+        a multi-byte character cut off by `length` is dropped, as llama-cpp-python does).
+        """
+        mdl = self._get(req.model_ref, "generate")
+        ids = self._check_ids(mdl, ids, [len(ids)])
+        n_prompt = len(ids)
+        if not _unsafe() and n_prompt + req.max_tokens > mdl.n_ctx:
+            raise EngineError(
+                "invalid_request",
+                f"prompt ({n_prompt}) + max_tokens ({req.max_tokens}) exceeds n_ctx {mdl.n_ctx}",
+            )
+        grammar = self._grammar_sampler(mdl, req.grammar) if req.grammar is not None else None
+        try:
+            return self._generate(mdl, ids, req.max_tokens, grammar, progress)
+        finally:
+            if grammar is not None:
+                llama_cpp.llama_sampler_free(grammar)
+
+    # ---- internals: loading ------------------------------------------------------------------
+
+    def _verify_digest(self, path: str, digest: str) -> None:
+        want = digest.lower().removeprefix("sha256:")
+        if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
+            raise EngineError("artifact_invalid", f"artifact_digest {digest!r} is not a sha256")
+        try:
+            got = sha256_file(path)
+        except OSError as e:
+            raise EngineError("artifact_invalid", f"cannot read {path}: {e}") from e
+        if got != want:
+            raise EngineError("artifact_invalid", f"{path}: sha256 {got} != expected {want}")
+
+    def _load_model(self, path: str, cfg: RuntimeConfig) -> ctypes.c_void_p:
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.load_mode = (
+            llama_cpp.LLAMA_LOAD_MODE_MMAP if cfg.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+        )
+        model = llama_cpp.llama_model_load_from_file(path.encode("utf-8"), mparams)
+        if not model:
+            raise EngineError("artifact_invalid", f"llama.cpp could not load {path} (see log)")
+        return model
+
+    def _make_context(
+        self,
+        ref: str,
+        path: str,
+        model: ctypes.c_void_p,
+        hdr: GGUFHeader,
+        cfg: RuntimeConfig,
+        kind: Kind,
+        pooling: str,
+        n_cls_out: int,
+    ) -> _Model:
+        n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
+        encoder = kind in ("embed", "rerank")
+        if encoder:
+            n_batch = cfg.n_batch or max(_ENC_BATCH, cfg.n_ubatch or 0)
+            n_ubatch = cfg.n_ubatch or n_batch
+            n_ctx = cfg.n_ctx or n_batch
+            n_seq_max = cfg.n_seq_max or min(_ENC_SEQ_MAX, llama_cpp.llama_max_parallel_sequences())
+        else:
+            n_ctx = cfg.n_ctx or min(_GEN_CTX, n_ctx_train)
+            n_batch = cfg.n_batch or min(_GEN_BATCH, n_ctx)
+            n_ubatch = cfg.n_ubatch or n_batch
+            n_seq_max = cfg.n_seq_max or 1
+        problems = []
+        if n_ubatch > n_batch:
+            problems.append(f"n_ubatch {n_ubatch} > n_batch {n_batch}")
+        if n_seq_max > llama_cpp.llama_max_parallel_sequences():
+            problems.append(f"n_seq_max above {llama_cpp.llama_max_parallel_sequences()}")
+        if not encoder and n_batch > n_ctx:
+            problems.append(f"n_batch {n_batch} > n_ctx {n_ctx}")
+        if not encoder and n_ctx > n_ctx_train:
+            problems.append(f"n_ctx {n_ctx} > the model's trained context {n_ctx_train}")
+        reserve = _reserve_tokens(n_ctx, n_batch, n_ubatch, n_seq_max, unified=encoder,
+                                  causal=not encoder)
+        if reserve % n_seq_max:
+            # llama.cpp reserves its worst-case graph with `reserve` tokens split evenly over
+            # n_seq_max sequences; otherwise GGML_ASSERT(ggml_can_mul_mat) aborts at LOAD.
+            problems.append(
+                f"n_seq_max {n_seq_max} must divide min(n_ctx padded to 256, n_ubatch) = {reserve}"
+            )
+        if problems:
+            raise EngineError("config_invalid", "; ".join(problems))
+
+        threads = cfg.n_threads or len(os.sched_getaffinity(0))
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_ubatch
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = threads
+        cparams.n_threads_batch = cfg.n_threads_batch or threads
+        cparams.embeddings = encoder
+        cparams.pooling_type = _POOLING_IDS[pooling if encoder else "none"]
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if cfg.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.no_perf = True
+        # Encoders keep no KV cache; a unified layout stops llama.cpp from rounding n_ctx up
+        # to n_seq_max * 256 (it sizes per-sequence contexts otherwise).
+        cparams.kv_unified = encoder
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise EngineError("oom", "llama.cpp could not create a context (memory?) — see log")
+        try:
+            got_pooling = _POOLING_NAMES.get(int(llama_cpp.llama_pooling_type(ctx)), "none")
+            if encoder and got_pooling != pooling:
+                raise EngineError(
+                    "config_invalid", f"llama.cpp resolved pooling {got_pooling}, not {pooling}"
+                )
+            n = int(llama_cpp.llama_n_batch(ctx))
+            batch = llama_cpp.llama_batch_init(n, 0, 1)
+        except BaseException:
+            llama_cpp.llama_free(ctx)
+            raise
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        causal = bool(hdr.arch_get("attention.causal", True))
+        mdl = _Model(
+            ref=ref,
+            path=path,
+            kind=kind,
+            model=model,
+            ctx=ctx,
+            batch=batch,
+            vocab=vocab,
+            n_vocab=int(llama_cpp.llama_vocab_n_tokens(vocab)),
+            n_embd=int(llama_cpp.llama_model_n_embd(model)),
+            n_ctx=int(llama_cpp.llama_n_ctx(ctx)),
+            n_batch=n,
+            n_ubatch=int(llama_cpp.llama_n_ubatch(ctx)),
+            n_seq_max=int(llama_cpp.llama_n_seq_max(ctx)),
+            n_ctx_train=n_ctx_train,
+            pooling=pooling if encoder else "none",
+            causal=causal,
+            n_cls_out=n_cls_out,
+            arch=hdr.architecture,
+        )
+        mdl.tok, mdl.pos, mdl.nsid, mdl.out = _batch_views(batch, n)
+        return mdl
+
+    # ---- internals: requests -----------------------------------------------------------------
+
+    def _get(self, ref: str, kind: Kind) -> _Model:
+        mdl = self._models.get(ref)
+        if mdl is None:
+            raise EngineError("model_not_loaded", f"{ref!r} is not loaded")
+        if mdl.kind != kind:
+            raise EngineError("invalid_request", f"{ref!r} is a {mdl.kind} model, not {kind}")
+        return mdl
+
+    def _check_ids(
+        self, mdl: _Model, ids: np.ndarray, lengths: list[int], allow_empty: bool = False
+    ) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise EngineError("invalid_request", "token ids must be a 1-D integer array")
+        if sum(lengths) != ids.size:
+            raise EngineError(
+                "invalid_request", f"items declare {sum(lengths)} tokens, payload has {ids.size}"
+            )
+        ids = ids.astype(np.int32, copy=False)
+        if _unsafe():
+            return ids
+        if not lengths:
+            raise EngineError("invalid_request", "no items")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= mdl.n_vocab):
+            bad = int(ids[(ids < 0) | (ids >= mdl.n_vocab)][0])
+            raise EngineError("invalid_request", f"token id {bad} outside [0, {mdl.n_vocab})")
+        if mdl.kind == "embed":
+            for i, n in enumerate(lengths):
+                if not 1 <= n <= mdl.item_limit:
+                    raise EngineError(
+                        "invalid_request",
+                        f"item {i} has {n} tokens; allowed 1..{mdl.item_limit}",
+                    )
+        elif mdl.kind == "generate" and (not lengths[0] and not allow_empty):
+            raise EngineError("invalid_request", "empty prompt")
+        return ids
+
+    def _encode(self, mdl: _Model, seqs: list[np.ndarray], progress: Progress) -> np.ndarray:
+        """Pooled output (n_embd per seq, or n_cls_out for rank) for each sequence."""
+        width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
+        out = np.empty((len(seqs), width), dtype=np.float32)
+        budget = min(mdl.n_batch, mdl.n_ubatch)
+        mem = llama_cpp.llama_get_memory(mdl.ctx)
+        for group in pack([len(s) for s in seqs], budget, mdl.n_seq_max):
+            if mem:  # decoder-as-embedder: drop the previous decode's cache
+                llama_cpp.llama_memory_clear(mem, True)
+            n = 0
+            for seq_id, idx in enumerate(group):
+                s = seqs[idx]
+                k = len(s)
+                if n + k > mdl.n_batch:  # unsafe mode only: never write past the batch
+                    k = mdl.n_batch - n
+                mdl.tok[n : n + k] = s[:k]
+                mdl.pos[n : n + k] = np.arange(k, dtype=np.int32)
+                mdl.nsid[n : n + k] = 1
+                mdl.out[n : n + k] = 1  # pooled embeddings need every token as an output
+                sid = mdl.batch.seq_id
+                for j in range(n, n + k):
+                    sid[j][0] = seq_id
+                n += k
+            mdl.batch.n_tokens = n
+            self._decode(mdl)
+            for seq_id, idx in enumerate(group):
+                ptr = llama_cpp.llama_get_embeddings_seq(mdl.ctx, seq_id)
+                if not ptr:
+                    raise RuntimeError(f"llama.cpp returned no pooled output for seq {seq_id}")
+                out[idx] = np.ctypeslib.as_array(ptr, shape=(width,))
+            progress.advance("inference")
+        return out
+
+    def _decode(self, mdl: _Model) -> None:
+        ret = int(llama_cpp.llama_decode(mdl.ctx, mdl.batch))
+        if ret == 0:
+            return
+        if ret == 1 or ret == -2:
+            raise EngineError("oom", f"llama_decode could not allocate ({ret})")
+        raise EngineError("invalid_request", f"llama_decode rejected the batch ({ret})")
+
+    def _grammar_sampler(self, mdl: _Model, grammar: str) -> ctypes.c_void_p:
+        if not grammar.strip():
+            # llama.cpp treats "" as "no grammar": refusing beats silently ignoring it.
+            raise EngineError("invalid_request", "empty grammar")
+        try:
+            validate_gbnf(grammar)
+        except GrammarError as e:
+            raise EngineError("invalid_request", f"grammar: {e}") from e
+        g = llama_cpp.LlamaGrammar.from_string(grammar, verbose=False)
+        smpl = llama_cpp.llama_sampler_init_grammar(
+            mdl.vocab, g._grammar.encode("utf-8"), g._root.encode("utf-8")
+        )
+        if not smpl:
+            raise EngineError("invalid_request", "grammar rejected by llama.cpp (see log)")
+        return smpl
+
+    def _generate(
+        self,
+        mdl: _Model,
+        ids: np.ndarray,
+        max_tokens: int,
+        grammar: ctypes.c_void_p | None,
+        progress: Progress,
+    ) -> Generation:
+        n_prompt = len(ids)
+        mem = llama_cpp.llama_get_memory(mdl.ctx)
+        if mem:
+            llama_cpp.llama_memory_clear(mem, True)
+        if max_tokens == 0:
+            return Generation(text="", n_prompt=n_prompt, n_gen=0, finish_reason="length")
+        for start in range(0, n_prompt, mdl.n_batch):
+            chunk = ids[start : start + mdl.n_batch]
+            self._fill_single(mdl, chunk, start, last_logits=start + len(chunk) == n_prompt)
+            self._decode(mdl)
+            progress.advance("inference")
+
+        cand = _Candidates(mdl.n_vocab) if grammar is not None else None
+        pieces: list[bytes] = []
+        n_gen = 0
+        finish = "length"
+        buf = ctypes.create_string_buffer(256)
+        while n_gen < max_tokens:
+            logits_ptr = llama_cpp.llama_get_logits_ith(mdl.ctx, -1)
+            logits = np.ctypeslib.as_array(logits_ptr, shape=(mdl.n_vocab,))
+            if cand is not None:
+                cand.load(logits)
+                llama_cpp.llama_sampler_apply(grammar, ctypes.byref(cand.array))
+                masked = cand.data["logit"]
+                tok = int(np.argmax(masked))
+                if not math.isfinite(float(masked[tok])):
+                    finish = "stop"  # the grammar allows nothing further
+                    break
+            else:
+                tok = int(np.argmax(logits))
+            if llama_cpp.llama_vocab_is_eog(mdl.vocab, tok):
+                finish = "stop"
+                break
+            if grammar is not None:
+                llama_cpp.llama_sampler_accept(grammar, tok)
+            pieces.append(_piece(mdl.vocab, tok, buf))
+            n_gen += 1
+            if n_gen == max_tokens:
+                break
+            self._fill_single(mdl, np.array([tok], dtype=np.int32), n_prompt + n_gen - 1, True)
+            self._decode(mdl)
+            progress.advance("inference")
+        text = b"".join(pieces).decode("utf-8", "ignore")
+        return Generation(text=text, n_prompt=n_prompt, n_gen=n_gen, finish_reason=finish)
+
+    def _fill_single(self, mdl: _Model, toks: np.ndarray, start: int, last_logits: bool) -> None:
+        k = len(toks)
+        mdl.tok[:k] = toks
+        mdl.pos[:k] = np.arange(start, start + k, dtype=np.int32)
+        mdl.nsid[:k] = 1
+        mdl.out[:k] = 0
+        if last_logits:
+            mdl.out[k - 1] = 1
+        sid = mdl.batch.seq_id
+        for j in range(k):
+            sid[j][0] = 0
+        mdl.batch.n_tokens = k
+
+
+class _Candidates:
+    """A llama_token_data_array over numpy memory, for applying the grammar sampler."""
+
+    _dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
+
+    def __init__(self, n_vocab: int) -> None:
+        self.data = np.zeros(n_vocab, dtype=self._dtype)
+        self.ids = np.arange(n_vocab, dtype=np.int32)
+        self.array = llama_cpp.llama_token_data_array(
+            data=self.data.ctypes.data_as(llama_cpp.llama_token_data_p),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        self.n_vocab = n_vocab
+
+    def load(self, logits: np.ndarray) -> None:
+        self.data["id"] = self.ids
+        self.data["logit"] = logits
+        self.data["p"] = 0.0
+        self.array.size = self.n_vocab
+        self.array.selected = -1
+        self.array.sorted = False
+
+
+def _piece(vocab: ctypes.c_void_p, tok: int, buf: ctypes.Array) -> bytes:
+    n = llama_cpp.llama_token_to_piece(vocab, tok, buf, len(buf), 0, False)
+    if n < 0:
+        big = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, tok, big, len(big), 0, False)
+        return big.raw[:n]
+    return buf.raw[:n]
+
+
+def _pair_template(mdl: _Model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prefix, middle, suffix) token arrays of a rerank pair; see `LlamaEngine.rerank`."""
+    v = mdl.vocab
+    bos = int(llama_cpp.llama_vocab_bos(v))
+    eos = int(llama_cpp.llama_vocab_eos(v))
+    sep = int(llama_cpp.llama_vocab_sep(v))
+    if eos == _TOKEN_NULL:
+        eos = sep
+    add_bos = bool(llama_cpp.llama_vocab_get_add_bos(v)) and bos != _TOKEN_NULL
+    add_eos = bool(llama_cpp.llama_vocab_get_add_eos(v)) and eos != _TOKEN_NULL
+    add_sep = bool(llama_cpp.llama_vocab_get_add_sep(v)) and sep != _TOKEN_NULL
+    pre = [bos] if add_bos else []
+    mid = ([eos] if add_eos else []) + ([sep] if add_sep else [])
+    post = [eos] if add_eos else []
+    return (np.array(pre, np.int32), np.array(mid, np.int32), np.array(post, np.int32))
+
+
+def _reserve_tokens(
+    n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, *, unified: bool, causal: bool
+) -> int:
+    """Token count of llama.cpp's worst-case graph reservation (llama_context::sched_reserve).
+
+    Mirrors llama-context.cpp: n_ctx is padded to 256 (per sequence when not unified), causal
+    contexts clamp n_batch to n_ctx, n_ubatch is clamped to n_batch.
+    """
+    ctx = -(-n_ctx // 256) * 256
+    if not unified:
+        ctx = -(-(ctx // n_seq_max) // 256) * 256 * n_seq_max
+    batch = min(ctx, n_batch) if causal else n_batch
+    return min(ctx, min(batch, n_ubatch))
+
+
+def _default_ref(path: str) -> str:
+    p = Path(path)
+    return p.parent.name if p.stem == "model" and p.parent.name else p.stem
+
+
+def _n_cls_out(hdr: GGUFHeader) -> int:
+    labels = hdr.arch_get("classifier.output_labels")
+    if isinstance(labels, ArrayInfo):
+        return labels.length
+    return 1
+
+
+def _decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
+    """(kind, pooling name) from the GGUF and the config; refuses what we cannot serve."""
+    arch = hdr.architecture
+    gguf_pool = hdr.arch_get("pooling_type")
+    gguf_pooling = _POOLING_NAMES.get(gguf_pool) if isinstance(gguf_pool, int) else None
+    is_rank = gguf_pooling == "rank"
+    if is_rank and arch.startswith("qwen3"):
+        raise EngineError(
+            "unsupported",
+            "Qwen3 rerankers need their own prompt template; refusing rather than scoring wrong",
+        )
+    if is_rank and "tokenizer.chat_template.rerank" in hdr.kv:
+        raise EngineError(
+            "unsupported", "reranker with a prompt template; pairs would not match its training"
+        )
+    causal = bool(hdr.arch_get("attention.causal", True))
+    if cfg.kind is not None:
+        kind = cfg.kind
+    elif is_rank:
+        kind = "rerank"
+    elif cfg.embedding or (cfg.embedding is None and (gguf_pooling not in (None, "none")
+                                                      or not causal)):
+        kind = "embed"
+    else:
+        kind = "generate"
+    if cfg.embedding is not None and cfg.embedding != (kind != "generate"):
+        raise EngineError("config_invalid", f"embedding={cfg.embedding} contradicts kind {kind}")
+    if kind == "rerank":
+        if not is_rank:
+            raise EngineError("config_invalid", "rerank needs a GGUF with rank pooling")
+        if cfg.pooling not in (None, "rank"):
+            raise EngineError("config_invalid", "a reranker must use rank pooling")
+        return kind, "rank"
+    if kind == "embed":
+        pooling = cfg.pooling or gguf_pooling or ("last" if causal else "mean")
+        if pooling in ("none", "rank"):
+            raise EngineError("config_invalid", f"pooling {pooling} cannot produce one vector")
+        return kind, pooling
+    if not causal:
+        raise EngineError("config_invalid", f"{arch} is an encoder; it cannot generate")
+    if cfg.pooling not in (None, "none"):
+        raise EngineError("config_invalid", "pooling applies to embedding models only")
+    return kind, "none"
