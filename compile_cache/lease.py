@@ -26,6 +26,18 @@ if TYPE_CHECKING:
     from compile_cache.model import Entry
 
 
+def lease_token(created: float) -> bytes:
+    """Content of an object's lease file: its publication time, exactly (repr round-trips)."""
+    return repr(created).encode() + b"\n"
+
+
+def read_token(object_dir: Path) -> bytes | None:
+    try:
+        return (object_dir / LEASE_NAME).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         return os.path.samestat(os.fstat(fd), os.stat(path))
@@ -97,6 +109,9 @@ class Lease:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if not _same_file(fd, path):
                 raise EntryEvicted(f"entry {self.entry.digest[:12]} was evicted")
+            if os.pread(fd, 64, 0) != lease_token(self.entry.created):
+                # Evicted and rebuilt since the Entry was looked up: it describes another object.
+                raise EntryEvicted(f"entry {self.entry.digest[:12]} was evicted and rebuilt")
         except BaseException:
             os.close(fd)
             raise

@@ -58,7 +58,7 @@ from compile_cache.layout import (
     ObjectMeta,
     encode_meta,
 )
-from compile_cache.lease import is_leased, try_exclusive
+from compile_cache.lease import is_leased, lease_token, read_token, try_exclusive
 from compile_cache.model import CorruptEntry, Entry, EvictionReport, Usage, VerifyReport
 
 DEFAULT_BUDGET_BYTES = 10 * 1024**3
@@ -313,7 +313,9 @@ class CompileCache:
                 build_seconds=build_seconds,
             )
             write_synced(work / META_NAME, encode_meta(meta))
-            write_synced(work / LEASE_NAME, b"")
+            # The lease file names its publication, so a lease taken through a stale Entry can
+            # tell a rebuilt object of the same key from the one the Entry describes.
+            write_synced(work / LEASE_NAME, lease_token(created))
             fsync_dir(work)
             self._fault("before_rename")
             os.rename(work, obj)  # the commit point
@@ -575,8 +577,11 @@ class CompileCache:
         except MetaError as e:
             reasons.append(str(e))
             expected = _files_decoder.decode(row.files_json)
-        if not (obj / LEASE_NAME).exists():
+        token = read_token(obj)
+        if token is None:
             reasons.append(f"{LEASE_NAME} is missing")
+        elif token != lease_token(row.created):
+            reasons.append(f"{LEASE_NAME} does not match the entry's creation time")
         try:
             actual, _size = scan_tree(obj / DATA_NAME)
         except TreeError as e:

@@ -22,6 +22,7 @@ from compile_cache import (
     HOOK_POINTS,
     BuildFailed,
     CompileCache,
+    EntryEvicted,
     EntryLeased,
     EntryNotFound,
     InvalidArgument,
@@ -414,3 +415,16 @@ def test_cache_dir_deleted_under_a_running_process(tmp_path: Path) -> None:
     again = cache.get_or_build(KEY, _make_build(str(tmp_path / "count")))
     assert again.digest == first.digest and _count(tmp_path / "count") == 2
     assert _index_digests(root) == _disk_digests(root) == {first.digest}
+
+
+def test_lease_through_a_stale_entry_never_pins_its_replacement(tmp_path: Path) -> None:
+    cache = CompileCache(tmp_path / "c")
+    count = str(tmp_path / "count")
+    old = cache.get_or_build(KEY, _make_build(count))
+    cache.evict(KEY)
+    new = cache.get_or_build(KEY, _make_build(count))  # same key, different bytes
+    assert new.digest == old.digest and new.files != old.files
+    with pytest.raises(EntryEvicted, match="rebuilt"):
+        old.lease().acquire()
+    with new.lease() as leased:
+        assert leased.files == new.files and cache.is_leased(new)
