@@ -207,7 +207,11 @@ class Index:
         self._run(
             lambda c: c.execute(
                 f"INSERT INTO entries ({_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT(digest) DO UPDATE SET last_used = max(last_used, excluded.last_used)",
+                # The object on disk is the truth: take all of its fields, keep the later use.
+                "ON CONFLICT(digest) DO UPDATE SET key_json = excluded.key_json, "
+                "size = excluded.size, files_json = excluded.files_json, "
+                "created = excluded.created, build_seconds = excluded.build_seconds, "
+                "last_used = max(last_used, excluded.last_used)",
                 tuple(msgspec.structs.astuple(row)),
             )
         )

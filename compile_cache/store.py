@@ -215,7 +215,11 @@ class CompileCache:
             try:
                 held = entry.lease().acquire()
             except EntryEvicted:
-                continue  # evicted between lookup and lease: look up (or build) again
+                # Evicted (or rebuilt) between lookup and lease: look up again, and make sure
+                # the index row describes whatever object is on disk now.
+                with contextlib.suppress(MetaError):
+                    self._adopt(entry.digest)
+                continue
             with held:
                 yield entry
             return
@@ -570,17 +574,18 @@ class CompileCache:
         reasons: list[str] = []
         try:
             meta = self._layout.read_meta(row.digest)
-            expected = meta.files
-            if meta.size != row.size or msgspec.json.encode(meta.files).decode() != row.files_json:
-                self._index.delete(row.digest)  # the object is authoritative: re-index it
-                self._adopt(row.digest)
+            expected, created = meta.files, meta.created
+            files_json = msgspec.json.encode(meta.files).decode()
+            if (meta.size, files_json, meta.created) != (row.size, row.files_json, row.created):
+                with contextlib.suppress(MetaError):  # reported below via the token
+                    self._adopt(row.digest)  # the object is authoritative: re-index it
         except MetaError as e:
             reasons.append(str(e))
-            expected = _files_decoder.decode(row.files_json)
+            expected, created = _files_decoder.decode(row.files_json), row.created
         token = read_token(obj)
         if token is None:
             reasons.append(f"{LEASE_NAME} is missing")
-        elif token != lease_token(row.created):
+        elif token != lease_token(created):
             reasons.append(f"{LEASE_NAME} does not match the entry's creation time")
         try:
             actual, _size = scan_tree(obj / DATA_NAME)

@@ -428,3 +428,15 @@ def test_lease_through_a_stale_entry_never_pins_its_replacement(tmp_path: Path) 
         old.lease().acquire()
     with new.lease() as leased:
         assert leased.files == new.files and cache.is_leased(new)
+
+
+def test_index_row_that_disagrees_with_disk_is_repaired(tmp_path: Path) -> None:
+    cache = CompileCache(tmp_path / "c")
+    e = cache.get_or_build(KEY, _make_build(str(tmp_path / "count")))
+    conn = sqlite3.connect(cache.root / "index.sqlite")
+    conn.execute("UPDATE entries SET created = 1.0, size = 7")
+    conn.commit()
+    conn.close()
+    with cache.lease(KEY) as leased:  # the stale row is re-read from the object
+        assert leased.created == e.created and leased.size == e.size
+    assert cache.verify().corrupt == []
