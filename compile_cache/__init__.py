@@ -4,8 +4,17 @@
     with cache.lease(key, build) as entry:   # build(tmp_dir) runs at most once per key
         use(entry.path)
 
-See `keys` for what a key may contain, `store` for the crash-safety invariants, `cli` for
-`synapse cache ...`.
+Keys (see `keys`): a non-empty mapping of str -> str | int | bool | finite float, or
+lists/tuples of those. No None, bytes, dicts, enums or numpy scalars (`InvalidKey`); lists
+and tuples are equal; 1, 1.0, True and "1" are different keys. The address is sha256 over
+the canonical JSON (sorted fields, no whitespace).
+
+Guarantees (see `store`): one build per key across processes (file lock; others wait and
+reuse it); an entry becomes visible by one rename after everything is fsynced, so a crash
+never exposes half an entry; temp dirs of dead builds are removed on open; the SQLite index
+is rebuilt from the objects if lost or corrupt; a lease (shared flock, dropped by the kernel
+if its process dies) keeps an entry from eviction; `gc` evicts least recently used unleased
+entries down to the byte budget. POSIX only (flock). CLI: `cli`, `python -m compile_cache`.
 """
 
 from compile_cache.errors import (
