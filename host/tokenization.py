@@ -1,0 +1,323 @@
+"""Module-side tokenization over HF `tokenizers`, with an explicit per-request length policy.
+
+The library's own padding and truncation are switched OFF (a tokenizer.json may carry them:
+MiniLM's pads to 128): nothing is padded on the wire, and length is decided here, per request:
+
+- `truncate=True`: a sequence longer than the limit is cut to exactly the limit, keeping the
+  special tokens the model's template adds (BERT: `[CLS]` ... `[SEP]`, the final `[SEP]`
+  survives; a GGUF vocab with an EOS keeps it);
+- `truncate=False`: any sequence over the limit is an `InvalidRequest` naming the item.
+
+Every text goes through `host.sanitize.sanitize` first (the single documented rule). Special
+tokens written in user text (`"[SEP]"`, `"<start_of_turn>"`) are by default tokenized as plain
+text (`parse_special=False`, llama.cpp's `special=False`): caller text is data, not control.
+
+Limits: `max_tokens` is the default limit (MiniLM: 256, sentence-transformers'
+`max_seq_length`); `hard_limit` is what the model can physically take (BERT: 512 positions). A
+request may ask for a smaller or larger limit, never above `hard_limit`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+
+from host.errors import ConfigInvalid, InvalidRequest
+from host.sanitize import sanitize
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized sequence per input text, special tokens included, unpadded."""
+
+    ids: list[np.ndarray]  # int32
+    n_tokens: list[int]  # == len(ids[i]): what is sent and billed
+    truncated: list[bool]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.n_tokens)
+
+
+@dataclass(frozen=True)
+class EncodedPairs:
+    """Composed cross-encoder sequences `[CLS] query [SEP] doc [SEP]` with token types."""
+
+    ids: list[np.ndarray]  # int32
+    token_type_ids: list[np.ndarray]  # int32
+    n_tokens: list[int]
+    n_first: list[int]  # tokens of segment A incl. its specials (token type 0): RERANK_SEQUENCES
+    truncated: list[bool]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.n_tokens)
+
+
+@dataclass(frozen=True)
+class RerankSegments:
+    """Query and documents tokenized separately WITHOUT special tokens (llama.cpp rerank).
+
+    The worker composes each pair as `BOS q EOS/SEP d EOS` itself, so `n_tokens[i]` counts the
+    composed sequence: len(query) + len(docs[i]) + `n_special`.
+    """
+
+    query: np.ndarray  # int32
+    docs: list[np.ndarray]  # int32
+    n_special: int
+    n_tokens: list[int]
+    truncated: list[bool]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.n_tokens)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        max_tokens: int,
+        hard_limit: int | None = None,
+        parse_special: bool = False,
+    ) -> None:
+        hard = max_tokens if hard_limit is None else hard_limit
+        if not 0 < max_tokens <= hard:
+            raise ConfigInvalid(f"need 0 < max_tokens ({max_tokens}) <= hard_limit ({hard})")
+        tok.no_padding()
+        tok.no_truncation()
+        # HF's flag means "do not split special tokens out of the text".
+        tok.encode_special_tokens = not parse_special
+        self._tok = tok
+        self.max_tokens = max_tokens
+        self.hard_limit = hard
+        self.parse_special = parse_special
+        self.n_special_single = tok.num_special_tokens_to_add(False)
+        self.n_special_pair = tok.num_special_tokens_to_add(True)
+        if self.n_special_pair + 2 > hard:
+            raise ConfigInvalid(f"hard_limit {hard} leaves no room for text")
+
+    @classmethod
+    def from_file(
+        cls,
+        tokenizer_json: str | Path,
+        *,
+        max_tokens: int,
+        hard_limit: int | None = None,
+        parse_special: bool = False,
+    ) -> Tokenizer:
+        tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        return cls(tok, max_tokens=max_tokens, hard_limit=hard_limit, parse_special=parse_special)
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, *, max_tokens: int | None = None, parse_special: bool = False
+    ) -> Tokenizer:
+        """A HF/sentence-transformers model directory: limits from its own config files."""
+        d = Path(model_dir)
+        hard, default = model_limits(d)
+        return cls.from_file(
+            d / "tokenizer.json",
+            max_tokens=default if max_tokens is None else max_tokens,
+            hard_limit=hard,
+            parse_special=parse_special,
+        )
+
+    # -- single sequences -------------------------------------------------------------------
+
+    def encode(
+        self, texts: Sequence[str | bytes], truncate: bool, max_tokens: int | None = None
+    ) -> Encoded:
+        limit = self._limit(max_tokens)
+        raw = self._encode_raw(_sanitize_all(texts))
+        ids, counts, cut = [], [], []
+        budget = limit - self.n_special_single
+        for i, enc in enumerate(raw):
+            over = len(enc.ids) > budget
+            if over and not truncate:
+                raise InvalidRequest(
+                    f"input {i} has {len(enc.ids) + self.n_special_single} tokens, over the "
+                    f"limit of {limit}; shorten it or pass truncate=true",
+                    index=i,
+                    n_tokens=len(enc.ids) + self.n_special_single,
+                    max_tokens=limit,
+                )
+            if over:
+                enc.truncate(budget)
+            final = self._tok.post_process(enc, None, add_special_tokens=True)
+            arr = np.asarray(final.ids, dtype=np.int32)
+            ids.append(arr)
+            counts.append(len(arr))
+            cut.append(over)
+        return Encoded(ids=ids, n_tokens=counts, truncated=cut)
+
+    # -- cross-encoder pairs ----------------------------------------------------------------
+
+    def encode_pair(
+        self, query: str | bytes, doc: str | bytes, truncate: bool, max_tokens: int | None = None
+    ) -> EncodedPairs:
+        return self.encode_pairs(query, [doc], truncate, max_tokens)
+
+    def encode_pairs(
+        self,
+        query: str | bytes,
+        docs: Sequence[str | bytes],
+        truncate: bool,
+        max_tokens: int | None = None,
+    ) -> EncodedPairs:
+        """Pairs through the model's pair template (token types 0 for the query, 1 for docs).
+
+        Over the limit with `truncate=True`, the document is cut first; only if the query alone
+        leaves no room is the query cut too, to max(budget - len(doc), budget // 2) tokens so
+        the document keeps at least the other half. Special tokens always survive.
+        """
+        limit = self._limit(max_tokens)
+        q_text = sanitize(query)
+        d_texts = _sanitize_all(docs)
+        raw = self._encode_raw([q_text, *d_texts])
+        q_len = len(raw[0].ids)
+        budget = limit - self.n_special_pair
+        out_ids, out_types, counts, firsts, cut = [], [], [], [], []
+        for i, d_enc in enumerate(raw[1:]):
+            # `truncate`/`post_process` consume an Encoding: give each pair its own copy.
+            q_enc = tokenizers.Encoding.merge([raw[0]], growing_offsets=False)
+            over = q_len + len(d_enc.ids) > budget
+            if over and not truncate:
+                raise InvalidRequest(
+                    f"pair {i} has {q_len + len(d_enc.ids) + self.n_special_pair} tokens, over "
+                    f"the limit of {limit}; shorten it or pass truncate=true",
+                    index=i,
+                    n_tokens=q_len + len(d_enc.ids) + self.n_special_pair,
+                    max_tokens=limit,
+                )
+            if over:
+                q_keep, d_keep = _split_budget(q_len, len(d_enc.ids), budget)
+                q_enc.truncate(q_keep)
+                d_enc.truncate(d_keep)
+            final = self._tok.post_process(q_enc, d_enc, add_special_tokens=True)
+            types = np.asarray(final.type_ids, dtype=np.int32)
+            out_ids.append(np.asarray(final.ids, dtype=np.int32))
+            out_types.append(types)
+            counts.append(len(types))
+            firsts.append(int(np.count_nonzero(types == 0)))
+            cut.append(over)
+        return EncodedPairs(out_ids, out_types, counts, firsts, cut)
+
+    # -- llama.cpp-style rerank -------------------------------------------------------------
+
+    def rerank_segments(
+        self,
+        query: str | bytes,
+        docs: Sequence[str | bytes],
+        truncate: bool,
+        max_tokens: int | None = None,
+    ) -> RerankSegments:
+        """Query and docs WITHOUT special tokens; the worker adds `n_special` per pair.
+
+        The limit applies to the composed pair. With `truncate=True` the document is cut
+        first; a query that alone leaves no room is an error either way, because it is sent
+        once and shared by every pair (cutting it per pair is not expressible on the wire).
+        """
+        limit = self._limit(max_tokens)
+        raw = self._encode_raw([sanitize(query), *_sanitize_all(docs)])
+        query_ids = np.asarray(raw[0].ids, dtype=np.int32)
+        budget = limit - self.n_special_pair - len(query_ids)
+        if budget < 1:
+            raise InvalidRequest(
+                f"query has {len(query_ids)} tokens and leaves no room for a document within "
+                f"the limit of {limit}",
+                n_tokens=len(query_ids),
+                max_tokens=limit,
+            )
+        docs_ids, counts, cut = [], [], []
+        for i, enc in enumerate(raw[1:]):
+            over = len(enc.ids) > budget
+            if over and not truncate:
+                n = len(query_ids) + len(enc.ids) + self.n_special_pair
+                raise InvalidRequest(
+                    f"pair {i} has {n} tokens, over the limit of {limit}; shorten it or pass "
+                    "truncate=true",
+                    index=i,
+                    n_tokens=n,
+                    max_tokens=limit,
+                )
+            d = np.asarray(enc.ids[:budget] if over else enc.ids, dtype=np.int32)
+            docs_ids.append(d)
+            counts.append(len(query_ids) + len(d) + self.n_special_pair)
+            cut.append(over)
+        return RerankSegments(query_ids, docs_ids, self.n_special_pair, counts, cut)
+
+    # -- misc -------------------------------------------------------------------------------
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _limit(self, max_tokens: int | None) -> int:
+        limit = self.max_tokens if max_tokens is None else max_tokens
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise InvalidRequest(f"max_tokens must be an integer, got {limit!r}")
+        if not self.n_special_pair + 2 <= limit <= self.hard_limit:
+            raise InvalidRequest(
+                f"max_tokens {limit} outside [{self.n_special_pair + 2}, {self.hard_limit}]",
+                max_tokens=limit,
+            )
+        return limit
+
+    def _encode_raw(self, texts: list[str]) -> list[tokenizers.Encoding]:
+        if not texts:
+            return []
+        return self._tok.encode_batch_fast(texts, add_special_tokens=False)
+
+
+def model_limits(model_dir: str | Path) -> tuple[int, int]:
+    """(hard_limit, default max_tokens) from a HF / sentence-transformers model directory.
+
+    hard: `max_position_embeddings` (minus RoBERTa's padding offset), capped by the tokenizer's
+    `model_max_length`; default: sentence-transformers' `max_seq_length` when present.
+    """
+    d = Path(model_dir)
+    cfg = _read_json(d / "config.json")
+    hard = int(cfg.get("max_position_embeddings", 512))
+    if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        hard -= int(cfg.get("pad_token_id", 1)) + 1  # positions start after the pad index
+    tok_cfg = _read_json(d / "tokenizer_config.json")
+    model_max = tok_cfg.get("model_max_length")
+    if isinstance(model_max, int) and 0 < model_max < hard:
+        hard = model_max
+    st_cfg = _read_json(d / "sentence_bert_config.json")
+    default = int(st_cfg.get("max_seq_length", hard))
+    return hard, min(default, hard)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _sanitize_all(texts: Sequence[str | bytes]) -> list[str]:
+    if isinstance(texts, (str, bytes, bytearray)) or not isinstance(texts, Sequence):
+        raise InvalidRequest("expected a list of texts")
+    out = []
+    for i, text in enumerate(texts):
+        try:
+            out.append(sanitize(text))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"input {i}: {exc.message}", index=i) from None
+    return out
+
+
+def _split_budget(q_len: int, d_len: int, budget: int) -> tuple[int, int]:
+    """How many query / document tokens to keep so that together they fit `budget`."""
+    if q_len < budget:
+        return q_len, min(d_len, budget - q_len)
+    q_keep = min(q_len, max(budget - d_len, budget // 2))
+    return q_keep, min(d_len, budget - q_keep)
