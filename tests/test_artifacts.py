@@ -270,14 +270,25 @@ def test_ingest_default_is_idempotent_and_fast(store: ArtifactStore) -> None:
     assert {n: (r.digest, r.artifact_path.stat().st_mtime_ns) for n, r in again.items()} == before
 
 
-def test_ingest_default_rebuilds_a_damaged_entry(tmp_path: Path) -> None:
+def test_ingest_default_repairs_damage_and_derives_gemma_tokenizer(tmp_path: Path) -> None:
     s = ArtifactStore(tmp_path / "models")
     s.ingest_default()
     art = s.get("minilm-l6-v2").artifact_path
     with open(art, "r+b") as f:
         f.truncate(1000)
-    s.ingest_default()
-    assert s.verify("minilm-l6-v2").manifest.size_bytes > 1000
+    assert s.get("gemma3-270m").tokenizer_path is None
+    seen: list[Path] = []
+
+    def builder(gguf_path: Path, out: Path) -> None:
+        seen.append(gguf_path)
+        shutil.copy(MINILM / "tokenizer.json", out)  # stands in for the GGUF-derived one
+
+    recs = s.ingest_default(tokenizer_builder=builder)
+    assert s.verify("minilm-l6-v2").manifest.size_bytes > 1000  # rebuilt, digest consistent
+    rec = recs["gemma3-270m"]
+    assert seen == [rec.artifact_path]  # derived for the existing entry, Gemma not rebuilt
+    assert rec.tokenizer_path is not None and rec.tokenizer_path.is_file()
+    assert s.get("gemma3-270m").manifest.tokenizer == "tokenizer.json"
 
 
 def test_verify_detects_corruption(tmp_path: Path) -> None:
@@ -324,22 +335,6 @@ def test_cross_encoder_ingest(tmp_path: Path) -> None:
     s = ArtifactStore(tmp_path / "models")
     rec = s.ingest_hf_dir(build_small_cross_encoder(tmp_path / "ce"), name="ce")
     assert (rec.kind, rec.manifest.pooling, rec.manifest.n_labels) == ("rerank", "rank", 1)
-
-
-def test_tokenizer_builder_hook_attaches_gemma_tokenizer(tmp_path: Path) -> None:
-    s = ArtifactStore(tmp_path / "models")
-    s.ingest_default()
-    assert s.get("gemma3-270m").tokenizer_path is None
-    seen: list[Path] = []
-
-    def builder(gguf_path: Path, out: Path) -> None:
-        seen.append(gguf_path)
-        shutil.copy(MINILM / "tokenizer.json", out)  # stands in for the GGUF-derived one
-
-    rec = s.ingest_default(tokenizer_builder=builder)["gemma3-270m"]
-    assert seen == [rec.artifact_path]
-    assert rec.tokenizer_path is not None and rec.tokenizer_path.is_file()
-    assert s.get("gemma3-270m").manifest.tokenizer == "tokenizer.json"
 
 
 def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -513,3 +513,20 @@ def test_generate_validation(engine, gemma, gemma_llm) -> None:
         assert e.value.code == "invalid_request"
     zero = _gen(engine, gemma, _tok(gemma_llm, YES_NO_PROMPT), 0)
     assert (zero.text, zero.n_gen, zero.finish_reason) == ("", 0, "length")
+
+
+def test_long_prompt_is_prefilled_in_n_batch_chunks(engine, store, gemma, gemma_llm) -> None:
+    # A 32-token n_batch makes an ordinary prompt span several prefill decodes; the greedy
+    # continuation must equal the one-chunk context's (itself checked against llama-cpp-python).
+    ref = _load(engine, store.get("gemma3-270m").artifact_path, "gemma-b32",
+                n_ctx=256, n_batch=32).model_ref
+    try:
+        ids = _tok(gemma_llm, _chat("Continue the list of colours: " + "red, orange, " * 20))
+        assert len(ids) > 2 * 32
+        progress = NullProgress()
+        got = _gen(engine, ref, ids, 6, progress=progress)
+        chunks = -(-len(ids) // 32)
+        assert progress.completed == chunks + got.n_gen - (got.finish_reason == "length")
+        assert got == _gen(engine, gemma, ids, 6)
+    finally:
+        engine.unload(m.UNLOAD(req_id=8, model_ref=ref), NullProgress())
