@@ -104,7 +104,11 @@ def _models_ls(args: argparse.Namespace) -> int:
     for r in records:
         man = r.manifest
         table.add_row(
-            r.name, man.kind, str(man.dims), str(man.dtype), f"{man.size_bytes / 2**20:.1f} MiB",
+            r.name,
+            man.kind,
+            str(man.dims),
+            str(man.dtype),
+            f"{man.size_bytes / 2**20:.1f} MiB",
             man.digest[:12],
         )
     console.print(table)
@@ -144,16 +148,24 @@ def _embed(args: argparse.Namespace) -> int:
         ensure_defaults()
         async with Module(ModuleConfig()) as mod:
             result = await mod.embed(
-                args.texts, args.model, normalize=not args.no_normalize,
+                args.texts,
+                args.model,
+                normalize=not args.no_normalize,
                 truncate=not args.no_truncate,
             )
         if args.json:
-            print(json.dumps({
-                "model": result.model,
-                "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                          "total_tokens": result.usage.total_tokens},
-                "data": [v.tolist() for v in result.vectors],
-            }))
+            print(
+                json.dumps(
+                    {
+                        "model": result.model,
+                        "usage": {
+                            "prompt_tokens": result.usage.prompt_tokens,
+                            "total_tokens": result.usage.total_tokens,
+                        },
+                        "data": [v.tolist() for v in result.vectors],
+                    }
+                )
+            )
             return 0
         _print_embeddings(args.texts, result)
         return 0
@@ -185,10 +197,15 @@ def _rerank(args: argparse.Namespace) -> int:
         async with Module(ModuleConfig()) as mod:
             result = await mod.rerank(args.query, args.documents, args.model)
         if args.json:
-            print(json.dumps({
-                "model": result.model, "method": result.method,
-                "results": [{"index": i, "score": s} for i, s in result.results],
-            }))
+            print(
+                json.dumps(
+                    {
+                        "model": result.model,
+                        "method": result.method,
+                        "results": [{"index": i, "score": s} for i, s in result.results],
+                    }
+                )
+            )
             return 0
         console.print(f"model [bold]{result.model}[/] ({result.method})")
         for rank, (i, score) in enumerate(result.results, 1):
@@ -205,10 +222,19 @@ def _generate(args: argparse.Namespace) -> int:
         async with Module(ModuleConfig()) as mod:
             result = await mod.generate(args.prompt, args.max_tokens, grammar, args.model)
         if args.json:
-            print(json.dumps({
-                "model": result.model, "text": result.text, "finish_reason": result.finish_reason,
-                "usage": {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_gen},
-            }))
+            print(
+                json.dumps(
+                    {
+                        "model": result.model,
+                        "text": result.text,
+                        "finish_reason": result.finish_reason,
+                        "usage": {
+                            "prompt_tokens": result.n_prompt,
+                            "completion_tokens": result.n_gen,
+                        },
+                    }
+                )
+            )
             return 0
         console.print(f"{args.prompt}[bold]{result.text}[/]")
         console.print(
@@ -227,7 +253,10 @@ def _quickstart(args: argparse.Namespace) -> int:
     console.rule("embedding through a supervised llama.cpp worker")
     code = _embed(
         argparse.Namespace(
-            texts=QUICKSTART_SENTENCES, model=None, no_normalize=False, no_truncate=False,
+            texts=QUICKSTART_SENTENCES,
+            model=None,
+            no_normalize=False,
+            no_truncate=False,
             json=False,
         )
     )

@@ -68,6 +68,9 @@ class WorkerHandle:
 def worker_env(lane: LaneConfig, worker_id: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "passive")  # idle OpenMP threads must not spin
+    # On GGML_ASSERT, ggml attaches gdb for a backtrace: seconds of delay and a flood of
+    # frames that pushes the assert line itself out of the 8 KiB log tail.
+    env.setdefault("GGML_NO_BACKTRACE", "1")
     env.update(lane.env)
     env["SYNAPSE_WORKER_ID"] = worker_id
     env.setdefault("PYTHONUNBUFFERED", "1")
