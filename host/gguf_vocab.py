@@ -12,11 +12,14 @@ is reproduced here:
 1. Special-token partition on the RAW text (before any escaping). USER_DEFINED tokens (Gemma:
    runs of spaces/newlines/tabs, HTML tags) are always split out; CONTROL/UNKNOWN tokens only
    when `special=True`. -> HF added tokens with `normalized=False`: user-defined ones as
-   non-special, control/unknown ones as special; `Tokenizer.encode_special_tokens = True`
-   (see `set_parse_special`) is exactly llama.cpp's `special=False`.
+   non-special, control/unknown ones as special; HF's `encode_special_tokens = True` is then
+   exactly llama.cpp's `special=False` (`host.tokenization.Tokenizer(parse_special=False)`).
+   Token types are first corrected the way llama.cpp corrects them at load (`effective_types`:
+   e.g. Gemma 3's "</s>" is USER_DEFINED in the file but a control token in llama.cpp).
 2. Each remaining text fragment: optional "▁" prefix (`add_space_prefix`, per fragment that
    follows a special token, like HF's per-split normalization), then every " " -> "▁".
-   -> normalizers Prepend + Replace.
+   -> normalizers Prepend + Replace. (Gemma 3 has add_space_prefix = false; the prefix path
+   is implemented from llama.cpp's rule but not proven on a model here.)
 3. SPM merging: start from UTF-8 characters, repeatedly merge the adjacent pair whose
    concatenation is a vocab token with the highest score (ties: leftmost). -> BPE whose merge
    list is every (left, right) split of every vocab token where both halves are tokens,
@@ -25,13 +28,17 @@ is reproduced here:
 4. Leftover characters that are not tokens become `<0xNN>` byte tokens. -> `byte_fallback`.
 5. BOS/EOS from `add_bos_token` / `add_eos_token`. -> TemplateProcessing.
 
-Decoding mirrors llama.cpp's `detokenize`: "▁" -> " ", byte tokens -> bytes, control tokens
-dropped with `skip_special_tokens=True`.
+Decoding mirrors llama.cpp's `llama_detokenize`: "▁" -> " ", byte tokens -> bytes, control
+tokens dropped with `skip_special_tokens=True` (rendered with False).
+
+Known, unproven corners (none occurs in Gemma 3): UNUSED-type tokens (llama.cpp never renders
+them; HF would render their text); equal-score merge ties between different tokens (llama.cpp
+breaks them by position, BPE by rank); model names for which llama.cpp adds strip attributes
+(Phi-3) are refused rather than approximated.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import struct
 from dataclasses import dataclass
@@ -68,6 +75,7 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
+    name: str = ""  # general.name: llama.cpp keys a few per-model token attributes on it
 
     @classmethod
     def read(cls, gguf_path: str | Path) -> GGUFVocab:
@@ -98,6 +106,7 @@ class GGUFVocab:
             add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+            name=str(get("general.name", "")),
         )
 
 
@@ -192,6 +201,57 @@ def spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
     return merges
 
 
+# llama.cpp does not take the GGUF's token types as final: at load it forces the CONTROL
+# attribute onto tokens whose TEXT looks like an end-of-turn / end-of-generation / FIM marker
+# (llama-vocab.cpp, "auto-detect special tokens by text"). Gemma 3 is affected: its "</s>" is
+# a USER_DEFINED token (an HTML strike-through tag) that llama.cpp turns into a control token,
+# so with `special=False` it is NOT split out of text, and it detokenizes to nothing.
+# (llama.cpp assigns the EOT/EOM/FIM roles to the first match only; every vocabulary seen
+# here has at most one candidate per role, and all EOT candidates are EOG candidates anyway.)
+_FORCED_CONTROL = frozenset(
+    {
+        # end of turn / generation
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+        "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+        "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+        # fill-in-the-middle
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+        "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>",
+        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|file_sep|>",
+    }
+)
+# ... and it forces these to USER_DEFINED (always split out, always rendered).
+_FORCED_USER = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+# Model names for which llama.cpp adds per-token strip attributes we do not reproduce.
+_REFUSED_NAMES = ("phi-3", "phi3")
+
+
+def effective_types(vocab: GGUFVocab) -> list[int]:
+    """Token types as llama.cpp's tokenizer actually treats them after its load-time fixes."""
+    kinds = vocab.types.tolist()
+    present = {text: i for i, text in enumerate(vocab.tokens)}
+    for text in _FORCED_CONTROL & present.keys():
+        if kinds[present[text]] != TYPE_UNKNOWN:
+            kinds[present[text]] = TYPE_CONTROL
+    for text in _FORCED_USER & present.keys():
+        kinds[present[text]] = TYPE_USER_DEFINED
+    # o200k_harmony / solar-open: "<|end|>" is demoted back when the turn markers exist.
+    has_call = "<|call|>" in present or "<|calls|>" in present
+    if "<|end|>" in present and has_call and ("<|return|>" in present or "<|flush|>" in present):
+        kinds[present["<|end|>"]] = TYPE_USER_DEFINED
+    # gemma4 / plamo: there "</s>" is an ordinary token.
+    if "</s>" in present and ("<|tool_response>" in present or "<|plamo:eos|>" in present):
+        kinds[present["</s>"]] = TYPE_NORMAL
+    return kinds
+
+
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
     if vocab.model != "llama":
@@ -199,13 +259,16 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
             f"tokenizer.ggml.model={vocab.model!r}: only SentencePiece-style 'llama' vocabularies "
             "are derived; refusing rather than tokenizing differently from llama.cpp"
         )
+    if any(n in vocab.name.lower() for n in _REFUSED_NAMES):
+        raise UnsupportedVocab(f"{vocab.name!r}: llama.cpp strips spaces around its special "
+                               "tokens by model name; not reproduced, so refused")
     known = set(vocab.tokens)
     if len(known) != len(vocab.tokens):
         # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
         raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
     missing_bytes = [b for b in range(256) if f"<0x{b:02X}>" not in known]
     if missing_bytes:
-        raise UnsupportedVocab(f"vocabulary lacks byte-fallback tokens for {len(missing_bytes)} bytes")
+        raise UnsupportedVocab(f"no byte-fallback tokens for {len(missing_bytes)} byte values")
 
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
     model = models.BPE(
@@ -226,7 +289,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     tok.pre_tokenizer = None  # SPM sees each fragment whole: no pre-splitting
 
     special, plain = [], []
-    for i, (text, kind) in enumerate(zip(vocab.tokens, vocab.types.tolist(), strict=True)):
+    for i, (text, kind) in enumerate(zip(vocab.tokens, effective_types(vocab), strict=True)):
         if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
             special.append((i, text))
         elif kind == TYPE_USER_DEFINED:
@@ -268,35 +331,16 @@ def _decoder(vocab: GGUFVocab) -> decoders.Decoder:
     return decoders.Sequence(steps)
 
 
-def set_parse_special(tok: Tokenizer, parse_special: bool) -> None:
-    """Match llama.cpp's `tokenize(..., special=parse_special)` for control tokens in text."""
-    tok.encode_special_tokens = not parse_special
-
-
 def write_tokenizer_json(gguf_path: str | Path, out_path: str | Path) -> Path:
-    """Derive the tokenizer from `gguf_path` and save it as `out_path` (a tokenizer.json)."""
-    vocab = GGUFVocab.read(gguf_path)
-    tok = build_tokenizer(vocab)
+    """Derive the tokenizer from `gguf_path` and save it as `out_path` (a tokenizer.json).
+
+    Matches `host.artifacts.store.TokenizerBuilder`. Written to a temp name then renamed, so
+    a crash never leaves a half-written tokenizer.json behind.
+    """
+    tok = build_tokenizer(GGUFVocab.read(gguf_path))
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tok.save(str(tmp))
-    # Record where it came from, beside HF's own keys (HF ignores unknown top-level keys? no:
-    # it rejects them), so provenance goes in a sidecar file instead.
     tmp.replace(out)
-    sidecar = out.with_name(out.stem + ".source.json")
-    sidecar.write_text(
-        json.dumps(
-            {
-                "derived_from": "gguf",
-                "gguf": str(Path(gguf_path).name),
-                "tokenizer_model": vocab.model,
-                "n_tokens": len(vocab.tokens),
-                "add_bos": vocab.add_bos,
-                "add_eos": vocab.add_eos,
-                "add_space_prefix": vocab.add_space_prefix,
-            },
-            indent=2,
-        )
-    )
     return out
