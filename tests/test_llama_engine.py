@@ -1,13 +1,11 @@
 """LlamaEngine in-process against real llama.cpp and real model files.
 
-Fidelity is checked against an independent numpy BERT forward (the certification reference
-when it exists, else the small one below); generation against llama-cpp-python's own
-high-level greedy loop on the same ids.
+Fidelity is checked against the certification reference (an independent fp32 numpy BERT);
+generation against llama-cpp-python's own high-level greedy loop on the same ids.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,9 +20,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from certification.reference.bert import BertReference
+from certification.reference.cross_encoder import build_test_cross_encoder
 from host.artifacts import ArtifactStore, convert_bert_dir
-from host.artifacts.safetensors_io import read_safetensors
-from tests.test_artifacts import build_small_cross_encoder
 from workers.engine import EngineError, NullProgress
 from workers.llama.engine import LlamaEngine, pack, sha256_file
 from workers.protocol import messages as m
@@ -38,83 +36,6 @@ SENTENCES = [
     "hello",
     "Die Katze sitzt auf der Matte und schläft.",
 ]
-
-
-# ---- an independent numpy BERT (used when certification/reference/bert.py is absent) ----
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    # Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): exact-GELU BERT without scipy.
-    s = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
-                                                                         + t * 1.061405429))))
-    return s * (1.0 - poly * np.exp(-a * a))
-
-
-def _ln(x: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * g + b
-
-
-class NumpyBert:
-    def __init__(self, model_dir: Path) -> None:
-        self.cfg = json.loads((model_dir / "config.json").read_text())
-        raw = read_safetensors(model_dir / "model.safetensors")
-        self.w = {k.removeprefix("bert."): np.asarray(v, dtype=np.float64) for k, v in raw.items()
-                  if v.dtype != np.int64}
-
-    def hidden(self, ids: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
-        w, c = self.w, self.cfg
-        eps, nh = c["layer_norm_eps"], c["num_attention_heads"]
-        types = np.zeros_like(ids) if types is None else types
-        x = (w["embeddings.word_embeddings.weight"][ids]
-             + w["embeddings.position_embeddings.weight"][: len(ids)]
-             + w["embeddings.token_type_embeddings.weight"][types])
-        x = _ln(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
-        n, h = x.shape
-        dh = h // nh
-        for i in range(c["num_hidden_layers"]):
-            p = f"encoder.layer.{i}."
-
-            def lin(t: np.ndarray, name: str, p: str = p) -> np.ndarray:
-                return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
-
-            q, k, v = (lin(x, f"attention.self.{n_}").reshape(n, nh, dh).transpose(1, 0, 2)
-                       for n_ in ("query", "key", "value"))
-            s = q @ k.transpose(0, 2, 1) / np.sqrt(dh)
-            s = np.exp(s - s.max(-1, keepdims=True))
-            s /= s.sum(-1, keepdims=True)
-            ctx = (s @ v).transpose(1, 0, 2).reshape(n, h)
-            x = _ln(x + lin(ctx, "attention.output.dense"),
-                    w[p + "attention.output.LayerNorm.weight"],
-                    w[p + "attention.output.LayerNorm.bias"], eps)
-            u = lin(x, "intermediate.dense")
-            u = 0.5 * u * (1.0 + _erf(u / np.sqrt(2.0)))
-            x = _ln(x + lin(u, "output.dense"), w[p + "output.LayerNorm.weight"],
-                    w[p + "output.LayerNorm.bias"], eps)
-        return x
-
-    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
-        out = np.stack([self.hidden(s).mean(0) for s in seqs])
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    def rank(self, ids: np.ndarray, types: np.ndarray | None = None) -> float:
-        cls = self.hidden(ids, types)[0]
-        pooled = np.tanh(cls @ self.w["pooler.dense.weight"].T + self.w["pooler.dense.bias"])
-        return float((pooled @ self.w["classifier.weight"].T + self.w["classifier.bias"])[0])
-
-
-def reference_embed(seqs: list[np.ndarray]) -> np.ndarray:
-    try:
-        from certification.reference.bert import BertReference
-    except ImportError:
-        return NumpyBert(MINILM).embed(seqs)
-    return np.asarray(
-        BertReference.from_dir(MINILM).embed(seqs, pooling="mean", normalize=True)
-    )
 
 
 # ---- fixtures --------------------------------------------------------------------------------
@@ -180,7 +101,7 @@ def test_embeddings_match_numpy_reference(engine, embedders, tokenizer, dtype: s
     seqs = [tokenizer.encode(s).ids for s in SENTENCES]
     got = _embed(engine, embedders[dtype], seqs)
     assert got.dtype == np.float32 and got.shape == (len(SENTENCES), 384)
-    want = reference_embed([np.asarray(s) for s in seqs])
+    want = BertReference.from_dir(MINILM).embed(seqs, pooling="mean", normalize=True)
     cos = np.sum(got * want, axis=1)
     assert np.all(cos >= 0.9999), cos
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
@@ -189,7 +110,7 @@ def test_embeddings_match_numpy_reference(engine, embedders, tokenizer, dtype: s
 def test_unnormalized_embeddings_are_mean_pooled(engine, embedders, tokenizer) -> None:
     seqs = [tokenizer.encode(s).ids for s in SENTENCES[:2]]
     raw = _embed(engine, embedders["f32"], seqs, normalize=False)
-    want = np.stack([NumpyBert(MINILM).hidden(np.asarray(s)).mean(0) for s in seqs])
+    want = BertReference.from_dir(MINILM).embed(seqs, pooling="mean", normalize=False)
     np.testing.assert_allclose(raw, want, rtol=0, atol=2e-3)
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
 
@@ -389,7 +310,7 @@ def test_unload(engine, store) -> None:
 @pytest.fixture(scope="module")
 def cross_encoder(engine, tmp_path_factory) -> tuple[str, Path, Tokenizer]:
     d = tmp_path_factory.mktemp("ce")
-    src = build_small_cross_encoder(d / "src")
+    src = build_test_cross_encoder(d / "src", seed=0)
     convert_bert_dir(src, d / "ce.gguf", "f32")
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.no_padding()
@@ -411,12 +332,12 @@ def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> No
     assert len(set(scores.tolist())) == 3
     # The pair is [CLS] q [SEP] d [SEP]. llama.cpp gives every position token type 0 (HF
     # would mark segment B with type 1): the scores match the type-0 forward, not the other.
-    # (The random 1x384 head amplifies llama.cpp's GELU/attention rounding, hence rel 3e-3.)
-    bert = NumpyBert(src)
+    # (The random head amplifies llama.cpp's GELU/attention rounding, hence rel 3e-3.)
+    bert = BertReference.from_dir(src)
     for d, s in zip(docs, scores, strict=True):
-        pair = np.asarray([101, *query, 102, *d, 102])
-        type0 = bert.rank(pair)
-        typed = bert.rank(pair, np.asarray([0] * (len(query) + 2) + [1] * (len(d) + 1)))
+        pair = [101, *query, 102, *d, 102]
+        type0 = float(bert.score(pair, [0] * len(pair)))
+        typed = float(bert.score(pair, [0] * (len(query) + 2) + [1] * (len(d) + 1)))
         assert s == pytest.approx(type0, rel=3e-3)
         assert abs(s - type0) < abs(s - typed)
     # Validation: an empty candidate and an over-long pair are refused, nothing breaks.
