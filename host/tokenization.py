@@ -79,6 +79,8 @@ class RerankSegments:
 
 
 class Tokenizer:
+    """Owns `tok`: its padding/truncation are switched off and its special-token parsing set."""
+
     def __init__(
         self,
         tok: tokenizers.Tokenizer,
