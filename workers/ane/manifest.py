@@ -1,0 +1,424 @@
+"""The owned Core ML model format: a Hugging Face BERT-family directory ingested once into
+
+    <artifact>/manifest.json        what the graph builder needs, and digests of everything
+    <artifact>/weights.safetensors  the tensors the head uses, canonical names, float32
+    <artifact>/tokenizer.json       copied verbatim (the host tokenizes with it)
+
+`manifest_digest` is the sha256 of the canonical JSON of the manifest body (sorted keys, no
+whitespace, UTF-8): it covers the model config, the head and the sha256 of every tensor and of
+the tokenizer, so two artifacts with the same digest build the same graph. It is what HELLO
+advertises, what LOAD's `artifact_digest` must equal, and the first field of a compile-cache key.
+
+`load_manifest` re-verifies the body digest, the tokenizer and every tensor digest, and raises a
+typed `ManifestError` (code `artifact_invalid`) on any mismatch: a worker never builds a graph
+from weights other than the ones the digest names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+FORMAT = "coreml-owned"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+WEIGHTS_NAME = "weights.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+
+HeadType = Literal["embed_mean", "cross_encoder"]
+
+
+class ManifestError(Exception):
+    """The artifact is unusable; `code` is the worker error code it maps to."""
+
+    code = "artifact_invalid"
+
+
+class WeightDigestMismatch(ManifestError):
+    def __init__(self, name: str, expected: str, actual: str) -> None:
+        super().__init__(f"tensor {name!r}: sha256 {actual[:16]}... != manifest {expected[:16]}...")
+        self.tensor = name
+
+
+class UnsupportedModel(ManifestError):
+    """A well-formed checkpoint this builder does not implement (refused, never guessed at)."""
+
+    code = "unsupported"
+
+
+# ---- manifest body -------------------------------------------------------------------------
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_positions: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+    max_seq_length: int  # sentence-transformers' default truncation (<= max_positions)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: HeadType
+    pooling: Literal["mean", "cls"]  # mean for embed_mean; cls ([CLS] -> pooler) for cross_encoder
+    normalize: bool  # default L2 normalisation of embeddings (requests may override)
+    num_labels: int  # 0 for embedders
+
+
+class FileRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    file: str
+    sha256: str
+
+
+class TensorRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[int]
+    sha256: str
+
+
+class ManifestBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format: str
+    format_version: int
+    config: ModelConfig
+    head: Head
+    tokenizer: FileRecord
+    weights_file: str  # safetensors; integrity is per tensor (`tensors`)
+    tensors: dict[str, TensorRecord]
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """A verified manifest and where its artifact lives."""
+
+    dir: str
+    digest: str
+    body: ManifestBody
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.body.config
+
+    @property
+    def head(self) -> Head:
+        return self.body.head
+
+    @property
+    def weights_path(self) -> Path:
+        return Path(self.dir) / self.body.weights_file
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.dir) / self.body.tokenizer.file
+
+    def load_weights(self, verify: bool = True) -> dict[str, np.ndarray]:
+        """Every tensor, float32, re-checked against its digest unless `verify=False`."""
+        return _read_tensors(self.weights_path, self.body.tensors if verify else None)
+
+
+def canonical_json(obj: object) -> bytes:
+    return json.dumps(
+        msgspec.to_builtins(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode("utf-8")
+
+
+def digest_of(body: ManifestBody) -> str:
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+# ---- ingest ----------------------------------------------------------------------------------
+
+
+def _layer_names(i: int) -> list[str]:
+    p = f"encoder.layer.{i}."
+    names = []
+    for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                 "attention.output.dense", "intermediate.dense", "output.dense"):
+        names += [f"{p}{part}.weight", f"{p}{part}.bias"]
+    for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+        names += [f"{p}{ln}.weight", f"{p}{ln}.bias"]
+    return names
+
+
+def required_tensors(config: ModelConfig, head: Head) -> list[str]:
+    names = [
+        "embeddings.word_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+        "embeddings.token_type_embeddings.weight",
+        "embeddings.LayerNorm.weight",
+        "embeddings.LayerNorm.bias",
+    ]
+    for i in range(config.num_layers):
+        names += _layer_names(i)
+    if head.type == "cross_encoder":
+        names += ["pooler.dense.weight", "pooler.dense.bias", "classifier.weight",
+                  "classifier.bias"]
+    return names
+
+
+def _canonical_name(name: str) -> str:
+    # HF BertForSequenceClassification nests the encoder under "bert."; the original TF port
+    # names LayerNorm parameters gamma/beta.
+    if name.startswith("bert."):
+        name = name[len("bert."):]
+    if name.endswith("LayerNorm.gamma"):
+        name = name[: -len("gamma")] + "weight"
+    elif name.endswith("LayerNorm.beta"):
+        name = name[: -len("beta")] + "bias"
+    return name
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path.name}: {e}") from e
+
+
+def _config_from_hf(src: Path) -> ModelConfig:
+    cfg = _read_json(src / "config.json")
+    arch = (cfg.get("architectures") or ["BertModel"])[0]
+    if cfg.get("model_type", "bert") != "bert" or arch not in (
+        "BertModel", "BertForSequenceClassification"
+    ):
+        raise UnsupportedModel(f"model_type={cfg.get('model_type')!r} / {arch}: BERT only")
+    if cfg.get("hidden_act", "gelu") != "gelu":
+        raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: exact (erf) GELU only")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModel("only absolute position embeddings are implemented")
+    max_pos = int(cfg.get("max_position_embeddings", 512))
+    st_cfg = src / "sentence_bert_config.json"
+    max_seq = int(_read_json(st_cfg).get("max_seq_length", max_pos)) if st_cfg.exists() else max_pos
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=int(cfg["num_attention_heads"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        max_positions=max_pos,
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        hidden_act="gelu",
+        pad_token_id=int(cfg.get("pad_token_id") or 0),
+        max_seq_length=min(max_seq, max_pos),
+    )
+    if config.hidden_size % config.num_heads:
+        raise UnsupportedModel("hidden_size is not a multiple of num_attention_heads")
+    if not 1 <= config.type_vocab_size <= 2:
+        # The graph adds token types arithmetically (type 0 + tt * (type 1 - type 0)).
+        raise UnsupportedModel(f"type_vocab_size={config.type_vocab_size}: 1 or 2 supported")
+    return config
+
+
+def _head_from_hf(src: Path, config: ModelConfig) -> Head:
+    if config.architecture == "BertForSequenceClassification":
+        cfg = _read_json(src / "config.json")
+        labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {"0": "LABEL_0"}))
+        return Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
+    pooling_cfg = src / "1_Pooling" / "config.json"
+    if pooling_cfg.exists():
+        p = _read_json(pooling_cfg)
+        other = [k for k, v in p.items() if k.startswith("pooling_mode_") and v
+                 and k != "pooling_mode_mean_tokens"]
+        if not p.get("pooling_mode_mean_tokens") or other:
+            raise UnsupportedModel(f"pooling {other or 'none'}: only mean pooling is built")
+    modules = src / "modules.json"
+    normalize = modules.exists() and any(
+        str(mod.get("type", "")).endswith(".Normalize") for mod in _read_json(modules)
+    )
+    return Head(type="embed_mean", pooling="mean", normalize=normalize, num_labels=0)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tensor_digest(arr: np.ndarray) -> str:
+    """sha256 of the tensor's little-endian bytes in C order (dtype and shape are recorded
+    beside it)."""
+    data = np.ascontiguousarray(arr)
+    if data.dtype.byteorder == ">":
+        data = data.byteswap().view(data.dtype.newbyteorder("<"))
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def _load_hf_tensors(src: Path, wanted: list[str]) -> dict[str, np.ndarray]:
+    path = src / "model.safetensors"
+    if not path.exists():
+        raise ManifestError(f"{src}: no model.safetensors")
+    out: dict[str, np.ndarray] = {}
+    try:
+        with safe_open(str(path), "np") as f:
+            for name in f.keys():
+                canon = _canonical_name(name)
+                if canon in wanted:
+                    out[canon] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+    except Exception as e:  # safetensors raises its own error types for damaged headers
+        raise ManifestError(f"model.safetensors: {e}") from e
+    missing = [n for n in wanted if n not in out]
+    if missing:
+        raise ManifestError(f"model.safetensors lacks {missing[:3]} ({len(missing)} missing)")
+    return out
+
+
+def _check_shapes(config: ModelConfig, head: Head, t: dict[str, np.ndarray]) -> None:
+    h, inter = config.hidden_size, config.intermediate_size
+    expect = {
+        "embeddings.word_embeddings.weight": (config.vocab_size, h),
+        "embeddings.position_embeddings.weight": (config.max_positions, h),
+        "embeddings.token_type_embeddings.weight": (config.type_vocab_size, h),
+        "encoder.layer.0.intermediate.dense.weight": (inter, h),
+        "encoder.layer.0.output.dense.weight": (h, inter),
+    }
+    if head.type == "cross_encoder":
+        expect["classifier.weight"] = (head.num_labels, h)
+    for name, shape in expect.items():
+        if t[name].shape != shape:
+            raise ManifestError(f"{name}: shape {t[name].shape}, config implies {shape}")
+
+
+def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str, np.ndarray]]:
+    """The manifest body and canonical tensors of a HF directory (nothing written)."""
+    src = Path(src_dir)
+    config = _config_from_hf(src)
+    head = _head_from_hf(src, config)
+    tok = src / TOKENIZER_NAME
+    if not tok.exists():
+        raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
+    tensors = _load_hf_tensors(src, required_tensors(config, head))
+    _check_shapes(config, head, tensors)
+    records = {
+        name: TensorRecord(dtype="float32", shape=list(arr.shape), sha256=tensor_digest(arr))
+        for name, arr in sorted(tensors.items())
+    }
+    body = ManifestBody(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        config=config,
+        head=head,
+        tokenizer=FileRecord(file=TOKENIZER_NAME, sha256=sha256_file(tok)),
+        weights_file=WEIGHTS_NAME,
+        tensors=records,
+    )
+    return body, tensors
+
+
+def ingest_owned(src_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Manifest:
+    """Ingest a HF BERT directory into the owned format at `out_dir` (atomically: built in a
+    sibling temp dir, then renamed). An existing artifact at `out_dir` with the same digest is
+    verified and reused; anything else already there is an error."""
+    src, out = Path(src_dir), Path(out_dir)
+    body, tensors = build_body(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weights = tmp / WEIGHTS_NAME
+        save_file(tensors, str(weights), metadata={"format": FORMAT})
+        shutil.copyfile(src / TOKENIZER_NAME, tmp / TOKENIZER_NAME)
+        digest = digest_of(body)
+        doc = msgspec.to_builtins(body) | {"manifest_digest": digest}
+        (tmp / MANIFEST_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        for p in (weights, tmp / TOKENIZER_NAME, tmp / MANIFEST_NAME):
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if out.exists() and any(out.iterdir()):
+            existing = load_manifest(out)
+            if existing.digest != digest:
+                raise ManifestError(f"{out} holds another artifact ({existing.digest[:12]})")
+            return existing
+        # mkdtemp and safetensors create owner-only modes; an artifact is plain readable data.
+        os.chmod(tmp, 0o755)
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_manifest(out, verify_weights=False)  # just written from verified tensors
+
+
+# ---- load and verify -------------------------------------------------------------------------
+
+
+def _read_tensors(
+    path: Path, records: dict[str, TensorRecord] | None
+) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    try:
+        with safe_open(str(path), "np") as f:
+            names = set(f.keys())
+            if records is not None and names != set(records):
+                extra, missing = sorted(names - set(records)), sorted(set(records) - names)
+                raise ManifestError(f"weights: tensors differ from manifest "
+                                    f"(extra {extra[:3]}, missing {missing[:3]})")
+            for name in sorted(names):
+                arr = f.get_tensor(name)
+                if records is not None:
+                    rec = records[name]
+                    if str(arr.dtype) != rec.dtype or list(arr.shape) != rec.shape:
+                        raise ManifestError(f"tensor {name!r}: {arr.dtype}{list(arr.shape)} "
+                                            f"!= manifest {rec.dtype}{rec.shape}")
+                    actual = tensor_digest(arr)
+                    if actual != rec.sha256:
+                        raise WeightDigestMismatch(name, rec.sha256, actual)
+                out[name] = arr.astype(np.float32, copy=False)
+    except ManifestError:
+        raise
+    except Exception as e:
+        raise ManifestError(f"{path.name}: {e}") from e
+    return out
+
+
+_body_decoder = msgspec.json.Decoder(ManifestBody)
+
+
+def load_manifest(dir: str | os.PathLike[str], *, verify_weights: bool = True) -> Manifest:
+    """Read and verify `<dir>/manifest.json`: body digest, tokenizer digest and (unless
+    `verify_weights=False`) every tensor's digest. Raises `ManifestError` subclasses."""
+    d = Path(dir)
+    raw = _read_json(d / MANIFEST_NAME)
+    stored = raw.pop("manifest_digest", None)
+    try:
+        body = _body_decoder.decode(json.dumps(raw))
+    except msgspec.ValidationError as e:
+        raise ManifestError(f"manifest.json: {e}") from e
+    if body.format != FORMAT or body.format_version != FORMAT_VERSION:
+        raise ManifestError(f"format {body.format!r} v{body.format_version}: "
+                            f"expected {FORMAT!r} v{FORMAT_VERSION}")
+    digest = digest_of(body)
+    if stored != digest:
+        raise ManifestError(f"manifest_digest {str(stored)[:16]}... does not match its body "
+                            f"({digest[:16]}...)")
+    manifest = Manifest(dir=str(d.absolute()), digest=digest, body=body)
+    tok = manifest.tokenizer_path
+    if not tok.exists() or sha256_file(tok) != body.tokenizer.sha256:
+        raise ManifestError(f"{body.tokenizer.file}: missing or digest mismatch")
+    if not manifest.weights_path.exists():
+        raise ManifestError(f"{body.weights_file}: missing")
+    if verify_weights:
+        _read_tensors(manifest.weights_path, body.tensors)
+    return manifest
