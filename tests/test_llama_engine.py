@@ -138,6 +138,22 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
         engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
 
 
+def test_default_n_seq_max_fits_llama_cpp_reservation(engine, store, tokenizer) -> None:
+    # llama.cpp aborts at context creation unless n_seq_max divides the reserved token count
+    # (here 100); the default must pick a divisor, an explicit bad value is refused.
+    path = store.get("minilm-l6-v2").artifact_path
+    ref = _load(engine, path, "mini-odd", n_batch=100).model_ref
+    try:
+        assert engine._models[ref].n_seq_max == 50
+        seqs = [tokenizer.encode(s).ids for s in SENTENCES]
+        assert _embed(engine, ref, seqs).shape == (len(SENTENCES), 384)
+    finally:
+        engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+    with pytest.raises(EngineError) as e:
+        _load(engine, path, "mini-odd", n_batch=100, n_seq_max=64)
+    assert e.value.code == "config_invalid" and "divide" in e.value.msg
+
+
 def test_pack_respects_limits() -> None:
     assert pack([3, 3, 3, 3], 6, 8) == [[0, 1], [2, 3]]
     assert pack([1] * 5, 100, 2) == [[0, 1], [2, 3], [4]]
