@@ -307,3 +307,18 @@ def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.delenv("SYNAPSE_CACHE_DIR")
     assert default_root().name == "models" and "synapse" in str(default_root())
     assert os.path.isabs(default_root())
+
+
+def test_host_artifacts_never_import_llama_cpp() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, host.artifacts, host.artifacts.store, host.artifacts.bert_to_gguf;"
+        "print('llama_cpp' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
