@@ -225,3 +225,42 @@ async def test_deadline_on_module_calls(store_root, short_runtime_dir):
             await mod.generate("Tell me a long story about", max_tokens=64, deadline_s=0.01)
         result = await asyncio.wait_for(mod.generate("Hello", max_tokens=4), 60)
         assert result.n_gen >= 1
+
+
+# ---- cross-encoder rerank -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cross_encoder(store_root, tmp_path_factory) -> Path:
+    """The TEST cross-encoder (MiniLM + seeded head): numerical fidelity only, no relevance."""
+    from certification.reference.cross_encoder import build_test_cross_encoder
+
+    path = build_test_cross_encoder(tmp_path_factory.mktemp("xenc") / "test-xenc", seed=0)
+    store = ArtifactStore(store_root)
+    store.ingest_hf_dir(path, name="test-xenc-f16", dtype="f16")
+    store.ingest_hf_dir(path, name="test-xenc-f32", dtype="f32")
+    return path
+
+
+@pytest.mark.parametrize("model", ["test-xenc-f32", "test-xenc-f16"])
+async def test_rerank_fidelity_against_the_reference(
+    store_root, short_runtime_dir, cross_encoder, model
+):
+    query = "Where do cats like to sleep?"
+    docs = list(corpus())[:60:2] + ["word " * 600]  # includes one that must be truncated
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        result = await mod.rerank(query, docs, model=model)
+        seg = mod._served[model].tokenizer.rerank_segments(query, docs, truncate=True)
+    assert result.method == "cross-encoder" and len(result.results) == len(docs)
+    scores = dict(result.results)
+    cls_id, sep_id = 101, 102
+    pairs = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]) for d in seg.docs]
+    ref = BertReference.from_dir(cross_encoder).score_many(
+        pairs, [np.zeros(len(p), np.int64) for p in pairs]  # token types 0, as llama.cpp's BERT
+    )
+    err = np.abs(np.array([scores[i] for i in range(len(docs))]) - ref)
+    assert err.max() <= 2e-3, (model, float(err.max()))
+    assert err.max() <= 0.02 * ref.std()  # and small against the spread of the scores
+    ranked = [i for i, _ in result.results]
+    assert sorted(ranked) == list(range(len(docs)))
+    assert all(scores[a] >= scores[b] for a, b in zip(ranked, ranked[1:]))

@@ -245,10 +245,10 @@ def test_cross_encoder_scores_vary_and_depend_on_token_types(cross_dir: Path) ->
     pairs = tok.encode_pairs("How do I bake bread?", docs, truncate=True)
     scores = ref.score_many(pairs.ids, pairs.token_type_ids)
     assert scores.shape == (len(docs),) and scores.dtype == np.float32
-    assert scores.std() > 0.3  # spread far above fp16 noise
+    assert scores.std() > 0.1  # spread far above fp16 noise and the lanes' tolerances
     one = np.array([ref.score(i, t) for i, t in zip(pairs.ids, pairs.token_type_ids, strict=True)])
     assert np.abs(one - scores).max() < 1e-5
-    assert np.abs(ref.score_many(pairs.ids) - scores).max() > 0.05  # token types matter
+    assert np.abs(ref.score_many(pairs.ids) - scores).max() > 0.02  # token types matter
 
 
 # -- refusals ---------------------------------------------------------------------------------
