@@ -200,6 +200,28 @@ class Module:
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
         return EmbedResult(vectors, usage, served.record.name, encoded.truncated)
 
+    async def tokenizer(self, model: str | None = None) -> Tokenizer:
+        """The module-side tokenizer of `model` (loading it if needed)."""
+        return (await self._get(model, DEFAULT_EMBED)).tokenizer
+
+    async def embed_token_ids(
+        self,
+        ids: list[np.ndarray],
+        model: str | None = None,
+        normalize: bool = True,
+        deadline_s: float | None = None,
+    ) -> np.ndarray:
+        """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
+        the caller admitted them."""
+        served = await self._get(model, DEFAULT_EMBED, "embed")
+        return await self._embed_ids(served, ids, normalize, deadline_s)
+
+    def lanes(self) -> dict[str, Lane]:
+        return {name: s.lane for name, s in self._served.items()}
+
+    def dims(self, model: str) -> int:
+        return self._served[model].dims
+
     async def _embed_ids(
         self,
         served: _Served,
