@@ -202,11 +202,12 @@ def test_unsafe_flag_lets_a_real_ggml_assert_through(store, tmp_path) -> None:
         e = LlamaEngine()
         p = {str(path)!r}
         e.load(m.LOAD(req_id=1, artifact_path=p, artifact_digest=sha256_file(p), format="gguf",
-                      runtime_config={{"model_ref": "x", "n_batch": 512, "n_ubatch": 128,
-                                       "n_threads": 1}}), NullProgress())
-        req = m.EMBED_BATCH(req_id=2, model_ref="x", items=[m.EmbedItem(id=0, n_tokens=300)])
+                      runtime_config={{"model_ref": "x", "n_ctx": 512, "n_threads": 1}}),
+               NullProgress())
+        # 600 tokens: over n_batch = n_ubatch = 512 (the defaults) and over BERT's positions.
+        req = m.EMBED_BATCH(req_id=2, model_ref="x", items=[m.EmbedItem(id=0, n_tokens=600)])
         try:
-            e.embed(req, np.full(300, 1000, np.int32), NullProgress())
+            e.embed(req, np.full(600, 1000, np.int32), NullProgress())
         except EngineError as err:
             print("REFUSED", err.code, flush=True)
             raise SystemExit(0)

@@ -108,6 +108,7 @@ class _Model:
     causal: bool
     n_cls_out: int
     arch: str
+    capacity: int  # llama_batch slots: n_batch plus headroom (see _make_context)
     # Token views into the llama_batch (filled with numpy, not per-token ctypes calls).
     tok: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
     pos: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
@@ -416,7 +417,10 @@ class LlamaEngine(Engine):
                     "config_invalid", f"llama.cpp resolved pooling {got_pooling}, not {pooling}"
                 )
             n = int(llama_cpp.llama_n_batch(ctx))
-            batch = llama_cpp.llama_batch_init(n, 0, 1)
+            # Headroom beyond n_batch: with validation off, an oversized decode must reach
+            # llama.cpp intact (and trip its own assert) instead of being cut short here.
+            capacity = max(2 * n, 4096)
+            batch = llama_cpp.llama_batch_init(capacity, 0, 1)
         except BaseException:
             llama_cpp.llama_free(ctx)
             raise
@@ -441,8 +445,9 @@ class LlamaEngine(Engine):
             causal=causal,
             n_cls_out=n_cls_out,
             arch=hdr.architecture,
+            capacity=capacity,
         )
-        mdl.tok, mdl.pos, mdl.nsid, mdl.out = _batch_views(batch, n)
+        mdl.tok, mdl.pos, mdl.nsid, mdl.out = _batch_views(batch, capacity)
         return mdl
 
     # ---- internals: requests -----------------------------------------------------------------
@@ -497,8 +502,8 @@ class LlamaEngine(Engine):
             for seq_id, idx in enumerate(group):
                 s = seqs[idx]
                 k = len(s)
-                if n + k > mdl.n_batch:  # unsafe mode only: never write past the batch
-                    k = mdl.n_batch - n
+                if n + k > mdl.capacity:  # unsafe mode only: never write past the batch
+                    k = mdl.capacity - n
                 mdl.tok[n : n + k] = s[:k]
                 mdl.pos[n : n + k] = np.arange(k, dtype=np.int32)
                 mdl.nsid[n : n + k] = 1
