@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from host.artifacts.errors import ArtifactError
@@ -78,10 +79,10 @@ def _run(coro) -> int:
     try:
         return asyncio.run(coro)
     except SynapseError as exc:
-        err_console.print(f"error[{exc.code}]: {exc.message}")
+        err_console.print(escape(f"error[{exc.code}]: {exc.message}"))
         return 2 if exc.http_status < 500 else 3
     except ArtifactError as exc:
-        err_console.print(f"error[{exc.code}]: {exc}")
+        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
         return 2
 
 
@@ -129,7 +130,7 @@ def _models_ingest(args: argparse.Namespace) -> int:
             rec = _store().ingest_hf_dir(args.path, name=args.name, dtype=args.dtype)
             console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     except ArtifactError as exc:
-        err_console.print(f"error[{exc.code}]: {exc}")
+        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
         return 2
     return _models_ls(argparse.Namespace(json=False))
 
@@ -138,7 +139,7 @@ def _models_rm(args: argparse.Namespace) -> int:
     try:
         _store().rm(args.name)
     except ArtifactError as exc:
-        err_console.print(f"error[{exc.code}]: {exc}")
+        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
         return 2
     return 0
 

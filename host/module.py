@@ -106,9 +106,9 @@ class Module:
             try:
                 record = self.store.get(name)
             except ArtifactNotFound as exc:
-                raise ModelNotFound(str(exc), model=name) from None
+                raise ModelNotFound(exc.msg, model=name) from None
             except ArtifactError as exc:
-                raise ConfigInvalid(f"model {name!r}: {exc}") from None
+                raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
             tokenizer = self._tokenizer(record)
             lane = Lane(
                 LaneConfig(

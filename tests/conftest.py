@@ -18,3 +18,19 @@ def short_runtime_dir():
     path = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def synapse_cache_dir(tmp_path_factory):
+    """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
+    from host.artifacts.store import ArtifactStore
+    from host.gguf_vocab import write_tokenizer_json
+
+    cache = tmp_path_factory.mktemp("synapse-cache")
+    ArtifactStore(cache / "models").ingest_default(tokenizer_builder=write_tokenizer_json)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def store_root(synapse_cache_dir) -> str:
+    return str(synapse_cache_dir / "models")

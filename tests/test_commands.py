@@ -1,0 +1,61 @@
+"""The CLI as a user runs it: real subprocesses, real workers, a private cache dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+
+def synapse(cache_dir, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir)}
+    return subprocess.run(
+        [sys.executable, "-m", "host.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_models_ls_json(synapse_cache_dir):
+    proc = synapse(synapse_cache_dir, "models", "ls", "--json")
+    assert proc.returncode == 0, proc.stderr
+    names = {m["name"] for m in json.loads(proc.stdout)}
+    assert {"minilm-l6-v2", "minilm-l6-v2-f32", "gemma3-270m"} <= names
+
+
+def test_embed_json_prints_unit_vectors(synapse_cache_dir):
+    proc = synapse(synapse_cache_dir, "embed", "--json", "hello world", "bonjour")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    vectors = np.array(out["data"])
+    assert vectors.shape == (2, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    assert out["usage"]["total_tokens"] > 4
+
+
+def test_typed_error_exit_code(synapse_cache_dir):
+    proc = synapse(synapse_cache_dir, "embed", "--model", "nope", "x")
+    assert proc.returncode == 2
+    assert "error[model_not_found]" in proc.stderr
+
+
+def test_generate_with_grammar_file(synapse_cache_dir, tmp_path):
+    grammar = tmp_path / "yn.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    proc = synapse(
+        synapse_cache_dir,
+        "generate",
+        "Is fire hot?",
+        "--max-tokens",
+        "4",
+        "--grammar",
+        str(grammar),
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] in ("yes", "no")
