@@ -16,6 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="supervise real worker processes through real faults")
     demo.set_defaults(func=_demo)
 
+    doctor = sub.add_parser("doctor", help="what this machine can run")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=lambda args: _doctor(args.json))
+
     from host.commands import add_model_commands
 
     add_model_commands(sub)
@@ -33,6 +37,12 @@ def _demo(args: argparse.Namespace) -> int:
     from host.demo import main as demo_main
 
     return demo_main()
+
+
+def _doctor(as_json: bool) -> int:
+    from host.doctor import main as doctor_main
+
+    return doctor_main(as_json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,3 +59,14 @@ def test_generate_with_grammar_file(synapse_cache_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"] in ("yes", "no")
+
+
+def test_doctor_reports_what_runs_here(synapse_cache_dir):
+    proc = synapse(synapse_cache_dir, "doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["llama_cpp"]["available"] and report["llama_cpp"]["build_flags"]
+    assert "reference" in report["ane_backends"]
+    if sys.platform != "darwin":
+        assert report["coreml"]["runtime"] is False and "macOS" in report["coreml"]["reason"]
+        assert report["ane_backends"] == ["reference"]
