@@ -226,7 +226,11 @@ class _Graph:
         # Block-diagonal mask (B, S_k, 1, S_q): a query sees the keys of its own segment and
         # never padding (segment 0).
         allowed = mb.logical_and(x=mb.equal(x=seg_k, y=seg_q), y=mb.not_equal(x=seg_k, y=0.0))
-        bias = mb.select(cond=allowed, a=np.float32(0.0), b=np.float32(MASK_BIAS))
+        # As a 0/1 fp16 tensor, then the same (m - 1) * 1e4 as the unpacked mask. (Not
+        # select(allowed, 0, -1e4): coremltools types select by a and b only, so scalar
+        # branches would declare a scalar output for a (B, S, 1, S) result.)
+        allowed = mb.cast(x=allowed, dtype="fp32")
+        bias = mb.mul(x=mb.sub(x=allowed, y=1.0), y=-MASK_BIAS)
         # One-hot segment membership (B, S, K) against the constants 1..K.
         ids = np.arange(1, s.max_segments + 1, dtype=np.float32).reshape(1, 1, -1)
         onehot = mb.cast(

@@ -21,7 +21,9 @@ rounding. Integer and bool tensors keep their MIL dtype.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -651,6 +653,12 @@ def _to_storage(arr: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=target)
 
 
+# Constants shared by every loaded program in the process: the shapes of one model carry the
+# same weights, which would otherwise be held once per loaded shape.
+_INTERNED: weakref.WeakValueDictionary[tuple, np.ndarray] = weakref.WeakValueDictionary()
+_INTERN_MIN_BYTES = 1 << 12
+
+
 def _const_array(var: object) -> np.ndarray:
     name = _dtype_name(var)
     val = var.val  # type: ignore[attr-defined]
@@ -661,7 +669,13 @@ def _const_array(var: object) -> np.ndarray:
         raise UnsupportedOp("const", f"dtype {name}")
     arr = np.array(val, dtype=target)  # fp16 -> float32 is exact
     arr.setflags(write=False)  # shared by every run: an in-place op on it would be a bug
-    return arr
+    if arr.nbytes < _INTERN_MIN_BYTES:
+        return arr
+    key = (arr.dtype.str, arr.shape, hashlib.blake2b(arr.data, digest_size=20).digest())
+    shared = _INTERNED.get(key)
+    if shared is None:
+        _INTERNED[key] = shared = arr
+    return shared
 
 
 def load_executor(path: str | os.PathLike[str], function_name: str = "main") -> CompiledProgram:

@@ -1,0 +1,58 @@
+"""LOAD's `runtime_config` for the Core ML engine, validated strictly.
+
+Unknown keys and wrong types are refused (`config_invalid`), never ignored: a typo such as
+`max_loaded_shape` must not silently run with the default budget.
+
+    model_ref          name the host addresses the model by (default: the artifact dir's name)
+    backend            "reference" (numpy executor; default off macOS) | "coreml" (macOS only)
+    shapes             shapes compiled and loaded during LOAD (default DEFAULT_SHAPES); each
+                       {rows, seq_len, packed?, max_segments?}; [] admits nothing
+    max_loaded_shapes  loaded-shape budget: admitting beyond it evicts the least recently
+                       used shape (default 4)
+    max_rows           largest admissible rows per shape (default 64)
+    max_shape_tokens   largest admissible rows * seq_len (default 8192)
+    cache_root         compile-cache directory (default: compile_cache.default_root())
+    cache_budget_bytes compile-cache byte budget for its LRU gc (default: the cache's default)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+Backend = Literal["reference", "coreml"]
+
+
+class ShapeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    rows: PosInt
+    seq_len: PosInt
+    packed: bool = False
+    max_segments: PosInt | None = None
+
+
+# Served out of the box: short inputs in 128-token rows, and long ones up to the model's
+# default truncation (`max_seq_length`, substituted at LOAD for seq_len 0 here).
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((8, 128), (4, 0))
+
+
+class AneRuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    model_ref: str | None = None
+    backend: Backend | None = None
+    shapes: list[ShapeSpec] | None = None
+    max_loaded_shapes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    max_rows: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    max_shape_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 8192
+    cache_root: str | None = None
+    cache_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+def parse_runtime_config(raw: object) -> AneRuntimeConfig:
+    """Raise ValueError with a readable reason on any unknown key or bad value."""
+    if not isinstance(raw, dict):
+        raise ValueError("runtime_config must be an object")
+    try:
+        return msgspec.convert(raw, AneRuntimeConfig, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(str(e)) from e

@@ -1,0 +1,391 @@
+"""`AneEngine`: the Core ML (Neural Engine) engine over the owned BERT graph.
+
+One model per engine (HELLO advertises one manifest digest). The model's compiled shapes are
+admitted explicitly (ADMIT_SHAPE, or the `shapes` list of LOAD's runtime_config), compiled
+through the content-addressed compile cache, loaded into a backend and kept under a
+loaded-shape budget that evicts the least recently used shape. Inference packs the request's
+sequences into the loaded shapes (`packing.plan`), runs one shape-sized chunk of rows at a
+time and reports PROGRESS after each.
+
+    AneEngine(artifact=None, *, backend=None, cache_root=None, build_options=None)
+    AneEngine.from_argv(["--artifact", PATH, "--backend", "reference", "--cache-root", DIR])
+
+`artifact` (the owned-format directory) lets HELLO carry `manifest_digest` before LOAD;
+`backend` / `cache_root` are defaults that LOAD's runtime_config overrides; `build_options`
+is the test-only graph degradation of `builder.BuildOptions` (certification tests).
+
+Error mapping: manifest problems -> `artifact_invalid` (or `unsupported` for a model the builder
+does not implement); bad runtime_config -> `config_invalid`; a shape over the configured
+limits or no loaded shape that fits an item -> `shape_unsupported`; a failed conversion, or an
+op the backend cannot execute (`UnsupportedOp`) -> `compile_failed` naming it. After any of
+these the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from compile_cache import CompileCache, CompileCacheError, default_root
+from compile_cache.paths import default_budget
+from workers.ane.backends import BackendUnavailable, ShapeRunner, default_backend, open_runner
+from workers.ane.builder import KERNEL_REVISION, BuildOptions
+from workers.ane.compiler import CompiledShape, compile_shape
+from workers.ane.config import DEFAULT_SHAPES, AneRuntimeConfig, parse_runtime_config
+from workers.ane.ct_quiet import COREMLTOOLS_VERSION
+from workers.ane.executor import PackageError, UnsupportedOp
+from workers.ane.manifest import FORMAT, Manifest, ManifestError, load_manifest
+from workers.ane.packing import NoShapeFits, feeds_for, gather_rows, plan
+from workers.ane.shapes import Shape
+from workers.engine import Engine, EngineError, Progress
+from workers.protocol import messages as m
+
+log = logging.getLogger("synapse.ane")
+
+ENGINE_NAME = "coreml-ane"
+MAX_SEGMENTS_DEFAULT_CAP = 64
+
+
+@dataclass
+class _Loaded:
+    compiled: CompiledShape
+    runner: ShapeRunner
+
+    def release(self) -> int:
+        self.runner.close()
+        self.compiled.release()
+        return self.compiled.size
+
+
+@dataclass
+class _Model:
+    ref: str
+    manifest: Manifest
+    config: AneRuntimeConfig
+    backend: str
+    cache: CompileCache
+    shapes: OrderedDict[str, _Loaded]  # least recently used first
+
+
+class _Forward:
+    """Keeps a request's progress phases monotonic when stages repeat (LOAD admits several
+    shapes: setup, control, setup... would go backwards)."""
+
+    def __init__(self, progress: Progress, phases: tuple[m.Phase, ...]) -> None:
+        self._progress = progress
+        self._phases = phases
+        self._at = 0
+
+    def advance(self, phase: m.Phase, completed: int = 1) -> None:
+        self._at = max(self._at, self._phases.index(phase))
+        self._progress.advance(self._phases[self._at], completed)
+
+
+class AneEngine(Engine):
+    def __init__(
+        self,
+        artifact: str | Path | None = None,
+        *,
+        backend: str | None = None,
+        cache_root: str | Path | None = None,
+        build_options: BuildOptions | None = None,
+    ) -> None:
+        self._backend = backend
+        self._cache_root = Path(cache_root) if cache_root is not None else None
+        self._options = build_options or BuildOptions()
+        self._model: _Model | None = None
+        self._hello_digest: str | None = None
+        if artifact is not None:
+            try:
+                # Body digest only: HELLO must not wait for hashing every weight; LOAD
+                # verifies them all.
+                self._hello_digest = load_manifest(artifact, verify_weights=False).digest
+            except ManifestError as e:
+                log.warning("artifact %s unreadable at start (%s); LOAD will report it",
+                            artifact, e)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> AneEngine:
+        parser = argparse.ArgumentParser(prog="workers.ane")
+        parser.add_argument("--artifact", help="owned-format model directory (for HELLO)")
+        parser.add_argument("--backend", choices=["reference", "coreml"])
+        parser.add_argument("--cache-root", help="compile-cache directory")
+        args = parser.parse_args(list(argv))
+        return cls(args.artifact, backend=args.backend, cache_root=args.cache_root)
+
+    # ---- identity ---------------------------------------------------------------------------
+
+    def info(self) -> m.EngineInfo:
+        return m.EngineInfo(
+            engine=ENGINE_NAME,
+            version=f"{KERNEL_REVISION} coremltools-{COREMLTOOLS_VERSION}",
+            build_flags=f"backend={self._backend or default_backend()} numpy-{np.__version__}",
+        )
+
+    def hello_extras(self) -> dict:
+        extras: dict = {"kernel_revision": KERNEL_REVISION, "packed": True}
+        if self._hello_digest is not None:
+            extras["manifest_digest"] = self._hello_digest
+        return extras
+
+    def models_loaded(self) -> list[str]:
+        return [self._model.ref] if self._model is not None else []
+
+    def placement(self) -> tuple[float | None, str | None]:
+        model = self._model
+        if model is None or not model.shapes:
+            return None, None
+        share, source = next(reversed(model.shapes.values())).runner.placement()
+        return share, source
+
+    # ---- LOAD / UNLOAD ----------------------------------------------------------------------
+
+    def load(self, req: m.LOAD, progress: Progress) -> m.LOADED:
+        start = time.perf_counter()
+        if req.format != FORMAT:
+            raise EngineError("artifact_invalid",
+                              f"format {req.format!r}: this engine loads {FORMAT!r}")
+        try:
+            config = parse_runtime_config(req.runtime_config)
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from None
+        backend = config.backend or self._backend or default_backend()
+        if backend == "coreml" and default_backend() != "coreml":
+            raise EngineError("config_invalid", "backend 'coreml' needs macOS (Core ML runtime)")
+        try:
+            manifest = load_manifest(req.artifact_path)
+        except ManifestError as e:
+            raise EngineError(e.code, f"{req.artifact_path}: {e}") from None
+        if manifest.digest != req.artifact_digest:
+            raise EngineError("artifact_invalid", f"manifest digest {manifest.digest[:16]}... "
+                              f"!= artifact_digest {req.artifact_digest[:16]}...")
+        if self._hello_digest is not None and manifest.digest != self._hello_digest:
+            raise EngineError("artifact_invalid", "this worker advertised manifest "
+                              f"{self._hello_digest[:16]}... in HELLO")
+        ref = config.model_ref or Path(req.artifact_path).name
+        if self._model is not None:
+            if self._model.ref == ref and self._model.manifest.digest == manifest.digest:
+                return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
+                                cold_load_ms=0.0)
+            raise EngineError("invalid_request",
+                              f"one model per Core ML worker: unload {self._model.ref!r} first")
+        phases = _Forward(progress, ("setup", "control"))
+        phases.advance("setup")
+        root = Path(config.cache_root) if config.cache_root else self._cache_root or default_root()
+        budget = config.cache_budget_bytes
+        try:
+            cache = CompileCache(root, budget_bytes=default_budget() if budget is None else budget)
+        except (CompileCacheError, OSError) as e:
+            raise EngineError("config_invalid", f"compile cache at {root}: {e}") from None
+        model = _Model(ref, manifest, config, backend, cache, OrderedDict())
+        self._model = model
+        try:
+            for shape in self._initial_shapes(model):
+                self._admit(model, shape, phases)
+        except BaseException:
+            self._drop_model()
+            raise
+        return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
+                        cold_load_ms=(time.perf_counter() - start) * 1e3)
+
+    def unload(self, req: m.UNLOAD, progress: Progress) -> None:
+        self._require(req.model_ref)
+        self._drop_model()
+
+    def close(self) -> None:
+        self._drop_model()
+
+    def _drop_model(self) -> None:
+        model, self._model = self._model, None
+        if model is None:
+            return
+        for loaded in model.shapes.values():
+            loaded.release()
+        model.shapes.clear()
+        model.cache.close()
+
+    def _initial_shapes(self, model: _Model) -> list[Shape]:
+        if model.config.shapes is None:
+            seq = model.manifest.config.max_seq_length
+            return [self._shape(model, rows, s or seq, False, None) for rows, s in DEFAULT_SHAPES]
+        return [self._shape(model, s.rows, s.seq_len, s.packed, s.max_segments)
+                for s in model.config.shapes]
+
+    # ---- shapes -----------------------------------------------------------------------------
+
+    def _shape(
+        self, model: _Model, rows: int, seq_len: int, packed: bool, max_segments: int | None
+    ) -> Shape:
+        cfg, limits = model.manifest.config, model.config
+        if rows < 1 or seq_len < 1:
+            raise EngineError("invalid_request", f"shape {rows}x{seq_len}: dims must be >= 1")
+        if not packed and max_segments not in (None, 1):
+            raise EngineError("invalid_request", "max_segments needs packed=true")
+        if packed and max_segments is None:
+            # A few 16-token sentences per row by default: the short-input case packing is for.
+            max_segments = min(MAX_SEGMENTS_DEFAULT_CAP, max(2, seq_len // 16))
+        over = []
+        if rows > limits.max_rows:
+            over.append(f"rows {rows} > max_rows {limits.max_rows}")
+        if seq_len > cfg.max_positions:
+            over.append(f"seq_len {seq_len} > the model's {cfg.max_positions} positions")
+        if rows * seq_len > limits.max_shape_tokens:
+            over.append(f"rows*seq_len {rows * seq_len} > max_shape_tokens "
+                        f"{limits.max_shape_tokens}")
+        if packed and max_segments is not None and max_segments > seq_len:
+            over.append(f"max_segments {max_segments} > seq_len {seq_len}")
+        if over:
+            raise EngineError("shape_unsupported", "; ".join(over))
+        return Shape(rows, seq_len, packed, max_segments if packed else 1)  # type: ignore[arg-type]
+
+    def admit_shape(self, req: m.ADMIT_SHAPE, progress: Progress) -> m.SHAPE_ADMITTED:
+        model = self._require(req.model_ref)
+        shape = self._shape(model, req.rows, req.seq_len, req.packed, req.max_segments)
+        hit, compile_ms = self._admit(model, shape, _Forward(progress, ("setup", "control")))
+        return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id, cache_hit=hit,
+                                compile_ms=compile_ms)
+
+    def _admit(self, model: _Model, shape: Shape, progress: _Forward) -> tuple[bool, float]:
+        loaded = model.shapes.get(shape.id)
+        if loaded is not None:
+            model.shapes.move_to_end(shape.id)
+            progress.advance("control")
+            return True, 0.0
+
+        def on_stage(stage: str) -> None:
+            progress.advance("setup" if stage == "graph" else "control")
+
+        try:
+            compiled = compile_shape(model.cache, model.manifest, shape, self._options, on_stage)
+        except CompileCacheError as e:  # BuildFailed carries the converter's error
+            raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
+        try:
+            runner = open_runner(model.backend, compiled.package)
+        except UnsupportedOp as e:
+            compiled.release()
+            raise EngineError("compile_failed", f"shape {shape.id}: the {model.backend} backend "
+                              f"cannot execute op {e.op_type}"
+                              + (f" ({e.detail})" if e.detail else "")) from None
+        except (PackageError, BackendUnavailable, OSError) as e:
+            compiled.release()
+            raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
+        model.shapes[shape.id] = _Loaded(compiled, runner)
+        # Over budget: drop the least recently used others (never the one just admitted).
+        while len(model.shapes) > model.config.max_loaded_shapes:
+            victim = next(iter(model.shapes))
+            freed = model.shapes.pop(victim).release()
+            log.info("evicted shape %s (LRU, %d bytes) to admit %s", victim, freed, shape.id)
+        progress.advance("control")
+        return compiled.cache_hit, compiled.compile_ms
+
+    def evict(self, req: m.EVICT, progress: Progress) -> m.EVICTED:
+        model = self._require(req.model_ref)
+        if req.shape_id is None:
+            victims = list(model.shapes)
+        else:
+            try:
+                Shape.parse(req.shape_id)
+            except ValueError as e:
+                raise EngineError("invalid_request", str(e)) from None
+            victims = [req.shape_id] if req.shape_id in model.shapes else []
+        freed = sum(model.shapes.pop(v).release() for v in victims)
+        return m.EVICTED(req_id=req.req_id, shape_ids=victims, freed_bytes=freed)
+
+    def loaded_shapes(self) -> list[str]:
+        """Loaded shape ids, least recently used first."""
+        return list(self._model.shapes) if self._model is not None else []
+
+    # ---- inference --------------------------------------------------------------------------
+
+    def embed(self, req: m.EMBED_BATCH, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        model = self._require(req.model_ref)
+        head = model.manifest.head
+        if head.type != "embed_mean":
+            raise EngineError("unsupported", f"{model.ref} is a {head.type}, not an embedder")
+        if req.pooling != head.pooling:
+            raise EngineError("unsupported", f"pooling {req.pooling!r}: this graph pools "
+                              f"{head.pooling!r}")
+        seqs = self._split(model, ids, [it.n_tokens for it in req.items])
+        types = [np.zeros(len(s), np.int32) for s in seqs]
+        output = "embedding_l2" if req.normalize else "embedding"
+        return self._run(model, seqs, types, output, model.manifest.config.hidden_size, progress)
+
+    def rerank_sequences(
+        self, req: m.RERANK_SEQUENCES, ids: np.ndarray, progress: Progress
+    ) -> np.ndarray:
+        model = self._require(req.model_ref)
+        head = model.manifest.head
+        if head.type != "cross_encoder" or head.num_labels != 1:
+            raise EngineError("unsupported", f"{model.ref} is not a one-logit cross-encoder")
+        seqs = self._split(model, ids, [s.n_tokens for s in req.sequences])
+        types = []
+        for i, s in enumerate(req.sequences):
+            if not 1 <= s.n_first <= s.n_tokens:
+                raise EngineError("invalid_request",
+                                  f"sequence {i}: n_first {s.n_first} outside 1..{s.n_tokens}")
+            # Segment A ([CLS] a [SEP]) is token type 0, segment B (b [SEP]) type 1.
+            tt = np.zeros(s.n_tokens, np.int32)
+            tt[s.n_first:] = 1
+            types.append(tt)
+        return self._run(model, seqs, types, "logits", 1, progress)[:, 0]
+
+    def _split(self, model: _Model, ids: np.ndarray | None, counts: list[int]) -> list[np.ndarray]:
+        if not counts:
+            raise EngineError("invalid_request", "no items")
+        flat = np.asarray(ids if ids is not None else np.empty(0, np.int32)).reshape(-1)
+        if flat.size != sum(counts):
+            raise EngineError("invalid_request",
+                              f"{flat.size} token ids for {sum(counts)} declared tokens")
+        cfg = model.manifest.config
+        for i, n in enumerate(counts):
+            if not 1 <= n <= cfg.max_positions:
+                raise EngineError("invalid_request",
+                                  f"item {i}: {n} tokens outside 1..{cfg.max_positions}")
+        if flat.min() < 0 or flat.max() >= cfg.vocab_size:
+            raise EngineError("invalid_request", f"token id outside [0, {cfg.vocab_size})")
+        return np.split(flat.astype(np.int32, copy=False), np.cumsum(counts)[:-1])
+
+    def _run(
+        self,
+        model: _Model,
+        seqs: list[np.ndarray],
+        types: list[np.ndarray],
+        output: str,
+        dims: int,
+        progress: Progress,
+    ) -> np.ndarray:
+        if not model.shapes:
+            raise EngineError("shape_unsupported", "no shape is admitted (ADMIT_SHAPE first)")
+        shapes = [loaded.compiled.shape for loaded in model.shapes.values()]
+        try:
+            chunks = plan([len(s) for s in seqs], shapes)
+        except NoShapeFits as e:
+            raise EngineError("shape_unsupported", str(e)) from None
+        result = np.empty((len(seqs), dims), dtype=np.float32)
+        pad = model.manifest.config.pad_token_id
+        for chunk in chunks:
+            sid = chunk.shape.id
+            model.shapes.move_to_end(sid)
+            out = model.shapes[sid].runner.run(feeds_for(chunk, seqs, types, pad))[output]
+            for i, vec in gather_rows(chunk, out):
+                result[i] = vec
+            progress.advance("inference")
+        return result
+
+    def _require(self, model_ref: str) -> _Model:
+        model = self._model
+        if model is None or model.ref != model_ref:
+            raise EngineError("model_not_loaded", f"{model_ref!r} is not loaded")
+        return model
+
+
+def _dims(manifest: Manifest) -> int:
+    head = manifest.head
+    return head.num_labels if head.type == "cross_encoder" else manifest.config.hidden_size
