@@ -1,0 +1,380 @@
+"""AneEngine in-process on the reference backend (fp16-emulating executor of the SAVED package),
+against the independent fp32 numpy reference forward."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from compile_cache import CompileCache
+from tests import test_ane_helpers as h
+from workers.ane import compiler
+from workers.ane.builder import KERNEL_REVISION, BuildOptions, convert_and_save
+from workers.ane.compiler import cache_key
+from workers.ane.ct_quiet import Function, Program, ct, mb, types
+from workers.ane.engine import AneEngine
+from workers.ane.executor import SUPPORTED_OPS
+from workers.ane.shapes import Shape
+from workers.engine import EngineError, NullProgress
+from workers.protocol import messages as m
+
+
+class RecordingProgress:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.completed = 0
+
+    def advance(self, phase: str, completed: int = 1) -> None:
+        self.completed += completed
+        self.events.append((phase, self.completed))
+
+
+@pytest.fixture(scope="module")
+def embed_engine() -> AneEngine:
+    engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED, h.EMBED_PACKED])
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def rerank_engine() -> AneEngine:
+    engine = h.new_engine(h.cross_encoder(), [h.RERANK_UNPACKED, h.RERANK_PACKED])
+    yield engine
+    engine.close()
+
+
+def _embed(engine: AneEngine, seqs: list[np.ndarray], normalize: bool = False,
+           progress: object | None = None) -> np.ndarray:
+    req, ids = h.embed_request(h.minilm(), seqs, normalize=normalize)
+    return engine.embed(req, ids, progress or NullProgress())
+
+
+# ---- fidelity -----------------------------------------------------------------------------------
+
+
+def test_embeddings_match_fp32_reference(embed_engine: AneEngine) -> None:
+    texts = h.embed_corpus()
+    seqs = [h.encode(t) for t in texts]
+    assert len(seqs) >= 100
+    assert sum(len(s) >= 200 for s in seqs) >= 5
+    progress = RecordingProgress()
+    got = _embed(embed_engine, seqs, normalize=False, progress=progress)
+    want = h.minilm_reference().embed(seqs, pooling="mean", normalize=True)
+    cos = h.cosines(got, want)
+    print(f"\nembed fidelity over {len(seqs)} items: min cos {cos.min():.7f}, "
+          f"mean {cos.mean():.7f}")
+    assert cos.min() >= 0.9995, texts[int(cos.argmin())]
+    assert cos.mean() >= 0.9999
+    # Progress: one "inference" unit per executed chunk, strictly increasing.
+    assert [p for p, _ in progress.events] == ["inference"] * len(progress.events)
+    assert [c for _, c in progress.events] == list(range(1, len(progress.events) + 1))
+    assert len(progress.events) >= 2  # long items ran unpacked, short ones packed
+
+
+def test_normalized_output_is_unit_length_in_fp16(embed_engine: AneEngine) -> None:
+    seqs = [h.encode(t) for t in h.embed_corpus()[:12]]
+    raw = _embed(embed_engine, seqs, normalize=False)
+    unit = _embed(embed_engine, seqs, normalize=True)
+    assert np.abs(np.linalg.norm(unit, axis=1) - 1.0).max() < 2e-3  # fp16 output
+    assert h.cosines(raw, unit).min() > 0.99999
+
+
+def test_packed_and_unpacked_agree() -> None:
+    texts = h.embed_corpus()[:40:3]
+    seqs = [h.encode(t, limit=120) for t in texts]
+    unpacked = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
+    packed = h.new_engine(h.minilm(), [h.EMBED_PACKED])
+    try:
+        # The served (L2-normalised) vectors: components of O(0.1), where 1e-3 is a few fp16
+        # ulps. The two graphs round differently only where they differ (positions gathered
+        # per segment vs a folded constant; zero-weight keys in other segments).
+        a = _embed(unpacked, seqs, normalize=True)
+        b = _embed(packed, seqs, normalize=True)
+        raw_a, raw_b = _embed(unpacked, seqs), _embed(packed, seqs)
+    finally:
+        unpacked.close()
+        packed.close()
+    diff = np.abs(a - b).max()
+    print(f"\npacked vs unpacked: max |diff| {diff:.2e} (normalised), "
+          f"{np.abs(raw_a - raw_b).max():.2e} (raw mean-pooled) over {len(seqs)} items")
+    assert diff <= 1e-3
+    assert h.cosines(raw_a, raw_b).min() > 0.99999
+    assert np.abs(a).max() > 0.05  # not trivially equal
+
+
+def test_cross_encoder_scores_match_reference(rerank_engine: AneEngine) -> None:
+    tok = h.tokenizer()
+    encs = [tok.encode(q, d) for q, d in h.pairs()]
+    encs = [e for e in encs if len(e.ids) <= 128]
+    assert len(encs) >= 20
+    assert all(0 < e.type_ids.count(0) < len(e.ids) for e in encs)  # real segment B
+    req, ids = h.rerank_request(h.cross_encoder(), encs)
+    ref = h.cross_encoder_reference()
+    want = np.array([ref.score(e.ids, e.type_ids) for e in encs])
+    # Unpacked only, then packed only (evicting the other), so both graphs are checked.
+    for keep in ("4x128", "2x128p8"):
+        other = "2x128p8" if keep == "4x128" else "4x128"
+        rerank_engine.evict(m.EVICT(req_id=9, model_ref=req.model_ref, shape_id=other),
+                            NullProgress())
+        got = rerank_engine.rerank_sequences(req, ids, NullProgress())
+        err = np.abs(got - want).max()
+        print(f"\ncross-encoder ({keep}): max |score error| {err:.2e}, score std {want.std():.2f}")
+        assert err <= 5e-3
+        spec = h.RERANK_UNPACKED if other == "4x128" else h.RERANK_PACKED
+        rerank_engine.admit_shape(
+            m.ADMIT_SHAPE(req_id=10, model_ref=req.model_ref, **spec), NullProgress()
+        )
+    # Token types matter for this head: a lane that dropped them would fail the 5e-3 gate.
+    no_types = ref.score_many([e.ids for e in encs])
+    assert np.abs(no_types - want).max() > 4 * 5e-3
+
+
+# ---- shapes: cache, evict, budget ---------------------------------------------------------------
+
+
+def test_second_engine_hits_the_cache_and_compiles_nothing(monkeypatch) -> None:
+    first = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
+    first.close()
+
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cache hit must not build or convert anything")
+
+    monkeypatch.setattr(compiler, "build_program", no_compile)
+    monkeypatch.setattr(compiler, "convert_and_save", no_compile)
+    second = h.new_engine(h.minilm(), [])
+    try:
+        progress = RecordingProgress()
+        reply = second.admit_shape(
+            m.ADMIT_SHAPE(req_id=5, model_ref="minilm", **h.EMBED_UNPACKED), progress
+        )
+        assert reply.shape_id == "4x256"
+        assert reply.cache_hit is True
+        assert reply.compile_ms == 0.0
+        assert progress.events == [("control", 1)]
+        # Admitting a loaded shape again is a no-op hit.
+        again = second.admit_shape(
+            m.ADMIT_SHAPE(req_id=6, model_ref="minilm", **h.EMBED_UNPACKED), NullProgress()
+        )
+        assert again.cache_hit is True and second.loaded_shapes() == ["4x256"]
+    finally:
+        second.close()
+
+
+def test_evict_frees_the_shape() -> None:
+    engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED, h.EMBED_PACKED])
+    try:
+        seqs = [h.encode("the engine still works")]
+        reply = engine.evict(m.EVICT(req_id=7, model_ref="minilm", shape_id="4x256p16"),
+                             NullProgress())
+        assert reply.shape_ids == ["4x256p16"]
+        assert reply.freed_bytes > 1_000_000  # the package: weights + program
+        assert engine.loaded_shapes() == ["4x256"]
+        assert _embed(engine, seqs).shape == (1, 384)
+        # Evicting a shape that is not loaded is a no-op; a malformed id is refused.
+        none = engine.evict(m.EVICT(req_id=8, model_ref="minilm", shape_id="4x256p16"),
+                            NullProgress())
+        assert none.shape_ids == [] and none.freed_bytes == 0
+        with pytest.raises(EngineError) as bad:
+            engine.evict(m.EVICT(req_id=9, model_ref="minilm", shape_id="four"), NullProgress())
+        assert bad.value.code == "invalid_request"
+        everything = engine.evict(m.EVICT(req_id=10, model_ref="minilm"), NullProgress())
+        assert everything.shape_ids == ["4x256"] and engine.loaded_shapes() == []
+        with pytest.raises(EngineError) as gone:
+            _embed(engine, seqs)
+        assert gone.value.code == "shape_unsupported"
+        assert engine.placement() == (None, None)
+    finally:
+        engine.close()
+
+
+def test_shape_budget_evicts_least_recently_used() -> None:
+    engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED], max_loaded_shapes=1)
+    try:
+        assert engine.loaded_shapes() == ["4x256"]
+        reply = engine.admit_shape(
+            m.ADMIT_SHAPE(req_id=4, model_ref="minilm", **h.EMBED_PACKED), NullProgress()
+        )
+        assert reply.cache_hit is True
+        assert engine.loaded_shapes() == ["4x256p16"]
+        share, source = engine.placement()
+        assert source == "estimate" and 0.9 < share <= 1.0
+    finally:
+        engine.close()
+
+
+def test_shapes_over_the_limits_are_refused(embed_engine: AneEngine) -> None:
+    for rows, seq_len in ((65, 64), (4, 513), (64, 256)):
+        with pytest.raises(EngineError) as e:
+            embed_engine.admit_shape(
+                m.ADMIT_SHAPE(req_id=11, model_ref="minilm", rows=rows, seq_len=seq_len),
+                NullProgress(),
+            )
+        assert e.value.code == "shape_unsupported"
+    with pytest.raises(EngineError) as e:
+        embed_engine.admit_shape(
+            m.ADMIT_SHAPE(req_id=12, model_ref="minilm", rows=2, seq_len=0), NullProgress()
+        )
+    assert e.value.code == "invalid_request"
+
+
+# ---- an op the executor lacks ----------------------------------------------------------------
+
+
+def _package_with_sin(out_dir: Path) -> None:
+    ph = {"input_ids": mb.placeholder(shape=(1, 8), dtype=types.int32)}
+    with Function(ph, ct.target.macOS14) as func:
+        x = mb.cast(x=func.inputs["input_ids"], dtype="fp32")
+        func.set_outputs([mb.sin(x=x, name="embedding")])
+    prog = Program()
+    prog.add_function("main", func)
+    convert_and_save(prog, out_dir)
+
+
+def test_unknown_op_is_a_typed_compile_failure_and_the_engine_survives() -> None:
+    manifest = h.minilm()
+    bogus = Shape(1, 8)
+    # Plant a package using `sin` under the cache key the engine computes for shape 1x8.
+    with CompileCache(h.CACHE_ROOT) as cache:
+        cache.get_or_build(cache_key(manifest, bogus, BuildOptions()), _package_with_sin)
+    engine = h.new_engine(manifest, [h.EMBED_UNPACKED])
+    try:
+        with pytest.raises(EngineError) as e:
+            engine.admit_shape(m.ADMIT_SHAPE(req_id=13, model_ref="minilm", rows=1, seq_len=8),
+                               NullProgress())
+        assert e.value.code == "compile_failed"
+        assert "sin" in e.value.msg
+        assert engine.loaded_shapes() == ["4x256"]
+        assert _embed(engine, [h.encode("still serving")]).shape == (1, 384)
+    finally:
+        engine.close()
+
+
+# ---- requests and errors ------------------------------------------------------------------------
+
+
+def test_load_refusals() -> None:
+    manifest = h.minilm()
+    engine = AneEngine(backend="reference")
+    good = h.load_request(manifest, shapes=[])
+    cases = [
+        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
+                format="gguf"), "artifact_invalid"),
+        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest="0" * 64,
+                format="coreml-owned"), "artifact_invalid"),
+        (m.LOAD(req_id=1, artifact_path=str(h.ROOT / "missing"), artifact_digest="0" * 64,
+                format="coreml-owned"), "artifact_invalid"),
+        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
+                format="coreml-owned", runtime_config={"max_loaded_shape": 2}),
+         "config_invalid"),
+        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
+                format="coreml-owned", runtime_config={"shapes": [{"rows": "8"}]}),
+         "config_invalid"),
+    ]
+    if sys.platform != "darwin":
+        cases.append((m.LOAD(req_id=1, artifact_path=manifest.dir,
+                             artifact_digest=manifest.digest, format="coreml-owned",
+                             runtime_config={"backend": "coreml"}), "config_invalid"))
+    for req, code in cases:
+        with pytest.raises(EngineError) as e:
+            engine.load(req, NullProgress())
+        assert e.value.code == code, (req, e.value)
+    loaded = engine.load(good, NullProgress())
+    assert loaded.model_ref == "minilm" and loaded.dims == 384
+    assert engine.load(good, NullProgress()).cold_load_ms == 0.0  # idempotent
+    other = h.load_request(h.cross_encoder(), shapes=[])
+    with pytest.raises(EngineError) as e:
+        engine.load(other, NullProgress())
+    assert e.value.code == "invalid_request"  # one model per worker
+    engine.unload(m.UNLOAD(req_id=2, model_ref="minilm"), NullProgress())
+    assert engine.models_loaded() == []
+    engine.close()
+
+
+def test_worker_started_for_one_artifact_refuses_another() -> None:
+    engine = AneEngine(h.minilm().dir, backend="reference")
+    with pytest.raises(EngineError) as e:
+        engine.load(h.load_request(h.cross_encoder(), shapes=[]), NullProgress())
+    assert e.value.code == "artifact_invalid"
+    engine.close()
+
+
+def test_hello_and_argv() -> None:
+    engine = AneEngine.from_argv(["--artifact", h.minilm().dir, "--backend", "reference",
+                                  "--cache-root", str(h.CACHE_ROOT)])
+    extras = engine.hello_extras()
+    assert extras == {"manifest_digest": h.minilm().digest, "kernel_revision": KERNEL_REVISION,
+                      "packed": True}
+    hello = m.HELLO(v=3, nonce="n", engine=engine.info(), pid=1, **extras)
+    assert m.decode_from_worker(m.encode(hello)) == hello
+    assert AneEngine().hello_extras() == {"kernel_revision": KERNEL_REVISION, "packed": True}
+
+
+def test_request_validation(embed_engine: AneEngine, rerank_engine: AneEngine) -> None:
+    good = h.encode("fine")
+    cases = [
+        ([np.array([101, 30522, 102], np.int32)], "invalid_request"),  # id outside vocab
+        ([np.array([101, -1, 102], np.int32)], "invalid_request"),
+        ([np.arange(300, dtype=np.int32) + 1000], "shape_unsupported"),  # longer than 256
+        ([np.arange(513, dtype=np.int32) + 1000], "invalid_request"),  # past 512 positions
+    ]
+    for seqs, code in cases:
+        with pytest.raises(EngineError) as e:
+            _embed(embed_engine, [good, *seqs])
+        assert e.value.code == code
+    req, ids = h.embed_request(h.minilm(), [good, good])
+    with pytest.raises(EngineError) as e:  # frame shorter than declared
+        embed_engine.embed(req, ids[:-1], NullProgress())
+    assert e.value.code == "invalid_request"
+    with pytest.raises(EngineError) as e:
+        embed_engine.embed(m.EMBED_BATCH(req_id=1, model_ref="nope", items=[]), ids,
+                           NullProgress())
+    assert e.value.code == "model_not_loaded"
+    with pytest.raises(EngineError) as e:
+        embed_engine.embed(m.EMBED_BATCH(req_id=1, model_ref="minilm", pooling="cls",
+                                         items=[m.EmbedItem(id=0, n_tokens=len(good))]),
+                           good, NullProgress())
+    assert e.value.code == "unsupported"
+    ce = h.model_ref(h.cross_encoder())
+    with pytest.raises(EngineError) as e:  # a cross-encoder does not embed
+        rerank_engine.embed(m.EMBED_BATCH(req_id=1, model_ref=ce,
+                                          items=[m.EmbedItem(id=0, n_tokens=len(good))]),
+                            good, NullProgress())
+    assert e.value.code == "unsupported"
+    with pytest.raises(EngineError) as e:
+        rerank_engine.rerank_sequences(
+            m.RERANK_SEQUENCES(req_id=1, model_ref=ce,
+                               sequences=[m.RerankSequence(n_tokens=len(good), n_first=0)]),
+            good, NullProgress())
+    assert e.value.code == "invalid_request"
+
+
+def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
+                                                 rerank_engine: AneEngine) -> None:
+    seen: set[str] = set()
+    for engine in (embed_engine, rerank_engine):
+        for loaded in engine._model.shapes.values():  # noqa: SLF001 - inspection only
+            seen |= loaded.runner.program.op_types
+    print("\nconverted program op set:", sorted(seen))
+    assert seen - {"const"} <= SUPPORTED_OPS
+    assert {"conv", "einsum", "softmax", "layer_norm", "gelu"} <= seen
+
+
+@pytest.mark.skipif(sys.platform != "darwin",
+                    reason="the coreml backend needs macOS: Core ML's runtime (predict, "
+                           "MLComputePlan) does not exist on Linux")
+def test_coreml_backend_matches_reference() -> None:  # pragma: no cover - macOS only
+    seqs = [h.encode(t) for t in h.embed_corpus()[:16]]
+    ref_engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
+    ane = AneEngine(h.minilm().dir, backend="coreml")
+    ane.load(h.load_request(h.minilm(), shapes=[h.EMBED_UNPACKED], backend="coreml"),
+             NullProgress())
+    try:
+        assert h.cosines(_embed(ane, seqs), _embed(ref_engine, seqs)).min() > 0.999
+        share, source = ane.placement()
+        assert source == "compute_plan" and 0.0 <= share <= 1.0
+    finally:
+        ane.close()
+        ref_engine.close()
