@@ -251,10 +251,6 @@ def test_host_tokenizer_over_the_derived_file(derived_json: Path, llama: list[di
     assert cut.n_tokens == [100] and cut.ids[0][0] == 2  # BOS kept, text cut
 
 
-def test_the_host_never_imported_llama_cpp() -> None:
-    assert "llama_cpp" not in sys.modules
-
-
 # -- metadata reader and derivation rules (no llama.cpp needed) ------------------------------
 
 

@@ -1,0 +1,30 @@
+"""The host process never imports llama_cpp: an abort-capable engine lives only in workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODE = """
+import importlib, pkgutil, sys
+import host
+for info in pkgutil.walk_packages(host.__path__, "host."):
+    importlib.import_module(info.name)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("llama_cpp", "workers")))
+"""
+
+
+def test_importing_every_host_module_pulls_in_no_engine():
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stdout.strip().splitlines()[-1])  # a printed list of module names
+    assert not [m for m in loaded if m.startswith("llama_cpp")]
+    # The host may use the wire contract, and nothing else from workers.
+    assert all(m == "workers" or m.startswith("workers.protocol") for m in loaded), loaded
