@@ -103,6 +103,7 @@ class Lane:
         self._refresher: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()
         self.restarts = 0
+        self.quarantines = 0  # times this lane entered quarantine (metrics)
         self.last_crash: EngineCrashed | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -286,6 +287,7 @@ class Lane:
         log.warning("lane %s strike %d: %s", self.config.lane_id, self._strikes, error.message)
         if self._strikes >= self.host.strike_limit:
             self._quarantined_until = time.monotonic() + self.host.quarantine_s
+            self.quarantines += 1
             log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
 
     def _retry_after(self) -> float | None:
