@@ -1,0 +1,378 @@
+"""Dynamic batching of embedding requests from concurrent callers.
+
+Each request is tokenized module-side, admitted against the module's token budget, and queued
+per (model, normalize). One batcher task per queue takes every request waiting when the lane
+is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), optionally
+waiting `max_wait_ms` for a non-full batch to fill, calls `Module.embed_token_ids` once, and
+splits the vectors back per request. Requests that arrive while the lane computes form the
+next batch, so load itself grows the batches.
+
+Backpressure: the queue is bounded in items (`max_queue_items`); over it, or over the module's
+in-flight token budget, a request fails at once with `Overloaded` (429 + Retry-After). A
+quarantined lane fails at once with its `EngineCrashed`. Any failure of a batch (a worker
+crash mid-batch included) fails every request in it with that typed error — never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from host.errors import (
+    ConfigInvalid,
+    DeadlineExceeded,
+    EngineCrashed,
+    InvalidRequest,
+    LaneStopped,
+    Overloaded,
+    SynapseError,
+)
+from host.module import DEFAULT_EMBED, Module
+
+log = logging.getLogger("synapse.scheduler")
+
+# Inputs larger than this are tokenized in a thread so one big request cannot stall the loop.
+_THREAD_TOKENIZE_BYTES = 64 * 1024
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_batch_tokens: int = 4096  # ids in one coalesced batch (a larger request goes alone)
+    max_batch_items: int = 256
+    max_wait_ms: float = 0.0  # extra wait for a non-full batch when the lane is idle
+    max_queue_items: int = 4096  # queued inputs per model; over it -> 429
+    request_timeout_s: float = 300.0  # a queued or running request's total wait -> 504
+    max_pending: int = 64  # rerank / completion requests in flight, each; over it -> 429
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_items", "max_queue_items", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ConfigInvalid(f"scheduler.{name} must be >= 1")
+        if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
+            raise ConfigInvalid("scheduler: max_wait_ms >= 0 and request_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: np.ndarray  # float32 (n, dims), one row per input
+    n_tokens: list[int]
+    truncated: list[bool]
+    model: str
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.n_tokens)
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    model: str
+    items: int
+    tokens: int
+    requests: int
+    seconds: float
+
+
+@dataclass(eq=False)
+class _Pending:
+    ids: list[np.ndarray]
+    tokens: int
+    future: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class _Queue:
+    """One model's queue and its batcher task."""
+
+    def __init__(self, sched: Scheduler, model: str, normalize: bool) -> None:
+        self.sched, self.model, self.normalize = sched, model, normalize
+        self.items: deque[_Pending] = deque()
+        self.queued_items = 0
+        self.queued_tokens = 0
+        self.wake = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
+
+    def put(self, pending: _Pending) -> None:
+        cfg = self.sched.config
+        n = len(pending.ids)
+        if self.queued_items + n > cfg.max_queue_items:
+            self.sched.rejected += 1
+            raise Overloaded(
+                f"{self.queued_items} inputs queued for {self.model!r}; {n} more would exceed "
+                f"{cfg.max_queue_items}",
+                retry_after_s=self.sched.retry_after(self.queued_tokens),
+            )
+        self.items.append(pending)
+        self.queued_items += n
+        self.queued_tokens += pending.tokens
+        self.wake.set()
+
+    def _take(self) -> list[_Pending]:
+        cfg = self.sched.config
+        batch: list[_Pending] = []
+        items = tokens = 0
+        while self.items:
+            head = self.items[0]
+            if head.future.done():  # its caller timed out or went away: skip, don't compute
+                self._pop()
+                continue
+            n = len(head.ids)
+            over = items + n > cfg.max_batch_items or tokens + head.tokens > cfg.max_batch_tokens
+            if batch and over:
+                break
+            batch.append(self._pop())
+            items += n
+            tokens += head.tokens
+        return batch
+
+    def _pop(self) -> _Pending:
+        p = self.items.popleft()
+        self.queued_items -= len(p.ids)
+        self.queued_tokens -= p.tokens
+        return p
+
+    def _full(self) -> bool:
+        cfg = self.sched.config
+        return (
+            self.queued_items >= cfg.max_batch_items or self.queued_tokens >= cfg.max_batch_tokens
+        )
+
+    async def _run(self) -> None:
+        wait_s = self.sched.config.max_wait_ms / 1000
+        while True:
+            await self.wake.wait()
+            # One loop turn lets requests parsed in the same tick join this batch.
+            await asyncio.sleep(0)
+            if wait_s > 0 and not self._full():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        while not self._full():
+                            self.wake.clear()
+                            await self.wake.wait()
+            batch = self._take()
+            if self.items:  # more than one batch waiting: run again without a new put
+                self.wake.set()
+            else:
+                self.wake.clear()
+            if batch:
+                await self._execute(batch)
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        ids = [x for p in batch for x in p.ids]
+        start = time.monotonic()
+        try:
+            vectors = await self.sched.module.embed_token_ids(ids, self.model, self.normalize)
+        except SynapseError as exc:
+            _fail(batch, exc)
+            return
+        except asyncio.CancelledError:
+            _fail(batch, LaneStopped("the server is shutting down"))
+            raise
+        except Exception as exc:  # a bug must still answer every caller, typed
+            log.exception("batch for %s failed", self.model)
+            _fail(batch, SynapseError(f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        elapsed = time.monotonic() - start
+        tokens = sum(p.tokens for p in batch)
+        self.sched.observe(BatchStats(self.model, len(ids), tokens, len(batch), elapsed))
+        row = 0
+        for p in batch:
+            n = len(p.ids)
+            if not p.future.done():
+                p.future.set_result(vectors[row : row + n])
+            row += n
+
+
+def _fail(batch: list[_Pending], exc: BaseException) -> None:
+    for p in batch:
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+
+class Scheduler:
+    """Coalesces concurrent embedding requests into EMBED_BATCH-sized batches per model."""
+
+    def __init__(
+        self,
+        module: Module,
+        config: SchedulerConfig | None = None,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config or SchedulerConfig()
+        self.on_batch = on_batch
+        self.rejected = 0
+        self._queues: dict[tuple[str, bool], _Queue] = {}
+        self._kinds: dict[str, str] = {}
+        self._pending: dict[str, int] = {}
+        self._tokens_per_s = 0.0  # smoothed throughput, for Retry-After estimates
+        self._closed = False
+
+    # ---- public ---------------------------------------------------------------------------
+
+    async def embed_texts(
+        self,
+        texts: Sequence[str | bytes],
+        model: str | None = None,
+        normalize: bool = True,
+        truncate: bool = True,
+    ) -> Embedded:
+        name = await self._embed_model(model)
+        self.module.admission.check_inputs(list(texts))
+        tokenizer = await self.module.tokenizer(name)
+        size = sum(len(t) for t in texts)
+        if size > _THREAD_TOKENIZE_BYTES:
+            encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
+        else:
+            encoded = tokenizer.encode(texts, truncate)
+        vectors = await self._submit(name, normalize, encoded.ids, encoded.total_tokens)
+        return Embedded(vectors, encoded.n_tokens, encoded.truncated, name)
+
+    async def embed_ids(
+        self,
+        ids: Sequence[Sequence[int]],
+        model: str | None = None,
+        normalize: bool = True,
+    ) -> Embedded:
+        """Token arrays in the model's own vocabulary: validated here, embedded as given."""
+        name = await self._embed_model(model)
+        limits = self.module.admission.budgets
+        if not ids:
+            raise InvalidRequest("input must not be empty", param="input")
+        if len(ids) > limits.max_inputs:
+            raise InvalidRequest(
+                f"{len(ids)} inputs; at most {limits.max_inputs} per request", param="input"
+            )
+        tokenizer = await self.module.tokenizer(name)
+        vocab, hard = tokenizer.vocab_size, tokenizer.hard_limit
+        arrays = []
+        for i, seq in enumerate(ids):
+            if not 1 <= len(seq) <= hard:
+                raise InvalidRequest(
+                    f"input {i} has {len(seq)} tokens; token arrays need 1..{hard} tokens "
+                    f"for {name!r}",
+                    param="input",
+                )
+            arr = np.asarray(seq, dtype=np.int64)
+            bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+            if bad.size:
+                raise InvalidRequest(
+                    f"input {i}: token id {int(arr[bad[0]])} is outside {name!r}'s vocabulary "
+                    f"(0..{vocab - 1})",
+                    param="input",
+                )
+            arrays.append(arr.astype(np.int32))
+        counts = [len(a) for a in arrays]
+        vectors = await self._submit(name, normalize, arrays, sum(counts))
+        return Embedded(vectors, counts, [False] * len(arrays), name)
+
+    @contextlib.contextmanager
+    def slot(self, kind: str) -> Iterator[None]:
+        """Bound the in-flight requests of an unbatched kind (rerank, completion): 429 over."""
+        n = self._pending.get(kind, 0)
+        if n >= self.config.max_pending:
+            self.rejected += 1
+            raise Overloaded(
+                f"{n} {kind} requests in flight; at most {self.config.max_pending}",
+                retry_after_s=1.0,
+            )
+        self._pending[kind] = n + 1
+        try:
+            yield
+        finally:
+            self._pending[kind] -= 1
+
+    def queue_depth(self) -> dict[str, int]:
+        """Queued inputs per model (not yet in a batch)."""
+        depth: dict[str, int] = {}
+        for (model, _), q in self._queues.items():
+            depth[model] = depth.get(model, 0) + q.queued_items
+        return depth
+
+    def retry_after(self, queued_tokens: int) -> float:
+        """Seconds until the queue has likely drained: a hint for Retry-After."""
+        if self._tokens_per_s <= 0:
+            return 1.0
+        return min(60.0, max(1.0, queued_tokens / self._tokens_per_s))
+
+    def observe(self, stats: BatchStats) -> None:
+        if stats.seconds > 0:
+            rate = stats.tokens / stats.seconds
+            self._tokens_per_s = (
+                rate if self._tokens_per_s == 0 else (0.8 * self._tokens_per_s + 0.2 * rate)
+            )
+        if self.on_batch is not None:
+            self.on_batch(stats)
+
+    async def close(self) -> None:
+        """Stop the batchers; anything still queued fails with `LaneStopped`."""
+        self._closed = True
+        queues, self._queues = list(self._queues.values()), {}
+        for q in queues:
+            q.task.cancel()
+        for q in queues:
+            with contextlib.suppress(asyncio.CancelledError):
+                await q.task
+            _fail(list(q.items), LaneStopped("the server is shutting down"))
+
+    # ---- internals ------------------------------------------------------------------------
+
+    async def _embed_model(self, model: str | None) -> str:
+        name = model or DEFAULT_EMBED
+        kind = self._kinds.get(name)
+        if kind is None:
+            await self.module.tokenizer(name)  # loads the model; ModelNotFound if unknown
+            kind = self._kinds[name] = self.module.store.get(name).kind
+        if kind != "embed":
+            raise InvalidRequest(
+                f"model {name!r} is a {kind} model, not an embedding model",
+                param="model",
+                model=name,
+            )
+        return name
+
+    async def _submit(
+        self, model: str, normalize: bool, ids: list[np.ndarray], tokens: int
+    ) -> np.ndarray:
+        if self._closed:
+            raise LaneStopped("the server is shutting down")
+        self._raise_if_quarantined(model)
+        with self.module.admission.reserve(tokens):
+            pending = _Pending(ids, tokens)
+            key = (model, normalize)
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = _Queue(self, model, normalize)
+            queue.put(pending)
+            try:
+                # Timeout or caller cancellation cancels the future: the batcher then skips
+                # it (not yet taken) or drops its rows (already running).
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    return await pending.future
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"no result within {self.config.request_timeout_s:g} s"
+                ) from None
+
+    def _raise_if_quarantined(self, model: str) -> None:
+        # Fail fast: don't queue work for a lane that will refuse it for minutes.
+        lane = self.module.lanes().get(model)
+        if lane is None:
+            return
+        state = lane.state()
+        if state.quarantined:
+            raise EngineCrashed(
+                f"lane {state.lane_id} is quarantined after repeated worker faults; retry in "
+                f"{state.retry_after_s or 0:.0f} s",
+                lane_id=state.lane_id,
+                quarantined=True,
+                retry_after_s=state.retry_after_s,
+            )
