@@ -1,0 +1,180 @@
+"""Prometheus metrics of the serving host (text exposition via `prometheus_client`).
+
+Request counts and latencies are recorded as they happen; lane state (restarts, strikes,
+quarantines) and queue depth are read from the module and scheduler at scrape time, so a
+scrape never talks to a worker and can never disagree with `/health`. Each `Metrics` owns its
+registry: two servers in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from host.module import Module
+from host.scheduler import BatchStats, Scheduler
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    120.0,
+)
+_ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(
+        self,
+        module: Callable[[], Module | None],
+        scheduler: Callable[[], Scheduler | None],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "synapse_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "synapse_http_request_duration_seconds",
+            "HTTP request latency",
+            ["endpoint", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "synapse_errors", "Typed errors answered, by code", ["code"], registry=r
+        )
+        self.batch_items = Histogram(
+            "synapse_batch_items",
+            "Inputs per coalesced embedding batch",
+            ["model"],
+            buckets=_ITEM_BUCKETS,
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "synapse_batch_tokens",
+            "Tokens per coalesced embedding batch",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            "synapse_batch_requests",
+            "HTTP requests coalesced into one batch",
+            ["model"],
+            buckets=_ITEM_BUCKETS,
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "synapse_batch_duration_seconds",
+            "Time a batch spends in the worker",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Reported by the Core ML lane's SHAPE_ADMITTED; exposed (at 0) before any lane does.
+        self.compile_cache_hits = Counter(
+            "synapse_compile_cache_hits", "Compiled shapes found in the compile cache", registry=r
+        )
+        self.compile_cache_misses = Counter(
+            "synapse_compile_cache_misses", "Shapes compiled because the cache missed", registry=r
+        )
+        r.register(_StateCollector(module, scheduler))
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        code = str(status)
+        self.requests.labels(endpoint, code).inc()
+        self.latency.labels(endpoint, code).observe(seconds)
+
+    def observe_error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
+    def observe_batch(self, stats: BatchStats) -> None:
+        self.batch_items.labels(stats.model).observe(stats.items)
+        self.batch_tokens.labels(stats.model).observe(stats.tokens)
+        self.batch_requests.labels(stats.model).observe(stats.requests)
+        self.batch_seconds.labels(stats.model).observe(stats.seconds)
+
+    def observe_shape_admitted(self, cache_hit: bool) -> None:
+        (self.compile_cache_hits if cache_hit else self.compile_cache_misses).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Lane and queue state, read at scrape time from cached values only."""
+
+    def __init__(
+        self,
+        module: Callable[[], Module | None],
+        scheduler: Callable[[], Scheduler | None],
+    ) -> None:
+        self._module = module
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator:
+        restarts = CounterMetricFamily(
+            "synapse_worker_restarts", "Worker processes replaced after a fault", labels=["lane"]
+        )
+        quarantines = CounterMetricFamily(
+            "synapse_lane_quarantines", "Times a lane entered quarantine", labels=["lane"]
+        )
+        strikes = GaugeMetricFamily(
+            "synapse_lane_strikes", "Consecutive faults of the lane", labels=["lane"]
+        )
+        quarantined = GaugeMetricFamily(
+            "synapse_lane_quarantined", "1 while the lane is quarantined", labels=["lane"]
+        )
+        up = GaugeMetricFamily(
+            "synapse_lane_up", "1 while the lane's worker is ready or busy", labels=["lane"]
+        )
+        depth = GaugeMetricFamily(
+            "synapse_queue_depth", "Embedding inputs queued, not yet batched", labels=["model"]
+        )
+        inflight = GaugeMetricFamily(
+            "synapse_inflight_tokens", "Tokens admitted and not yet answered"
+        )
+        rejected = CounterMetricFamily(
+            "synapse_overload_rejections", "Requests refused with 429 by a budget or queue bound"
+        )
+        module, scheduler = self._module(), self._scheduler()
+        n_rejected = 0
+        if module is not None:
+            for lane in module.lanes().values():
+                state = lane.state()
+                lid = [state.lane_id]
+                restarts.add_metric(lid, state.restarts)
+                quarantines.add_metric(lid, getattr(lane, "quarantines", 0))
+                strikes.add_metric(lid, state.strikes)
+                quarantined.add_metric(lid, int(state.quarantined))
+                up.add_metric(lid, int(state.health.status in ("ready", "busy")))
+            inflight.add_metric([], module.admission.inflight_tokens)
+            n_rejected += module.admission.rejected
+        if scheduler is not None:
+            for model, n in scheduler.queue_depth().items():
+                depth.add_metric([model], n)
+            n_rejected += scheduler.rejected
+        rejected.add_metric([], n_rejected)
+        yield from (restarts, quarantines, strikes, quarantined, up, depth, inflight, rejected)
