@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(sub)
 
+    from host.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
     try:
         from compile_cache.cli import add_cache_parser
     except ImportError:  # the cache tool is optional to the rest of the CLI

@@ -1,0 +1,152 @@
+"""The ASGI app: routes, typed error mapping, request metrics, and the module's lifespan.
+
+Startup installs the default models (idempotent), starts the `Module` and the scheduler and
+preloads the configured models, so the first request does not pay a worker start. Shutdown
+(after uvicorn has drained in-flight requests) stops the batchers, then `Module.close()`
+stops and reaps every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from host.errors import SynapseError
+from host.module import Module
+from host.scheduler import Scheduler
+from host.serve import completions, embeddings, rerank, status
+from host.serve.config import ServeConfig
+from host.serve.errors import MethodNotAllowed, NotFound, error_response
+from host.serve.state import ServerState
+
+log = logging.getLogger("synapse.serve")
+
+Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+# Bounded label values for metrics: known paths, everything else is "other".
+ENDPOINTS = {
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v1/completions",
+    "/health",
+    "/v1/models",
+    "/metrics",
+}
+
+
+def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request, state)
+        except SynapseError as exc:
+            state.metrics.observe_error(exc.code)
+            return error_response(exc)
+        except Exception as exc:  # a bug still answers in the error contract
+            log.exception("unhandled error on %s", request.url.path)
+            state.metrics.observe_error("internal")
+            return error_response(SynapseError(f"internal error: {type(exc).__name__}"))
+
+    return run
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed here"))
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.url.path}"))
+    err = SynapseError(str(exc.detail))
+    err.http_status = exc.status_code
+    return error_response(err)
+
+
+class _RequestMetrics:
+    """Pure ASGI middleware: count and time every HTTP request by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            path = scope["path"]
+            endpoint = (
+                path
+                if path in ENDPOINTS
+                else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+            )
+            self.state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
+
+
+def create_app(
+    config: ServeConfig, on_ready: Callable[[ServerState], None] | None = None
+) -> Starlette:
+    state = ServerState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        if config.install_defaults:
+            from host.artifacts.store import ArtifactStore
+            from host.gguf_vocab import write_tokenizer_json
+
+            ArtifactStore(config.module.store_root).ingest_default(
+                tokenizer_builder=write_tokenizer_json
+            )
+        module = Module(config.module)
+        state.module = module
+        state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
+        try:
+            for name in config.preload:
+                await module.load(name)
+            if on_ready is not None:
+                on_ready(state)
+            yield
+        finally:
+            state.draining = True
+            await state.scheduler.close()
+            await module.close()
+
+    def route(path: str, handler: Handler, methods: list[str]) -> Route:
+        return Route(path, _endpoint(state, handler), methods=methods)
+
+    routes = [
+        route("/v1/embeddings", embeddings.create_embeddings, ["POST"]),
+        route("/v1/rerank", rerank.rerank_v1, ["POST"]),
+        route("/rerank", rerank.rerank_tei, ["POST"]),
+        route("/v1/completions", completions.create_completion, ["POST"]),
+        route("/health", status.health, ["GET"]),
+        route("/v1/models", status.list_models, ["GET"]),
+        route("/v1/models/{model}", status.get_model, ["GET"]),
+        route("/metrics", status.metrics, ["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.synapse = state
+    app.add_middleware(_RequestMetrics, state=state)
+    return app

@@ -1,0 +1,72 @@
+"""Reading request bodies under a size limit and decoding them into typed structs.
+
+Over the limit is a 413. A body that announces its size is refused before it is read; one
+that does not (chunked) is counted as it streams. Either way the rest is read and dropped up
+to `_DRAIN_LIMIT`, because a server that answers and closes while the client is still sending
+makes the client see a reset instead of the 413.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+
+from host.errors import InvalidRequest
+from host.serve.errors import PayloadTooLarge
+
+T = TypeVar("T")
+
+_DRAIN_LIMIT = 64 << 20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    too_large = PayloadTooLarge(
+        f"request body is over the limit of {limit} bytes", limit_bytes=limit
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request, int(declared))
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                break
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise InvalidRequest("client disconnected while sending the body") from None
+    if size > limit:
+        await _drain(request, size)
+        raise too_large
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, seen: int) -> None:
+    if seen > _DRAIN_LIMIT:
+        return
+    total = 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > _DRAIN_LIMIT:
+                return
+    except (ClientDisconnect, RuntimeError):  # RuntimeError: stream already consumed
+        return
+
+
+def decode(body: bytes, type_: type[T]) -> T:
+    """JSON -> struct; every failure is a 400 naming the offending field."""
+    if not body.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in text else None
+        raise InvalidRequest(f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None

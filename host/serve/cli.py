@@ -1,0 +1,39 @@
+"""Argument parsing of `synapse serve` / `python -m host.serve`; imports the server lazily."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    parser.add_argument("--port", type=int, help="TCP port (default 8080; 0 picks a free one)")
+    parser.add_argument("--config", help="a TOML or JSON file mapping to ServeConfig")
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the host module")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from host.errors import SynapseError
+    from host.serve.config import load_config
+    from host.serve.run import serve
+
+    try:
+        config = load_config(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if overrides:
+            config = msgspec.structs.replace(config, **overrides)
+            config.__post_init__()
+    except SynapseError as exc:
+        print(f"error[{exc.code}]: {exc.message}")
+        return 2
+    return serve(config, args.log_level)

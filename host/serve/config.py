@@ -1,0 +1,58 @@
+"""Server configuration: one msgspec struct, read from a TOML or JSON file.
+
+The file maps onto `ServeConfig`; its `module` table is the host's `ModuleConfig` (store,
+budgets, lane windows) and its `scheduler` table the batching/backpressure settings. Unknown
+keys at the top level are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from host.errors import ConfigInvalid
+from host.module import DEFAULT_EMBED, ModuleConfig
+from host.scheduler import SchedulerConfig
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"  # loopback unless the operator says otherwise
+    port: int = 8080
+    module: ModuleConfig = msgspec.field(default_factory=ModuleConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_EMBED])
+    install_defaults: bool = True  # ingest the embedded default models at start (idempotent)
+    # Models whose embeddings may be truncated with `dimensions` (Matryoshka-trained). MiniLM
+    # is not: truncating it loses quality silently, so it is refused unless listed here.
+    matryoshka_models: list[str] = []
+    max_body_bytes: int = 4 << 20  # -> 413 above this
+    graceful_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may drain
+    default_completion_tokens: int = 16  # OpenAI's default max_tokens
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigInvalid(f"port {self.port} out of range")
+        if self.max_body_bytes < 1024:
+            raise ConfigInvalid("max_body_bytes must be >= 1024")
+        if self.scheduler.max_queue_items < self.module.budgets.max_inputs:
+            raise ConfigInvalid(
+                "scheduler.max_queue_items must be >= module.budgets.max_inputs, or a "
+                "maximal request could never be queued"
+            )
+
+
+def load_config(path: str | Path | None) -> ServeConfig:
+    if path is None:
+        return ServeConfig()
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigInvalid(f"cannot read config {p}: {exc}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            return msgspec.json.decode(data, type=ServeConfig)
+        return msgspec.toml.decode(data, type=ServeConfig)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigInvalid(f"config {p}: {exc}") from None

@@ -1,0 +1,120 @@
+"""`POST /v1/embeddings` in OpenAI's shape, through the batching scheduler.
+
+`input` is a string, a list of strings, one token array, or a list of token arrays (ids in
+the model's own vocabulary, embedded as given: no special tokens added). `encoding_format`
+`base64` is little-endian float32, as OpenAI sends it. `dimensions` truncates and renormalizes
+only for models configured as Matryoshka-trained; asking for the model's full width is always
+fine; anything else is a 400 rather than a silently degraded vector.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from host.errors import InvalidRequest
+from host.module import DEFAULT_EMBED
+from host.serve.body import decode, read_body
+from host.serve.state import ServerState
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: Any
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: Any = None  # accepted and ignored, as the issue asks
+
+
+def parse_input(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(texts, None) or (None, token arrays); anything else is a 400 naming `input`."""
+    if isinstance(value, str):
+        return [value], None
+    if not isinstance(value, list):
+        raise _bad_input()
+    if not value:
+        raise InvalidRequest("input must not be empty", param="input")
+    if all(isinstance(x, str) for x in value):
+        return value, None
+    if all(_is_token(x) for x in value):
+        return None, [value]
+    if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in value):
+        return None, value
+    raise _bad_input()
+
+
+def _is_token(x: object) -> bool:
+    return type(x) is int  # not bool, not float
+
+
+def _bad_input() -> InvalidRequest:
+    return InvalidRequest(
+        "input must be a string, a list of strings, a token array (list of integers) or a "
+        "list of token arrays",
+        param="input",
+    )
+
+
+def apply_dimensions(
+    vectors: np.ndarray, dimensions: int | None, model: str, matryoshka: bool
+) -> np.ndarray:
+    if dimensions is None:
+        return vectors
+    dims = vectors.shape[1]
+    if not 1 <= dimensions <= dims:
+        raise InvalidRequest(
+            f"dimensions must be between 1 and {dims} for {model!r}", param="dimensions"
+        )
+    if dimensions == dims:
+        return vectors
+    if not matryoshka:
+        raise InvalidRequest(
+            f"model {model!r} is not Matryoshka-trained, so truncated embeddings would lose "
+            f"quality silently; omit dimensions or use {dims}",
+            param="dimensions",
+        )
+    cut = vectors[:, :dimensions]
+    norms = np.linalg.norm(cut, axis=1, keepdims=True)
+    return (cut / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+def _encode_vector(row: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+    return row.tolist()
+
+
+async def create_embeddings(request: Request, state: ServerState) -> Response:
+    body = await read_body(request, state.config.max_body_bytes)
+    req = decode(body, EmbeddingRequest)
+    texts, token_arrays = parse_input(req.input)
+    if req.dimensions is not None and req.dimensions < 1:
+        raise InvalidRequest("dimensions must be >= 1", param="dimensions")
+    model = state.resolve(req.model, DEFAULT_EMBED)
+    sched = state.scheduler
+    assert sched is not None
+    if texts is not None:
+        result = await sched.embed_texts(texts, model)
+    else:
+        result = await sched.embed_ids(token_arrays or [], model)
+    vectors = apply_dimensions(
+        result.vectors, req.dimensions, model, model in state.config.matryoshka_models
+    )
+    fmt = req.encoding_format
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode_vector(row, fmt)}
+        for i, row in enumerate(vectors)
+    ]
+    tokens = result.total_tokens
+    payload = {
+        "object": "list",
+        "data": data,
+        "model": result.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return Response(msgspec.json.encode(payload), media_type="application/json")

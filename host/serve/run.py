@@ -1,0 +1,73 @@
+"""Run the app under uvicorn on a socket we bind ourselves.
+
+Binding here (not in uvicorn) lets `--port 0` pick a free port and lets us print the real
+address once the models are loaded — the line `synapse serve: listening on http://H:P` is the
+readiness signal scripts and tests wait for. SIGTERM/SIGINT: uvicorn stops accepting and
+drains in-flight requests (up to `graceful_timeout_s`); we mark the server draining so
+`/health` turns 503 at once; then the lifespan stops the workers and reaps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from host.serve.app import create_app
+from host.serve.config import ServeConfig
+from host.serve.state import ServerState
+
+log = logging.getLogger("synapse.serve")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state_ref: list[ServerState]) -> None:
+        super().__init__(config)
+        self._state_ref = state_ref
+
+    def handle_exit(self, sig: int, frame) -> None:
+        for state in self._state_ref:
+            state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServeConfig, log_level: str = "warning") -> int:
+    sock = bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    states: list[ServerState] = []
+
+    def ready(state: ServerState) -> None:
+        states.append(state)
+        print(f"synapse serve: listening on {url}", flush=True)
+
+    app = create_app(config, on_ready=ready)
+    uv_config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=config.graceful_timeout_s,
+        timeout_keep_alive=30,
+    )
+    server = _Server(uv_config, states)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        print("synapse serve: failed to start (see the log above)", file=sys.stderr)
+        return 3
+    return 0
