@@ -1,0 +1,127 @@
+"""Helpers for the serve tests: a REAL `python -m host.serve` subprocess on a free loopback port.
+
+No tests here. The default models are ingested once per session into a temp store (ingest is
+idempotent, so a second module asking for the same store pays nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from host.artifacts.store import ArtifactStore
+from host.gguf_vocab import write_tokenizer_json
+
+REPO = Path(__file__).resolve().parent.parent
+_READY = re.compile(r"synapse serve: listening on (http://\S+)")
+
+
+def ingest_store(base: Path) -> str:
+    root = base / "serve-models"
+    ArtifactStore(root).ingest_default(tokenizer_builder=write_tokenizer_json)
+    return str(root)
+
+
+def server_config(store_root: str, runtime_dir: str, **overrides) -> dict:
+    host = {"runtime_dir": runtime_dir, "ping_interval_s": 0.5, **overrides.pop("host", {})}
+    module = {"store_root": store_root, "host": host, **overrides.pop("module", {})}
+    return {"port": 0, "install_defaults": False, "module": module, **overrides}
+
+
+class ServerProcess:
+    """`python -m host.serve --config FILE --port 0`; ready when it prints its address."""
+
+    def __init__(self, config: dict, start_timeout_s: float = 180.0) -> None:
+        self.dir = tempfile.mkdtemp(prefix="syn-srv-", dir="/tmp")
+        self.config_path = Path(self.dir) / "serve.json"
+        self.config_path.write_text(json.dumps(config))
+        self.log_path = Path(self.dir) / "server.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "host.serve", "--config", str(self.config_path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
+        self.url = self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace")
+                self._log.write(raw)
+                self._log.flush()
+                m = _READY.search(line)
+                if m and not found:
+                    found.append(m.group(1))
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def worker_pid(self, model: str = "minilm-l6-v2") -> int | None:
+        return self.health()["lanes"][model]["pid"]
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        try:
+            self.terminate()
+        finally:
+            self._log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from a Prometheus exposition, or None."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sample, _, rest = key.partition("{")
+        got = ",".join(sorted(rest.rstrip("}").split(","))) if rest else ""
+        if sample == name and got == want:
+            return float(value)
+    return None
