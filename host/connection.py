@@ -30,6 +30,7 @@ from workers.protocol.session import (
 )
 
 EOF = "eof"
+_THREAD_SEND_BYTES = 1 << 20
 VIOLATION = "violation"
 SILENCE = "silence"
 
@@ -67,6 +68,10 @@ class WorkerConnection:
         # straight from the caller's buffer — asyncio's transport.write would copy them.
         self._wsock = sock.dup()
         self._wsock.setblocking(False)
+        # Large payloads are sent from a thread by a socket in timeout mode, whose sendall
+        # waits for room in C (poll) with the GIL released: no event-loop round per chunk.
+        self._tsock = sock.dup()
+        self._tsock.settimeout(3600.0)
 
     @classmethod
     async def open(cls, sock: socket.socket, session: HostSession) -> WorkerConnection:
@@ -131,7 +136,10 @@ class WorkerConnection:
                 await loop.sock_sendall(self._wsock, head)
             else:
                 await loop.sock_sendall(self._wsock, head + frame_header(len(raw)))
-                await loop.sock_sendall(self._wsock, raw)
+                if len(raw) >= _THREAD_SEND_BYTES:
+                    await asyncio.to_thread(self._tsock.sendall, raw)
+                else:
+                    await loop.sock_sendall(self._wsock, raw)
         except (ConnectionError, OSError) as exc:
             self._end(EOF, f"send failed: {exc}")
             raise ConnectionFault(EOF, f"send failed: {exc}") from None
@@ -178,6 +186,7 @@ class WorkerConnection:
         else:
             self.sock.close()
         self._wsock.close()
+        self._tsock.close()
         self._end(EOF, "connection closed by host")
 
 

@@ -65,7 +65,17 @@ def test_large_frame_is_filled_in_place_without_copies():
     buf[:] = payload[10:]
     d.buffer_updated(len(payload) - 10)
     frame = d.next_frame()
-    assert isinstance(frame, bytearray) and frame == payload
+    assert isinstance(frame, memoryview) and bytes(frame) == payload
+
+
+def test_reused_large_buffer_is_one_allocation():
+    d = FrameDecoder(scratch=64, reuse_large=True)
+    d.receive_data(encode_frame(b"A" * 500))
+    first = d.next_frame()
+    d.receive_data(encode_frame(b"B" * 400))
+    second = d.next_frame()
+    assert bytes(second) == b"B" * 400
+    assert bytes(first[:400]) == b"B" * 400  # same memory: valid only until the next read
 
 
 def test_frames_following_a_large_frame():

@@ -14,7 +14,7 @@ class BlockingChannel:
 
     def __init__(self, sock: socket.socket, max_frame: int = m.DEFAULT_MAX_FRAME) -> None:
         self.sock = sock
-        self.decoder = FrameDecoder(max_frame)
+        self.decoder = FrameDecoder(max_frame, reuse_large=True)  # one request at a time
 
     def set_max_frame(self, max_frame: int) -> None:
         self.decoder.max_frame = max_frame
