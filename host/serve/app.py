@@ -82,6 +82,7 @@ class _RequestMetrics:
             return
         start = time.perf_counter()
         status = 500
+        self.state.metrics.in_flight.inc()
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -92,6 +93,7 @@ class _RequestMetrics:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            self.state.metrics.in_flight.dec()
             path = scope["path"]
             endpoint = (
                 path
@@ -102,7 +104,9 @@ class _RequestMetrics:
 
 
 def create_app(
-    config: ServeConfig, on_ready: Callable[[ServerState], None] | None = None
+    config: ServeConfig,
+    on_ready: Callable[[ServerState], None] | None = None,
+    on_stopped: Callable[[ServerState], None] | None = None,
 ) -> Starlette:
     state = ServerState(config)
 
@@ -128,6 +132,8 @@ def create_app(
             state.draining = True
             await state.scheduler.close()
             await module.close()
+            if on_stopped is not None:
+                on_stopped(state)
 
     def route(path: str, handler: Handler, methods: list[str]) -> Route:
         return Route(path, _endpoint(state, handler), methods=methods)

@@ -4,7 +4,9 @@ Binding here (not in uvicorn) lets `--port 0` pick a free port and lets us print
 address once the models are loaded — the line `synapse serve: listening on http://H:P` is the
 readiness signal scripts and tests wait for. SIGTERM/SIGINT: uvicorn stops accepting and
 drains in-flight requests (up to `graceful_timeout_s`); we mark the server draining so
-`/health` turns 503 at once; then the lifespan stops the workers and reaps them.
+`/health` turns 503 at once; then the lifespan stops the workers and reaps them and prints
+`synapse serve: stopped; workers reaped`. Uvicorn then re-raises the signal, so the exit
+status says "terminated by SIGTERM" as a supervisor expects.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def serve(config: ServeConfig, log_level: str = "warning") -> int:
         states.append(state)
         print(f"synapse serve: listening on {url}", flush=True)
 
-    app = create_app(config, on_ready=ready)
+    def stopped(state: ServerState) -> None:
+        print("synapse serve: stopped; workers reaped", flush=True)
+
+    app = create_app(config, on_ready=ready, on_stopped=stopped)
     uv_config = uvicorn.Config(
         app,
         log_level=log_level,
