@@ -71,7 +71,8 @@ class ServerProcess:
                 if m and not found:
                     found.append(m.group(1))
 
-        threading.Thread(target=read, daemon=True).start()
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if found:
@@ -83,6 +84,8 @@ class ServerProcess:
         raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log()}")
 
     def log(self) -> str:
+        if self.proc.poll() is not None:
+            self._reader.join(5)  # the last lines of a stopped server are in the file
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def health(self) -> dict:
