@@ -1,0 +1,194 @@
+"""The batching scheduler over a REAL Module (real llama.cpp worker): coalescing, per-request
+splitting, validation, backpressure, deadlines, a real SIGKILL mid-batch, quarantine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from host.admission import Budgets
+from host.config import HostConfig
+from host.errors import (
+    DeadlineExceeded,
+    EngineCrashed,
+    InvalidRequest,
+    LaneStopped,
+    ModelNotFound,
+    Overloaded,
+)
+from host.module import Module, ModuleConfig
+from host.scheduler import BatchStats, Scheduler, SchedulerConfig
+from tests.test_serve_support import ingest_store
+
+MODEL = "minilm-l6-v2"
+LONG = "word " * 400  # truncated to 256 tokens: a batch of these keeps the worker busy
+
+
+@pytest.fixture(scope="session")
+def serve_store(tmp_path_factory) -> str:
+    return ingest_store(tmp_path_factory.getbasetemp())
+
+
+@contextlib.asynccontextmanager
+async def running(store_root: str, sched: SchedulerConfig | None = None, budgets=None, **host):
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    cfg = ModuleConfig(
+        store_root=store_root,
+        host=HostConfig(runtime_dir=runtime, ping_interval_s=0, **host),
+        budgets=budgets or Budgets(),
+    )
+    batches: list[BatchStats] = []
+    mod = Module(cfg)
+    scheduler = Scheduler(mod, sched, batches.append)
+    try:
+        await mod.load(MODEL)
+        yield mod, scheduler, batches
+    finally:
+        await scheduler.close()
+        await mod.close()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+async def _until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def _busy(mod: Module) -> bool:
+    return mod.lanes()[MODEL].state().health.status == "busy"
+
+
+async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(serve_store):
+    texts = [f"request {i}: the quick brown fox {i % 5}" for i in range(24)]
+    async with running(serve_store) as (mod, sched, batches):
+        reference = await mod.embed(texts)
+        expected = reference.vectors
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(sched.embed_texts([t]) for t in texts),
+                sched.embed_texts(texts[:3]),  # a multi-input request among single ones
+            ),
+            120,
+        )
+    got = np.concatenate([r.vectors for r in results[:-1]])
+    assert np.abs(got - expected).max() < 5e-4
+    assert np.abs(results[-1].vectors - expected[:3]).max() < 5e-4
+    assert len(batches) < len(results), [b.requests for b in batches]
+    assert sum(b.items for b in batches) == len(texts) + 3
+    assert max(b.requests for b in batches) > 1
+    assert sum(r.total_tokens for r in results[:-1]) == reference.usage.total_tokens
+
+
+async def test_token_arrays_are_validated_then_embedded_as_given(serve_store):
+    async with running(serve_store) as (mod, sched, _):
+        tok = await mod.tokenizer(MODEL)
+        ids = tok.encode(["a sentence about cats"], truncate=True).ids[0]
+        by_ids = await sched.embed_ids([ids.tolist()])
+        by_text = await sched.embed_texts(["a sentence about cats"])
+        assert float(by_ids.vectors[0] @ by_text.vectors[0]) >= 0.9999
+        assert by_ids.total_tokens == len(ids) == by_text.total_tokens
+        for bad, match in [
+            ([], "must not be empty"),
+            ([[]], "1..512"),
+            ([[101] * 513], "1..512"),
+            ([[101, tok.vocab_size, 102]], "vocabulary"),
+            ([[-5]], "vocabulary"),
+        ]:
+            with pytest.raises(InvalidRequest, match=match):
+                await sched.embed_ids(bad)
+        with pytest.raises(InvalidRequest, match="not an embedding model"):
+            await sched.embed_texts(["x"], model="gemma3-270m")
+        with pytest.raises(ModelNotFound):
+            await sched.embed_texts(["x"], model="no-such-model")
+
+
+async def test_bounded_queue_and_token_budget_refuse_at_once(serve_store):
+    cfg = SchedulerConfig(max_queue_items=8, max_batch_items=8, max_pending=1)
+    async with running(serve_store, cfg, Budgets(max_inputs=8)) as (mod, sched, _):
+        running_batch = asyncio.create_task(sched.embed_texts([LONG] * 8))
+        await _until(lambda: _busy(mod) and sched.queue_depth()[MODEL] == 0)
+        queued = asyncio.create_task(sched.embed_texts([LONG] * 8))
+        await _until(lambda: sched.queue_depth()[MODEL] == 8)
+        start = time.monotonic()
+        with pytest.raises(Overloaded) as info:
+            await sched.embed_texts(["one more"])
+        assert time.monotonic() - start < 0.5 and info.value.retry_after_s >= 1
+        assert sched.rejected == 1
+        with sched.slot("rerank"), pytest.raises(Overloaded):  # unbatched kinds are bounded too
+            with sched.slot("rerank"):
+                pass
+        await asyncio.wait_for(asyncio.gather(running_batch, queued), 300)
+        assert mod.admission.inflight_tokens == 0
+
+        mod.admission.budgets.max_inflight_tokens = 300
+        first = asyncio.create_task(sched.embed_texts([LONG]))  # 256 tokens in flight
+        await _until(lambda: mod.admission.inflight_tokens > 0)
+        with pytest.raises(Overloaded):
+            await sched.embed_texts(["word " * 30] * 2)  # 64 tokens; 44 are left
+        await asyncio.wait_for(first, 120)
+
+
+async def test_deadline_and_close_answer_every_waiter(serve_store):
+    cfg = SchedulerConfig(request_timeout_s=0.2)
+    async with running(serve_store, cfg) as (mod, sched, batches):
+        blocker = asyncio.create_task(sched.embed_texts([LONG] * 16))
+        await _until(lambda: _busy(mod))
+        with pytest.raises(DeadlineExceeded):
+            await sched.embed_texts(["waits behind the blocker"])  # queued, then times out
+        with contextlib.suppress(DeadlineExceeded):
+            await blocker
+        sched.config.request_timeout_s = 300
+        await _until(lambda: not _busy(mod))
+        n_items = sum(b.items for b in batches)
+        assert n_items == 16  # the timed-out request was skipped, never computed
+
+        blocker = asyncio.create_task(sched.embed_texts([LONG] * 16))
+        await _until(lambda: _busy(mod))
+        waiter = asyncio.create_task(sched.embed_texts(["queued at shutdown"]))
+        await _until(lambda: sched.queue_depth().get(MODEL) == 1)
+        await sched.close()
+        with pytest.raises(LaneStopped):
+            await asyncio.wait_for(waiter, 10)
+        with pytest.raises(LaneStopped):
+            await asyncio.wait_for(blocker, 10)
+        with pytest.raises(LaneStopped):
+            await sched.embed_texts(["after close"])
+
+
+async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recovers(serve_store):
+    async with running(serve_store, strike_limit=1, quarantine_s=2.0) as (mod, sched, _):
+        first = asyncio.create_task(sched.embed_texts([LONG] * 4))
+        await _until(lambda: _busy(mod))
+        rest = [asyncio.create_task(sched.embed_texts([f"text {i}"])) for i in range(8)]
+        await _until(lambda: sched.queue_depth()[MODEL] == 8)
+        pid = mod.lanes()[MODEL].state().pid
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        outcomes = await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 60)
+        assert time.monotonic() - start < 30
+        assert isinstance(outcomes[0], EngineCrashed) and outcomes[0].code == "engine_crashed"
+        # strike_limit=1: the crash quarantined the lane, so the queued batch fails at once too.
+        for out in outcomes[1:]:
+            assert isinstance(out, EngineCrashed) and out.quarantined, out
+
+        start = time.monotonic()
+        with pytest.raises(EngineCrashed) as info:
+            await sched.embed_texts(["refused without queueing"])
+        assert time.monotonic() - start < 0.5 and info.value.quarantined
+        assert 0 < info.value.retry_after_s <= 2.0 and sched.queue_depth()[MODEL] == 0
+
+        await asyncio.sleep(info.value.retry_after_s + 0.1)
+        result = await asyncio.wait_for(sched.embed_texts(["after quarantine"]), 60)
+        assert result.vectors.shape == (1, 384)
+        state = mod.lanes()[MODEL].state()
+        assert state.pid != pid and state.restarts >= 1 and not state.quarantined
