@@ -9,7 +9,9 @@ supervised worker); llama.cpp workers get `n_threads = cores / workers`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from host.admission import Admission, Budgets
 from host.artifacts.errors import ArtifactError, ArtifactNotFound
+from host.artifacts.owned import ensure_owned
 from host.artifacts.store import ArtifactStore, ModelRecord
 from host.batching import plan_chunks
 from host.config import HostConfig, LaneConfig
@@ -39,7 +42,10 @@ class ModuleConfig(msgspec.Struct, kw_only=True):
     max_generate_tokens: int = 64  # policy: short generation only
     planned_workers: int = 2  # llama.cpp threads per worker = cores // planned_workers
     worker_argv: dict[str, list[str]] = msgspec.field(
-        default_factory=lambda: {"llama": ["python", "-m", "workers.llama"]}
+        default_factory=lambda: {
+            "llama": ["python", "-m", "workers.llama"],
+            "ane": ["python", "-m", "workers.ane"],
+        }
     )
 
 
@@ -79,6 +85,16 @@ class _Served:
     tokenizer: Tokenizer
     lane: Lane
     dims: int
+    lane_kind: str = "llama"
+    artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
+
+
+# Lane kinds and the device whose execution permit their inference takes.
+LANES = {"llama": "cpu", "ane": "ane"}
+
+
+def served_key(name: str, lane: str) -> str:
+    return name if lane == "llama" else f"{name}@{lane}"
 
 
 class Module:
@@ -97,47 +113,69 @@ class Module:
 
     # ---- models ---------------------------------------------------------------------------
 
-    async def load(self, name: str) -> ModelRecord:
-        """Start a lane for model `name` from the artifact store and LOAD it (idempotent)."""
-        lock = self._loading.setdefault(name, asyncio.Lock())
+    async def load(
+        self, name: str, lane: str = "llama", runtime_config_extra: dict | None = None
+    ) -> ModelRecord:
+        """Start a lane for model `name` and LOAD it (idempotent per (name, lane)).
+
+        `lane`: "llama" (GGUF through llama.cpp) or "ane" (the owned Core ML graph, built from
+        the same Hugging Face weights). `runtime_config_extra` merges into LOAD's runtime_config;
+        for "ane" its `build_options` (test-only graph degradation) go to the worker's argv.
+        """
+        if lane not in LANES:
+            raise InvalidRequest(f"lane {lane!r}: expected one of {sorted(LANES)}")
+        key = served_key(name, lane)
+        lock = self._loading.setdefault(key, asyncio.Lock())
         async with lock:
-            if name in self._served:
-                return self._served[name].record
+            if key in self._served:
+                return self._served[key].record
             try:
                 record = self.store.get(name)
+                artifact, digest, fmt = str(record.artifact_path), record.digest, "gguf"
+                if lane == "ane":
+                    owned, digest = ensure_owned(self.store, record)
+                    artifact, fmt = str(owned), "coreml-owned"
             except ArtifactNotFound as exc:
                 raise ModelNotFound(exc.msg, model=name) from None
             except ArtifactError as exc:
                 raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
             tokenizer = self._tokenizer(record)
-            lane = Lane(
+            extra = dict(runtime_config_extra or {})
+            argv = list(self.config.worker_argv[lane])
+            if lane == "ane":
+                argv += ["--artifact", artifact]
+                if "build_options" in extra:
+                    argv += ["--build-options", json.dumps(extra.pop("build_options"))]
+                runtime_config = {"model_ref": name, **extra}
+            else:
+                threads = max(1, (os.cpu_count() or 1) // max(1, self.config.planned_workers))
+                runtime_config = {
+                    "model_ref": name,
+                    "n_ctx": record.manifest.n_ctx,
+                    "n_threads": threads,
+                    "n_threads_batch": threads,
+                    **extra,
+                }
+            lane_obj = Lane(
                 LaneConfig(
-                    lane_id=f"llama.{name}"[:48],
-                    argv=list(self.config.worker_argv["llama"]),
-                    device="cpu",
+                    lane_id=f"{lane}.{name}"[:48], argv=argv, device=LANES[lane]
                 ),
                 self.config.host,
             )
-            await lane.start()
+            await lane_obj.start()
             try:
-                threads = max(1, (os.cpu_count() or 1) // max(1, self.config.planned_workers))
                 load = m.LOAD(
                     req_id=0,
-                    artifact_path=str(record.artifact_path),
-                    artifact_digest=record.digest,
-                    format=record.manifest.format,
-                    runtime_config={
-                        "model_ref": name,
-                        "n_ctx": record.manifest.n_ctx,
-                        "n_threads": threads,
-                        "n_threads_batch": threads,
-                    },
+                    artifact_path=artifact,
+                    artifact_digest=digest,
+                    format=fmt,
+                    runtime_config=runtime_config,
                 )
-                reply, _ = await lane.request(load)
+                reply, _ = await lane_obj.request(load)
             except BaseException:
-                await lane.stop()
+                await lane_obj.stop()
                 raise
-            self._served[name] = _Served(record, tokenizer, lane, reply.dims)
+            self._served[key] = _Served(record, tokenizer, lane_obj, reply.dims, lane, digest)
             return record
 
     def _tokenizer(self, record: ModelRecord) -> Tokenizer:
@@ -147,9 +185,9 @@ class Module:
         man = record.manifest
         return Tokenizer.from_file(path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, lane: str = "llama") -> None:
         """UNLOAD and stop the lane; a reload starts fresh (clears any quarantine)."""
-        served = self._served.pop(name, None)
+        served = self._served.pop(served_key(name, lane), None)
         if served is None:
             raise ModelNotFound(f"model {name!r} is not loaded", model=name)
         try:
@@ -170,11 +208,14 @@ class Module:
         """Cached lane states; never talks to a worker."""
         return {name: s.lane.state() for name, s in self._served.items()}
 
-    async def _get(self, name: str | None, default: str, kind: str | None = None) -> _Served:
+    async def _get(
+        self, name: str | None, default: str, kind: str | None = None, lane: str = "llama"
+    ) -> _Served:
         name = name or default
-        if name not in self._served:
-            await self.load(name)
-        served = self._served[name]
+        key = served_key(name, lane)
+        if key not in self._served:
+            await self.load(name, lane)
+        served = self._served[key]
         if kind is not None and served.record.kind != kind:
             raise InvalidRequest(
                 f"model {name!r} is a {served.record.kind} model, not {kind}", model=name
@@ -190,19 +231,20 @@ class Module:
         normalize: bool = True,
         truncate: bool = True,
         deadline_s: float | None = None,
+        lane: str = "llama",
     ) -> EmbedResult:
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
         self.admission.check_inputs(batch)
-        served = await self._get(model, DEFAULT_EMBED, "embed")
+        served = await self._get(model, DEFAULT_EMBED, "embed", lane)
         encoded = served.tokenizer.encode(batch, truncate=truncate)
         with self.admission.reserve(encoded.total_tokens):
             vectors = await self._embed_ids(served, encoded.ids, normalize, deadline_s)
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
         return EmbedResult(vectors, usage, served.record.name, encoded.truncated)
 
-    async def tokenizer(self, model: str | None = None) -> Tokenizer:
+    async def tokenizer(self, model: str | None = None, lane: str = "llama") -> Tokenizer:
         """The module-side tokenizer of `model` (loading it if needed)."""
-        return (await self._get(model, DEFAULT_EMBED)).tokenizer
+        return (await self._get(model, DEFAULT_EMBED, lane=lane)).tokenizer
 
     async def embed_token_ids(
         self,
@@ -210,17 +252,41 @@ class Module:
         model: str | None = None,
         normalize: bool = True,
         deadline_s: float | None = None,
+        lane: str = "llama",
     ) -> np.ndarray:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
-        served = await self._get(model, DEFAULT_EMBED, "embed")
+        served = await self._get(model, DEFAULT_EMBED, "embed", lane)
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def lanes(self) -> dict[str, Lane]:
         return {name: s.lane for name, s in self._served.items()}
 
-    def dims(self, model: str) -> int:
-        return self._served[model].dims
+    def dims(self, model: str, lane: str = "llama") -> int:
+        return self._served[served_key(model, lane)].dims
+
+    async def placement(self, model: str, lane: str = "ane") -> tuple[float | None, str | None]:
+        """(placement_share, source) from a fresh PONG; (None, None) where it means nothing."""
+        served = await self._get(model, DEFAULT_EMBED, lane=lane)
+        pong = await served.lane.ping()
+        return pong.placement_share, pong.placement_source
+
+    def lane_identity(self, model: str, lane: str = "llama") -> dict:
+        """What a certificate is keyed by: artifact, manifest, kernel, engine, runtime, OS."""
+        served = self._served[served_key(model, lane)]
+        hello = served.lane.hello
+        return {
+            "model": model,
+            "lane": lane,
+            "artifact_digest": served.artifact_digest,  # what LOAD verified
+            "manifest_digest": (hello.manifest_digest if hello else None)
+            or (served.artifact_digest if lane == "ane" else None),
+            "kernel_revision": hello.kernel_revision if hello else None,
+            "engine": hello.engine.engine if hello else None,
+            "engine_version": hello.engine.version if hello else None,
+            "build_flags": hello.engine.build_flags if hello else None,
+            "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        }
 
     async def _embed_ids(
         self,
@@ -261,18 +327,24 @@ class Module:
         top_n: int | None = None,
         truncate: bool = True,
         deadline_s: float | None = None,
+        lane: str = "llama",
     ) -> RerankResult:
         docs = list(documents)
         self.admission.check_inputs([query], "query")
         self.admission.check_inputs(docs, "document")
-        served = await self._get(model, DEFAULT_EMBED)
-        if served.record.kind == "rerank":
+        served = await self._get(model, DEFAULT_EMBED, lane=lane)
+        if served.record.kind == "rerank" and lane == "ane":
+            scores, tokens = await self._cross_encode_owned(
+                served, query, docs, truncate, deadline_s
+            )
+            method = "cross-encoder"
+        elif served.record.kind == "rerank":
             scores, tokens = await self._cross_encode(served, query, docs, truncate, deadline_s)
             method = "cross-encoder"
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
             result = await self.embed(
-                [query, *docs], served.record.name, True, truncate, deadline_s
+                [query, *docs], served.record.name, True, truncate, deadline_s, lane
             )
             scores = result.vectors[1:] @ result.vectors[0]
             tokens = result.usage.total_tokens
@@ -286,6 +358,30 @@ class Module:
             order = order[:top_n]
         results = [(int(i), float(scores[i])) for i in order]
         return RerankResult(results, Usage(tokens, tokens), served.record.name, method)
+
+    async def _cross_encode_owned(
+        self, served: _Served, query, docs, truncate: bool, deadline_s: float | None
+    ) -> tuple[np.ndarray, int]:
+        """Owned graphs take composed pairs with real token types (RERANK_SEQUENCES)."""
+        pairs = served.tokenizer.encode_pairs(query, docs, truncate=truncate)
+        with self.admission.reserve(pairs.total_tokens):
+            scores = np.empty(len(docs), dtype=np.float32)
+            for chunk in plan_chunks(
+                pairs.n_tokens, self.config.max_batch_tokens, self.config.max_batch_items,
+                self.config.host.max_frame, 1,
+            ):
+                req = m.RERANK_SEQUENCES(
+                    req_id=0,
+                    model_ref=served.record.name,
+                    sequences=[
+                        m.RerankSequence(n_tokens=pairs.n_tokens[i], n_first=pairs.n_first[i])
+                        for i in chunk
+                    ],
+                )
+                payload = np.concatenate([pairs.ids[i] for i in chunk])
+                _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
+                scores[chunk.start : chunk.stop] = got
+        return scores, pairs.total_tokens
 
     async def _cross_encode(
         self, served: _Served, query, docs, truncate: bool, deadline_s: float | None

