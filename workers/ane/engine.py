@@ -24,6 +24,7 @@ these the engine keeps serving.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from compile_cache import CompileCache, CompileCacheError, default_root
@@ -117,8 +119,16 @@ class AneEngine(Engine):
         parser.add_argument("--artifact", help="owned-format model directory (for HELLO)")
         parser.add_argument("--backend", choices=["reference", "coreml"])
         parser.add_argument("--cache-root", help="compile-cache directory")
+        parser.add_argument(
+            "--build-options", help="TEST ONLY: JSON of builder.BuildOptions (degraded graphs)"
+        )
         args = parser.parse_args(list(argv))
-        return cls(args.artifact, backend=args.backend, cache_root=args.cache_root)
+        options = None
+        if args.build_options:
+            options = msgspec.convert(json.loads(args.build_options), BuildOptions)
+        return cls(
+            args.artifact, backend=args.backend, cache_root=args.cache_root, build_options=options
+        )
 
     # ---- identity ---------------------------------------------------------------------------
 
