@@ -528,9 +528,10 @@ class CompiledProgram:
         self.inputs: list[TensorInfo] = []
         self._input_slots: list[tuple[int, TensorInfo]] = []
         for name, var in func.inputs.items():
+            slot = new_slot(var)  # refuses symbolic dims first
             info = TensorInfo(name, tuple(int(d) for d in var.shape), _dtype_name(var))
             self.inputs.append(info)
-            self._input_slots.append((new_slot(var), info))
+            self._input_slots.append((slot, info))
 
         ctx = _Ctx(slot_of)
         raw_steps: list[tuple[Callable[[Env], list], list[int], list[bool], list[tuple], list[int]]]
