@@ -127,6 +127,13 @@ class WorkerConnection:
 
     # ---- send side ------------------------------------------------------------------------
 
+    async def _send_bytes(self, data: bytes) -> None:
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._wsock, data)
+        except (ConnectionError, OSError) as exc:
+            self._end(EOF, f"send failed: {exc}")
+            raise ConnectionFault(EOF, f"send failed: {exc}") from None
+
     async def _send(self, msg: object, raw: memoryview | bytes | None) -> None:
         loop = asyncio.get_running_loop()
         body = m.encode(msg)
@@ -143,6 +150,20 @@ class WorkerConnection:
         except (ConnectionError, OSError) as exc:
             self._end(EOF, f"send failed: {exc}")
             raise ConnectionFault(EOF, f"send failed: {exc}") from None
+
+    def _send_now(self, msg: object) -> bytes:
+        """One non-blocking send of a control frame; returns what is left to send (usually
+        nothing: a small frame fits the socket buffer, so no await and no timer)."""
+        body = m.encode(msg)
+        frame = frame_header(len(body)) + body
+        try:
+            sent = self._wsock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        except (ConnectionError, OSError) as exc:
+            self._end(EOF, f"send failed: {exc}")
+            raise ConnectionFault(EOF, f"send failed: {exc}") from None
+        return frame[sent:]
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -163,12 +184,17 @@ class WorkerConnection:
         if self.ended is not None:
             raise ConnectionFault(self.ended.kind, self.ended.reason)
         tracker = self.session.start_request(req, None if raw is None else len(raw))
-        try:
-            # A stopped worker can stall a large send, so the first window covers it too.
-            async with asyncio.timeout(window_for(None)):
-                await self._send(req, raw)
-        except TimeoutError:
-            raise ConnectionFault(SILENCE, "worker did not take the request") from None
+        rest = self._send_now(req) if raw is None else None
+        if rest != b"":
+            try:
+                # A stopped worker can stall a large send, so the first window covers it too.
+                async with asyncio.timeout(window_for(None)):
+                    if rest is None:
+                        await self._send(req, raw)
+                    else:
+                        await self._send_bytes(rest)
+            except TimeoutError:
+                raise ConnectionFault(SILENCE, "worker did not take the request") from None
         while True:
             event = await self._next_event(window_for(tracker.phase))
             if isinstance(event, ProgressReceived):

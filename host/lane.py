@@ -171,6 +171,8 @@ class Lane:
         self._jobs.add(task)
         task.add_done_callback(self._job_done)
         try:
+            if deadline_s is None:  # the common case: no timer to arm
+                return await asyncio.shield(task)
             async with asyncio.timeout(deadline_s):
                 return await asyncio.shield(task)
         except TimeoutError:

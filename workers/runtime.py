@@ -40,6 +40,17 @@ EXIT_PROTOCOL = 2
 EXIT_ENGINE_BUG = 70
 _PR_SET_PDEATHSIG = 1
 _SELF = psutil.Process()
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+try:  # Linux: one pread of statm is ~3 us; psutil's memory_info ~40 us on a PING hot path
+    _STATM: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+except OSError:
+    _STATM = None
+
+
+def _rss_mb() -> float:
+    if _STATM is not None:
+        return int(os.pread(_STATM, 128, 0).split()[1]) * _PAGE / 2**20
+    return _SELF.memory_info().rss / 2**20
 
 
 class WireProgress:
@@ -185,7 +196,7 @@ class WorkerRuntime:
             share, source = engine.placement()
             return m.PONG(
                 req_id=req.req_id,
-                rss_mb=_SELF.memory_info().rss / 2**20,
+                rss_mb=_rss_mb(),
                 models_loaded=engine.models_loaded(),
                 placement_share=share,
                 placement_source=source,
