@@ -1,0 +1,108 @@
+"""The certificate record (JSON via msgspec) and the checks it is made of.
+
+Schema v1, one JSON object per certificate:
+
+    schema        1
+    id            CertificateKey.id (16 hex): what `certify show ID` and the policy look up
+    key           CertificateKey: model, lane, precision, artifact/manifest digests, kernel
+                  revision, shapes, engine name/version/build flags, runtime versions, OS
+    status        "certified" | "provisional" | "failed"   (both gates, see certification.gates)
+    quality       "pass" | "fail"
+    placement     "pass" | "provisional" | "fail" | "n/a"
+    failing       names of the checks that failed ("quality.min_cosine", "placement.share")
+    checks        every Check: name, gate, status, value, threshold, op, detail
+    thresholds    the Thresholds row actually applied (overrides included)
+    overrides     which thresholds were overridden (empty for a production run)
+    fingerprint   certification.fingerprint.Fingerprint of the probe-set outputs
+    drift         None, or the previous certificate the fingerprint was compared with
+    corpus        items, sample stride (1 = whole corpus), corpus digest
+    measurements  per-item cosines, per-request latencies, rerank errors, placement detail
+    created_at, duration_s, synapse_version
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from certification.fingerprint import Fingerprint
+from certification.identity import CertificateKey
+from certification.thresholds import Thresholds
+
+SCHEMA_VERSION = 1
+
+Status = Literal["certified", "provisional", "failed"]
+CheckStatus = Literal["pass", "fail", "provisional", "n/a", "drift", "info"]
+Gate = Literal["quality", "placement", "info"]
+
+
+class Check(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    gate: Gate
+    status: CheckStatus
+    value: float | int | None = None
+    threshold: float | int | None = None
+    op: str = ""  # how value is compared with threshold: ">=", "<=", "=="
+    detail: str = ""
+
+
+class Drift(msgspec.Struct, frozen=True, kw_only=True):
+    previous_id: str
+    previous_created_at: str
+    previous_digest: str
+    digest_under_previous: str | None  # None: outputs not comparable (other dims)
+    drifted: bool
+    same_key: bool
+    key_changes: list[str] = []
+
+
+class CorpusInfo(msgspec.Struct, frozen=True, kw_only=True):
+    n_items: int  # corpus items judged by per-item cosine / rerank error
+    n_total: int  # items in the full corpus
+    sample_stride: int  # 1 = the whole corpus (production); > 1 = every k-th item (tests)
+    digest: str  # sha256 of the corpus texts, so a changed corpus is visible
+    n_queries: int
+    n_documents: int
+    n_probe: int
+
+
+class Measurements(msgspec.Struct, kw_only=True):
+    cosines: list[float] = []  # per corpus item (embedding models)
+    latencies_ms: list[float] = []  # per lane request during the corpus pass
+    request_items: list[int] = []  # items in each of those requests
+    rerank_errors: list[float] = []  # |lane - reference| per pair (cross-encoders)
+    retrieval_overlap: list[float] = []  # per query
+    tokenizer_mismatch_items: list[int] = []  # corpus indices whose ids differ
+    placement_share: float | None = None
+    placement_source: str | None = None
+    placement_ops: dict[str, dict[str, float]] | None = None  # op -> {device: cost}, if known
+
+
+class Certificate(msgspec.Struct, kw_only=True):
+    schema: int = SCHEMA_VERSION
+    id: str
+    key: CertificateKey
+    status: Status
+    quality: Literal["pass", "fail"]
+    placement: Literal["pass", "provisional", "fail", "n/a"]
+    failing: list[str]
+    checks: list[Check]
+    thresholds: Thresholds
+    overrides: dict[str, float] = {}
+    fingerprint: Fingerprint
+    drift: Drift | None = None
+    corpus: CorpusInfo
+    measurements: Measurements
+    created_at: str
+    duration_s: float
+    synapse_version: str = ""
+    reference_dir: str = ""
+
+
+def encode(cert: Certificate) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(cert), indent=2) + b"\n"
+
+
+def decode(data: bytes) -> Certificate:
+    return msgspec.json.decode(data, type=Certificate)

@@ -1,0 +1,130 @@
+"""The two gates and the verdict: pure functions from measurements to named checks.
+
+Quality gate: per-item cosine (min, mean), retrieval top-10 agreement, rerank score error,
+tokenizer agreement — each against the threshold table. Placement gate (Core ML lanes only):
+the Neural Engine share reported after admission; a share from a static `estimate` can at
+most be `provisional`, only `compute_plan` (Core ML's own MLComputePlan) can pass.
+
+Verdict: `failed` if any gating check failed (every one is named), else `provisional` if the
+placement check is provisional, else `certified`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from certification.certificate import Check, Status
+from certification.thresholds import Thresholds
+
+TOP_K = 10
+
+
+def cosine_checks(cosines: np.ndarray, t: Thresholds) -> list[Check]:
+    worst = int(np.argmin(cosines))
+    lo, mean = float(cosines.min()), float(cosines.mean())
+    return [
+        Check(name="quality.min_cosine", gate="quality", status=_ge(lo, t.min_cosine),
+              value=lo, threshold=t.min_cosine, op=">=",
+              detail=f"worst item #{worst} of {len(cosines)}"),
+        Check(name="quality.mean_cosine", gate="quality", status=_ge(mean, t.mean_cosine),
+              value=mean, threshold=t.mean_cosine, op=">=",
+              detail=f"over {len(cosines)} items"),
+    ]
+
+
+def per_item_cosine(lane: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Cosine per row, computed in float64 (both sides re-normalized: the lane's own
+    normalization is not what is being judged)."""
+    a, b = lane.astype(np.float64), ref.astype(np.float64)
+    num = np.sum(a * b, axis=1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return num / np.maximum(den, 1e-30)
+
+
+def top_k_overlap(
+    q_lane: np.ndarray, d_lane: np.ndarray, q_ref: np.ndarray, d_ref: np.ndarray, k: int = TOP_K
+) -> np.ndarray:
+    """Per query, |top-k(lane) ∩ top-k(reference)| / k by cosine over the documents."""
+    k = min(k, d_lane.shape[0])
+    lane_top = np.argsort(-(q_lane @ d_lane.T), axis=1, kind="stable")[:, :k]
+    ref_top = np.argsort(-(q_ref @ d_ref.T), axis=1, kind="stable")[:, :k]
+    return np.array([len(set(a) & set(b)) / k for a, b in zip(lane_top, ref_top, strict=True)])
+
+
+def retrieval_check(overlap: np.ndarray, t: Thresholds) -> Check:
+    mean = float(overlap.mean())
+    return Check(name="quality.retrieval_top10", gate="quality",
+                 status=_ge(mean, t.retrieval_top10), value=mean, threshold=t.retrieval_top10,
+                 op=">=", detail=f"{len(overlap)} queries, worst {float(overlap.min()):.2f}")
+
+
+def rerank_check(errors: np.ndarray, t: Thresholds, note: str) -> Check:
+    worst = float(errors.max())
+    return Check(name="quality.rerank_max_abs_error", gate="quality",
+                 status="pass" if worst <= t.rerank_max_abs else "fail", value=worst,
+                 threshold=t.rerank_max_abs, op="<=",
+                 detail=f"{len(errors)} pairs, mean {float(errors.mean()):.2e}; {note}")
+
+
+def rerank_not_applicable(kind: str) -> Check:
+    return Check(name="quality.rerank_max_abs_error", gate="quality", status="n/a",
+                 detail=f"a {kind} model, not a cross-encoder")
+
+
+def embedding_not_applicable(kind: str) -> list[Check]:
+    return [Check(name=name, gate="quality", status="n/a", detail=f"a {kind} model")
+            for name in ("quality.min_cosine", "quality.mean_cosine", "quality.retrieval_top10")]
+
+
+def tokenizer_check(mismatches: int, n_items: int, t: Thresholds) -> Check:
+    ok = mismatches <= t.tokenizer_mismatches
+    return Check(name="quality.tokenizer_agreement", gate="quality",
+                 status="pass" if ok else "fail", value=mismatches,
+                 threshold=t.tokenizer_mismatches, op="<=",
+                 detail=f"{mismatches} of {n_items} items tokenized differently")
+
+
+def placement_check(
+    lane: str, share: float | None, source: str | None, t: Thresholds
+) -> Check:
+    if t.placement_share is None:
+        return Check(name="placement.share", gate="placement", status="n/a",
+                     detail=f"{lane} lane runs on the CPU: no Neural Engine placement to gate")
+    if share is None:
+        return Check(name="placement.share", gate="placement", status="fail",
+                     threshold=t.placement_share, op=">=",
+                     detail="the lane reported no placement_share after admission")
+    if share < t.placement_share:
+        status = "fail"
+    elif source == "compute_plan":
+        status = "pass"
+    else:  # a static estimate (or an unknown source) cannot prove where Core ML runs it
+        status = "provisional"
+    return Check(name="placement.share", gate="placement", status=status, value=float(share),
+                 threshold=t.placement_share, op=">=", detail=f"source: {source}")
+
+
+def verdict(checks: list[Check]) -> tuple[Status, str, str, list[str]]:
+    """(status, quality, placement, failing check names)."""
+    failing = [c.name for c in checks if c.gate != "info" and c.status == "fail"]
+    quality = "fail" if any(c.gate == "quality" and c.status == "fail" for c in checks) else "pass"
+    placement_checks = [c for c in checks if c.gate == "placement"]
+    if any(c.status == "fail" for c in placement_checks):
+        placement = "fail"
+    elif any(c.status == "provisional" for c in placement_checks):
+        placement = "provisional"
+    elif placement_checks and all(c.status == "n/a" for c in placement_checks):
+        placement = "n/a"
+    else:
+        placement = "pass"
+    if failing:
+        status: Status = "failed"
+    elif placement == "provisional":
+        status = "provisional"
+    else:
+        status = "certified"
+    return status, quality, placement, failing
+
+
+def _ge(value: float, threshold: float) -> str:
+    return "pass" if value >= threshold else "fail"

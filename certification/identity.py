@@ -1,0 +1,141 @@
+"""What a certificate is about: the lane's identity, and the key certificates are stored under.
+
+A certificate vouches for numbers, and numbers change with any of: the artifact bytes, the
+owned-graph manifest and kernel revision (Core ML), the compiled shapes, the engine build and
+version, the host tokenizer library, and the OS (Core ML's ANE compiler ships with macOS).
+All of them are in `CertificateKey`; its digest is the certificate id, so a change to any one
+of them means "no certificate" rather than a stale one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import msgspec
+
+
+class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """The lane-side identity: from HELLO, the artifact store and the admitted shapes."""
+
+    model: str
+    lane: str  # "llama" | "ane"
+    precision: str  # "f16" / "f32" (GGUF dtype) or "fp16" (Core ML graph)
+    artifact_digest: str
+    manifest_digest: str | None = None
+    kernel_revision: str | None = None
+    shapes: tuple[str, ...] = ()
+    engine: str = ""
+    engine_version: str = ""
+    build_flags: str = ""
+
+    @classmethod
+    def from_mapping(cls, model: str, lane: str, d: dict[str, Any]) -> LaneIdentity:
+        """Normalize `Module.lane_identity()`'s dict (engine as a str or a HELLO-style dict)."""
+        engine = d.get("engine", "")
+        if isinstance(engine, dict):
+            eng_name = str(engine.get("engine", ""))
+            eng_version = str(engine.get("version", d.get("engine_version", "")))
+            flags = str(engine.get("build_flags", d.get("build_flags", "")))
+        else:
+            eng_name = str(engine)
+            eng_version = str(d.get("engine_version", ""))
+            flags = str(d.get("build_flags", ""))
+        return cls(
+            model=model,
+            lane=lane,
+            precision=str(d.get("precision") or ("fp16" if lane == "ane" else "")),
+            artifact_digest=str(d.get("artifact_digest") or d.get("digest") or ""),
+            manifest_digest=d.get("manifest_digest"),
+            kernel_revision=d.get("kernel_revision"),
+            shapes=tuple(_shape_str(s) for s in d.get("shapes") or ()),
+            engine=eng_name,
+            engine_version=eng_version,
+            build_flags=flags,
+        )
+
+
+class CertificateKey(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    lane: str
+    precision: str
+    artifact_digest: str
+    manifest_digest: str | None
+    kernel_revision: str | None
+    shapes: tuple[str, ...]
+    engine: str
+    engine_version: str
+    build_flags: str
+    runtime: dict[str, str]  # host-side libraries that change what the lane receives
+    os: str
+
+    @property
+    def id(self) -> str:
+        """16 hex digits of sha256 over the canonical JSON of every field."""
+        blob = msgspec.json.encode(msgspec.to_builtins(self, order="sorted"))
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def differences(self, other: CertificateKey) -> list[str]:
+        """`field: old -> new` for every field that differs (for the policy's message)."""
+        out = []
+        for name in self.__struct_fields__:
+            a, b = getattr(other, name), getattr(self, name)
+            if a != b:
+                out.append(f"{name}: {_short(a)} -> {_short(b)}")
+        return out
+
+
+def key_for(identity: LaneIdentity) -> CertificateKey:
+    return CertificateKey(
+        model=identity.model,
+        lane=identity.lane,
+        precision=identity.precision,
+        artifact_digest=identity.artifact_digest,
+        manifest_digest=identity.manifest_digest,
+        kernel_revision=identity.kernel_revision,
+        shapes=identity.shapes,
+        engine=identity.engine,
+        engine_version=identity.engine_version,
+        build_flags=identity.build_flags,
+        runtime=runtime_versions(),
+        os=os_name(),
+    )
+
+
+def runtime_versions() -> dict[str, str]:
+    # Tokenization is module-side: a tokenizers upgrade changes the ids every lane receives.
+    return {"tokenizers": _version("tokenizers")}
+
+
+def os_name() -> str:
+    """OS and architecture; on macOS the version too (the ANE compiler ships with the OS).
+    Linux kernel releases do not change the numbers, so they are left out on purpose."""
+    system, machine = platform.system(), platform.machine()
+    if system == "Darwin":
+        return f"macOS-{platform.mac_ver()[0]}-{machine}"
+    return f"{system}-{machine}"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def _shape_str(shape: object) -> str:
+    if isinstance(shape, str):
+        return shape
+    if isinstance(shape, dict):
+        rows, seq = shape.get("rows"), shape.get("seq_len")
+        packed = "p" if shape.get("packed") else ""
+        segs = shape.get("max_segments")
+        return f"{rows}x{seq}{packed}" + (f"/{segs}" if packed and segs else "")
+    return str(shape)
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

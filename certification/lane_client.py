@@ -1,0 +1,162 @@
+"""Everything certification asks of the host, in one place.
+
+Certification drives a REAL lane through `host.module.Module` — the same tokenization,
+batching and worker as serving — never an engine in-process. This adapter is the only code
+that knows the Module's lane API:
+
+- llama lane (the default, `lane="llama"`): `load(name)`, `embed(..., model=name)`,
+  `rerank(...)`; identity from HELLO (`lane.hello.engine`) and the store's `ModelRecord`.
+- Core ML lane: the same calls with `lane="ane"`, plus `load(..., runtime_config_extra=)`
+  (shapes, test-only build_options), `placement(name, lane=)` and `lane_identity(name, lane)`.
+  The `lane` keyword is only passed for non-llama lanes, so this works with a Module that
+  predates the Core ML wiring.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import numpy as np
+
+from certification.identity import LaneIdentity
+from host.artifacts.store import ModelRecord
+from host.module import Module
+from host.tokenization import Tokenizer
+
+LANES = ("llama", "ane")
+
+
+class LaneUnavailable(RuntimeError):
+    """The Module has no such lane (e.g. the Core ML lane is not wired in yet)."""
+
+
+class LaneClient:
+    def __init__(self, module: Module, model: str, lane: str = "llama") -> None:
+        if lane not in LANES:
+            raise ValueError(f"lane {lane!r}: expected one of {LANES}")
+        self.module = module
+        self.model = model
+        self.lane = lane
+        self._kw: dict[str, Any] = {} if lane == "llama" else {"lane": lane}
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def record(self) -> ModelRecord:
+        return self.module.store.get(self.model)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def load(
+        self, shapes: list[dict] | None = None, runtime_config_extra: dict | None = None
+    ) -> None:
+        if self.lane == "llama":
+            if shapes or runtime_config_extra:
+                raise ValueError("shapes and runtime_config_extra apply to the ane lane only")
+            await self.module.load(self.model)
+            return
+        if not _accepts(self.module.load, "lane"):
+            raise LaneUnavailable(
+                f"this Module has no {self.lane!r} lane yet (Module.load(..., lane=) missing)"
+            )
+        extra = dict(runtime_config_extra or {})
+        if shapes:
+            extra["shapes"] = shapes
+        kwargs: dict[str, Any] = dict(self._kw)
+        if extra:
+            kwargs["runtime_config_extra"] = extra
+        await self.module.load(self.model, **kwargs)
+
+    # ---- inference ------------------------------------------------------------------------
+
+    async def tokenizer(self) -> Tokenizer:
+        """The lane's module-side tokenizer (the one whose ids reach the worker)."""
+        if self._tokenizer is None:
+            fn = self.module.tokenizer
+            if self.lane == "llama":
+                self._tokenizer = await fn(self.model)
+            elif _accepts(fn, "lane"):
+                self._tokenizer = await fn(self.model, lane=self.lane)
+            else:
+                # Module.tokenizer would start a llama lane; build the same tokenizer the
+                # Module builds (host.module.Module._tokenizer) from the same record.
+                rec, man = self.record, self.record.manifest
+                assert rec.tokenizer_path is not None
+                self._tokenizer = Tokenizer.from_file(
+                    rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
+                )
+        return self._tokenizer
+
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
+        """Normalized embeddings through Module.embed, and the request's latency in ms."""
+        start = time.perf_counter()
+        result = await self.module.embed(
+            texts, model=self.model, normalize=True, truncate=True, **self._kw
+        )
+        return result.vectors, (time.perf_counter() - start) * 1e3
+
+    async def rerank(self, query: str, docs: list[str]) -> tuple[np.ndarray, float]:
+        """Scores in document order through Module.rerank, and the latency in ms."""
+        start = time.perf_counter()
+        result = await self.module.rerank(query, docs, model=self.model, **self._kw)
+        ms = (time.perf_counter() - start) * 1e3
+        if result.method != "cross-encoder":
+            raise ValueError(f"{self.model} reranked by {result.method}, not a cross-encoder")
+        scores = np.empty(len(docs), dtype=np.float32)
+        for index, score in result.results:
+            scores[index] = score
+        return scores, ms
+
+    async def placement(self) -> tuple[float | None, str | None]:
+        if self.lane == "llama":
+            return None, None
+        share, source = await self.module.placement(self.model, **self._kw)
+        return share, source
+
+    # ---- identity -------------------------------------------------------------------------
+
+    def identity(self) -> LaneIdentity:
+        if self.lane != "llama":
+            raw = self.module.lane_identity(self.model, self.lane)
+            return LaneIdentity.from_mapping(self.model, self.lane, dict(raw))
+        return llama_identity(self.module, self.model)
+
+    def placement_ops(self) -> dict[str, dict[str, float]] | None:
+        """Per-op placement, when the lane's identity carries it (`placement_ops`)."""
+        if self.lane == "llama":
+            return None
+        raw = self.module.lane_identity(self.model, self.lane)
+        ops = dict(raw).get("placement_ops")
+        return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()} \
+            if isinstance(ops, dict) else None
+
+
+def llama_identity(module: Module, model: str) -> LaneIdentity:
+    lane = module.lanes()[model]
+    hello = lane.hello
+    if hello is None:
+        raise LaneUnavailable(f"lane for {model!r} has no live worker (no HELLO)")
+    record = module.store.get(model)
+    man = record.manifest
+    return LaneIdentity(
+        model=model,
+        lane="llama",
+        precision=man.dtype or "unknown",
+        artifact_digest=record.digest,
+        manifest_digest=hello.manifest_digest,
+        kernel_revision=hello.kernel_revision,
+        # What shapes the numbers: the runtime context and the default truncation limit.
+        shapes=(f"n_ctx={man.n_ctx}", f"max_tokens={man.max_tokens}"),
+        engine=hello.engine.engine,
+        engine_version=hello.engine.version,
+        build_flags=hello.engine.build_flags,
+    )
+
+
+def _accepts(fn: object, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -1,0 +1,346 @@
+"""One certification run: drive a real lane through the host, judge it, write the certificate.
+
+    cert = await certify(module, RunOptions(model="minilm-l6-v2", lane="llama"), store)
+
+Steps: LOAD the lane (Core ML: admitting the requested shapes); tokenizer agreement over the
+whole corpus; the corpus pass through the lane in serving-sized requests while the fp32
+reference runs in a thread beside it (2 cores: one each); retrieval agreement on the
+queries/documents split; the probe-set fingerprint; placement (Core ML, after admission);
+then both gates, drift against the previous certificate, and the record.
+
+`sample_stride` > 1 judges every k-th corpus item only (tests, smoke runs); it is recorded in
+the certificate. Retrieval, tokenizer agreement and the fingerprint always use their full
+fixed sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Protocol
+
+import numpy as np
+
+from certification import gates
+from certification.certificate import Certificate, Check, CorpusInfo, Drift, Measurements
+from certification.corpus import corpus, documents, probe_set, queries
+from certification.fingerprint import Fingerprint, digest_under, fingerprint
+from certification.identity import CertificateKey, key_for
+from certification.lane_client import LaneClient
+from certification.oracle import Oracle, reference_dir_for
+from certification.store import CertificateStore
+from certification.thresholds import Thresholds, thresholds_for
+from host.module import Module
+from host.tokenization import Tokenizer
+
+REFERENCE_CHUNK = 32  # items per reference call: progress granularity and cache unit
+
+
+class Progress(Protocol):
+    def start(self, key: str, description: str, total: int) -> None: ...
+    def advance(self, key: str, n: int = 1) -> None: ...
+
+
+class NullProgress:
+    def start(self, key: str, description: str, total: int) -> None:
+        pass
+
+    def advance(self, key: str, n: int = 1) -> None:
+        pass
+
+
+@dataclass
+class RunOptions:
+    model: str
+    lane: str = "llama"
+    shapes: list[dict] | None = None  # Core ML shapes to admit: [{rows, seq_len, packed?}]
+    sample_stride: int = 1
+    batch_size: int = 16  # items per lane request in the corpus pass (serving-sized)
+    reference_dir: str | None = None
+    overrides: dict[str, float] = field(default_factory=dict)
+    runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
+    save: bool = True
+
+
+@dataclass
+class _Judged:
+    checks: list[Check]
+    probe_values: np.ndarray
+    grid: float
+
+
+async def certify(
+    module: Module,
+    options: RunOptions,
+    store: CertificateStore | None = None,
+    progress: Progress | None = None,
+) -> Certificate:
+    started = time.perf_counter()
+    store = store or CertificateStore()
+    progress = progress or NullProgress()
+    if options.sample_stride < 1 or options.batch_size < 1:
+        raise ValueError("sample_stride and batch_size must be >= 1")
+    client = LaneClient(module, options.model, options.lane)
+    progress.start("load", f"load {options.model} on the {options.lane} lane", 1)
+    await client.load(options.shapes, options.runtime_config_extra)
+    progress.advance("load")
+    identity = client.identity()
+    key = key_for(identity)
+    thresholds = thresholds_for(identity.lane, identity.precision).with_overrides(
+        options.overrides
+    )
+    record = client.record
+    ref_dir = options.reference_dir or str(reference_dir_for(record))
+    oracle = Oracle(ref_dir, store.root / "reference-cache")
+    tok = await client.tokenizer()
+    texts = list(corpus())[:: options.sample_stride]
+    measured = Measurements()
+
+    checks = [_tokenizer_agreement(tok, oracle, thresholds, measured, progress)]
+    if record.kind == "embed":
+        judged = await _judge_embeddings(client, tok, oracle, texts, options, thresholds,
+                                         measured, progress)
+        checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+    elif record.kind == "rerank":
+        if not oracle.is_cross_encoder:
+            raise ValueError(f"reference dir {ref_dir} is not a BertForSequenceClassification")
+        judged = await _judge_rerank(client, tok, oracle, texts, options, thresholds,
+                                     measured, progress)
+        checks += gates.embedding_not_applicable("cross-encoder") + judged.checks
+    else:
+        raise ValueError(f"model {options.model!r} is a {record.kind} model: certification "
+                         "covers BERT-family embedding and cross-encoder models")
+
+    progress.start("placement", "placement after admission", 1)
+    share, source = await client.placement()
+    measured.placement_share, measured.placement_source = share, source
+    measured.placement_ops = client.placement_ops()
+    checks.append(gates.placement_check(identity.lane, share, source, thresholds))
+    progress.advance("placement")
+
+    fp = fingerprint(judged.probe_values, judged.grid)
+    drift = _drift(store, key, judged.probe_values)
+    checks.append(_drift_check(fp, drift))
+    status, quality, placement, failing = gates.verdict(checks)
+    cert = Certificate(
+        id=key.id,
+        key=key,
+        status=status,
+        quality=quality,  # type: ignore[arg-type]
+        placement=placement,  # type: ignore[arg-type]
+        failing=failing,
+        checks=checks,
+        thresholds=thresholds,
+        overrides=dict(options.overrides),
+        fingerprint=fp,
+        drift=drift,
+        corpus=CorpusInfo(
+            n_items=len(texts),
+            n_total=len(corpus()),
+            sample_stride=options.sample_stride,
+            digest=hashlib.sha256("\n".join(corpus()).encode()).hexdigest(),
+            n_queries=len(queries()),
+            n_documents=len(documents()),
+            n_probe=len(probe_set()),
+        ),
+        measurements=measured,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        duration_s=round(time.perf_counter() - started, 3),
+        synapse_version=_synapse_version(),
+        reference_dir=str(ref_dir),
+    )
+    if options.save:
+        store.save(cert)
+    return cert
+
+
+# ---- quality: tokenizer ----------------------------------------------------------------------
+
+
+def _tokenizer_agreement(
+    tok: Tokenizer, oracle: Oracle, t: Thresholds, measured: Measurements, progress: Progress
+) -> Check:
+    items = list(corpus())  # always the whole corpus: tokenization is cheap
+    progress.start("tokenize", "tokenizer agreement", 1)
+    lane_ids = tok.encode(items, truncate=True).ids
+    ref_ids = oracle.tokenize(items)
+    bad = [i for i, (a, b) in enumerate(zip(lane_ids, ref_ids, strict=True))
+           if not np.array_equal(a, b)]
+    measured.tokenizer_mismatch_items = bad
+    progress.advance("tokenize")
+    return gates.tokenizer_check(len(bad), len(items), t)
+
+
+# ---- quality: embeddings ---------------------------------------------------------------------
+
+
+async def _judge_embeddings(
+    client: LaneClient,
+    tok: Tokenizer,
+    oracle: Oracle,
+    texts: list[str],
+    options: RunOptions,
+    t: Thresholds,
+    measured: Measurements,
+    progress: Progress,
+) -> _Judged:
+    ids = tok.encode(texts, truncate=True).ids  # exactly what Module.embed sends
+    progress.start("reference", "fp32 reference forward", len(texts))
+    ref_task = asyncio.create_task(asyncio.to_thread(_reference_embed, oracle, ids, progress))
+    try:
+        progress.start("lane", f"{client.lane} lane: corpus", len(texts))
+        lane_vecs = []
+        for start in range(0, len(texts), options.batch_size):
+            batch = texts[start : start + options.batch_size]
+            vecs, ms = await client.embed(batch)
+            lane_vecs.append(vecs)
+            measured.latencies_ms.append(round(ms, 3))
+            measured.request_items.append(len(batch))
+            progress.advance("lane", len(batch))
+        lane = np.concatenate(lane_vecs)
+        progress.start("retrieval", "retrieval split (queries x documents)", 2)
+        qs, ds = queries(), documents()
+        q_lane, _ = await client.embed(qs)
+        d_lane, _ = await client.embed(ds)
+        progress.advance("retrieval")
+        progress.start("probe", "probe set (fingerprint)", 1)
+        probe, _ = await client.embed(probe_set())
+        progress.advance("probe")
+        ref = await ref_task
+    finally:
+        if not ref_task.done():
+            await asyncio.gather(ref_task, return_exceptions=True)  # never leak the thread
+    q_ref = await asyncio.to_thread(oracle.embed, tok.encode(qs, truncate=True).ids)
+    d_ref = await asyncio.to_thread(oracle.embed, tok.encode(ds, truncate=True).ids)
+    progress.advance("retrieval")
+    cos = gates.per_item_cosine(lane, ref)
+    overlap = gates.top_k_overlap(q_lane, d_lane, q_ref, d_ref)
+    measured.cosines = [round(float(c), 9) for c in cos]
+    measured.retrieval_overlap = [float(o) for o in overlap]
+    checks = gates.cosine_checks(cos, t) + [gates.retrieval_check(overlap, t)]
+    return _Judged(checks, probe, t.fingerprint_grid_embed)
+
+
+def _reference_embed(oracle: Oracle, ids: list[np.ndarray], progress: Progress) -> np.ndarray:
+    out = []
+    for start in range(0, len(ids), REFERENCE_CHUNK):
+        chunk = ids[start : start + REFERENCE_CHUNK]
+        out.append(oracle.embed(chunk))
+        progress.advance("reference", len(chunk))
+    return np.concatenate(out)
+
+
+# ---- quality: cross-encoder rerank -----------------------------------------------------------
+
+
+async def _judge_rerank(
+    client: LaneClient,
+    tok: Tokenizer,
+    oracle: Oracle,
+    texts: list[str],
+    options: RunOptions,
+    t: Thresholds,
+    measured: Measurements,
+    progress: Progress,
+) -> _Judged:
+    # Every judged corpus item is a document for one query (round-robin over queries()).
+    qs = queries()
+    groups: dict[int, list[str]] = {}
+    for j, text in enumerate(texts):
+        groups.setdefault(j % len(qs), []).append(text)
+    composer = _pair_composer(client.lane, tok)
+    progress.start("lane", f"{client.lane} lane: rerank pairs", len(texts))
+    progress.start("reference", "fp32 reference forward", len(texts))
+    lane_scores, ref_scores = [], []
+    for qi, docs in groups.items():
+        ref_task = asyncio.create_task(asyncio.to_thread(
+            lambda q=qs[qi], d=docs: oracle.scores(*composer(q, d))))  # type: ignore[misc]
+        scores, ms = await client.rerank(qs[qi], docs)
+        measured.latencies_ms.append(round(ms, 3))
+        measured.request_items.append(len(docs))
+        progress.advance("lane", len(docs))
+        lane_scores.append(scores)
+        ref_scores.append(await ref_task)
+        progress.advance("reference", len(docs))
+    errors = np.abs(np.concatenate(lane_scores).astype(np.float64)
+                    - np.concatenate(ref_scores).astype(np.float64))
+    measured.rerank_errors = [float(e) for e in errors]
+    note = ("reference with token types 0: llama.cpp's BERT ignores them"
+            if client.lane == "llama" else "reference with real token types")
+    progress.start("probe", "probe set (fingerprint)", 1)
+    probe, _ = await client.rerank(qs[0], probe_set())
+    progress.advance("probe")
+    return _Judged([gates.rerank_check(errors, t, note)], probe, t.fingerprint_grid_rerank)
+
+
+def _pair_composer(
+    lane: str, tok: Tokenizer
+) -> Callable[[str, list[str]], tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Reference inputs for exactly the pairs the lane scores.
+
+    llama: the host sends query and documents without specials (`rerank_segments`) and the
+    worker composes `[CLS] q [SEP] d [SEP]`; llama.cpp's BERT ignores token types, so the
+    reference gets type 0 throughout (a lane that needed types would fail the 2e-3 gate).
+    Core ML: composed pairs from the pair template with real token types (`encode_pairs`).
+    """
+    probe = tok.encode_pairs("a", ["b"], truncate=True)
+    cls_id, sep_id = int(probe.ids[0][0]), int(probe.ids[0][-1])
+
+    def llama(query: str, docs: list[str]):
+        seg = tok.rerank_segments(query, docs, truncate=True)
+        ids = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]).astype(np.int32)
+               for d in seg.docs]
+        return ids, [np.zeros(len(x), np.int32) for x in ids]
+
+    def ane(query: str, docs: list[str]):
+        enc = tok.encode_pairs(query, docs, truncate=True)
+        return enc.ids, enc.token_type_ids
+
+    return llama if lane == "llama" else ane
+
+
+# ---- drift -----------------------------------------------------------------------------------
+
+
+def _drift(store: CertificateStore, key: CertificateKey, values: np.ndarray) -> Drift | None:
+    previous = store.get(key.id)
+    same_key = previous is not None
+    if previous is None:
+        previous = store.latest_for(key.model, key.lane)
+    if previous is None:
+        return None
+    under = digest_under(values, previous.fingerprint)
+    return Drift(
+        previous_id=previous.id,
+        previous_created_at=previous.created_at,
+        previous_digest=previous.fingerprint.digest,
+        digest_under_previous=under,
+        drifted=under != previous.fingerprint.digest,
+        same_key=same_key,
+        key_changes=[] if same_key else key.differences(previous.key),
+    )
+
+
+def _drift_check(fp: Fingerprint, drift: Drift | None) -> Check:
+    # Informational: quality is judged by the gates; drift says the numbers moved.
+    if drift is None:
+        return Check(name="fingerprint.drift", gate="info", status="info",
+                     detail=f"first certificate of this lane; fingerprint {fp.short}")
+    where = "same key" if drift.same_key else "key changed: " + "; ".join(drift.key_changes)
+    if drift.drifted:
+        return Check(name="fingerprint.drift", gate="info", status="drift",
+                     detail=f"outputs moved since {drift.previous_id} "
+                            f"({drift.previous_created_at}, {where})")
+    return Check(name="fingerprint.drift", gate="info", status="pass",
+                 detail=f"stable since {drift.previous_id} ({where})")
+
+
+def _synapse_version() -> str:
+    try:
+        return version("synapse")
+    except PackageNotFoundError:
+        return "dev"
