@@ -74,34 +74,32 @@ def test_embeddings_match_fp32_reference(embed_engine: AneEngine) -> None:
     assert len(progress.events) >= 2  # long items ran unpacked, short ones packed
 
 
-def test_normalized_output_is_unit_length_in_fp16(embed_engine: AneEngine) -> None:
+def test_normalized_output_is_unit_length(embed_engine: AneEngine) -> None:
     seqs = [h.encode(t) for t in h.embed_corpus()[:12]]
     raw = _embed(embed_engine, seqs, normalize=False)
     unit = _embed(embed_engine, seqs, normalize=True)
-    assert np.abs(np.linalg.norm(unit, axis=1) - 1.0).max() < 2e-3  # fp16 output
+    assert np.abs(np.linalg.norm(unit, axis=1) - 1.0).max() < 1e-5
     assert h.cosines(raw, unit).min() > 0.99999
 
 
 def test_packed_and_unpacked_agree() -> None:
-    texts = h.embed_corpus()[:40:3]
+    texts = h.embed_corpus()[:48:4]
     seqs = [h.encode(t, limit=120) for t in texts]
     unpacked = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
     packed = h.new_engine(h.minilm(), [h.EMBED_PACKED])
     try:
         # The served (L2-normalised) vectors: components of O(0.1), where 1e-3 is a few fp16
         # ulps. The two graphs round differently only where they differ (positions gathered
-        # per segment vs a folded constant; zero-weight keys in other segments).
+        # per segment vs a folded constant; zero-weight keys of other segments).
         a = _embed(unpacked, seqs, normalize=True)
         b = _embed(packed, seqs, normalize=True)
-        raw_a, raw_b = _embed(unpacked, seqs), _embed(packed, seqs)
     finally:
         unpacked.close()
         packed.close()
     diff = np.abs(a - b).max()
-    print(f"\npacked vs unpacked: max |diff| {diff:.2e} (normalised), "
-          f"{np.abs(raw_a - raw_b).max():.2e} (raw mean-pooled) over {len(seqs)} items")
+    print(f"\npacked vs unpacked: max |diff| {diff:.2e} over {len(seqs)} items")
     assert diff <= 1e-3
-    assert h.cosines(raw_a, raw_b).min() > 0.99999
+    assert h.cosines(a, b).min() > 0.99999
     assert np.abs(a).max() > 0.05  # not trivially equal
 
 

@@ -325,7 +325,14 @@ class AneEngine(Engine):
         seqs = self._split(model, ids, [it.n_tokens for it in req.items])
         types = [np.zeros(len(s), np.int32) for s in seqs]
         output = "embedding_l2" if req.normalize else "embedding"
-        return self._run(model, seqs, types, output, model.manifest.config.hidden_size, progress)
+        vectors = self._run(model, seqs, types, output, model.manifest.config.hidden_size,
+                            progress)
+        if req.normalize:
+            # The graph's L2 output is fp16, so its norms are 1 only to ~1e-3; rescaling in
+            # float32 makes dot products exact cosines without changing any direction.
+            norms = np.linalg.norm(vectors.astype(np.float64), axis=1, keepdims=True)
+            vectors = (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
+        return vectors
 
     def rerank_sequences(
         self, req: m.RERANK_SEQUENCES, ids: np.ndarray, progress: Progress
