@@ -68,11 +68,11 @@ def rerank_check(errors: np.ndarray, t: Thresholds, note: str) -> Check:
 
 def rerank_not_applicable(kind: str) -> Check:
     return Check(name="quality.rerank_max_abs_error", gate="quality", status="n/a",
-                 detail=f"a {kind} model, not a cross-encoder")
+                 detail=f"{kind} model, not a cross-encoder")
 
 
 def embedding_not_applicable(kind: str) -> list[Check]:
-    return [Check(name=name, gate="quality", status="n/a", detail=f"a {kind} model")
+    return [Check(name=name, gate="quality", status="n/a", detail=f"{kind} model")
             for name in ("quality.min_cosine", "quality.mean_cosine", "quality.retrieval_top10")]
 
 

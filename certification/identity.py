@@ -30,6 +30,9 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
     engine: str = ""
     engine_version: str = ""
     build_flags: str = ""
+    # Test-only graph degradations (Core ML build_options) as canonical JSON: they change
+    # the graph without changing HELLO, so they must be in the key themselves.
+    build_options: str = ""
 
     @classmethod
     def from_mapping(cls, model: str, lane: str, d: dict[str, Any]) -> LaneIdentity:
@@ -54,6 +57,7 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
             engine=eng_name,
             engine_version=eng_version,
             build_flags=flags,
+            build_options=_canonical(d.get("build_options")),
         )
 
 
@@ -68,6 +72,7 @@ class CertificateKey(msgspec.Struct, frozen=True, kw_only=True):
     engine: str
     engine_version: str
     build_flags: str
+    build_options: str
     runtime: dict[str, str]  # host-side libraries that change what the lane receives
     os: str
 
@@ -99,6 +104,7 @@ def key_for(identity: LaneIdentity) -> CertificateKey:
         engine=identity.engine,
         engine_version=identity.engine_version,
         build_flags=identity.build_flags,
+        build_options=identity.build_options,
         runtime=runtime_versions(),
         os=os_name(),
     )
@@ -134,6 +140,12 @@ def _shape_str(shape: object) -> str:
         segs = shape.get("max_segments")
         return f"{rows}x{seq}{packed}" + (f"/{segs}" if packed and segs else "")
     return str(shape)
+
+
+def _canonical(value: object) -> str:
+    if not value:
+        return ""
+    return msgspec.json.encode(msgspec.to_builtins(value, order="sorted")).decode()
 
 
 def _short(value: object) -> str:

@@ -41,6 +41,8 @@ class LaneClient:
         self.lane = lane
         self._kw: dict[str, Any] = {} if lane == "llama" else {"lane": lane}
         self._tokenizer: Tokenizer | None = None
+        self._shapes: list[dict] | None = None
+        self._build_options: dict | None = None
 
     @property
     def record(self) -> ModelRecord:
@@ -63,6 +65,8 @@ class LaneClient:
         extra = dict(runtime_config_extra or {})
         if shapes:
             extra["shapes"] = shapes
+        self._shapes = shapes
+        self._build_options = extra.get("build_options")
         kwargs: dict[str, Any] = dict(self._kw)
         if extra:
             kwargs["runtime_config_extra"] = extra
@@ -117,10 +121,8 @@ class LaneClient:
     # ---- identity -------------------------------------------------------------------------
 
     def identity(self) -> LaneIdentity:
-        if self.lane != "llama":
-            raw = self.module.lane_identity(self.model, self.lane)
-            return LaneIdentity.from_mapping(self.model, self.lane, dict(raw))
-        return llama_identity(self.module, self.model)
+        return lane_identity(self.module, self.model, self.lane, self._shapes,
+                             self._build_options)
 
     def placement_ops(self) -> dict[str, dict[str, float]] | None:
         """Per-op placement, when the lane's identity carries it (`placement_ops`)."""
@@ -130,6 +132,25 @@ class LaneClient:
         ops = dict(raw).get("placement_ops")
         return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()} \
             if isinstance(ops, dict) else None
+
+
+def lane_identity(
+    module: Module,
+    model: str,
+    lane: str,
+    shapes: list[dict] | None = None,
+    build_options: dict | None = None,
+) -> LaneIdentity:
+    """The identity of a loaded lane. `shapes`/`build_options`: what LOAD was asked for,
+    used when `Module.lane_identity` does not report them itself."""
+    if lane == "llama":
+        return llama_identity(module, model)
+    raw = dict(module.lane_identity(model, lane))
+    if not raw.get("shapes"):
+        raw["shapes"] = shapes or default_ane_shapes(module.store.get(model))
+    if build_options and not raw.get("build_options"):
+        raw["build_options"] = build_options
+    return LaneIdentity.from_mapping(model, lane, raw)
 
 
 def llama_identity(module: Module, model: str) -> LaneIdentity:
@@ -152,6 +173,15 @@ def llama_identity(module: Module, model: str) -> LaneIdentity:
         engine_version=hello.engine.version,
         build_flags=hello.engine.build_flags,
     )
+
+
+def default_ane_shapes(record: ModelRecord) -> list[dict]:
+    """The shapes a Core ML LOAD admits when none are requested (the worker's defaults;
+    seq_len 0 stands for the model's max_seq_length, the store's max_tokens)."""
+    from workers.ane.config import DEFAULT_SHAPES  # msgspec-only module: no coremltools
+
+    return [{"rows": rows, "seq_len": seq or record.manifest.max_tokens}
+            for rows, seq in DEFAULT_SHAPES]
 
 
 def _accepts(fn: object, name: str) -> bool:

