@@ -14,6 +14,7 @@ import os
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -47,6 +48,11 @@ class ModuleConfig(msgspec.Struct, kw_only=True):
             "ane": ["python", "-m", "workers.ane"],
         }
     )
+    # Certificates before serving (DESIGN 8): "strict" refuses a lane of `certificate_lanes`
+    # that has no certified certificate for its exact identity (`certificate_required`),
+    # "warn" logs and serves. Checked by certification.policy, in <cache dir>/certificates.
+    require_certificate: Literal["strict", "warn", "off"] = "off"
+    certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 
 
 class Usage(msgspec.Struct):
@@ -176,7 +182,20 @@ class Module:
                 await lane_obj.stop()
                 raise
             self._served[key] = _Served(record, tokenizer, lane_obj, reply.dims, lane, digest)
+            if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
+                await self._enforce_certificate(name, lane, runtime_config_extra)
             return record
+
+    async def _enforce_certificate(self, name: str, lane: str, extra: dict | None) -> None:
+        # Late import: certification imports host (DESIGN 2), so host must not import it at
+        # module import time. The identity needs HELLO, hence after LOAD; refused -> unloaded.
+        from certification.policy import enforce
+
+        try:
+            enforce(self, name, lane, extra)
+        except BaseException:
+            await self.unload(name, lane)
+            raise
 
     def _tokenizer(self, record: ModelRecord) -> Tokenizer:
         path = record.tokenizer_path
