@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    # The CLI sits above both packages; certification.cli imports host only when it runs.
+    from certification.cli import add_certify_parser
+
+    add_certify_parser(sub)
+
     try:
         from compile_cache.cli import add_cache_parser
     except ImportError:  # the cache tool is optional to the rest of the CLI

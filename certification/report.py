@@ -1,0 +1,142 @@
+"""The HTML report of a certificate: verdict, checks, key, fingerprint, and inline-SVG plots
+(per-item cosine distribution, placement by device, latency histogram). One self-contained
+file: no scripts, no external assets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jinja2
+import msgspec
+
+from certification import svg
+from certification.certificate import Certificate
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>Synapse certificate {{ c.id }} ({{ c.status }})</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222 }
+table { border-collapse: collapse; margin: .5em 0 1.5em } td, th { padding: 3px 10px;
+ border-bottom: 1px solid #ddd; text-align: left; vertical-align: top }
+.status { font-weight: bold; padding: 2px 8px; border-radius: 4px; color: #fff }
+.certified, .pass { background: #2e7d32 } .provisional { background: #ef6c00 }
+.failed, .fail, .drift { background: #c62828 } .na, .info { background: #757575 }
+code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
+</style></head><body>
+<h1>{{ c.key.model }} on the {{ c.key.lane }} lane:
+ <span class="status {{ c.status }}">{{ c.status }}</span></h1>
+<p>Certificate <code>{{ c.id }}</code>, {{ c.created_at }}, {{ "%.1f"|format(c.duration_s) }} s.
+ Quality gate: <b>{{ c.quality }}</b>; placement gate: <b>{{ c.placement }}</b>.
+{% if c.failing %} Failing: <b>{{ c.failing|join(", ") }}</b>.{% endif %}
+{% if c.corpus.sample_stride > 1 %} <b>Sampled run</b>: every {{ c.corpus.sample_stride }}th
+ corpus item ({{ c.corpus.n_items }} of {{ c.corpus.n_total }}).{% endif %}
+{% if c.overrides %} Threshold overrides: {{ c.overrides }}.{% endif %}</p>
+
+<h2>Checks</h2>
+<table id="checks"><tr><th>check</th><th>gate</th><th>status</th><th>value</th>
+<th>threshold</th><th>detail</th></tr>
+{% for k in c.checks %}<tr><td>{{ k.name }}</td><td>{{ k.gate }}</td>
+<td><span class="status {{ k.status|replace('/', '') }}">{{ k.status }}</span></td>
+<td>{{ fmt(k.value) }}</td><td>{{ k.op }} {{ fmt(k.threshold) }}</td>
+<td>{{ k.detail }}</td></tr>
+{% endfor %}</table>
+
+<h2>Plots</h2><div class="plots">
+{{ cosine_plot|safe }}
+{{ placement_plot|safe }}
+{% if placement_note %}<p>{{ placement_note }}</p>{% endif %}
+{{ latency_plot|safe }}
+</div>
+
+<h2>Key</h2>
+<table id="key">{% for name, value in key.items() %}<tr><th>{{ name }}</th>
+<td><code>{{ value }}</code></td></tr>{% endfor %}</table>
+
+<h2>Fingerprint</h2>
+<p><code>{{ c.fingerprint.digest }}</code> ({{ c.fingerprint.scheme }}, grid
+ {{ "%.4g"|format(c.fingerprint.grid) }}, {{ c.fingerprint.n_kept }} of
+ {{ c.fingerprint.n_values }} values kept).
+{% if c.drift %}{% if c.drift.drifted %}<b>Drift</b>: outputs moved since
+ {{ c.drift.previous_id }} ({{ c.drift.previous_created_at }}).{% else %}Stable since
+ {{ c.drift.previous_id }}.{% endif %}{% if c.drift.key_changes %} Key changes:
+ {{ c.drift.key_changes|join("; ") }}.{% endif %}{% endif %}</p>
+
+<details><summary>certificate JSON</summary><pre>{{ raw }}</pre></details>
+</body></html>
+"""
+
+
+def render(cert: Certificate) -> str:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    placement_plot, note = _placement_plot(cert)
+    return env.from_string(_TEMPLATE).render(
+        c=cert,
+        key=msgspec.to_builtins(cert.key),
+        fmt=_fmt,
+        cosine_plot=_cosine_plot(cert),
+        placement_plot=placement_plot,
+        placement_note=note,
+        latency_plot=svg.histogram(
+            "latency", cert.measurements.latencies_ms,
+            f"Latency per lane request ({len(cert.measurements.latencies_ms)} requests)",
+            "milliseconds per request", bins=20,
+        ),
+        raw=msgspec.json.format(msgspec.json.encode(cert), indent=2).decode(),
+    )
+
+
+def write(cert: Certificate, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(cert), encoding="utf-8")
+    return out
+
+
+def _cosine_plot(cert: Certificate) -> str:
+    m = cert.measurements
+    if m.cosines:
+        # 1 - cosine on a log scale: at 0.9999x a linear cosine axis shows nothing.
+        gaps = [math.log10(max(1.0 - c, 1e-12)) for c in m.cosines]
+        limit = math.log10(max(1.0 - cert.thresholds.min_cosine, 1e-12))
+        return svg.histogram(
+            "cosine", gaps, f"Per-item cosine vs the fp32 reference ({len(gaps)} items)",
+            "log10(1 - cosine)   (left is better)", marker=limit,
+            marker_label=f"min cosine {cert.thresholds.min_cosine:g}",
+        )
+    errors = [math.log10(max(e, 1e-12)) for e in m.rerank_errors]
+    limit = math.log10(cert.thresholds.rerank_max_abs)
+    return svg.histogram(
+        "cosine", errors, f"Rerank |score error| vs the fp32 reference ({len(errors)} pairs)",
+        "log10 |lane - reference|", marker=limit,
+        marker_label=f"max {cert.thresholds.rerank_max_abs:g}",
+    )
+
+
+def _placement_plot(cert: Certificate) -> tuple[str, str]:
+    m = cert.measurements
+    if cert.thresholds.placement_share is None:
+        return (svg.bars("placement", "Placement by device", [("whole graph", {"cpu": 1.0})]),
+                f"n/a: the {cert.key.lane} lane runs on the CPU; the placement gate does not "
+                "apply.")
+    if m.placement_ops:
+        rows = sorted(m.placement_ops.items(), key=lambda kv: -sum(kv[1].values()))
+        return (svg.bars("placement", f"Placement per op type ({m.placement_source})", rows,
+                         "estimated work (cost units)"), "")
+    if m.placement_share is None:
+        return svg.bars("placement", "Placement", []), "The lane reported no placement."
+    share = m.placement_share
+    note = ("Share from a static estimate (not Core ML's compute plan): at most provisional; "
+            "the lane reports no per-op breakdown." if m.placement_source != "compute_plan"
+            else "Share from Core ML's MLComputePlan.")
+    return (svg.bars("placement", f"Placement, whole graph ({m.placement_source})",
+                     [("whole graph", {"ane": share, "cpu": 1.0 - share})]), note)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.7g}"
+    return str(value)

@@ -1,0 +1,133 @@
+"""Dependency-free inline SVG plots for the HTML report: a histogram and a bar chart.
+
+Every plot is one `<svg data-plot=NAME>` whose `<rect class="bar">` elements carry their
+data (`data-lo`/`data-hi`/`data-count`, or `data-label`/`data-value`) and a `<title>`
+tooltip, so the report is checkable by parsing it and readable without JavaScript.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+import numpy as np
+
+W, H = 560, 220
+PAD_L, PAD_R, PAD_T, PAD_B = 48, 12, 28, 40
+COLORS = {"ane": "#2e7d32", "cpu": "#1565c0", "gpu": "#6a1b9a", "other": "#9e9e9e"}
+
+
+def histogram(
+    name: str,
+    values: list[float] | np.ndarray,
+    title: str,
+    x_label: str,
+    bins: int = 30,
+    marker: float | None = None,
+    marker_label: str = "",
+) -> str:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return _empty(name, title, "no data")
+    lo, hi = float(v.min()), float(v.max())
+    if marker is not None:
+        lo, hi = min(lo, marker), max(hi, marker)
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
+    pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
+    top = max(int(counts.max()), 1)
+    parts = [_open(name, title, v.size)]
+    bw = pw / bins
+    for i, c in enumerate(counts):
+        h = ph * c / top
+        x, y = PAD_L + i * bw, PAD_T + ph - h
+        parts.append(
+            f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{max(bw - 1, 0.5):.1f}" '
+            f'height="{h:.1f}" fill="#1565c0" data-lo="{edges[i]:.6g}" '
+            f'data-hi="{edges[i + 1]:.6g}" data-count="{int(c)}">'
+            f"<title>{edges[i]:.4g} .. {edges[i + 1]:.4g}: {int(c)}</title></rect>"
+        )
+    if marker is not None:
+        mx = PAD_L + pw * (marker - lo) / (hi - lo)
+        parts.append(
+            f'<line class="marker" x1="{mx:.1f}" x2="{mx:.1f}" y1="{PAD_T}" '
+            f'y2="{PAD_T + ph}" stroke="#c62828" stroke-dasharray="4 3" '
+            f'data-value="{marker:.6g}"/>'
+            f'<text x="{mx + 3:.1f}" y="{PAD_T + 10}" font-size="10" fill="#c62828">'
+            f"{escape(marker_label)}</text>"
+        )
+    parts.append(_axes(f"{lo:.4g}", f"{hi:.4g}", x_label, str(top)))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def bars(
+    name: str,
+    title: str,
+    rows: list[tuple[str, dict[str, float]]],
+    x_label: str = "share of estimated work",
+) -> str:
+    """Horizontal stacked bars: one row per label, segments per device (values sum <= 1)."""
+    if not rows:
+        return _empty(name, title, "no data")
+    row_h = 18
+    height = PAD_T + len(rows) * (row_h + 6) + PAD_B
+    pw = W - 150 - PAD_R
+    parts = [_open(name, title, len(rows), height=height)]
+    widest = max(max(sum(d.values()) for _, d in rows), 1e-30)  # longest row spans pw
+    for i, (label, devices) in enumerate(rows):
+        y = PAD_T + i * (row_h + 6)
+        parts.append(f'<text x="4" y="{y + 13}" font-size="11">{escape(label[:22])}</text>')
+        x = 150.0
+        for device, value in devices.items():
+            w = pw * value / widest
+            color = COLORS.get(device, COLORS["other"])
+            parts.append(
+                f'<rect class="bar" x="{x:.1f}" y="{y}" width="{max(w, 0):.1f}" '
+                f'height="{row_h}" fill="{color}" data-label="{escape(label)}" '
+                f'data-device="{escape(device)}" data-value="{value:.6g}">'
+                f"<title>{escape(label)} on {escape(device)}: {value:.4g}</title></rect>"
+            )
+            x += w
+    legend_y = height - 12
+    for j, device in enumerate(sorted({d for _, devs in rows for d in devs})):
+        lx = 150 + j * 110
+        parts.append(
+            f'<rect x="{lx}" y="{legend_y - 9}" width="10" height="10" '
+            f'fill="{COLORS.get(device, COLORS["other"])}"/>'
+            f'<text x="{lx + 14}" y="{legend_y}" font-size="11">{escape(device)}</text>'
+        )
+    parts.append(f'<text x="{W - PAD_R}" y="{legend_y}" font-size="10" text-anchor="end">'
+                 f"{escape(x_label)}</text></svg>")
+    return "".join(parts)
+
+
+def _open(name: str, title: str, n: int, height: int = H) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" '
+        f'viewBox="0 0 {W} {height}" data-plot="{escape(name)}" data-n="{n}" role="img">'
+        f"<title>{escape(title)}</title>"
+        f'<text x="{W / 2}" y="16" font-size="13" text-anchor="middle">{escape(title)}</text>'
+    )
+
+
+def _axes(x_lo: str, x_hi: str, x_label: str, y_top: str) -> str:
+    y0 = H - PAD_B
+    return (
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#333"/>'
+        f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{y0}" stroke="#333"/>'
+        f'<text x="{PAD_L}" y="{y0 + 14}" font-size="10">{escape(x_lo)}</text>'
+        f'<text x="{W - PAD_R}" y="{y0 + 14}" font-size="10" text-anchor="end">'
+        f"{escape(x_hi)}</text>"
+        f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{y0 + 30}" font-size="11" '
+        f'text-anchor="middle">{escape(x_label)}</text>'
+        f'<text x="{PAD_L - 4}" y="{PAD_T + 8}" font-size="10" text-anchor="end">'
+        f"{escape(y_top)}</text>"
+    )
+
+
+def _empty(name: str, title: str, why: str) -> str:
+    return (_open(name, title, 0, height=60)
+            + f'<text x="{W / 2}" y="40" font-size="12" text-anchor="middle">{escape(why)}'
+            + "</text></svg>")

@@ -1,0 +1,100 @@
+"""Terminal output: rich progress bars during a run, and the table of checks after it."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from certification.certificate import Certificate
+
+STYLE = {
+    "certified": "bold green", "pass": "green", "provisional": "bold yellow",
+    "failed": "bold red", "fail": "bold red", "drift": "bold red", "n/a": "dim", "info": "dim",
+}
+
+
+class RichProgress:
+    """`certification.runner.Progress` on rich bars (safe from the reference thread: rich
+    serializes updates with its own lock)."""
+
+    def __init__(self, console: Console) -> None:
+        self.bars = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=False,
+        )
+        self._tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> RichProgress:
+        self.bars.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.__exit__(*exc)
+
+    def start(self, key: str, description: str, total: int) -> None:
+        if key in self._tasks:
+            self.bars.update(self._tasks[key], description=description, total=total,
+                             completed=0)
+        else:
+            self._tasks[key] = self.bars.add_task(description, total=total)
+
+    def advance(self, key: str, n: int = 1) -> None:
+        if key in self._tasks:
+            self.bars.advance(self._tasks[key], n)
+
+
+def print_certificate(console: Console, cert: Certificate) -> None:
+    k = cert.key
+    console.print(
+        f"[bold]{escape(k.model)}[/] on the [bold]{escape(k.lane)}[/] lane "
+        f"({escape(k.precision)}, {escape(k.engine)} {escape(k.engine_version)}): "
+        f"[{STYLE[cert.status]}]{cert.status.upper()}[/]  certificate {cert.id}"
+    )
+    table = Table()
+    for name in ("check", "gate", "status", "value", "threshold"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("detail")
+    for c in cert.checks:
+        table.add_row(
+            c.name, c.gate, f"[{STYLE.get(c.status, '')}]{c.status}[/]", _fmt(c.value),
+            f"{c.op} {_fmt(c.threshold)}".strip(), escape(c.detail),
+        )
+    console.print(table)
+    if cert.failing:
+        console.print(f"[bold red]failing:[/] {', '.join(cert.failing)}")
+    notes = [f"quality gate {cert.quality}", f"placement gate {cert.placement}",
+             f"fingerprint {cert.fingerprint.short}"]
+    if cert.corpus.sample_stride > 1:
+        notes.append(f"SAMPLED: every {cert.corpus.sample_stride}th corpus item "
+                     f"({cert.corpus.n_items}/{cert.corpus.n_total})")
+    if cert.overrides:
+        notes.append(f"overrides {cert.overrides}")
+    console.print("; ".join(notes))
+
+
+def print_list(console: Console, certs: list[Certificate]) -> None:
+    table = Table("id", "model", "lane", "status", "failing", "shapes", "engine", "created")
+    for c in certs:
+        table.add_row(
+            c.id, c.key.model, c.key.lane, f"[{STYLE[c.status]}]{c.status}[/]",
+            ", ".join(c.failing), ",".join(c.key.shapes), f"{c.key.engine} {c.key.engine_version}",
+            c.created_at,
+        )
+    console.print(table)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.7g}"
+    return str(value)
