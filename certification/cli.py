@@ -40,7 +40,7 @@ def add_certify_parser(sub: argparse._SubParsersAction) -> None:
                    help="minimum Neural Engine share (default from the table: 0.9)")
     p.add_argument("--sample", type=int, default=1, metavar="K",
                    help="judge every K-th corpus item only (smoke runs; recorded)")
-    p.add_argument("--batch-size", type=int, default=16, help="items per lane request")
+    p.add_argument("--batch-size", type=int, default=8, help="items per lane request")
     p.add_argument("--reference-dir", help="HF directory of the fp32 reference "
                    "(default: the one the artifact was converted from)")
     p.add_argument("--no-save", action="store_true", help="do not store the certificate")

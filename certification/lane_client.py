@@ -14,6 +14,7 @@ that knows the Module's lane API:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from certification.identity import LaneIdentity
+from host.artifacts.owned import owned_dir
 from host.artifacts.store import ModelRecord
 from host.module import Module
 from host.tokenization import Tokenizer
@@ -43,6 +45,7 @@ class LaneClient:
         self._tokenizer: Tokenizer | None = None
         self._shapes: list[dict] | None = None
         self._build_options: dict | None = None
+        self._cache_root: str | None = None
 
     @property
     def record(self) -> ModelRecord:
@@ -67,6 +70,7 @@ class LaneClient:
             extra["shapes"] = shapes
         self._shapes = shapes
         self._build_options = extra.get("build_options")
+        self._cache_root = extra.get("cache_root")
         kwargs: dict[str, Any] = dict(self._kw)
         if extra:
             kwargs["runtime_config_extra"] = extra
@@ -124,14 +128,21 @@ class LaneClient:
         return lane_identity(self.module, self.model, self.lane, self._shapes,
                              self._build_options)
 
-    def placement_ops(self) -> dict[str, dict[str, float]] | None:
-        """Per-op placement, when the lane's identity carries it (`placement_ops`)."""
+    async def placement_ops(self) -> dict[str, dict[str, float]] | None:
+        """Per-op placement: from the lane's identity if it carries `placement_ops`, else the
+        static estimate over the admitted packages (certification.placement_ops)."""
         if self.lane == "llama":
             return None
-        raw = self.module.lane_identity(self.model, self.lane)
-        ops = dict(raw).get("placement_ops")
-        return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()} \
-            if isinstance(ops, dict) else None
+        ops = dict(self.module.lane_identity(self.model, self.lane)).get("placement_ops")
+        if isinstance(ops, dict):
+            return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()}
+        from certification.placement_ops import per_op_estimate
+
+        shapes = self._shapes or default_ane_shapes(self.record)
+        return await asyncio.to_thread(
+            per_op_estimate, owned_dir(self.module.store, self.model), shapes,
+            self._build_options, self._cache_root,
+        )
 
 
 def lane_identity(

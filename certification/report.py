@@ -81,7 +81,7 @@ def render(cert: Certificate) -> str:
         latency_plot=svg.histogram(
             "latency", cert.measurements.latencies_ms,
             f"Latency per lane request ({len(cert.measurements.latencies_ms)} requests)",
-            "milliseconds per request", bins=20,
+            "milliseconds per request", bins=20, y_label="requests",
         ),
         raw=msgspec.json.format(msgspec.json.encode(cert), indent=2).decode(),
     )
@@ -103,14 +103,14 @@ def _cosine_plot(cert: Certificate) -> str:
         return svg.histogram(
             "cosine", gaps, f"Per-item cosine vs the fp32 reference ({len(gaps)} items)",
             "log10(1 - cosine)   (left is better)", marker=limit,
-            marker_label=f"min cosine {cert.thresholds.min_cosine:g}",
+            marker_label=f"min cosine {cert.thresholds.min_cosine:g}", y_label="items",
         )
     errors = [math.log10(max(e, 1e-12)) for e in m.rerank_errors]
     limit = math.log10(cert.thresholds.rerank_max_abs)
     return svg.histogram(
         "cosine", errors, f"Rerank |score error| vs the fp32 reference ({len(errors)} pairs)",
         "log10 |lane - reference|", marker=limit,
-        marker_label=f"max {cert.thresholds.rerank_max_abs:g}",
+        marker_label=f"max {cert.thresholds.rerank_max_abs:g}", y_label="pairs",
     )
 
 
@@ -121,9 +121,19 @@ def _placement_plot(cert: Certificate) -> tuple[str, str]:
                 f"n/a: the {cert.key.lane} lane runs on the CPU; the placement gate does not "
                 "apply.")
     if m.placement_ops:
-        rows = sorted(m.placement_ops.items(), key=lambda kv: -sum(kv[1].values()))
-        return (svg.bars("placement", f"Placement per op type ({m.placement_source})", rows,
-                         "estimated work (cost units)"), "")
+        # Rows normalized per op type (one conv dwarfs everything else in absolute cost);
+        # each label carries the op type's share of the whole graph's estimated work.
+        total = sum(sum(d.values()) for d in m.placement_ops.values()) or 1.0
+        ranked = sorted(m.placement_ops.items(), key=lambda kv: -sum(kv[1].values()))[:16]
+        rows = [(f"{op} {100 * sum(d.values()) / total:.2g}%",
+                 {dev: c / (sum(d.values()) or 1.0) for dev, c in d.items()})
+                for op, d in ranked]
+        share = f"{m.placement_share:.4f}" if m.placement_share is not None else "?"
+        return (svg.bars("placement", "Placement per op type (static estimate)", rows,
+                         "fraction of the op type's work, by device"),
+                f"Per-op estimate over the admitted packages (top {len(rows)} op types by "
+                f"work). The gate used the lane's reported share {share} "
+                f"({m.placement_source}).")
     if m.placement_share is None:
         return svg.bars("placement", "Placement", []), "The lane reported no placement."
     share = m.placement_share

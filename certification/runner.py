@@ -59,7 +59,7 @@ class RunOptions:
     lane: str = "llama"
     shapes: list[dict] | None = None  # Core ML shapes to admit: [{rows, seq_len, packed?}]
     sample_stride: int = 1
-    batch_size: int = 16  # items per lane request in the corpus pass (serving-sized)
+    batch_size: int = 8  # items per lane request in the corpus pass (serving-sized)
     reference_dir: str | None = None
     overrides: dict[str, float] = field(default_factory=dict)
     runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
@@ -118,7 +118,7 @@ async def certify(
     progress.start("placement", "placement after admission", 1)
     share, source = await client.placement()
     measured.placement_share, measured.placement_source = share, source
-    measured.placement_ops = client.placement_ops()
+    measured.placement_ops = await client.placement_ops()
     checks.append(gates.placement_check(identity.lane, share, source, thresholds))
     progress.advance("placement")
 

@@ -24,6 +24,7 @@ def histogram(
     bins: int = 30,
     marker: float | None = None,
     marker_label: str = "",
+    y_label: str = "count",
 ) -> str:
     v = np.asarray(values, dtype=np.float64)
     v = v[np.isfinite(v)]
@@ -54,10 +55,12 @@ def histogram(
             f'<line class="marker" x1="{mx:.1f}" x2="{mx:.1f}" y1="{PAD_T}" '
             f'y2="{PAD_T + ph}" stroke="#c62828" stroke-dasharray="4 3" '
             f'data-value="{marker:.6g}"/>'
-            f'<text x="{mx + 3:.1f}" y="{PAD_T + 10}" font-size="10" fill="#c62828">'
+            # Label on the side with room: the marker often sits at the plot's edge.
+            f'<text x="{mx + (-3 if mx > W / 2 else 3):.1f}" y="{PAD_T + 10}" font-size="10" '
+            f'fill="#c62828" text-anchor="{"end" if mx > W / 2 else "start"}">'
             f"{escape(marker_label)}</text>"
         )
-    parts.append(_axes(f"{lo:.4g}", f"{hi:.4g}", x_label, str(top)))
+    parts.append(_axes(f"{lo:.4g}", f"{hi:.4g}", x_label, str(top), y_label))
     parts.append("</svg>")
     return "".join(parts)
 
@@ -112,7 +115,7 @@ def _open(name: str, title: str, n: int, height: int = H) -> str:
     )
 
 
-def _axes(x_lo: str, x_hi: str, x_label: str, y_top: str) -> str:
+def _axes(x_lo: str, x_hi: str, x_label: str, y_top: str, y_label: str) -> str:
     y0 = H - PAD_B
     return (
         f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#333"/>'
@@ -124,6 +127,9 @@ def _axes(x_lo: str, x_hi: str, x_label: str, y_top: str) -> str:
         f'text-anchor="middle">{escape(x_label)}</text>'
         f'<text x="{PAD_L - 4}" y="{PAD_T + 8}" font-size="10" text-anchor="end">'
         f"{escape(y_top)}</text>"
+        f'<text x="{PAD_L - 4}" y="{y0}" font-size="10" text-anchor="end">0</text>'
+        f'<text x="12" y="{(PAD_T + y0) / 2}" font-size="10" text-anchor="middle" '
+        f'transform="rotate(-90 12 {(PAD_T + y0) / 2})">{escape(y_label)}</text>'
     )
 
 

@@ -174,6 +174,9 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
     plots = parse_report(out_html.read_text())
     devices = {bar["data-device"] for bar in plots["placement"]}
     assert devices == {"ane", "cpu"}
+    ops = {bar["data-label"].split()[0] for bar in plots["placement"]}
+    assert {"conv", "gather"} <= ops  # per op type: 1x1 convs on the ANE, the id gather not
+    assert set(cert["measurements"]["placement_ops"]) >= {"conv", "layer_norm"}
 
 
 # ---- policy ----------------------------------------------------------------------------------
