@@ -2,10 +2,14 @@
 
 Each request is tokenized module-side, admitted against the module's token budget, and queued
 per (model, normalize). One batcher task per queue takes every request waiting when the lane
-is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), optionally
-waiting `max_wait_ms` for a non-full batch to fill, calls `Module.embed_token_ids` once, and
-splits the vectors back per request. Requests that arrive while the lane computes form the
-next batch, so load itself grows the batches.
+is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), calls
+`Module.embed_token_ids` once, and splits the vectors back per request. Requests that arrive
+while the lane computes form the next batch, so load itself grows the batches.
+
+Waiting is adaptive: when a batch has just been answered, its callers send their next
+requests a few milliseconds apart. If recent batches held more requests than are queued now,
+the batcher waits up to `max_wait_ms` for them (else one early arrival would run alone and the
+rest would wait a whole batch behind it). A lone caller never waits: its batches hold one.
 
 Backpressure: the queue is bounded in items (`max_queue_items`); over it, or over the module's
 in-flight token budget, a request fails at once with `Overloaded` (429 + Retry-After). A
@@ -44,9 +48,12 @@ _THREAD_TOKENIZE_BYTES = 64 * 1024
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    max_batch_tokens: int = 4096  # ids in one coalesced batch (a larger request goes alone)
+    # Ids per coalesced batch (a larger request still goes alone). About one llama.cpp decode
+    # (n_batch 512): a bigger batch runs as successive decodes anyway, so it adds no
+    # throughput, but every request in it would wait for the whole batch.
+    max_batch_tokens: int = 512
     max_batch_items: int = 256
-    max_wait_ms: float = 0.0  # extra wait for a non-full batch when the lane is idle
+    max_wait_ms: float = 4.0  # upper bound of the adaptive wait for a non-full batch
     max_queue_items: int = 4096  # queued inputs per model; over it -> 429
     request_timeout_s: float = 300.0  # a queued or running request's total wait -> 504
     max_pending: int = 64  # rerank / completion requests in flight, each; over it -> 429
@@ -96,6 +103,7 @@ class _Queue:
         self.sched, self.model, self.normalize = sched, model, normalize
         self.items: deque[_Pending] = deque()
         self.queued_items = 0
+        self.expected = 1.0  # requests per recent batch (moving average)
         self.queued_tokens = 0
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
@@ -145,16 +153,19 @@ class _Queue:
             self.queued_items >= cfg.max_batch_items or self.queued_tokens >= cfg.max_batch_tokens
         )
 
+    def _expect_more(self) -> bool:
+        return not self._full() and len(self.items) < self.expected - 0.5
+
     async def _run(self) -> None:
         wait_s = self.sched.config.max_wait_ms / 1000
         while True:
             await self.wake.wait()
             # One loop turn lets requests parsed in the same tick join this batch.
             await asyncio.sleep(0)
-            if wait_s > 0 and not self._full():
+            if wait_s > 0 and self._expect_more():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait_s):
-                        while not self._full():
+                        while self._expect_more():
                             self.wake.clear()
                             await self.wake.wait()
             batch = self._take()
@@ -163,6 +174,7 @@ class _Queue:
             else:
                 self.wake.clear()
             if batch:
+                self.expected = 0.7 * self.expected + 0.3 * len(batch)
                 await self._execute(batch)
 
     async def _execute(self, batch: list[_Pending]) -> None:
