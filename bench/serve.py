@@ -1,0 +1,393 @@
+"""`synapse serve` vs llama-cpp-python's own server, same GGUF, same client, same run.
+
+    python -m bench.serve [--requests 240] [--rounds 4] [--threads 2]
+
+Both servers run as subprocesses on loopback ports with the same minilm GGUF from the
+artifact store, the same llama.cpp thread count and `OMP_WAIT_POLICY=passive`. One httpx
+client drives both with one input per request (`POST /v1/embeddings`), at concurrency 1, 8
+and 32, for inputs of exactly 16 and 128 tokens (specials included). Each point is measured in
+`rounds` alternating slices (ours, theirs, theirs, ours, ...) so this shared machine's noise
+hits both alike. Bounded: `--requests` per server per point, and `--max-seconds` per slice.
+
+Prints ONE JSON object: embeddings/s and p50/p99 latency per point and server, and the ratios
+`throughput_ratio` (ours / theirs; target >= 2 at concurrency 8 and 32) and `p99_ratio`
+(ours / theirs; target <= 1.2 at concurrency 1). `engine_in_process_ceiling` is the engine's
+own batch-32 vs batch-1 throughput, in-process: the most any batching server can gain over a
+one-request-at-a-time server with the same engine on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from certification.corpus import corpus
+from host.artifacts.store import ArtifactStore
+from host.gguf_vocab import write_tokenizer_json
+from host.module import DEFAULT_EMBED
+from host.tokenization import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+_READY = re.compile(r"synapse serve: listening on (http://\S+)")
+
+
+def _texts(tokenizer: Tokenizer, n_tokens: int, count: int) -> list[str]:
+    """`count` distinct texts of exactly `n_tokens` tokens (with [CLS]/[SEP])."""
+    words = " ".join(corpus()).split()
+    out: list[str] = []
+    start = 0
+    while len(out) < count:
+        lo, hi = 1, n_tokens * 2
+        while lo < hi:  # the most words that still fit
+            mid = (lo + hi + 1) // 2
+            text = " ".join(words[start : start + mid])
+            if len(tokenizer.encode([text], truncate=False, max_tokens=512).ids[0]) <= n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        text = " ".join(words[start : start + lo])
+        if len(tokenizer.encode([text], truncate=False, max_tokens=512).ids[0]) == n_tokens:
+            out.append(text)
+        start = (start + 37) % max(1, len(words) - 4 * n_tokens)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    def __init__(self, argv: list[str], env: dict, workdir: str, name: str) -> None:
+        self.log = open(Path(workdir) / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not become ready in {timeout_s} s")
+
+
+def _start_ours(workdir: str, threads: int, env: dict) -> tuple[_Proc, str]:
+    config = {
+        "port": 0,
+        "preload": [DEFAULT_EMBED],
+        "install_defaults": False,
+        "module": {
+            "planned_workers": max(1, (os.cpu_count() or 1) // threads),
+            "host": {"runtime_dir": str(Path(workdir) / "rt")},
+        },
+    }
+    path = Path(workdir) / "serve.json"
+    path.write_text(json.dumps(config))
+    proc = _Proc([sys.executable, "-m", "host.serve", "--config", str(path)], env, workdir, "ours")
+    found: list[str] = []
+
+    def ready() -> bool:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"synapse serve exited {proc.proc.returncode}")
+        found.extend(m.group(1) for line in proc.lines if (m := _READY.search(line)))
+        return bool(found)
+
+    _wait(ready, 180, "synapse serve")
+    return proc, found[0]
+
+
+def _start_theirs(workdir: str, gguf: str, threads: int, env: dict) -> tuple[_Proc, str]:
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "llama_cpp.server",
+        "--model", gguf, "--embedding", "true",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--n_threads", str(threads), "--n_threads_batch", str(threads),
+        "--n_ctx", "512", "--n_batch", "512", "--n_ubatch", "512",
+        "--flash_attn", "true", "--verbose", "false",
+    ]  # fmt: skip
+    proc = _Proc(argv, env, workdir, "theirs")
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"llama_cpp.server exited {proc.proc.returncode}")
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(ready, 180, "llama_cpp.server")
+    return proc, url
+
+
+class _Conn:
+    """A minimal keep-alive HTTP/1.1 client connection for the load loop.
+
+    httpx costs ~8 ms of CPU per request here, which on a 2-core machine would starve both
+    servers alike and flatten every ratio; this sends pre-encoded requests and reads
+    Content-Length-framed responses for well under 1 ms. Same client for both servers.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> _Conn:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer)
+
+    async def request(self, raw: bytes) -> int:
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _raw_request(url: str, text: str) -> bytes:
+    host = url.removeprefix("http://")
+    body = json.dumps({"input": text, "model": DEFAULT_EMBED}).encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _slice(
+    url: str, texts: list[str], concurrency: int, n: int, max_s: float
+) -> tuple[list[float], int, float]:
+    """Latencies of `n` requests at `concurrency` (one connection each), errors, wall time."""
+    raws = [_raw_request(url, t) for t in texts]
+    conns = [await _Conn.open(url) for _ in range(concurrency)]
+    latencies: list[float] = []
+    errors = 0
+    try:
+        await asyncio.gather(*(c.request(raws[i % len(raws)]) for i, c in enumerate(conns)))
+        issued = 0
+        start = time.perf_counter()
+        deadline = start + max_s
+
+        async def worker(conn: _Conn) -> None:
+            nonlocal issued, errors
+            while issued < n and time.perf_counter() < deadline:
+                raw = raws[issued % len(raws)]
+                issued += 1
+                t = time.perf_counter()
+                status = await conn.request(raw)
+                if status == 200:
+                    latencies.append(time.perf_counter() - t)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(worker(c) for c in conns))
+        wall = time.perf_counter() - start
+    finally:
+        for c in conns:
+            c.close()
+    return latencies, errors, wall
+
+
+def _summary(latencies: list[float], errors: int, wall: float) -> dict:
+    lat = np.array(latencies) * 1000
+    return {
+        "embeddings_per_s": round(len(latencies) / wall, 1) if wall else 0.0,
+        "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
+        "requests": len(latencies),
+        "errors": errors,
+    }
+
+
+async def _measure(urls: dict[str, str], texts: list[str], conc: int, args) -> dict:
+    names = list(urls)
+    acc = {name: ([], 0, 0.0) for name in names}
+    per_slice = max(conc, args.requests // args.rounds)
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            lat, err, wall = await _slice(urls[name], texts, conc, per_slice, args.max_seconds)
+            a = acc[name]
+            acc[name] = (a[0] + lat, a[1] + err, a[2] + wall)
+    return {name: _summary(*acc[name]) for name in names}
+
+
+def _engine_ceiling(rec, threads: int, lengths: list[int], budget_s: float = 6.0) -> dict:
+    """The engine's own batching gain in-process (no HTTP, no IPC): embeddings/s at batch 1
+    and batch 32. No server can out-batch this ratio against a batch-1 server on this machine
+    (e.g. 128-token inputs are already FLOP-bound at batch 1)."""
+    from workers.engine import NullProgress
+    from workers.llama.engine import LlamaEngine
+    from workers.protocol import messages as m
+
+    engine = LlamaEngine()
+    cfg = {"model_ref": rec.name, "n_ctx": 512, "n_threads": threads, "n_threads_batch": threads}
+    load = m.LOAD(
+        req_id=0,
+        artifact_path=str(rec.artifact_path),
+        artifact_digest=rec.digest,
+        format="gguf",
+        runtime_config=cfg,
+    )
+    engine.load(load, NullProgress())
+    out = {}
+    try:
+        for n_tokens in lengths:
+            seq = np.array([101] + [2773] * (n_tokens - 2) + [102], np.int32)
+            rates = {}
+            for batch in (1, 32):
+                items = [m.EmbedItem(id=i, n_tokens=n_tokens) for i in range(batch)]
+                req = m.EMBED_BATCH(req_id=0, model_ref=rec.name, items=items)
+                ids = np.tile(seq, batch)
+                engine.embed(req, ids, NullProgress())  # warm
+                done, start = 0, time.perf_counter()
+                while time.perf_counter() - start < budget_s / 2:
+                    engine.embed(req, ids, NullProgress())
+                    done += batch
+                rates[batch] = done / (time.perf_counter() - start)
+            out[str(n_tokens)] = {
+                "batch1_embeddings_per_s": round(rates[1], 1),
+                "batch32_embeddings_per_s": round(rates[32], 1),
+                "batching_gain": round(rates[32] / rates[1], 2),
+            }
+    finally:
+        engine.close()
+    return out
+
+
+def _agreement(ours: str, theirs: str, text: str) -> float:
+    a = httpx.post(f"{ours}/v1/embeddings", json={"input": text}, timeout=60).json()
+    b = httpx.post(f"{theirs}/v1/embeddings", json={"input": text}, timeout=60).json()
+    va = np.array(a["data"][0]["embedding"])
+    vb = np.array(b["data"][0]["embedding"])
+    return float(va @ vb / (np.linalg.norm(va) * np.linalg.norm(vb)))
+
+
+async def _run(args) -> dict:
+    store = ArtifactStore()
+    store.ingest_default(tokenizer_builder=write_tokenizer_json)
+    rec = store.get(DEFAULT_EMBED)
+    man = rec.manifest
+    tokenizer = Tokenizer.from_file(
+        rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
+    )
+    texts = {n: _texts(tokenizer, n, 64) for n in args.lengths}
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive", "OPENBLAS_NUM_THREADS": "1"}
+    workdir = tempfile.mkdtemp(prefix="syn-bench-", dir="/tmp")  # short: worker socket paths
+    procs: list[_Proc] = []
+    try:
+        ours, ours_url = _start_ours(workdir, args.threads, env)
+        procs.append(ours)
+        theirs, theirs_url = _start_theirs(workdir, str(rec.artifact_path), args.threads, env)
+        procs.append(theirs)
+        urls = {"synapse": ours_url, "llama_cpp_server": theirs_url}
+        agreement = _agreement(ours_url, theirs_url, texts[args.lengths[0]][0])
+        points = []
+        for n_tokens in args.lengths:
+            for conc in args.concurrency:
+                res = await _measure(urls, texts[n_tokens], conc, args)
+                s, t = res["synapse"], res["llama_cpp_server"]
+                points.append(
+                    {
+                        "tokens": n_tokens,
+                        "concurrency": conc,
+                        **res,
+                        "throughput_ratio": round(
+                            s["embeddings_per_s"] / max(t["embeddings_per_s"], 1e-9), 2
+                        ),
+                        "p99_ratio": round(s["p99_ms"] / t["p99_ms"], 2)
+                        if s["p99_ms"] and t["p99_ms"]
+                        else None,
+                    }
+                )
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    ceiling = _engine_ceiling(rec, args.threads, args.lengths) if args.ceiling else None
+    high = [p for p in points if p["concurrency"] >= 8]
+    single = [p for p in points if p["concurrency"] == 1]
+    return {
+        "bench": "serve",
+        "model": DEFAULT_EMBED,
+        "gguf_sha256": rec.digest,
+        "threads": args.threads,
+        "requests_per_point": args.requests,
+        "rounds": args.rounds,
+        "vector_agreement_cosine": round(agreement, 6),
+        "points": points,
+        "engine_in_process_ceiling": ceiling,
+        "targets": {
+            "throughput_ratio_at_concurrency_8_and_32": ">= 2",
+            "p99_ratio_at_concurrency_1": "<= 1.2",
+            "throughput_met": all(p["throughput_ratio"] >= 2 for p in high),
+            "p99_met": all(p["p99_ratio"] is not None and p["p99_ratio"] <= 1.2 for p in single),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.serve", description=__doc__)
+    parser.add_argument("--requests", type=int, default=240, help="per server per point")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating slices per point")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="cap per slice")
+    parser.add_argument(
+        "--no-ceiling", dest="ceiling", action="store_false",
+        help="skip the in-process engine batching-gain measurement",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    print(json.dumps(asyncio.run(_run(args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
