@@ -1,0 +1,17 @@
+"""Certification: a real lane, driven through the host, judged against an independent fp32
+reference, with ANE placement gated alongside (DESIGN section 8).
+
+    runner        one run: load, corpus pass, retrieval, probe fingerprint, placement, verdict
+    lane_client   the only code that talks to host.module.Module (llama and Core ML lanes)
+    oracle        reference directory, its own tokenization, the fp32 forward (cached)
+    gates         checks and the verdict (pure functions)
+    thresholds    THE gate table, per lane and precision, with reasons
+    fingerprint   margin-masked quantized digest of the probe-set outputs
+    identity      lane identity and the certificate key
+    certificate   the JSON record (msgspec); store: certificates on disk
+    policy        require_certificate strict|warn|off, CertificateRequired
+    placement_ops per-op placement estimate of the admitted Core ML packages (report)
+    report, svg   the HTML report with inline SVG plots; terminal: rich output; cli
+    degrade       deliberately degraded checkpoints (prove the gate bites)
+    corpus, reference/  the fixed corpus and the reference forward itself
+"""

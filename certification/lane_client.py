@@ -24,7 +24,7 @@ import numpy as np
 from certification.identity import LaneIdentity
 from host.artifacts.owned import owned_dir
 from host.artifacts.store import ModelRecord
-from host.module import Module
+from host.module import Module, served_key
 from host.tokenization import Tokenizer
 
 LANES = ("llama", "ane")
@@ -56,6 +56,11 @@ class LaneClient:
     async def load(
         self, shapes: list[dict] | None = None, runtime_config_extra: dict | None = None
     ) -> None:
+        if served_key(self.model, self.lane) in self.module.lanes():
+            # Module.load is idempotent and would ignore the requested shapes/options, so the
+            # certificate could name a configuration that is not the one running.
+            raise ValueError(f"{self.model} is already loaded on the {self.lane} lane of this "
+                             "Module; certify on a fresh Module")
         if self.lane == "llama":
             if shapes or runtime_config_extra:
                 raise ValueError("shapes and runtime_config_extra apply to the ane lane only")

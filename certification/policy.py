@@ -8,6 +8,7 @@
   missing certificate and why (never certified / certified for another kernel revision,
   artifact, shape... / only provisional or failed). A `provisional` one is not enough:
   placement from an estimate proves nothing about where Core ML runs the graph.
+  Nor is one whose run LOOSENED a gating threshold (`--threshold min_cosine=0.9`).
 - "warn": the same check, logged as a warning; the lane serves.
 - "off": no check.
 
@@ -28,6 +29,7 @@ import msgspec
 from certification.certificate import Certificate
 from certification.identity import CertificateKey, LaneIdentity, key_for
 from certification.store import CertificateStore
+from certification.thresholds import thresholds_for
 from host.errors import SynapseError
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ def check_certificate(
         return None
     key = key_for(identity)
     cert = store.get(key.id)
-    if cert is not None and cert.status in accept:
+    if cert is not None and cert.status in accept and not loosened(cert):
         return cert
     message = _missing(store, key, cert)
     if mode == "strict":
@@ -86,6 +88,28 @@ def enforce(
     return check_certificate(store, identity, module.config.require_certificate)
 
 
+# Gating thresholds and the direction that makes them stricter.
+_AT_LEAST = ("min_cosine", "mean_cosine", "retrieval_top10", "placement_share")
+_AT_MOST = ("rerank_max_abs", "tokenizer_mismatches")
+
+
+def loosened(cert: Certificate) -> list[str]:
+    """Overrides that made a gate easier than the table: such a run proves nothing the table
+    asks for, so it cannot satisfy the policy (stricter overrides are fine)."""
+    try:
+        table = thresholds_for(cert.key.lane, cert.key.precision)
+    except ValueError:
+        return ["no table row for this lane/precision"]
+    out = []
+    for name, value in cert.overrides.items():
+        base = getattr(table, name, None)
+        if base is None:
+            continue
+        if (name in _AT_LEAST and value < base) or (name in _AT_MOST and value > base):
+            out.append(f"{name} {value:g} vs table {base:g}")
+    return out
+
+
 def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | None) -> str:
     head = (f"certificate {key.id} required for {key.model} on the {key.lane} lane "
             f"(artifact {key.artifact_digest[:12]}, kernel_revision {key.kernel_revision}, "
@@ -93,7 +117,9 @@ def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | 
             f"{key.os})")
     if found is not None:
         why = f"certificate {found.id} is {found.status}"
-        if found.failing:
+        if loosened(found):
+            why += " but with loosened thresholds (" + "; ".join(loosened(found)) + ")"
+        elif found.failing:
             why += f" (failing: {', '.join(found.failing)})"
         elif found.status == "provisional":
             why += " (placement share from an estimate, not Core ML's compute plan)"
@@ -104,5 +130,6 @@ def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | 
                    + "; ".join(key.differences(other.key)))
         else:
             why = "this model was never certified on this lane"
-    hint = f"run `synapse certify --model {key.model} --lane {key.lane}`"
+    shapes = f" --shapes {','.join(key.shapes)}" if key.lane == "ane" and key.shapes else ""
+    hint = f"run `synapse certify --model {key.model} --lane {key.lane}{shapes}`"
     return f"{head}: {why}; {hint}"

@@ -59,16 +59,22 @@ def print_certificate(console: Console, cert: Certificate) -> None:
         f"({escape(k.precision)}, {escape(k.engine)} {escape(k.engine_version)}): "
         f"[{STYLE[cert.status]}]{cert.status.upper()}[/]  certificate {cert.id}"
     )
+    # Narrow terminals: details go below the table rather than into a 2-character column.
+    wide = console.width >= 110
     table = Table()
-    for name in ("check", "gate", "status", "value", "threshold"):
+    for name in ("check", "status", "value", "threshold"):
         table.add_column(name, no_wrap=True)
-    table.add_column("detail")
+    if wide:
+        table.add_column("detail")
     for c in cert.checks:
-        table.add_row(
-            c.name, c.gate, f"[{STYLE.get(c.status, '')}]{c.status}[/]", _fmt(c.value),
-            f"{c.op} {_fmt(c.threshold)}".strip(), escape(c.detail),
-        )
+        row = [c.name, f"[{STYLE.get(c.status, '')}]{c.status}[/]", _fmt(c.value),
+               f"{c.op} {_fmt(c.threshold)}".strip()]
+        table.add_row(*row, *([escape(c.detail)] if wide else []))
     console.print(table)
+    if not wide:
+        for c in cert.checks:
+            if c.detail:
+                console.print(f"  [dim]{c.name}:[/] {escape(c.detail)}")
     if cert.failing:
         console.print(f"[bold red]failing:[/] {', '.join(cert.failing)}")
     notes = [f"quality gate {cert.quality}", f"placement gate {cert.placement}",

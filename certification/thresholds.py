@@ -4,10 +4,12 @@ One row per (lane, precision). A lane/precision without a row cannot be certifie
 with a message naming the missing row) rather than judged by a borrowed tolerance. CLI and
 test overrides go through `Thresholds.with_overrides` and are recorded in the certificate.
 
-Measured on MiniLM-L6 (the default model) against the fp32 numpy reference, full corpus:
-llama.cpp f16 GGUF min cosine 0.999995, mean 0.9999986; the margins below are ~10-20x the
-observed error so that a healthy lane never flakes, yet a degraded graph (wrong layer-norm
-eps, weights cut to a few mantissa bits) fails by orders of magnitude.
+Measured on MiniLM-L6 (the default model) against the fp32 numpy reference, whole corpus:
+llama.cpp f16 GGUF min cosine 0.9999955, mean 0.9999985; f32 GGUF about the same (llama.cpp's
+own approximations dominate, not the weights); Core ML graph on the reference executor
+(fp16 emulated after every op) min 0.9999948, mean 0.9999987. The thresholds leave 10-20x
+room over what healthy lanes show, yet a degraded graph (layer-norm eps 1e-2: min 0.73;
+weights cut to 4 mantissa bits: 0.978; a GGUF from 6-bit mantissas: 0.9988) fails clearly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if unknown:
             raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: "
                              f"{', '.join(self.__struct_fields__)}")
-        return msgspec.convert({**msgspec.to_builtins(self), **overrides}, Thresholds)
+        merged = msgspec.to_builtins(self)
+        for name, value in overrides.items():
+            if merged[name] is None:  # e.g. placement_share on the llama lane
+                raise ValueError(f"threshold {name!r} does not apply to this lane")
+            if isinstance(merged[name], int) and not isinstance(merged[name], bool):
+                if float(value) != int(value):
+                    raise ValueError(f"threshold {name!r} is a count: {value!r}")
+                value = int(value)
+            merged[name] = value
+        return msgspec.convert(merged, Thresholds)
 
 
 TABLE: dict[tuple[str, str], Thresholds] = {
@@ -61,10 +72,12 @@ TABLE: dict[tuple[str, str], Thresholds] = {
         fingerprint_grid_embed=1 / 128,
         fingerprint_grid_rerank=1 / 32,
     ),
-    # Core ML owned graph, fp16 end to end (activations too, rounded after every op): fp16
-    # accumulation in layer norm and softmax costs more than f16 weights alone.
+    # Core ML owned graph, fp16 end to end (activations too). The emulating executor shows
+    # ~5e-6, but the Neural Engine's own fp16 accumulation order is not what it emulates, so
+    # the hardware gets 100x the room (the issue's ANE tolerance), still far above a broken
+    # graph.
     ("ane", "fp16"): Thresholds(
-        min_cosine=0.9995,  # fp16 activations through 6 layers: worst items ~1e-4 off
+        min_cosine=0.9995,
         mean_cosine=0.9999,
         retrieval_top10=0.9,
         rerank_max_abs=5e-3,  # real token types in both; fp16 head through tanh

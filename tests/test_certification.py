@@ -148,8 +148,8 @@ async def test_ane_lane_is_provisional_on_an_estimate(store_root, cert_store):
 
 async def test_degraded_ane_graph_fails_quality(store_root, cert_store):
     cert = await run(store_root, cert_store, RunOptions(
-        model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=STRIDE,
-        runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}}))
+        model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=40,  # blatant: few
+        runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}}))  # items suffice
     assert cert.status == "failed"
     assert "quality.min_cosine" in cert.failing and "quality.mean_cosine" in cert.failing
     assert "ln_eps_override" in cert.key.build_options  # never shares a healthy certificate
@@ -163,7 +163,7 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(synapse_cache_dir)}
     proc = subprocess.run(
         [sys.executable, "-m", "host.cli", "certify", "--model", "minilm-l6-v2", "--lane",
-         "ane", "--shapes", "4x256p", "--sample", str(STRIDE), "--placement-threshold", "1.0",
+         "ane", "--shapes", "4x256p", "--sample", "40", "--placement-threshold", "1.0",
          "--json", "--report", str(out_html)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
@@ -177,6 +177,16 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
     ops = {bar["data-label"].split()[0] for bar in plots["placement"]}
     assert {"conv", "gather"} <= ops  # per op type: 1x1 convs on the ANE, the id gather not
     assert set(cert["measurements"]["placement_ops"]) >= {"conv", "layer_norm"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "host.cli", "certify", *args],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+    shown = cli("show", cert["id"][:8], "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["status"] == "failed"
+    listed = json.loads(cli("ls", "--json").stdout)
+    assert cert["id"] in {c["id"] for c in listed}
+    assert cli("show", "no-such-id").returncode == 2
 
 
 # ---- policy ----------------------------------------------------------------------------------
