@@ -77,8 +77,15 @@ class _Proc:
     def __init__(self, argv: list[str], env: dict, workdir: str, name: str) -> None:
         self.log = open(Path(workdir) / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self.lines: list[str] = []
+        # Own session for each server: with CFS autogroups, CPU is shared per session, and
+        # our workers already run in sessions of their own (the host starts them that way).
         self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
