@@ -238,7 +238,11 @@ class Scheduler:
         truncate: bool = True,
     ) -> Embedded:
         name = await self._embed_model(model)
-        self.module.admission.check_inputs(list(texts))
+        try:
+            self.module.admission.check_inputs(list(texts))
+        except InvalidRequest as exc:
+            exc.details.setdefault("param", "input")  # name the field for HTTP callers
+            raise
         tokenizer = await self.module.tokenizer(name)
         size = sum(len(t) for t in texts)
         if size > _THREAD_TOKENIZE_BYTES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -124,7 +125,16 @@ def create_app(
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
         try:
             for name in config.preload:
-                await module.load(name)
+                try:
+                    await module.load(name)
+                except SynapseError as exc:
+                    print(
+                        f"synapse serve: cannot preload {name!r}: error[{exc.code}]: "
+                        f"{exc.message}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    raise
             if on_ready is not None:
                 on_ready(state)
             yield

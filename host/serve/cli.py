@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,6 @@ def run_serve(args: argparse.Namespace) -> int:
             config = msgspec.structs.replace(config, **overrides)
             config.__post_init__()
     except SynapseError as exc:
-        print(f"error[{exc.code}]: {exc.message}")
+        print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
     return serve(config, args.log_level)

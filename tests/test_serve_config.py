@@ -1,0 +1,70 @@
+"""Server configuration files (TOML and JSON onto ServeConfig) and the CLI's handling of them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from host.errors import ConfigInvalid
+from host.serve.config import ServeConfig, load_config
+
+
+def test_defaults_bind_loopback():
+    cfg = load_config(None)
+    assert cfg.host == "127.0.0.1" and cfg.port == 8080
+    assert cfg.matryoshka_models == [] and cfg.preload == ["minilm-l6-v2"]
+
+
+def test_toml_and_json_map_onto_module_and_scheduler_settings(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text(
+        'port = 9001\nmatryoshka_models = ["m"]\n'
+        "[module]\nmax_generate_tokens = 32\n[module.host]\nquarantine_s = 5.0\n"
+        "[module.budgets]\nmax_inputs = 100\n"
+        "[scheduler]\nmax_wait_ms = 1.5\nmax_batch_tokens = 1024\n"
+    )
+    cfg = load_config(toml)
+    assert cfg.port == 9001 and cfg.matryoshka_models == ["m"]
+    assert cfg.module.max_generate_tokens == 32 and cfg.module.host.quarantine_s == 5.0
+    assert cfg.module.budgets.max_inputs == 100
+    assert cfg.scheduler.max_wait_ms == 1.5 and cfg.scheduler.max_batch_tokens == 1024
+
+    js = tmp_path / "serve.json"
+    js.write_text('{"host": "::1", "scheduler": {"max_queue_items": 5000}}')
+    cfg = load_config(js)
+    assert cfg.host == "::1" and cfg.scheduler.max_queue_items == 5000
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("prot = 1\n", "prot"),  # a typo is an error, not a silent default
+        ('port = "x"\n', "port"),
+        ("port = 70000\n", "port"),
+        ("[scheduler]\nmax_batch_items = 0\n", "max_batch_items"),
+        ("[scheduler]\nmax_queue_items = 10\n", "max_queue_items"),
+        ("this is not toml", "config"),
+    ],
+)
+def test_bad_configs_are_config_invalid(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigInvalid, match=match):
+        load_config(path)
+    with pytest.raises(ConfigInvalid, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"port": -1}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "host.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "error[config_invalid]" in proc.stderr, proc.stderr
+    assert ServeConfig().port == 8080
