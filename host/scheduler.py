@@ -38,6 +38,7 @@ from host.errors import (
     LaneStopped,
     Overloaded,
     SynapseError,
+    WorkerError,
 )
 from host.module import DEFAULT_EMBED, Module
 
@@ -182,6 +183,15 @@ class _Queue:
         start = time.monotonic()
         try:
             vectors = await self.sched.module.embed_token_ids(ids, self.model, self.normalize)
+        except WorkerError as exc:
+            if len(batch) > 1:
+                # The worker refused some input (it validates again): run each request alone
+                # so one caller's input cannot fail its neighbours.
+                for p in batch:
+                    await self._execute([p])
+                return
+            _fail(batch, exc)
+            return
         except SynapseError as exc:
             _fail(batch, exc)
             return

@@ -23,6 +23,7 @@ from host.errors import (
     LaneStopped,
     ModelNotFound,
     Overloaded,
+    WorkerError,
 )
 from host.module import Module, ModuleConfig
 from host.scheduler import BatchStats, Scheduler, SchedulerConfig
@@ -192,3 +193,26 @@ async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recove
         assert result.vectors.shape == (1, 384)
         state = mod.lanes()[MODEL].state()
         assert state.pid != pid and state.restarts >= 1 and not state.quarantined
+
+
+async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(serve_store):
+    """Host validation comes first; should some input still reach the worker and be refused,
+    only its own caller gets the error — the batch is retried request by request."""
+    async with running(serve_store) as (mod, sched, batches):
+        pid = mod.lanes()[MODEL].state().pid
+        blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
+        await _until(lambda: _busy(mod))
+        good = [asyncio.create_task(sched.embed_texts([f"good {i}"])) for i in range(3)]
+        # Past the host's checks on purpose (the scheduler's own submit path): id out of vocab.
+        bad_ids = [np.array([101, 10**6, 102], np.int32)]
+        bad = asyncio.create_task(sched._submit(MODEL, True, bad_ids, 3))
+        await _until(lambda: sched.queue_depth()[MODEL] == 4)
+        results = await asyncio.wait_for(
+            asyncio.gather(blocker, *good, bad, return_exceptions=True), 120
+        )
+        state = mod.lanes()[MODEL].state()
+    assert isinstance(results[-1], WorkerError) and results[-1].code == "invalid_request"
+    for r in results[:-1]:
+        assert not isinstance(r, BaseException), r
+    assert not any(b.requests == 4 for b in batches)  # the mixed batch never "succeeded"
+    assert state.pid == pid and state.strikes == 0  # a refusal is not a fault
