@@ -104,8 +104,8 @@ class _Queue:
         self.sched, self.model, self.normalize = sched, model, normalize
         self.items: deque[_Pending] = deque()
         self.queued_items = 0
-        self.expected = 1.0  # requests per recent batch (moving average)
         self.queued_tokens = 0
+        self.expected = 1.0  # requests per recent batch (moving average)
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
 
