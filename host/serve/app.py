@@ -129,8 +129,7 @@ def create_app(
                     await module.load(name)
                 except SynapseError as exc:
                     print(
-                        f"synapse serve: cannot preload {name!r}: error[{exc.code}]: "
-                        f"{exc.message}",
+                        f"synapse serve: cannot preload {name!r}: error[{exc.code}]: {exc.message}",
                         file=sys.stderr,
                         flush=True,
                     )
