@@ -147,7 +147,7 @@ async def _measure(lane: Lane, raw: RawEcho, pings: int, repeats: int) -> dict:
         assert np.array_equal(back.view(np.int32).reshape(-1), ids), "echo corrupted the payload"
         raw.roundtrip_payload(payload)
         lane_t, raw_t, fresh_t = [], [], []
-        for _ in range(repeats):
+        for _ in range(max(repeats, 64 // mib)):  # small payloads: more samples, less noise
             t = time.perf_counter()
             await lane.request(req, ids)
             lane_t.append(time.perf_counter() - t)

@@ -30,7 +30,7 @@ from workers.protocol.session import (
 )
 
 EOF = "eof"
-_THREAD_SEND_BYTES = 1 << 20
+_THREAD_SEND_BYTES = 4 << 20  # above what the widened socket buffer takes at once
 VIOLATION = "violation"
 SILENCE = "silence"
 

@@ -13,6 +13,7 @@ by the host (or a refused handshake); 70 when the engine raised something other 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -105,6 +106,10 @@ class WorkerRuntime:
 
     def connect(self) -> BlockingChannel:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            # Bigger kernel buffers: fewer wake-ups per large tensor (the kernel caps it).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 2**20)
         sock.connect(self.socket_path)
         self.channel = BlockingChannel(sock)
         return self.channel
