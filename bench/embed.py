@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # same as the lane's workers
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads a local dir only
 
 from certification.corpus import corpus
 from host.artifacts.store import ArtifactStore
