@@ -125,6 +125,18 @@ class _Base:
         if self.state not in states:
             raise ProtocolError(f"not allowed in state {self.state.value}")
 
+    def receive_frame(self, frame: bytes | bytearray | memoryview) -> object:
+        """Validate one frame; return the event it completes, or None (a header awaiting its
+        raw frame). Any violation leaves the session FAILED: nothing after it is trusted."""
+        try:
+            return self._receive(frame)
+        except ProtocolError:
+            self.state = State.FAILED
+            raise
+
+    def _receive(self, frame: bytes | bytearray | memoryview) -> object:
+        raise NotImplementedError
+
 
 class HostSession(_Base):
     """Host end: validates everything the worker sends."""
@@ -170,14 +182,6 @@ class HostSession(_Base):
         self.state = State.CLOSED
 
     # -- frames from the worker --
-
-    def receive_frame(self, frame: bytes | bytearray) -> object:
-        """Validate one frame; return the event it completes, or None (header awaiting raw)."""
-        try:
-            return self._receive(frame)
-        except ProtocolError:
-            self.state = State.FAILED
-            raise
 
     def _receive(self, frame: bytes | bytearray) -> object:
         if self.state is State.AWAIT_RAW:
@@ -249,13 +253,6 @@ class WorkerSession(_Base):
         self.state = State.AWAIT_ACK
         self._pending: object | None = None
         self._raw_count = 0
-
-    def receive_frame(self, frame: bytes | bytearray) -> object:
-        try:
-            return self._receive(frame)
-        except ProtocolError:
-            self.state = State.FAILED
-            raise
 
     def _receive(self, frame: bytes | bytearray) -> object:
         if self.state is State.AWAIT_RAW:
