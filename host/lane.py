@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -76,7 +76,6 @@ class _Job:
 class _Cached:
     pong: m.PONG | None = None
     at: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Lane:

@@ -117,10 +117,6 @@ class _Base:
     def __init__(self) -> None:
         self.state = State.CLOSED
 
-    def _fail(self, reason: str) -> ProtocolError:
-        self.state = State.FAILED
-        return ProtocolError(reason)
-
     def _expect(self, *states: State) -> None:
         if self.state not in states:
             raise ProtocolError(f"not allowed in state {self.state.value}")
