@@ -14,7 +14,8 @@ Rules (DESIGN section 3), all enforced here:
   a fresh worker with zero strikes. Only a drained, successful inference reply clears
   strikes — LOAD, replayed LOADs, PING and setup never do. `clear_quarantine()` (unload /
   reload) and a lane restart clear them at once.
-- A fresh worker gets the lane's successful LOADs replayed before it serves, so a crash is
+- A crashed worker is replaced at once in the background (never while quarantined); the
+  fresh worker gets the lane's successful LOADs replayed before it serves, so a crash is
   invisible to callers beyond the request that was running.
 - Health is cached: a background task PINGs an idle worker; `state()` never touches it.
 """
@@ -52,7 +53,7 @@ log = logging.getLogger("synapse.lane")
 
 
 class Health(msgspec.Struct):
-    status: str  # ready | busy | starting | down | quarantined | stopped
+    status: str  # ready | busy | starting (replacing a crash) | down | quarantined | stopped
     checked_age_s: float | None  # seconds since the last successful PING; None if never
     last_pong: dict | None = None
 
@@ -100,6 +101,7 @@ class Lane:
         self._stopping = False
         self._health = _Cached()
         self._refresher: asyncio.Task | None = None
+        self._restarter: asyncio.Task | None = None
         self._jobs: set[asyncio.Task] = set()
         self.restarts = 0
         self.quarantines = 0  # times this lane entered quarantine (metrics)
@@ -120,10 +122,11 @@ class Lane:
         """SHUTDOWN, grace, SIGTERM, SIGKILL of the process group; reaped; socket removed."""
         self._stopping = True
         self._running = False
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._restarter):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         try:
             await asyncio.wait_for(self._stream.acquire(), self.host.shutdown_grace_s)
             locked = True
@@ -277,10 +280,29 @@ class Lane:
         if not worker.struck:
             worker.struck = True
             self._strike(error)
+        self._schedule_restart()
         error.quarantined = self._quarantined_until is not None
         error.retry_after_s = self._retry_after()
         error.details.update(quarantined=error.quarantined, retry_after_s=error.retry_after_s)
         return error
+
+    def _schedule_restart(self) -> None:
+        """Replace a crashed worker now, not on the next request: health recovers by itself
+        (a load balancer that stops routing to a 'down' lane would otherwise never bring it
+        back) and the next caller does not pay the start-up. Never while quarantined."""
+        if not self._running or self._stopping or self._quarantined_until is not None:
+            return
+        if self._restarter is not None and not self._restarter.done():
+            return
+        self._restarter = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        try:
+            async with self._stream:
+                if self._running and self._quarantined_until is None:
+                    await self._ensure_worker()  # spawn + LOAD replay; a failure is a strike
+        except (EngineCrashed, WorkerError) as exc:
+            log.warning("lane %s: restart failed: %s", self.config.lane_id, exc)
 
     def _strike(self, error: EngineCrashed) -> None:
         self.last_crash = error
@@ -342,6 +364,10 @@ class Lane:
             status = "stopped"
         elif quarantined:
             status = "quarantined"
+        elif (worker is None or not worker.usable()) and self._restarter is not None and (
+            not self._restarter.done()
+        ):
+            status = "starting"
         elif worker is None or not worker.usable():
             status = "down"
         elif self._stream.locked():

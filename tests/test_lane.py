@@ -488,3 +488,24 @@ async def test_socket_path_too_long_is_a_clear_error():
     lane = Lane(LaneConfig(lane_id="t", argv=WORKER), config("/tmp/" + "x" * 110))
     with pytest.raises(ConfigInvalid, match="allows"):
         await lane.start()
+
+
+async def test_a_crashed_worker_is_replaced_without_waiting_for_a_request(short_runtime_dir):
+    async with running_lane(short_runtime_dir) as lane:
+        load = m.LOAD(
+            req_id=0,
+            artifact_path="-",
+            artifact_digest="-",
+            format="echo",
+            runtime_config={"model_ref": "m1"},
+        )
+        await lane.request(load)
+        _, _, pid = await expect_fault(lane, "sigkill", WorkerDied, bound=5)
+        async with asyncio.timeout(20):  # health recovers by itself: no request is sent
+            while lane.state().health.status != "ready":
+                assert lane.state().health.status in ("starting", "down", "busy")
+                await asyncio.sleep(0.05)
+        state = lane.state()
+        assert state.pid not in (None, pid) and state.strikes == 1 and state.restarts == 1
+        pong, _ = await lane.request(m.PING(req_id=0))
+        assert pong.models_loaded == ["m1"]  # LOAD replayed on the replacement
