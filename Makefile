@@ -22,6 +22,7 @@ run: $(STAMP)
 	$(BIN)/synapse quickstart
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
