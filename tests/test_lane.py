@@ -170,28 +170,20 @@ async def test_slow_worker_with_valid_progress_is_not_killed(short_runtime_dir):
         assert lane.worker.pid == pid and lane.state().strikes == 0
 
 
-async def test_sigkill_mid_request(short_runtime_dir):
+@pytest.mark.parametrize(
+    "fault, exit_status, last_words",
+    [
+        ("sigkill", "killed by SIGKILL", "about to SIGKILL myself"),
+        ("abort", "killed by SIGABRT", "about to os.abort()"),
+        ("bug", "exited with code 70", "ValueError: injected engine bug"),  # its traceback
+    ],
+)
+async def test_worker_dies_mid_request(short_runtime_dir, fault, exit_status, last_words):
     async with running_lane(short_runtime_dir) as lane:
-        err, _, pid = await expect_fault(lane, "sigkill", WorkerDied, bound=5)
-        assert err.exit_status == "killed by SIGKILL"
-        assert "about to SIGKILL myself" in err.log_tail
+        err, _, pid = await expect_fault(lane, fault, WorkerDied, bound=5)
+        assert err.exit_status == exit_status
+        assert last_words in err.log_tail
         assert len(err.log_tail.encode()) <= 8192
-        await recovers_on_fresh_worker(lane, pid)
-
-
-async def test_os_abort_mid_request(short_runtime_dir):
-    async with running_lane(short_runtime_dir) as lane:
-        err, _, pid = await expect_fault(lane, "abort", WorkerDied, bound=5)
-        assert err.exit_status == "killed by SIGABRT"
-        assert "about to os.abort()" in err.log_tail
-        await recovers_on_fresh_worker(lane, pid)
-
-
-async def test_engine_bug_exits_with_its_traceback(short_runtime_dir):
-    async with running_lane(short_runtime_dir) as lane:
-        err, _, pid = await expect_fault(lane, "bug", WorkerDied, bound=5)
-        assert err.exit_status == "exited with code 70"
-        assert "ValueError: injected engine bug" in err.log_tail
         await recovers_on_fresh_worker(lane, pid)
 
 
