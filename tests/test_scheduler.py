@@ -27,15 +27,9 @@ from host.errors import (
 )
 from host.module import Module, ModuleConfig
 from host.scheduler import BatchStats, Scheduler, SchedulerConfig
-from tests.test_serve_support import ingest_store
 
 MODEL = "minilm-l6-v2"
 LONG = "word " * 400  # truncated to 256 tokens: a batch of these keeps the worker busy
-
-
-@pytest.fixture(scope="session")
-def serve_store(tmp_path_factory) -> str:
-    return ingest_store(tmp_path_factory.getbasetemp())
 
 
 @contextlib.asynccontextmanager
@@ -69,9 +63,9 @@ def _busy(mod: Module) -> bool:
     return mod.lanes()[MODEL].state().health.status == "busy"
 
 
-async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(serve_store):
+async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(store_root):
     texts = [f"request {i}: the quick brown fox {i % 5}" for i in range(24)]
-    async with running(serve_store) as (mod, sched, batches):
+    async with running(store_root) as (mod, sched, batches):
         reference = await mod.embed(texts)
         expected = reference.vectors
         results = await asyncio.wait_for(
@@ -90,8 +84,8 @@ async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(serve_sto
     assert sum(r.total_tokens for r in results[:-1]) == reference.usage.total_tokens
 
 
-async def test_token_arrays_are_validated_then_embedded_as_given(serve_store):
-    async with running(serve_store) as (mod, sched, _):
+async def test_token_arrays_are_validated_then_embedded_as_given(store_root):
+    async with running(store_root) as (mod, sched, _):
         tok = await mod.tokenizer(MODEL)
         ids = tok.encode(["a sentence about cats"], truncate=True).ids[0]
         by_ids = await sched.embed_ids([ids.tolist()])
@@ -113,9 +107,9 @@ async def test_token_arrays_are_validated_then_embedded_as_given(serve_store):
             await sched.embed_texts(["x"], model="no-such-model")
 
 
-async def test_bounded_queue_and_token_budget_refuse_at_once(serve_store):
+async def test_bounded_queue_and_token_budget_refuse_at_once(store_root):
     cfg = SchedulerConfig(max_queue_items=8, max_batch_items=8, max_pending=1)
-    async with running(serve_store, cfg, Budgets(max_inputs=8)) as (mod, sched, _):
+    async with running(store_root, cfg, Budgets(max_inputs=8)) as (mod, sched, _):
         running_batch = asyncio.create_task(sched.embed_texts([LONG] * 8))
         await _until(lambda: _busy(mod) and sched.queue_depth()[MODEL] == 0)
         queued = asyncio.create_task(sched.embed_texts([LONG] * 8))
@@ -139,9 +133,9 @@ async def test_bounded_queue_and_token_budget_refuse_at_once(serve_store):
         await asyncio.wait_for(first, 120)
 
 
-async def test_deadline_and_close_answer_every_waiter(serve_store):
+async def test_deadline_and_close_answer_every_waiter(store_root):
     cfg = SchedulerConfig(request_timeout_s=0.2)
-    async with running(serve_store, cfg) as (mod, sched, batches):
+    async with running(store_root, cfg) as (mod, sched, batches):
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 16))
         await _until(lambda: _busy(mod))
         with pytest.raises(DeadlineExceeded):
@@ -166,8 +160,8 @@ async def test_deadline_and_close_answer_every_waiter(serve_store):
             await sched.embed_texts(["after close"])
 
 
-async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recovers(serve_store):
-    async with running(serve_store, strike_limit=1, quarantine_s=2.0) as (mod, sched, _):
+async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recovers(store_root):
+    async with running(store_root, strike_limit=1, quarantine_s=2.0) as (mod, sched, _):
         first = asyncio.create_task(sched.embed_texts([LONG] * 4))
         await _until(lambda: _busy(mod))
         rest = [asyncio.create_task(sched.embed_texts([f"text {i}"])) for i in range(8)]
@@ -195,10 +189,10 @@ async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recove
         assert state.pid != pid and state.restarts >= 1 and not state.quarantined
 
 
-async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(serve_store):
+async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(store_root):
     """Host validation comes first; should some input still reach the worker and be refused,
     only its own caller gets the error — the batch is retried request by request."""
-    async with running(serve_store) as (mod, sched, batches):
+    async with running(store_root) as (mod, sched, batches):
         pid = mod.lanes()[MODEL].state().pid
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
         await _until(lambda: _busy(mod))

@@ -16,7 +16,7 @@ import pytest
 
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
-from tests.test_serve_support import ServerProcess, ingest_store, metric, server_config
+from tests.test_serve_support import ServerProcess, metric, server_config
 
 TEXTS = [
     "The cat sits on the mat.",
@@ -28,16 +28,11 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def serve_store(tmp_path_factory) -> str:
-    return ingest_store(tmp_path_factory.getbasetemp())
-
-
 @pytest.fixture(scope="module")
-def server(serve_store):
+def server(store_root):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     cfg = server_config(
-        serve_store,
+        store_root,
         runtime,
         preload=["minilm-l6-v2"],
         matryoshka_models=["minilm-l6-v2-f32"],  # to exercise truncation; MiniLM stays refused
@@ -90,8 +85,8 @@ def _assert_error(resp: httpx.Response, status: int, code: str, param: str | Non
 # ---- embeddings --------------------------------------------------------------------------------
 
 
-async def test_openai_client_gets_the_module_vectors_in_float_and_base64(client, serve_store):
-    expected = await _module_vectors(serve_store, TEXTS, "minilm-l6-v2")
+async def test_openai_client_gets_the_module_vectors_in_float_and_base64(client, store_root):
+    expected = await _module_vectors(store_root, TEXTS, "minilm-l6-v2")
     resp = client.embeddings.create(input=TEXTS, model="minilm-l6-v2")
     got = np.array([d.embedding for d in sorted(resp.data, key=lambda d: d.index)], np.float32)
     assert got.shape == (len(TEXTS), 384) and resp.model == "minilm-l6-v2"
@@ -109,10 +104,9 @@ async def test_openai_client_gets_the_module_vectors_in_float_and_base64(client,
     assert _cosines(np.array([single.data[0].embedding]), expected[:1])[0] >= 0.9999
 
 
-async def test_token_array_inputs_embed_like_their_text(http, serve_store):
+async def test_token_array_inputs_embed_like_their_text(http, store_root):
     from host.tokenization import Tokenizer
 
-    store_root = serve_store
     tok = Tokenizer.from_file(
         f"{store_root}/minilm-l6-v2/tokenizer.json", max_tokens=256, hard_limit=512
     )

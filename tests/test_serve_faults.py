@@ -18,22 +18,17 @@ import httpx
 import psutil
 import pytest
 
-from tests.test_serve_support import ServerProcess, ingest_store, metric, server_config
+from tests.test_serve_support import ServerProcess, metric, server_config
 
 LANE = "llama.minilm-l6-v2"
 QUARANTINE_S = 3.0
 
 
-@pytest.fixture(scope="session")
-def serve_store(tmp_path_factory) -> str:
-    return ingest_store(tmp_path_factory.getbasetemp())
-
-
 @pytest.fixture(scope="module")
-def server(serve_store):
+def server(store_root):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     cfg = server_config(
-        serve_store,
+        store_root,
         runtime,
         host={"quarantine_s": QUARANTINE_S, "shutdown_grace_s": 2.0, "term_grace_s": 1.0},
         module={"budgets": {"max_inputs": 256}},

@@ -20,17 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from host.artifacts.store import ArtifactStore
-from host.gguf_vocab import write_tokenizer_json
-
 REPO = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"synapse serve: listening on (http://\S+)")
-
-
-def ingest_store(base: Path) -> str:
-    root = base / "serve-models"
-    ArtifactStore(root).ingest_default(tokenizer_builder=write_tokenizer_json)
-    return str(root)
 
 
 def server_config(store_root: str, runtime_dir: str, **overrides) -> dict:
