@@ -5,15 +5,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-_CHUNK = 4 * 1024 * 1024
-
 
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_digest_file(artifact: Path, hexdigest: str) -> Path:

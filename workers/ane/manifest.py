@@ -249,11 +249,8 @@ def _head_from_hf(src: Path, config: ModelConfig) -> Head:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tensor_digest(arr: np.ndarray) -> str:
