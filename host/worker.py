@@ -99,7 +99,7 @@ async def spawn_worker(
         process = await WorkerProcess.spawn(argv, worker_env(lane, worker_id), lane.cwd, ring)
         deadline = time.monotonic() + config.hello_timeout_s
         sock = await _accept(listener, process, config.hello_timeout_s)
-        _check_peer(sock, process.pid)
+        peer_pid = _check_peer(sock, process.pid)
         conn = await WorkerConnection.open(sock, HostSession(nonce, config.max_frame))
         try:
             remaining = max(0.001, deadline - time.monotonic())
@@ -107,10 +107,9 @@ async def spawn_worker(
         except BaseException:
             await conn.close()
             raise
-        creds = peer_credentials(sock)
-        if creds is not None and hello.pid != creds[0]:
+        if peer_pid is not None and hello.pid != peer_pid:
             await conn.close()
-            raise ConnectionFault(VIOLATION, f"HELLO pid {hello.pid} is not the peer {creds[0]}")
+            raise ConnectionFault(VIOLATION, f"HELLO pid {hello.pid} is not the peer {peer_pid}")
         return WorkerHandle(worker_id, process, conn, hello)
     except ConnectionFault as fault:
         if sock is not None:
@@ -147,10 +146,11 @@ async def _accept(listener, process: WorkerProcess, timeout: float):
     raise ConnectionFault(SILENCE, f"worker did not connect within {timeout:g} s")
 
 
-def _check_peer(sock, child_pid: int) -> None:
+def _check_peer(sock, child_pid: int) -> int | None:
+    """The peer's pid once it is proven ours; None where the OS does not tell."""
     creds = peer_credentials(sock)
     if creds is None:
-        return
+        return None
     pid, uid = creds
     if uid != os.getuid():
         sock.close()
@@ -158,6 +158,7 @@ def _check_peer(sock, child_pid: int) -> None:
     if not peer_is_child(pid, child_pid):
         sock.close()
         raise ConnectionFault(VIOLATION, f"peer pid {pid} is not the spawned worker {child_pid}")
+    return pid
 
 
 def _startup_error(
