@@ -149,7 +149,7 @@ async def test_rerank_with_the_embedding_model_is_labelled_bi_encoder(
             top_n=2,
         )
     assert result.method == "bi-encoder-cosine"
-    assert [i for i, _ in result.results] == [1, 0] or result.results[0][0] == 1
+    assert result.results[0][0] == 1  # the cat document ranks first
     assert len(result.results) == 2
 
 
