@@ -37,6 +37,7 @@ def per_op_estimate(
         from workers.ane.executor import load_package_program
         from workers.ane.manifest import load_manifest
         from workers.ane.placement import ane_eligible, op_cost
+        from workers.ane.program_ir import from_mil
         from workers.ane.shapes import Shape
 
         manifest = load_manifest(owned_dir, verify_weights=False)
@@ -52,8 +53,8 @@ def per_op_estimate(
                 entry = cache.get(cache_key(manifest, shape, options))
                 if entry is None:
                     return None
-                prog = load_package_program(entry.path / PACKAGE_NAME)
-                for op in prog.functions["main"].operations:
+                func = from_mil(load_package_program(entry.path / PACKAGE_NAME))
+                for op in func.operations:
                     if op.op_type == "const":
                         continue
                     device = "ane" if ane_eligible(op) else "cpu"

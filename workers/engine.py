@@ -104,5 +104,9 @@ class Engine:
         """(placement_share, source) for PONG; (None, None) where it has no meaning."""
         return None, None
 
+    def pong_extras(self) -> dict:
+        """Optional PONG fields: cache_hits, cache_misses, cache_bytes."""
+        return {}
+
     def close(self) -> None:
         """Release native resources before the worker exits."""

@@ -205,6 +205,7 @@ class WorkerRuntime:
                 models_loaded=engine.models_loaded(),
                 placement_share=share,
                 placement_source=source,
+                **engine.pong_extras(),
             ), None
         raise EngineError("invalid_request", f"unhandled request {m.message_name(req)}")
 

@@ -1,9 +1,14 @@
-"""Execution backends for a compiled shape.
+"""Execution backends: how a shape's `.mlpackage` is compiled once, and how the compiled form
+is opened. The compiled form is the second kind of compile-cache entry (`compiled_kind`).
 
-- `reference` (everywhere): the project's numpy executor of the saved package
-  (`executor.CompiledProgram`); placement is the static estimate (`placement.estimate`).
-- `coreml` (macOS only): Core ML on CPU_AND_NE (`coreml_backend`, imported only there);
-  placement from Core ML's own `MLComputePlan`.
+- `reference` (everywhere): the project's numpy executor. Its compiled form is the program as
+  `program_ir` saves it (op list + weights mapped read-only), so opening a cached shape reads
+  no package and imports no coremltools. Placement is the static estimate.
+- `coreml` (macOS only, `coreml_backend`): `compile_model` -> `.mlmodelc`, opened with
+  `CompiledMLModel(compute_units=...)`; placement from Core ML's `MLComputePlan`.
+
+A backend: `name`, `compiled_kind`, `compiled_key_fields()` (what the compiled form depends
+on beyond the package), `compile(package, out_dir)`, `open(compiled_dir) -> ShapeRunner`.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
-from workers.ane import placement
-from workers.ane.executor import CompiledProgram, load_package_program
+from workers.ane import placement, program_ir
+from workers.ane.config import COMPUTE_UNITS
+from workers.ane.executor import CompiledProgram
 
 BACKENDS = ("reference", "coreml")
 
@@ -34,15 +40,25 @@ class ShapeRunner(Protocol):
     def close(self) -> None: ...
 
 
+class Backend(Protocol):
+    name: str
+    compiled_kind: str
+
+    def compiled_key_fields(self) -> dict[str, str]: ...
+
+    def compile(self, package: Path, out_dir: Path) -> None: ...
+
+    def open(self, compiled_dir: Path) -> ShapeRunner: ...
+
+
 def default_backend() -> str:
     return "coreml" if sys.platform == "darwin" else "reference"
 
 
 class ReferenceRunner:
-    def __init__(self, package: Path) -> None:
-        prog = load_package_program(package)
-        self.program = CompiledProgram(prog)  # raises UnsupportedOp for unknown ops
-        self._placement = placement.estimate(prog)
+    def __init__(self, func: program_ir.Function) -> None:
+        self.program = CompiledProgram(func)  # raises UnsupportedOp for unknown ops
+        self._placement = placement.estimate(func)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.program.run(feeds)
@@ -54,13 +70,35 @@ class ReferenceRunner:
         self.program = None  # type: ignore[assignment]  # drop the weights now
 
 
-def open_runner(backend: str, package: Path) -> ShapeRunner:
-    if backend == "reference":
-        return ReferenceRunner(package)
-    if backend == "coreml":
+class ReferenceBackend:
+    name = "reference"
+    compiled_kind = "reference-program"
+    PROGRAM_DIR = "program"
+
+    def compiled_key_fields(self) -> dict[str, str]:
+        return {"program_format": f"program_ir-{program_ir.FORMAT}"}
+
+    def compile(self, package: Path, out_dir: Path) -> None:
+        from workers.ane.executor import load_package_program  # coremltools: compile only
+
+        func = program_ir.from_mil(load_package_program(package))
+        CompiledProgram(func)  # refuse ops the executor cannot run before publishing anything
+        program_ir.save(func, out_dir / self.PROGRAM_DIR)
+
+    def open(self, compiled_dir: Path) -> ReferenceRunner:
+        return ReferenceRunner(program_ir.load(compiled_dir / self.PROGRAM_DIR))
+
+
+def open_backend(name: str, compute_units: str = "cpu_and_ne") -> Backend:
+    if compute_units not in COMPUTE_UNITS:
+        raise BackendUnavailable(f"compute_units {compute_units!r}: expected one of "
+                                 f"{COMPUTE_UNITS}")
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "coreml":
         if sys.platform != "darwin":
             raise BackendUnavailable("the coreml backend needs macOS (the Core ML runtime)")
-        from workers.ane.coreml_backend import CoreMLRunner
+        from workers.ane.coreml_backend import CoreMLBackend
 
-        return CoreMLRunner(package)
-    raise BackendUnavailable(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        return CoreMLBackend(compute_units)
+    raise BackendUnavailable(f"unknown backend {name!r}; expected one of {BACKENDS}")

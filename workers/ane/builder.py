@@ -28,21 +28,21 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from workers.ane.build_options import BuildOptions
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
+from workers.ane.identity import (  # noqa: F401  (re-exported for callers of the builder)
+    DEPLOYMENT_TARGET,
+    KERNEL_REVISION,
+    PRECISION,
+)
 from workers.ane.manifest import Manifest
 from workers.ane.shapes import Shape
 
-#: Names this builder's graph. Bump it whenever the emitted graph changes for the same inputs:
-#: it is part of every compile-cache key and of HELLO.
-KERNEL_REVISION = "ane-bert-1"
-
-PRECISION = "fp16"
-DEPLOYMENT_TARGET = "macOS14"
+# KERNEL_REVISION (workers.ane.identity) names this graph: bump it whenever the graph changes.
 
 # BERT's 1e-12 is below fp16's smallest subnormal (6e-8), so it rounds to 0 when the graph is
 # cast to fp16 and a constant channel vector would divide by sqrt(0). 1e-5 (PyTorch's default,
@@ -53,32 +53,6 @@ LN_EPS_FLOOR = 1e-5
 # Additive attention bias for masked keys: exp(-1e4) is exactly 0 in fp16, yet the value is
 # finite (-inf would turn an all-masked padding row into NaN) and representable in fp16.
 MASK_BIAS = -1.0e4
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """Test-only degradations for certification (defaults build the faithful graph).
-
-    ln_eps_override: use this layer-norm epsilon instead of max(config eps, LN_EPS_FLOOR).
-    weight_mantissa_bits: truncate every weight's float32 mantissa to this many bits (toward
-        zero) before the graph is built; fp16 keeps 10, so values < 10 degrade visibly.
-    """
-
-    ln_eps_override: float | None = None
-    weight_mantissa_bits: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.weight_mantissa_bits is not None and not 0 <= self.weight_mantissa_bits <= 23:
-            raise ValueError("weight_mantissa_bits must be in 0..23")
-
-    def key_fields(self) -> dict[str, object]:
-        """Non-default options, for the compile-cache key (defaults add nothing)."""
-        out: dict[str, object] = {}
-        if self.ln_eps_override is not None:
-            out["ln_eps_override"] = float(self.ln_eps_override)
-        if self.weight_mantissa_bits is not None:
-            out["weight_mantissa_bits"] = int(self.weight_mantissa_bits)
-        return out
 
 
 def truncate_mantissa(arr: np.ndarray, bits: int) -> np.ndarray:

@@ -1,107 +1,183 @@
-"""Compiling a shape through the content-addressed compile cache.
+"""Admitting a shape through the content-addressed compile cache: two kinds of entry.
 
-The key (DESIGN section 7) is (manifest_digest, kernel_revision, shape, precision, deployment
-target, coremltools version) plus `packed`, the head type and any non-default test-only
-`BuildOptions`: everything that changes the bytes of the package, nothing that does not.
-One process builds a key at a time; others wait for it and reuse the result.
+    kind "mlpackage"          the converted `.mlpackage` (built on any OS)
+    kind <backend's kind>     its compiled form: "mlmodelc" (Core ML, macOS) or
+                              "reference-program" (the numpy executor's mapped program)
+
+Admission = compiled form from the cache if there (no build, no compile) -> else the package
+(from the cache or built: graph, convert, save) -> compile it with the backend -> publish the
+compiled form -> open it -> one warm-up prediction. `on_stage` is called after each completed
+stage ("graph", "converted", "compiled", "loaded", "warmed"), which the engine turns into
+PROGRESS; `AdmitTimings` carries the milliseconds of each stage for SHAPE_ADMITTED.
+
+The package key (DESIGN section 7) is (manifest_digest, kernel_revision, shape, precision,
+deployment target, coremltools version) plus `packed`, the head type and any non-default
+test-only `BuildOptions`: everything that changes the bytes of the package, nothing that does
+not. The compiled key adds the backend, its kind and what the compiled form depends on
+(`Backend.compiled_key_fields`: the macOS build for `.mlmodelc`). One process builds a key at
+a time; others wait for it and reuse the result.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compile_cache import CompileCache, Entry, EntryEvicted, Lease, make_key
-from workers.ane.builder import (
+from workers.ane.backends import Backend, ShapeRunner
+from workers.ane.identity import (
     DEPLOYMENT_TARGET,
     KERNEL_REVISION,
     PRECISION,
-    BuildOptions,
-    build_program,
-    convert_and_save,
+    coremltools_version,
 )
-from workers.ane.ct_quiet import COREMLTOOLS_VERSION
 from workers.ane.manifest import Manifest
 from workers.ane.shapes import Shape
 
 PACKAGE_NAME = "model.mlpackage"
+PACKAGE_KIND = "mlpackage"
+_RETRIES = 5
 
 
-def cache_key(manifest: Manifest, shape: Shape, options: BuildOptions) -> dict[str, Any]:
+def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
+    """The package's key (`options`: builder.BuildOptions)."""
     return make_key(
         manifest_digest=manifest.digest,
         kernel_revision=KERNEL_REVISION,
         shape=shape.dims,
         precision=PRECISION,
         deployment_target=DEPLOYMENT_TARGET,
-        coremltools_version=COREMLTOOLS_VERSION,
+        coremltools_version=coremltools_version(),
         packed=shape.packed,
         head=manifest.head.type,
+        kind=PACKAGE_KIND,
         **options.key_fields(),
     )
 
 
+def compiled_key(package_key: dict[str, Any], backend: Backend) -> dict[str, Any]:
+    return {**package_key, "kind": backend.compiled_kind, "backend": backend.name,
+            **backend.compiled_key_fields()}
+
+
+@dataclass
+class AdmitTimings:
+    build_ms: float = 0.0  # graph + convert + save of the package (0 when it was cached)
+    compile_ms: float = 0.0  # package -> compiled form (0 on a compiled hit)
+    load_ms: float = 0.0  # opening the compiled form
+    warmup_ms: float = 0.0  # the first prediction (where the Neural Engine compiles)
+
+
 @dataclass
 class CompiledShape:
-    """A compiled shape held under a cache lease (release it when the shape is evicted)."""
+    """A compiled shape opened from its cache entry, held under a lease (released on evict)."""
 
     shape: Shape
-    entry: Entry
+    entry: Entry  # the compiled form's entry
     lease: Lease
-    cache_hit: bool
-    compile_ms: float
-
-    @property
-    def package(self) -> Path:
-        return self.entry.path / PACKAGE_NAME
+    runner: ShapeRunner
+    cache_hit: bool  # the compiled form came from the cache: nothing was built or compiled
+    package_hit: bool | None  # None on a compiled hit (the package was not looked at)
+    timings: AdmitTimings = field(default_factory=AdmitTimings)
 
     @property
     def size(self) -> int:
         return self.entry.size
 
-    def release(self) -> None:
+    def release(self) -> int:
+        self.runner.close()
         self.lease.release()
+        return self.entry.size
 
 
-def compile_shape(
+def package_entry(
     cache: CompileCache,
     manifest: Manifest,
     shape: Shape,
-    options: BuildOptions | None = None,
-    on_stage: Callable[[str], None] | None = None,
-) -> CompiledShape:
-    """Get (or build) `shape`'s package and lease it. `on_stage("graph" | "converted")` is
-    called as a build progresses (never on a hit). Raises compile_cache errors (BuildFailed
-    wraps the builder's exception)."""
-    options = options or BuildOptions()
-    key = cache_key(manifest, shape, options)
+    options: Any,
+    on_stage: Callable[[str], None],
+    timings: AdmitTimings,
+) -> tuple[Entry, bool]:
+    """The package's entry (built if absent) and whether it was a hit."""
+    from workers.ane.builder import build_program, convert_and_save  # coremltools
+
     built: list[float] = []
 
     def build(tmp: Path) -> None:
         start = time.perf_counter()
         prog = build_program(manifest, shape, options)
-        if on_stage is not None:
-            on_stage("graph")
+        on_stage("graph")
         out = convert_and_save(prog, tmp)
         assert out.name == PACKAGE_NAME
-        if on_stage is not None:
-            on_stage("converted")
+        on_stage("converted")
         built.append((time.perf_counter() - start) * 1e3)
 
-    for _ in range(5):
-        entry = cache.get_or_build(key, build)
+    entry = cache.get_or_build(cache_key(manifest, shape, options), build)
+    timings.build_ms = sum(built)
+    return entry, not built
+
+
+def admit(
+    cache: CompileCache,
+    manifest: Manifest,
+    shape: Shape,
+    backend: Backend,
+    options: Any,
+    on_stage: Callable[[str], None] | None = None,
+    warmup_feeds: dict[str, np.ndarray] | None = None,
+) -> CompiledShape:
+    """Open `shape`'s compiled form (compiling and publishing it first on a miss), leased.
+    Raises compile_cache errors (BuildFailed wraps the builder's or compiler's exception) and
+    whatever the backend raises on open."""
+    stage = on_stage or (lambda _name: None)
+    key = compiled_key(cache_key(manifest, shape, options), backend)
+    timings = AdmitTimings()
+    package_hit: list[bool] = []
+
+    def compile_(tmp: Path) -> None:
+        for _ in range(_RETRIES):
+            pkg, hit = package_entry(cache, manifest, shape, options, stage, timings)
+            try:
+                held = pkg.lease().acquire()
+            except EntryEvicted:
+                continue
+            with held:
+                start = time.perf_counter()
+                backend.compile(pkg.path / PACKAGE_NAME, tmp)
+                timings.compile_ms = (time.perf_counter() - start) * 1e3
+            package_hit.append(hit)
+            stage("compiled")
+            return
+        raise EntryEvicted(f"the package of {shape.id} keeps being evicted from the cache")
+
+    for _ in range(_RETRIES):
+        entry = cache.get_or_build(key, compile_)
         try:
             lease = entry.lease().acquire()
         except EntryEvicted:
             continue  # gc'd between publish and lease (another process): look up again
-        return CompiledShape(
-            shape=shape,
-            entry=entry,
-            lease=lease,
-            cache_hit=not built,
-            compile_ms=sum(built),
-        )
+        try:
+            start = time.perf_counter()
+            runner = backend.open(entry.path)
+            timings.load_ms = (time.perf_counter() - start) * 1e3
+            stage("loaded")
+            if warmup_feeds is not None:
+                start = time.perf_counter()
+                runner.run(warmup_feeds)
+                timings.warmup_ms = (time.perf_counter() - start) * 1e3
+                stage("warmed")
+        except BaseException:
+            if "runner" in locals():
+                runner.close()
+            lease.release()
+            raise
+        return CompiledShape(shape=shape, entry=entry, lease=lease, runner=runner,
+                             cache_hit=not package_hit,
+                             package_hit=package_hit[0] if package_hit else None,
+                             timings=timings)
     raise EntryEvicted(f"compiled shape {shape.id} keeps being evicted from the cache")

@@ -13,16 +13,27 @@ Unknown keys and wrong types are refused (`config_invalid`), never ignored: a ty
     max_shape_tokens   largest admissible rows * seq_len (default 8192)
     cache_root         compile-cache directory (default: compile_cache.default_root())
     cache_budget_bytes compile-cache byte budget for its LRU gc (default: the cache's default)
+    compute_units      where Core ML may run the compiled model: "cpu_and_ne" (default),
+                       "cpu_only", "cpu_and_gpu", "all". The environment variable
+                       SYNAPSE_COREML_COMPUTE_UNITS overrides it (hosted macOS VMs have no
+                       usable Neural Engine, and asking for one there can hang a load for
+                       minutes); a bad value in either place is `config_invalid`. The
+                       reference backend accepts and ignores it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import os
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Backend = Literal["reference", "coreml"]
+ComputeUnits = Literal["cpu_and_ne", "cpu_only", "cpu_and_gpu", "all"]
+COMPUTE_UNITS: tuple[str, ...] = get_args(ComputeUnits)
+DEFAULT_COMPUTE_UNITS = "cpu_and_ne"
+ENV_COMPUTE_UNITS = "SYNAPSE_COREML_COMPUTE_UNITS"
 
 
 class ShapeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -46,6 +57,7 @@ class AneRuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
     max_shape_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 8192
     cache_root: str | None = None
     cache_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    compute_units: ComputeUnits | None = None
 
 
 def parse_runtime_config(raw: object) -> AneRuntimeConfig:
@@ -56,3 +68,15 @@ def parse_runtime_config(raw: object) -> AneRuntimeConfig:
         return msgspec.convert(raw, AneRuntimeConfig, strict=True)
     except msgspec.ValidationError as e:
         raise ValueError(str(e)) from e
+
+
+def resolve_compute_units(config: AneRuntimeConfig, environ: dict | None = None) -> str:
+    """The environment override, else the runtime_config value, else the default. Raises
+    ValueError naming the variable for a value outside COMPUTE_UNITS."""
+    env = (os.environ if environ is None else environ).get(ENV_COMPUTE_UNITS)
+    if env is not None and env != "":
+        if env not in COMPUTE_UNITS:
+            raise ValueError(f"{ENV_COMPUTE_UNITS}={env!r}: expected one of "
+                             f"{', '.join(COMPUTE_UNITS)}")
+        return env
+    return config.compute_units or DEFAULT_COMPUTE_UNITS

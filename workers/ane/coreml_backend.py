@@ -1,9 +1,13 @@
-"""Core ML backend (macOS only): the compiled shape runs on CPU_AND_NE, and the placement
-share comes from Core ML's own compute plan.
+"""Core ML backend (macOS only): compile a package once, open the compiled model, and ask
+Core ML's compute plan where it runs.
 
-Import this module only on macOS (`backends.open_runner` does): coremltools' native runtime
-(`libcoremlpython`) does not exist elsewhere, so `MLModel.predict` and `MLComputePlan` raise.
-Tests that need it are skipped off macOS with that reason.
+    compile: coremltools.models.utils.compile_model(<.mlpackage>) -> <.mlmodelc>
+    open:    ct.models.CompiledMLModel(<.mlmodelc>, compute_units=...)   (no recompilation)
+    placement: MLComputePlan.load_from_path(<.mlmodelc>) -> compute_plan.share (macOS >= 14.4;
+             older systems report the static estimate, labelled "estimate")
+
+Import this module only on macOS (`backends.open_backend` does): coremltools' native runtime
+(`libcoremlpython`) does not exist elsewhere. Tests that need it are skipped off macOS.
 """
 
 from __future__ import annotations
@@ -13,27 +17,62 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.ane import apple_device, compute_plan, placement, program_ir
 from workers.ane.ct_quiet import ct
 
 if sys.platform != "darwin":  # fail at import, not halfway through a request
     raise ImportError("workers.ane.coreml_backend needs macOS (Core ML runtime)")
 
-from coremltools.models.compute_device import MLNeuralEngineComputeDevice  # noqa: E402
+from coremltools.models.compute_device import (  # noqa: E402
+    MLGPUComputeDevice,
+    MLNeuralEngineComputeDevice,
+)
 from coremltools.models.compute_plan import MLComputePlan  # noqa: E402
 
-SOURCE = "compute_plan"
+COMPUTE_UNITS = {
+    "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
+    "cpu_only": ct.ComputeUnit.CPU_ONLY,
+    "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU,
+    "all": ct.ComputeUnit.ALL,
+}
+COMPUTE_PLAN_MIN_MACOS = (14, 4)
+COMPILED_NAME = "model.mlmodelc"
+# The op list (no weights) of the package, kept beside the compiled model: the static
+# estimate's input on systems without MLComputePlan.
+OPS_NAME = "ops"
+
+
+class CoreMLBackend:
+    name = "coreml"
+    compiled_kind = "mlmodelc"
+
+    def __init__(self, compute_units: str) -> None:
+        self.compute_units = compute_units
+
+    def compiled_key_fields(self) -> dict[str, str]:
+        # A compiled model belongs to one OS build (the Core ML compiler ships with macOS).
+        return {"macos_build": apple_device.macos_build() or "unknown"}
+
+    def compile(self, package: Path, out_dir: Path) -> None:
+        from workers.ane.executor import load_package_program
+
+        ct.models.utils.compile_model(str(package), destination_path=str(out_dir / COMPILED_NAME))
+        program_ir.save(program_ir.from_mil(load_package_program(package)), out_dir / OPS_NAME,
+                        weights=False)
+
+    def open(self, compiled_dir: Path) -> CoreMLRunner:
+        return CoreMLRunner(compiled_dir, self.compute_units)
 
 
 class CoreMLRunner:
-    def __init__(self, package: Path, function_name: str = "main") -> None:
+    def __init__(self, compiled_dir: Path, compute_units: str, function_name: str = "main"):
+        self.path = compiled_dir / COMPILED_NAME
+        self.ops_dir = compiled_dir / OPS_NAME
+        self.compute_units = compute_units
         self.function_name = function_name
-        # CPU_AND_NE: the Neural Engine with CPU fallback; never the GPU, whose fp16
-        # numerics and scheduling differ from what is certified.
-        self.model = ct.models.MLModel(
-            str(package),
-            compute_units=ct.ComputeUnit.CPU_AND_NE,
-            function_name=function_name,
-        )
+        self.model = ct.models.CompiledMLModel(
+            str(self.path), compute_units=COMPUTE_UNITS[compute_units],
+            function_name=function_name)
         self._placement: tuple[float, str] | None = None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -42,33 +81,39 @@ class CoreMLRunner:
 
     def placement(self) -> tuple[float, str]:
         if self._placement is None:
-            self._placement = compute_plan_share(
-                self.model.get_compiled_model_path(), self.function_name
-            )
+            if apple_device.version_at_least(apple_device.macos_version(),
+                                             COMPUTE_PLAN_MIN_MACOS):
+                self._placement = compute_plan_share(self.path, self.compute_units,
+                                                     self.function_name)
+            else:
+                self._placement = placement.estimate(program_ir.load(self.ops_dir))
         return self._placement
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
 
 
-def compute_plan_share(compiled_path: str, function_name: str = "main") -> tuple[float, str]:
-    """Share of Core ML's estimated cost on the Neural Engine over non-const operations."""
-    plan = MLComputePlan.load_from_path(
-        path=str(compiled_path), compute_units=ct.ComputeUnit.CPU_AND_NE
-    )
-    program = plan.model_structure.program
-    if program is None:
-        raise ValueError("not an ML Program")
-    total = ane = 0.0
-    for op in program.functions[function_name].block.operations:
-        if op.operator_name == "const":
-            continue
+def _device(usage: object) -> str | None:
+    if usage is None:
+        return None
+    dev = usage.preferred_compute_device  # type: ignore[attr-defined]
+    if isinstance(dev, MLNeuralEngineComputeDevice):
+        return "ane"
+    return "gpu" if isinstance(dev, MLGPUComputeDevice) else "cpu"
+
+
+def compute_plan_share(
+    compiled_path: Path, compute_units: str, function_name: str = "main"
+) -> tuple[float, str]:
+    plan = MLComputePlan.load_from_path(path=str(compiled_path),
+                                        compute_units=COMPUTE_UNITS[compute_units])
+
+    def cost_of(op: object) -> float | None:
         cost = plan.get_estimated_cost_for_mlprogram_operation(op)
-        usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-        weight = cost.weight if cost is not None else 0.0
-        total += weight
-        if usage is not None and isinstance(
-            usage.preferred_compute_device, MLNeuralEngineComputeDevice
-        ):
-            ane += weight
-    return (ane / total if total else 0.0), SOURCE
+        return None if cost is None else cost.weight
+
+    value, _details = compute_plan.share(
+        plan.model_structure.program, cost_of,
+        lambda op: _device(plan.get_compute_device_usage_for_mlprogram_operation(op)),
+        function_name)
+    return value, compute_plan.SOURCE

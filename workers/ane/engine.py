@@ -14,6 +14,18 @@ time and reports PROGRESS after each.
 `backend` / `cache_root` are defaults that LOAD's runtime_config overrides; `build_options`
 is the test-only graph degradation of `builder.BuildOptions` (certification tests).
 
+Start-up is cheap on purpose: constructing the engine and answering HELLO import no coremltools
+(identity constants come from `identity`), so a worker never misses the HELLO window however
+slow the heavy imports are. coremltools is imported when a package must be built (ADMIT_SHAPE
+or LOAD's shapes, on a compile-cache miss) or the Core ML runtime is opened (LOAD with the
+coreml backend), with PROGRESS after each completed stage; a compiled form found in the cache
+on the reference backend needs no coremltools at all.
+
+Admission (`compiler.admit`): compiled form from the cache -> else package (cache or build)
+-> compile -> publish -> open -> one warm-up prediction. SHAPE_ADMITTED carries `cache_hit`
+(the compiled form was cached: nothing built or compiled) and the milliseconds of each stage;
+PONG carries the worker's compile-cache hits, misses and the cache's total bytes.
+
 Error mapping: manifest problems -> `artifact_invalid` (or `unsupported` for a model the builder
 does not implement); bad runtime_config -> `config_invalid`; a shape over the configured
 limits or no loaded shape that fits an item -> `shape_unsupported`; a failed conversion, or an
@@ -37,14 +49,20 @@ import numpy as np
 
 from compile_cache import CompileCache, CompileCacheError, default_root
 from compile_cache.paths import default_budget
-from workers.ane.backends import BackendUnavailable, ShapeRunner, default_backend, open_runner
-from workers.ane.builder import KERNEL_REVISION, BuildOptions
-from workers.ane.compiler import CompiledShape, compile_shape
-from workers.ane.config import DEFAULT_SHAPES, AneRuntimeConfig, parse_runtime_config
-from workers.ane.ct_quiet import COREMLTOOLS_VERSION
+from workers.ane.backends import Backend, BackendUnavailable, default_backend, open_backend
+from workers.ane.build_options import BuildOptions
+from workers.ane.compiler import CompiledShape, admit
+from workers.ane.config import (
+    DEFAULT_SHAPES,
+    AneRuntimeConfig,
+    parse_runtime_config,
+    resolve_compute_units,
+)
 from workers.ane.executor import PackageError, UnsupportedOp
+from workers.ane.identity import KERNEL_REVISION, coremltools_version
 from workers.ane.manifest import FORMAT, Manifest, ManifestError, load_manifest
-from workers.ane.packing import NoShapeFits, feeds_for, gather_rows, plan
+from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
+from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
 from workers.engine import Engine, EngineError, Progress
 from workers.protocol import messages as m
@@ -56,24 +74,23 @@ MAX_SEGMENTS_DEFAULT_CAP = 64
 
 
 @dataclass
-class _Loaded:
-    compiled: CompiledShape
-    runner: ShapeRunner
-
-    def release(self) -> int:
-        self.runner.close()
-        self.compiled.release()
-        return self.compiled.size
-
-
-@dataclass
 class _Model:
     ref: str
     manifest: Manifest
     config: AneRuntimeConfig
-    backend: str
+    backend: Backend
     cache: CompileCache
-    shapes: OrderedDict[str, _Loaded]  # least recently used first
+    shapes: OrderedDict[str, CompiledShape]  # least recently used first
+
+
+@dataclass
+class CacheStats:
+    """This worker's compile-cache lookups (admissions of a compiled form) and the cache's
+    total bytes after its last admission: PONG's `cache_*` fields."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes: int | None = None
 
 
 class _Forward:
@@ -104,6 +121,7 @@ class AneEngine(Engine):
         self._options = build_options or BuildOptions()
         self._model: _Model | None = None
         self._hello_digest: str | None = None
+        self.cache_stats = CacheStats()
         if artifact is not None:
             try:
                 # Body digest only: HELLO must not wait for hashing every weight; LOAD
@@ -135,7 +153,7 @@ class AneEngine(Engine):
     def info(self) -> m.EngineInfo:
         return m.EngineInfo(
             engine=ENGINE_NAME,
-            version=f"{KERNEL_REVISION} coremltools-{COREMLTOOLS_VERSION}",
+            version=f"{KERNEL_REVISION} coremltools-{coremltools_version()}",
             build_flags=f"backend={self._backend or default_backend()} numpy-{np.__version__}",
         )
 
@@ -155,6 +173,11 @@ class AneEngine(Engine):
         share, source = next(reversed(model.shapes.values())).runner.placement()
         return share, source
 
+    def pong_extras(self) -> dict:
+        stats = self.cache_stats
+        return {"cache_hits": stats.hits, "cache_misses": stats.misses,
+                "cache_bytes": stats.bytes}
+
     # ---- LOAD / UNLOAD ----------------------------------------------------------------------
 
     def load(self, req: m.LOAD, progress: Progress) -> m.LOADED:
@@ -166,9 +189,13 @@ class AneEngine(Engine):
             config = parse_runtime_config(req.runtime_config)
         except ValueError as e:
             raise EngineError("config_invalid", str(e)) from None
-        backend = config.backend or self._backend or default_backend()
-        if backend == "coreml" and default_backend() != "coreml":
+        backend_name = config.backend or self._backend or default_backend()
+        if backend_name == "coreml" and default_backend() != "coreml":
             raise EngineError("config_invalid", "backend 'coreml' needs macOS (Core ML runtime)")
+        try:
+            compute_units = resolve_compute_units(config)
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from None
         try:
             manifest = load_manifest(req.artifact_path)
         except ManifestError as e:
@@ -187,6 +214,10 @@ class AneEngine(Engine):
             raise EngineError("invalid_request",
                               f"one model per Core ML worker: unload {self._model.ref!r} first")
         phases = _Forward(progress, ("setup", "control"))
+        try:
+            backend = open_backend(backend_name, compute_units)  # coreml: imports coremltools
+        except (BackendUnavailable, ImportError) as e:
+            raise EngineError("config_invalid", f"backend {backend_name!r}: {e}") from None
         phases.advance("setup")
         root = Path(config.cache_root) if config.cache_root else self._cache_root or default_root()
         budget = config.cache_budget_bytes
@@ -216,8 +247,8 @@ class AneEngine(Engine):
         model, self._model = self._model, None
         if model is None:
             return
-        for loaded in model.shapes.values():
-            loaded.release()
+        for compiled in model.shapes.values():
+            compiled.release()
         model.shapes.clear()
         model.cache.close()
 
@@ -258,42 +289,55 @@ class AneEngine(Engine):
     def admit_shape(self, req: m.ADMIT_SHAPE, progress: Progress) -> m.SHAPE_ADMITTED:
         model = self._require(req.model_ref)
         shape = self._shape(model, req.rows, req.seq_len, req.packed, req.max_segments)
-        hit, compile_ms = self._admit(model, shape, _Forward(progress, ("setup", "control")))
-        return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id, cache_hit=hit,
-                                compile_ms=compile_ms)
+        compiled = self._admit(model, shape, _Forward(progress, ("setup", "control")))
+        if compiled is None:  # already loaded: a hit that did nothing
+            return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id, cache_hit=True)
+        t = compiled.timings
+        return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id,
+                                cache_hit=compiled.cache_hit, compile_ms=t.compile_ms,
+                                build_ms=t.build_ms, load_ms=t.load_ms, warmup_ms=t.warmup_ms)
 
-    def _admit(self, model: _Model, shape: Shape, progress: _Forward) -> tuple[bool, float]:
-        loaded = model.shapes.get(shape.id)
-        if loaded is not None:
+    def _admit(self, model: _Model, shape: Shape, progress: _Forward) -> CompiledShape | None:
+        """Load `shape`; None if it already was."""
+        if shape.id in model.shapes:
             model.shapes.move_to_end(shape.id)
             progress.advance("control")
-            return True, 0.0
+            return None
 
         def on_stage(stage: str) -> None:
             progress.advance("setup" if stage == "graph" else "control")
 
+        name = model.backend.name
         try:
-            compiled = compile_shape(model.cache, model.manifest, shape, self._options, on_stage)
-        except CompileCacheError as e:  # BuildFailed carries the converter's error
+            compiled = admit(model.cache, model.manifest, shape, model.backend, self._options,
+                             on_stage, _warmup_feeds(shape, model.manifest))
+        except CompileCacheError as e:  # BuildFailed carries the converter's/compiler's error
+            cause = e.__cause__
+            if isinstance(cause, UnsupportedOp):
+                raise EngineError("compile_failed", f"shape {shape.id}: the {name} backend "
+                                  f"cannot execute op {cause.op_type}"
+                                  + (f" ({cause.detail})" if cause.detail else "")) from None
             raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
-        try:
-            runner = open_runner(model.backend, compiled.package)
         except UnsupportedOp as e:
-            compiled.release()
-            raise EngineError("compile_failed", f"shape {shape.id}: the {model.backend} backend "
+            raise EngineError("compile_failed", f"shape {shape.id}: the {name} backend "
                               f"cannot execute op {e.op_type}"
                               + (f" ({e.detail})" if e.detail else "")) from None
-        except (PackageError, BackendUnavailable, OSError) as e:
-            compiled.release()
+        except (PackageError, ProgramFormatError, BackendUnavailable, OSError) as e:
             raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
-        model.shapes[shape.id] = _Loaded(compiled, runner)
+        stats = self.cache_stats
+        if compiled.cache_hit:
+            stats.hits += 1
+        else:
+            stats.misses += 1
+        stats.bytes = model.cache.total_bytes()
+        model.shapes[shape.id] = compiled
         # Over budget: drop the least recently used others (never the one just admitted).
         while len(model.shapes) > model.config.max_loaded_shapes:
             victim = next(iter(model.shapes))
             freed = model.shapes.pop(victim).release()
             log.info("evicted shape %s (LRU, %d bytes) to admit %s", victim, freed, shape.id)
         progress.advance("control")
-        return compiled.cache_hit, compiled.compile_ms
+        return compiled
 
     def evict(self, req: m.EVICT, progress: Progress) -> m.EVICTED:
         model = self._require(req.model_ref)
@@ -380,7 +424,7 @@ class AneEngine(Engine):
     ) -> np.ndarray:
         if not model.shapes:
             raise EngineError("shape_unsupported", "no shape is admitted (ADMIT_SHAPE first)")
-        shapes = [loaded.compiled.shape for loaded in model.shapes.values()]
+        shapes = [compiled.shape for compiled in model.shapes.values()]
         try:
             chunks = plan([len(s) for s in seqs], shapes)
         except NoShapeFits as e:
@@ -401,6 +445,14 @@ class AneEngine(Engine):
         if model is None or model.ref != model_ref:
             raise EngineError("model_not_loaded", f"{model_ref!r} is not loaded")
         return model
+
+
+def _warmup_feeds(shape: Shape, manifest: Manifest) -> dict[str, np.ndarray]:
+    """One real run's inputs: a two-token sequence in the first row (ids 101, 102: [CLS],
+    [SEP] in BERT vocabularies; any valid ids serve a warm-up)."""
+    cfg = manifest.config
+    ids = np.array([min(101, cfg.vocab_size - 1), min(102, cfg.vocab_size - 1)], np.int32)
+    return feeds_for(Chunk(shape, [[0]]), [ids], [np.zeros(2, np.int32)], cfg.pad_token_id)
 
 
 def _dims(manifest: Manifest) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.ane.ct_quiet import Program, types
+from workers.ane import program_ir
 from workers.ane.fp16 import gelu_exact, round_fp16_
 
 Env = list  # slot -> np.ndarray | None
@@ -66,16 +66,18 @@ _NP_DTYPES = {
 
 
 def _dtype_name(var: object) -> str:
-    return types.builtin_to_string(var.dtype)  # type: ignore[attr-defined]
+    return var.dtype  # type: ignore[attr-defined]  # program_ir.Var: the MIL dtype name
 
 
 # ---- loading -----------------------------------------------------------------------------------
 
 
-def load_package_program(path: str | os.PathLike[str]) -> Program:
+def load_package_program(path: str | os.PathLike[str]) -> object:
     """The MIL program saved in an `.mlpackage` (weights read from its weight directory)."""
+    from workers.ane.ct_quiet import ct  # coremltools, quietly, before its submodules
+
+    load_spec = ct.models.utils.load_spec
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
-    from coremltools.models.utils import load_spec
 
     pkg = Path(path)
     try:
@@ -504,12 +506,19 @@ class TensorInfo:
 
 
 class CompiledProgram:
-    """A MIL function precompiled into closures. `run` is not thread-safe (shared scratch)."""
+    """A MIL function precompiled into closures. `run` is not thread-safe (shared scratch).
 
-    def __init__(self, prog: Program, function_name: str = "main") -> None:
-        if function_name not in prog.functions:
-            raise PackageError(f"no function {function_name!r} in the program")
-        func = prog.functions[function_name]
+    `prog` is a `program_ir.Function` (e.g. loaded from the compiled form) or a coremltools
+    MIL `Program`, converted here."""
+
+    def __init__(self, prog: object, function_name: str = "main") -> None:
+        if isinstance(prog, program_ir.Function):
+            func = prog
+        else:
+            if function_name not in prog.functions:  # type: ignore[attr-defined]
+                raise PackageError(f"no function {function_name!r} in the program")
+            func = program_ir.from_mil(prog, function_name)
+        self.function = func
         ops = list(func.operations)
         if any(op.blocks for op in ops):
             raise UnsupportedOp(next(op.op_type for op in ops if op.blocks), "control flow")
@@ -663,6 +672,8 @@ _INTERN_MIN_BYTES = 1 << 12
 def _const_array(var: object) -> np.ndarray:
     name = _dtype_name(var)
     val = var.val  # type: ignore[attr-defined]
+    if getattr(var, "mapped", False):
+        return val  # already in storage dtype, read-only, in the page cache: no copy
     if name in ("str", "string"):
         return np.asarray(val)
     target = _NP_DTYPES.get(name)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-from workers.ane.ct_quiet import Program, types
+from workers.ane import program_ir
 
 SOURCE = "estimate"
 MAX_ANE_DIM = 16384
@@ -83,7 +83,7 @@ def _vars(op: object) -> tuple[list[object], list[object]]:
 
 
 def _dtype(var: object) -> str:
-    return types.builtin_to_string(var.dtype) if hasattr(var, "dtype") else "?"
+    return getattr(var, "dtype", "?")  # program_ir.Var: the MIL dtype name
 
 
 def op_cost(op: object) -> float:
@@ -126,10 +126,13 @@ def ane_eligible(op: object) -> bool:
     return True
 
 
-def estimate(prog: Program, function_name: str = "main") -> tuple[float, str]:
-    """(share of estimated cost on the ANE, "estimate") over the function's non-const ops."""
+def estimate(prog: object, function_name: str = "main") -> tuple[float, str]:
+    """(share of estimated cost on the ANE, "estimate") over the function's non-const ops.
+    `prog` is a `program_ir.Function` or a MIL `Program` (converted)."""
+    func = prog if isinstance(prog, program_ir.Function) else program_ir.from_mil(
+        prog, function_name)
     total = ane = 0.0
-    for op in prog.functions[function_name].operations:
+    for op in program_ir.walk(func.operations):
         if op.op_type == "const":
             continue
         cost = op_cost(op)

@@ -187,6 +187,10 @@ class SHAPE_ADMITTED(_Msg, tag="SHAPE_ADMITTED"):
     shape_id: str
     cache_hit: bool
     compile_ms: float = 0.0
+    # Extensions (optional): the other admission stages, in ms (0 when skipped).
+    build_ms: float = 0.0
+    load_ms: float = 0.0
+    warmup_ms: float = 0.0
 
 
 class EVICTED(_Msg, tag="EVICTED"):
@@ -206,6 +210,11 @@ class PONG(_Msg, tag="PONG"):
     placement_share: float | None = None
     # Extension: where placement_share comes from, "compute_plan" or "estimate".
     placement_source: str | None = None
+    # Extensions (Core ML lanes): this worker's compile-cache hits / misses since it started
+    # and the cache's total bytes after its last admission (host/metrics reads them).
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    cache_bytes: int | None = None
 
 
 class PROGRESS(_Msg, tag="PROGRESS"):
