@@ -16,7 +16,7 @@ from workers.ane.builder import (
     build_program,
     truncate_mantissa,
 )
-from workers.ane.compiler import cache_key, compile_shape
+from workers.ane.compiler import PACKAGE_NAME, AdmitTimings, cache_key, package_entry
 from workers.ane.ct_quiet import Program, types
 from workers.ane.executor import load_package_program
 from workers.ane.shapes import Shape
@@ -136,11 +136,10 @@ def test_inputs_outputs_and_heads(programs) -> None:
 def test_converted_package_is_static_and_keeps_the_form() -> None:
     manifest = h.minilm()
     with CompileCache(h.CACHE_ROOT) as cache:
-        compiled = compile_shape(cache, manifest, Shape(**h.EMBED_UNPACKED))
-        try:
-            prog = load_package_program(compiled.package)
-        finally:
-            compiled.release()
+        entry, _hit = package_entry(cache, manifest, Shape(**h.EMBED_UNPACKED), BuildOptions(),
+                                    lambda _stage: None, AdmitTimings())
+        with entry.lease().acquire():
+            prog = load_package_program(entry.path / PACKAGE_NAME)
     for var in _all_vars(prog):
         assert all(isinstance(d, (int, np.integer)) for d in var.shape), var
     convs = _ops(prog, "conv")

@@ -11,7 +11,8 @@ import pytest
 
 from compile_cache import CompileCache
 from tests import test_ane_helpers as h
-from workers.ane import compiler
+from workers.ane import builder
+from workers.ane.backends import ReferenceBackend
 from workers.ane.builder import KERNEL_REVISION, BuildOptions, convert_and_save
 from workers.ane.compiler import cache_key
 from workers.ane.ct_quiet import Function, Program, ct, mb, types
@@ -140,8 +141,9 @@ def test_second_engine_hits_the_cache_and_compiles_nothing(monkeypatch) -> None:
     def no_compile(*args: object, **kwargs: object) -> None:
         raise AssertionError("a cache hit must not build or convert anything")
 
-    monkeypatch.setattr(compiler, "build_program", no_compile)
-    monkeypatch.setattr(compiler, "convert_and_save", no_compile)
+    monkeypatch.setattr(builder, "build_program", no_compile)
+    monkeypatch.setattr(builder, "convert_and_save", no_compile)
+    monkeypatch.setattr(ReferenceBackend, "compile", no_compile)
     second = h.new_engine(h.minilm(), [])
     try:
         progress = RecordingProgress()
@@ -150,8 +152,11 @@ def test_second_engine_hits_the_cache_and_compiles_nothing(monkeypatch) -> None:
         )
         assert reply.shape_id == "4x256"
         assert reply.cache_hit is True
-        assert reply.compile_ms == 0.0
-        assert progress.events == [("control", 1)]
+        assert reply.compile_ms == 0.0 and reply.build_ms == 0.0
+        assert reply.load_ms > 0
+        assert reply.warmup_ms == 0  # the reference backend has nothing to warm up
+        # Opened ("loaded"), then admitted: each a completed stage.
+        assert progress.events == [("control", 1), ("control", 2)]
         # Admitting a loaded shape again is a no-op hit.
         again = second.admit_shape(
             m.ADMIT_SHAPE(req_id=6, model_ref="minilm", **h.EMBED_UNPACKED), NullProgress()

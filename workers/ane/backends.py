@@ -7,8 +7,10 @@ is opened. The compiled form is the second kind of compile-cache entry (`compile
 - `coreml` (macOS only, `coreml_backend`): `compile_model` -> `.mlmodelc`, opened with
   `CompiledMLModel(compute_units=...)`; placement from Core ML's `MLComputePlan`.
 
-A backend: `name`, `compiled_kind`, `compiled_key_fields()` (what the compiled form depends
-on beyond the package), `compile(package, out_dir)`, `open(compiled_dir) -> ShapeRunner`.
+A backend: `name`, `compiled_kind`, `warms_up` (whether admission runs one prediction after
+opening: Core ML compiles for the Neural Engine on the first one; numpy has nothing to
+compile, so the reference backend skips it), `compiled_key_fields()` (what the compiled form
+depends on beyond the package), `compile(package, out_dir)`, `open(compiled_dir)`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ShapeRunner(Protocol):
 class Backend(Protocol):
     name: str
     compiled_kind: str
+    warms_up: bool
 
     def compiled_key_fields(self) -> dict[str, str]: ...
 
@@ -73,6 +76,7 @@ class ReferenceRunner:
 class ReferenceBackend:
     name = "reference"
     compiled_kind = "reference-program"
+    warms_up = False
     PROGRAM_DIR = "program"
 
     def compiled_key_fields(self) -> dict[str, str]:

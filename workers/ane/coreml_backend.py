@@ -45,6 +45,7 @@ OPS_NAME = "ops"
 class CoreMLBackend:
     name = "coreml"
     compiled_kind = "mlmodelc"
+    warms_up = True  # the first prediction is where the Neural Engine compiles
 
     def __init__(self, compute_units: str) -> None:
         self.compute_units = compute_units

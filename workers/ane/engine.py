@@ -310,7 +310,9 @@ class AneEngine(Engine):
         name = model.backend.name
         try:
             compiled = admit(model.cache, model.manifest, shape, model.backend, self._options,
-                             on_stage, _warmup_feeds(shape, model.manifest))
+                             on_stage,
+                             _warmup_feeds(shape, model.manifest) if model.backend.warms_up
+                             else None)
         except CompileCacheError as e:  # BuildFailed carries the converter's/compiler's error
             cause = e.__cause__
             if isinstance(cause, UnsupportedOp):

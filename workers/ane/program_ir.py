@@ -177,7 +177,7 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
                 arr = None if isinstance(v.val, str) else np.asarray(v.val)
                 storage = STORAGE_DTYPES.get(v.dtype)
                 if arr is not None and storage is not None and arr.dtype.kind not in "US":
-                    arr = np.ascontiguousarray(arr, dtype=storage)
+                    arr = np.asarray(arr, dtype=storage, order="C")  # keeps 0-d as 0-d
                 if arr is None or arr.nbytes <= _INLINE_MAX_BYTES or storage is None:
                     entry["val"] = _inline(v.val if arr is None else arr)
                 elif not weights:
