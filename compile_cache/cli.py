@@ -1,5 +1,9 @@
 """`synapse cache ls|du|verify|gc|evict|clear` (and `python -m compile_cache ...`).
 
+`ls` shows each entry's KIND (its key's `kind` field: "mlpackage" for a converted package,
+"mlmodelc" / "reference-program" for a compiled form); verify, gc, evict, clear and the budget
+treat every kind alike.
+
 Every subcommand takes `--json` (one JSON object on stdout) and `--root`. Exit codes:
 0 success; 1 `verify` found corrupt entries (they were evicted unless leased) or `gc` could
 not reach the budget because of leases; 2 a typed error (printed with its code) or bad usage.
@@ -103,7 +107,8 @@ def _ls(cache: CompileCache, args: argparse.Namespace, as_json: bool) -> int:
         _print_json(
             {
                 "root": str(cache.root),
-                "entries": [{**e.to_json(), "leased": leased[e.digest]} for e in entries],
+                "entries": [{**e.to_json(), "kind": _kind(e), "leased": leased[e.digest]}
+                            for e in entries],
             }
         )
         return EXIT_OK
@@ -121,6 +126,7 @@ def _ls(cache: CompileCache, args: argparse.Namespace, as_json: bool) -> int:
         console.print("shared key fields: " + " ".join(f"{k}={v}" for k, v in common.items()))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("DIGEST", no_wrap=True)
+    table.add_column("KIND", no_wrap=True)
     table.add_column("SIZE", justify="right", no_wrap=True)
     table.add_column("BUILT", justify="right", no_wrap=True)
     table.add_column("LAST USED", justify="right", no_wrap=True)
@@ -130,6 +136,7 @@ def _ls(cache: CompileCache, args: argparse.Namespace, as_json: bool) -> int:
     for e in entries:
         table.add_row(
             e.digest[:12],
+            _kind(e),
             format_size(e.size),
             format_age(now - e.created),
             format_age(now - e.last_used),
@@ -139,7 +146,11 @@ def _ls(cache: CompileCache, args: argparse.Namespace, as_json: bool) -> int:
         )
     console.print(table)
     total = sum(e.size for e in entries)
-    console.print(f"{len(entries)} entries, {format_size(total)}")
+    kinds: dict[str, int] = {}
+    for e in entries:
+        kinds[_kind(e)] = kinds.get(_kind(e), 0) + 1
+    by_kind = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    console.print(f"{len(entries)} entries ({by_kind}), {format_size(total)}")
     return EXIT_OK
 
 
@@ -260,6 +271,11 @@ def _print_eviction(report: EvictionReport, *, what: str) -> None:
         )
 
 
+def _kind(entry: Entry) -> str:
+    kind = entry.key.get("kind")
+    return kind if isinstance(kind, str) else "-"
+
+
 def _fmt_value(value: object) -> str:
     if isinstance(value, str):
         if len(value) > 16 and all(c in "0123456789abcdef" for c in value):
@@ -270,7 +286,7 @@ def _fmt_value(value: object) -> str:
 
 def _split_key_fields(entries: list[Entry]) -> tuple[dict[str, str], list[str]]:
     """Key fields equal in every entry (shown once) and the ones that tell entries apart."""
-    names = sorted({k for e in entries for k in e.key})
+    names = sorted({k for e in entries for k in e.key} - {"kind"})  # KIND has its column
     common: dict[str, str] = {}
     varying: list[str] = []
     for name in names:

@@ -2,8 +2,16 @@
 
 Request counts and latencies are recorded as they happen; lane state (restarts, strikes,
 quarantines) and queue depth are read from the module and scheduler at scrape time, so a
-scrape never talks to a worker and can never disagree with `/health`. Each `Metrics` owns its
-registry: two servers in one process (tests) never share counters.
+scrape never talks to a worker and can never disagree with `/health`.
+
+Compile-cache hits, misses and bytes come from the Core ML lanes' cached PONG (`cache_hits`,
+`cache_misses`: counted by each worker since it started, summed over lanes; `cache_bytes`:
+the cache's size after a worker's last admission, the largest reported). PONG rather than
+SHAPE_ADMITTED because LOAD admits its shapes without one; rather than the host opening the
+cache index, because a scrape must stay cheap and the hit/miss events happen in the workers.
+A replaced worker starts counting from 0 again, which Prometheus reads as a counter reset.
+
+Each `Metrics` owns its registry: two servers in one process (tests) never share counters.
 """
 
 from __future__ import annotations
@@ -98,13 +106,6 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # Reported by the Core ML lane's SHAPE_ADMITTED; exposed (at 0) before any lane does.
-        self.compile_cache_hits = Counter(
-            "synapse_compile_cache_hits", "Compiled shapes found in the compile cache", registry=r
-        )
-        self.compile_cache_misses = Counter(
-            "synapse_compile_cache_misses", "Shapes compiled because the cache missed", registry=r
-        )
         r.register(_StateCollector(module, scheduler))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -120,9 +121,6 @@ class Metrics:
         self.batch_tokens.labels(stats.model).observe(stats.tokens)
         self.batch_requests.labels(stats.model).observe(stats.requests)
         self.batch_seconds.labels(stats.model).observe(stats.seconds)
-
-    def observe_shape_admitted(self, cache_hit: bool) -> None:
-        (self.compile_cache_hits if cache_hit else self.compile_cache_misses).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -164,11 +162,25 @@ class _StateCollector(Collector):
         rejected = CounterMetricFamily(
             "synapse_overload_rejections", "Requests refused with 429 by a budget or queue bound"
         )
+        cache_hits = CounterMetricFamily(
+            "synapse_compile_cache_hits", "Compiled shapes found in the compile cache"
+        )
+        cache_misses = CounterMetricFamily(
+            "synapse_compile_cache_misses", "Shapes compiled because the cache missed"
+        )
+        cache_bytes = GaugeMetricFamily(
+            "synapse_compile_cache_bytes", "Compile-cache size after the last admission"
+        )
         module, scheduler = self._module(), self._scheduler()
         n_rejected = 0
+        hits = misses = size = 0
         if module is not None:
             for lane in module.lanes().values():
                 state = lane.state()
+                pong = state.health.last_pong or {}
+                hits += pong.get("cache_hits") or 0
+                misses += pong.get("cache_misses") or 0
+                size = max(size, pong.get("cache_bytes") or 0)
                 lid = [state.lane_id]
                 restarts.add_metric(lid, state.restarts)
                 quarantines.add_metric(lid, getattr(lane, "quarantines", 0))
@@ -182,4 +194,8 @@ class _StateCollector(Collector):
                 depth.add_metric([model], n)
             n_rejected += scheduler.rejected
         rejected.add_metric([], n_rejected)
-        yield from (restarts, quarantines, strikes, quarantined, up, depth, inflight, rejected)
+        cache_hits.add_metric([], hits)
+        cache_misses.add_metric([], misses)
+        cache_bytes.add_metric([], size)
+        yield from (restarts, quarantines, strikes, quarantined, up, depth, inflight, rejected,
+                    cache_hits, cache_misses, cache_bytes)

@@ -13,6 +13,7 @@ from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from host.artifacts.store import ArtifactStore
 from host.config import HostConfig
+from host.metrics import Metrics
 from host.module import Module, ModuleConfig
 from workers.protocol import messages as m
 
@@ -58,9 +59,20 @@ async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_
         lane = mod.lanes()["minilm-l6-v2@ane"]
         assert lane.worker.pid != first_pid
         reply, _ = await lane.request(admit)
-        assert reply.cache_hit is True and reply.compile_ms == 0
+        assert reply.cache_hit is True and reply.compile_ms == 0 and reply.build_ms == 0
+        # /metrics reads the hit from the lane's cached PONG (this worker: 1 hit, 0 misses).
+        await lane.ping()
+        text = Metrics(lambda: mod, lambda: None).render().decode()
+        assert _sample(text, "synapse_compile_cache_hits_total") == 1
+        assert _sample(text, "synapse_compile_cache_misses_total") == 0
+        assert _sample(text, "synapse_compile_cache_bytes") > 1_000_000
         evicted, _ = await lane.request(m.EVICT(req_id=0, model_ref="minilm-l6-v2"))
         assert evicted.shape_ids == ["2x64"] and evicted.freed_bytes > 0
+
+
+def _sample(text: str, name: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
 
 
 @pytest.fixture(scope="module")
