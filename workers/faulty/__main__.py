@@ -1,4 +1,8 @@
-"""`python -m workers.faulty --socket PATH --nonce NONCE [--fault NAME]`"""
+"""`python -m workers.faulty --socket PATH --nonce NONCE [--fault NAME] [--import-s SECS
+[--import-at-start]]`
+
+`--import-s SECS` gives the engine a library whose import takes SECS (`slow_library`): imported
+lazily by LOAD (with PROGRESS after it), or before HELLO with `--import-at-start`."""
 
 from __future__ import annotations
 
@@ -42,12 +46,20 @@ def _fields(msg: m.HELLO) -> dict:
 def _factory(rest: list[str]) -> FaultEngine:
     parser = argparse.ArgumentParser(prog="workers.faulty")
     parser.add_argument("--fault", default=None)
+    parser.add_argument("--import-s", type=float, default=None)
+    parser.add_argument("--import-at-start", action="store_true")
     args = parser.parse_args(rest)
     FaultRuntime.fault = args.fault
     if args.fault == "crash_on_start":
         sys.stderr.write("faulty worker: crashing before connecting\n")
         sys.exit(3)
-    return FaultEngine()
+    engine = FaultEngine()
+    if args.import_s is not None:
+        os.environ["SYNAPSE_FAULTY_IMPORT_S"] = str(args.import_s)
+        engine.slow_library_pending = True
+        if args.import_at_start:
+            engine.import_slow_library()
+    return engine
 
 
 if __name__ == "__main__":

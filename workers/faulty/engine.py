@@ -33,11 +33,20 @@ class FaultEngine(Engine):
     def __init__(self) -> None:
         self.channel: BlockingChannel | None = None  # set by FaultRuntime after handshake
         self.loaded: set[str] = set()
+        self.slow_library_pending = False  # --import-s: LOAD imports it first
+
+    def import_slow_library(self) -> None:
+        import workers.faulty.slow_library  # noqa: F401  (its import is the slow part)
+
+        self.slow_library_pending = False
 
     def info(self) -> m.EngineInfo:
         return m.EngineInfo(engine="faulty", version="1", build_flags="fault-injection")
 
     def load(self, req: m.LOAD, progress: Progress) -> m.LOADED:
+        if self.slow_library_pending:
+            self.import_slow_library()
+            progress.advance("setup")  # a completed stage, under the control window
         fault = req.runtime_config.get("fault")
         if fault == "hang":
             progress.advance("setup")
