@@ -3,7 +3,9 @@
 Quality gate: per-item cosine (min, mean), retrieval top-10 agreement, rerank score error,
 tokenizer agreement — each against the threshold table. Placement gate (Core ML lanes only):
 the Neural Engine share reported after admission; a share from a static `estimate` can at
-most be `provisional`, only `compute_plan` (Core ML's own MLComputePlan) can pass.
+most be `provisional`; a `compute_plan` share (Core ML's own MLComputePlan) passes only when
+this machine has a Neural Engine and the share meets the threshold. Without one (a hosted
+macOS VM) Core ML plans for devices that are not there: `provisional`, with that reason.
 
 Verdict: `failed` if any gating check failed (every one is named), else `provisional` if the
 placement check is provisional, else `certified`.
@@ -84,9 +86,18 @@ def tokenizer_check(mismatches: int, n_items: int, t: Thresholds) -> Check:
                  detail=f"{mismatches} of {n_items} items tokenized differently")
 
 
+NO_NEURAL_ENGINE = ("Core ML lists no Neural Engine on this machine (a VM?): its compute "
+                    "plan proves nothing about Neural Engine placement")
+
+
 def placement_check(
-    lane: str, share: float | None, source: str | None, t: Thresholds
+    lane: str,
+    share: float | None,
+    source: str | None,
+    t: Thresholds,
+    neural_engine: bool | None = None,
 ) -> Check:
+    """`neural_engine`: whether Core ML lists a Neural Engine here (None: not macOS)."""
     if t.placement_share is None:
         return Check(name="placement.share", gate="placement", status="n/a",
                      detail=f"{lane} lane runs on the CPU: no Neural Engine placement to gate")
@@ -94,14 +105,17 @@ def placement_check(
         return Check(name="placement.share", gate="placement", status="fail",
                      threshold=t.placement_share, op=">=",
                      detail="the lane reported no placement_share after admission")
+    detail = f"source: {source}"
     if share < t.placement_share:
         status = "fail"
-    elif source == "compute_plan":
+    elif source == "compute_plan" and neural_engine:
         status = "pass"
+    elif source == "compute_plan":
+        status, detail = "provisional", f"{detail}; {NO_NEURAL_ENGINE}"
     else:  # a static estimate (or an unknown source) cannot prove where Core ML runs it
         status = "provisional"
     return Check(name="placement.share", gate="placement", status=status, value=float(share),
-                 threshold=t.placement_share, op=">=", detail=f"source: {source}")
+                 threshold=t.placement_share, op=">=", detail=detail)
 
 
 def verdict(checks: list[Check]) -> tuple[Status, str, str, list[str]]:

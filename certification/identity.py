@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from workers.ane import apple_device
+
 
 class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
     """The lane-side identity: from HELLO, the artifact store and the admitted shapes."""
@@ -116,11 +118,18 @@ def runtime_versions() -> dict[str, str]:
 
 
 def os_name() -> str:
-    """OS and architecture; on macOS the version too (the ANE compiler ships with the OS).
-    Linux kernel releases do not change the numbers, so they are left out on purpose."""
-    system, machine = platform.system(), platform.machine()
+    """OS and architecture; on macOS also the version, the build and the chip: the Neural
+    Engine compiler ships with the OS build, and chips differ in what their Neural Engine
+    runs. Linux kernel releases do not change the numbers, so they are left out on purpose."""
+    return os_identity(platform.system(), platform.machine(), apple_device.describe())
+
+
+def os_identity(system: str, machine: str, apple: dict) -> str:
+    """The certificate's `os` field from `apple_device.describe()`'s answers."""
     if system == "Darwin":
-        return f"macOS-{platform.mac_ver()[0]}-{machine}"
+        chip = (apple.get("chip") or "unknown-chip").replace(" ", "_")
+        return (f"macOS-{apple.get('macos') or '?'}-{apple.get('macos_build') or '?'}"
+                f"-{machine}-{chip}")
     return f"{system}-{machine}"
 
 

@@ -122,7 +122,8 @@ def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | 
         elif found.failing:
             why += f" (failing: {', '.join(found.failing)})"
         elif found.status == "provisional":
-            why += " (placement share from an estimate, not Core ML's compute plan)"
+            detail = next((c.detail for c in found.checks if c.name == "placement.share"), "")
+            why += f" (placement {detail})" if detail else " (placement not proven)"
     else:
         other = store.latest_for(key.model, key.lane)
         if other is not None:

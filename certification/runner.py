@@ -36,6 +36,7 @@ from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
 from host.module import Module
 from host.tokenization import Tokenizer
+from workers.ane import apple_device
 
 REFERENCE_CHUNK = 32  # items per reference call: progress granularity and cache unit
 
@@ -119,7 +120,9 @@ async def certify(
     share, source = await client.placement()
     measured.placement_share, measured.placement_source = share, source
     measured.placement_ops = await client.placement_ops()
-    checks.append(gates.placement_check(identity.lane, share, source, thresholds))
+    checks.append(gates.placement_check(identity.lane, share, source, thresholds,
+                                        apple_device.neural_engine_present()
+                                        if identity.lane == "ane" else None))
     progress.advance("placement")
 
     fp = fingerprint(judged.probe_values, judged.grid)
