@@ -15,6 +15,7 @@ from workers.ane import builder
 from workers.ane.backends import ReferenceBackend
 from workers.ane.builder import KERNEL_REVISION, BuildOptions, convert_and_save
 from workers.ane.compiler import cache_key
+from workers.ane.config import ENV_COMPUTE_UNITS, parse_runtime_config, resolve_compute_units
 from workers.ane.ct_quiet import Function, Program, ct, mb, types
 from workers.ane.engine import AneEngine
 from workers.ane.executor import SUPPORTED_OPS
@@ -294,6 +295,34 @@ def test_load_refusals() -> None:
     engine.unload(m.UNLOAD(req_id=2, model_ref="minilm"), NullProgress())
     assert engine.models_loaded() == []
     engine.close()
+
+
+def test_compute_units_are_validated_and_the_environment_overrides(monkeypatch) -> None:
+    manifest = h.minilm()
+    engine = AneEngine(backend="reference")
+    try:
+        with pytest.raises(EngineError) as e:
+            engine.load(h.load_request(manifest, shapes=[], compute_units="ane_only"),
+                        NullProgress())
+        assert e.value.code == "config_invalid" and "compute_units" in e.value.msg
+        monkeypatch.setenv(ENV_COMPUTE_UNITS, "gpu_please")
+        with pytest.raises(EngineError) as e:
+            engine.load(h.load_request(manifest, shapes=[], compute_units="cpu_only"),
+                        NullProgress())
+        assert e.value.code == "config_invalid"
+        assert "SYNAPSE_COREML_COMPUTE_UNITS='gpu_please'" in e.value.msg
+        assert "cpu_and_ne" in e.value.msg  # the message lists the valid values
+        monkeypatch.setenv(ENV_COMPUTE_UNITS, "cpu_only")
+        loaded = engine.load(h.load_request(manifest, shapes=[], compute_units="all"),
+                             NullProgress())
+        assert loaded.model_ref == "minilm"  # the reference backend accepts any valid value
+    finally:
+        engine.close()
+    config = parse_runtime_config({"compute_units": "all"})
+    assert resolve_compute_units(config, {}) == "all"
+    assert resolve_compute_units(config, {ENV_COMPUTE_UNITS: "cpu_only"}) == "cpu_only"
+    assert resolve_compute_units(config, {ENV_COMPUTE_UNITS: ""}) == "all"  # unset = empty
+    assert resolve_compute_units(parse_runtime_config({}), {}) == "cpu_and_ne"
 
 
 def test_worker_started_for_one_artifact_refuses_another() -> None:
