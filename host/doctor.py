@@ -15,6 +15,9 @@ import sys
 
 import psutil
 
+from workers.ane import apple_device
+from workers.ane.config import ENV_COMPUTE_UNITS
+
 # Apple does not expose the Neural Engine's core count; every M-series chip so far has 16.
 _ANE_CORES_BY_CHIP_PREFIX = {"Apple M1": 16, "Apple M2": 16, "Apple M3": 16, "Apple M4": 16}
 
@@ -87,6 +90,9 @@ def report() -> dict:
         "llama_cpp": _llama_cpp(),
         "coreml": coreml,
         "ane_backends": backends,
+        # chip, macOS version/build, Neural Engine presence: None off macOS, with the reason.
+        "apple": apple_device.describe(),
+        "coreml_compute_units": os.environ.get(ENV_COMPUTE_UNITS) or "cpu_and_ne",
     }
 
 
@@ -117,5 +123,13 @@ def main(as_json: bool) -> int:
     )
     table.add_row("coremltools", str(cm["coremltools"]))
     table.add_row("ANE lane backends", ", ".join(data["ane_backends"]))
+    apple = data["apple"]
+    table.add_row(
+        "Neural Engine",
+        f"{'present' if apple['neural_engine'] else 'absent'} ({apple['chip']}, macOS "
+        f"{apple['macos']} {apple['macos_build']})" if apple["reason"] is None
+        else f"unknown — {apple['reason']}",
+    )
+    table.add_row("Core ML compute units", data["coreml_compute_units"])
     Console().print(table)
     return 0

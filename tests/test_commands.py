@@ -70,3 +70,6 @@ def test_doctor_reports_what_runs_here(synapse_cache_dir):
     if sys.platform != "darwin":
         assert report["coreml"]["runtime"] is False and "macOS" in report["coreml"]["reason"]
         assert report["ane_backends"] == ["reference"]
+        assert report["apple"] == {"chip": None, "macos": None, "macos_build": None,
+                                   "neural_engine": None, "reason": "not macOS"}
+    assert report["coreml_compute_units"] == "cpu_and_ne"
