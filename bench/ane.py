@@ -14,7 +14,14 @@ median of `--trials` interleaved runs.
 - packed_gain: sentences/s of 16-token inputs on the packed 8x128p8 shape over the unpacked
   8x128 shape: the same compiled row length, 8 sequences per packed row. Target >= 2.0.
 - admit_speedup: ADMIT_SHAPE on an empty compile cache (build the MIL graph, convert, save,
-  load) over ADMIT_SHAPE of the same shape by a second engine (cache hit: load only).
+  compile, publish, open) over ADMIT_SHAPE of the same shape by a second engine (compiled
+  form from the cache: open only). `admit` breaks both down with SHAPE_ADMITTED's stage
+  timings (build, compile, load, warm-up ms) plus `package_hit_ms`: the compiled form evicted,
+  its package still cached (compile + open only).
+- start: time to HELLO of the Core ML worker (`Lane.start()`: spawn, imports, handshake)
+  against the minimal faulty worker in the same run, and what HELLO no longer waits for:
+  `import coremltools` in a fresh interpreter as coremltools does it by default (probing
+  torch, scikit-learn... whatever is installed) and as the worker does it (blocked).
 
     python -m bench.ane [--sentences 64] [--trials 3] [--dir D]
 """
@@ -22,10 +29,14 @@ median of `--trials` interleaved runs.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -92,6 +103,72 @@ def _rate(fns: dict[str, Callable[[], object]], n: int, trials: int) -> dict[str
     return {k: n / statistics.median(v) for k, v in times.items()}
 
 
+def _stages(reply: m.SHAPE_ADMITTED, total_ms: float) -> dict[str, float]:
+    return {"total_ms": total_ms, "build_ms": reply.build_ms, "compile_ms": reply.compile_ms,
+            "load_ms": reply.load_ms, "warmup_ms": reply.warmup_ms}
+
+
+def _package_hit_admit(manifest: Manifest, cache_root: Path) -> tuple[float, AneEngine]:
+    """Admit after evicting only the compiled form: the package is reused, not rebuilt.
+    Returns the ms and the engine (UNPACKED loaded)."""
+    from compile_cache import CompileCache
+
+    with CompileCache(cache_root, budget_bytes=None) as cache:
+        for entry in cache.ls():
+            if entry.key.get("kind") == "reference-program":
+                cache.evict(entry.digest)
+    engine = _engine(manifest, cache_root, [])
+    ms, reply = _admit(engine, UNPACKED)
+    assert not reply.cache_hit and reply.build_ms == 0.0
+    return ms, engine
+
+
+def _fresh_import_s(code: str) -> float:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+_IMPORT = ("import time; t = time.perf_counter(); {pre}import workers.ane.ct_quiet; "
+           "print(time.perf_counter() - t)")
+
+
+def _start_timings(manifest: Manifest, trials: int) -> dict[str, object]:
+    """Median ms from spawn to HELLO accepted, Core ML worker vs faulty worker."""
+    from host import HostConfig, Lane, LaneConfig
+
+    async def start_ms(argv: list[str], runtime_dir: str) -> float:
+        lane = Lane(LaneConfig(lane_id="bench", argv=argv),
+                    HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+        t = time.perf_counter()
+        await lane.start()
+        ms = (time.perf_counter() - t) * 1e3
+        await lane.stop()
+        return ms
+
+    ane = ["python", "-m", "workers.ane", "--artifact", str(manifest.dir),
+           "--backend", "reference"]
+    faulty = ["python", "-m", "workers.faulty"]
+    times: dict[str, list[float]] = {"ane": [], "faulty": []}
+    runtime_dir = tempfile.mkdtemp(prefix="bane-", dir="/tmp")
+    try:
+        for _ in range(trials):
+            times["ane"].append(asyncio.run(start_ms(ane, runtime_dir)))
+            times["faulty"].append(asyncio.run(start_ms(faulty, runtime_dir)))
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    ane_ms, faulty_ms = (statistics.median(times[k]) for k in ("ane", "faulty"))
+    guard = "from workers.ane.import_guard import block_converter_frameworks as b; b(); "
+    return {
+        "ane_worker_hello_ms": ane_ms,
+        "faulty_worker_hello_ms": faulty_ms,
+        "hello_ratio_vs_faulty": ane_ms / faulty_ms,
+        "import_coremltools_default_s": _fresh_import_s(_IMPORT.format(pre="")),
+        "import_coremltools_in_worker_s": _fresh_import_s(_IMPORT.format(pre=guard)),
+        "torch_installed": importlib.util.find_spec("torch") is not None,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ane")
     ap.add_argument("--sentences", type=int, default=64)
@@ -115,6 +192,8 @@ def run(work: Path, n_sentences: int, trials: int) -> dict[str, object]:
     tok.no_truncation()
     encoded = [np.asarray(tok.encode(t).ids, np.int32) for t in corpus()]
 
+    start = _start_timings(manifest, trials)
+
     # Admission: cold compile, then a second engine hits the cache.
     unpacked = _engine(manifest, cache_root, [])
     cold_ms, cold = _admit(unpacked, UNPACKED)
@@ -123,6 +202,8 @@ def run(work: Path, n_sentences: int, trials: int) -> dict[str, object]:
     hit_ms, hit = _admit(second, UNPACKED)
     assert hit.cache_hit
     second.close()
+    unpacked.close()  # releases its lease on the compiled form, which the next step evicts
+    package_hit_ms, unpacked = _package_hit_admit(manifest, cache_root)
     both = _engine(manifest, cache_root, [UNPACKED, PACKED])
     packed = _engine(manifest, cache_root, [PACKED])
 
@@ -164,6 +245,12 @@ def run(work: Path, n_sentences: int, trials: int) -> dict[str, object]:
         "cold_compile_admit_ms": cold_ms,
         "cached_admit_ms": hit_ms,
         "admit_speedup": cold_ms / hit_ms,
+        "admit": {
+            "cold": _stages(cold, cold_ms),
+            "warm_hit": _stages(hit, hit_ms),
+            "package_hit_ms": package_hit_ms,
+        },
+        "start": start,
         "shapes": {"unpacked": "8x128", "packed": "8x128p8"},
         "trials": trials,
     }

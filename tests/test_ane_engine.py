@@ -392,21 +392,3 @@ def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
     print("\nconverted program op set:", sorted(seen))
     assert seen - {"const"} <= SUPPORTED_OPS
     assert {"conv", "einsum", "softmax", "layer_norm", "gelu"} <= seen
-
-
-@pytest.mark.skipif(sys.platform != "darwin",
-                    reason="the coreml backend needs macOS: Core ML's runtime (predict, "
-                           "MLComputePlan) does not exist on Linux")
-def test_coreml_backend_matches_reference() -> None:  # pragma: no cover - macOS only
-    seqs = [h.encode(t) for t in h.embed_corpus()[:16]]
-    ref_engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
-    ane = AneEngine(h.minilm().dir, backend="coreml")
-    ane.load(h.load_request(h.minilm(), shapes=[h.EMBED_UNPACKED], backend="coreml"),
-             NullProgress())
-    try:
-        assert h.cosines(_embed(ane, seqs), _embed(ref_engine, seqs)).min() > 0.999
-        share, source = ane.placement()
-        assert source == "compute_plan" and 0.0 <= share <= 1.0
-    finally:
-        ane.close()
-        ref_engine.close()
