@@ -88,7 +88,7 @@ def _embedder(engine: AneEngine, seqs: list[np.ndarray]) -> Callable[[], np.ndar
 def _slots(engine: AneEngine, seqs: list[np.ndarray]) -> int:
     """Token positions the executor computes for `seqs` (padding included): the work it does,
     as opposed to the real tokens the reference computes."""
-    shapes = [loaded.compiled.shape for loaded in engine._model.shapes.values()]  # noqa: SLF001
+    shapes = [compiled.shape for compiled in engine._model.shapes.values()]  # noqa: SLF001
     return sum(c.shape.tokens for c in plan([len(s) for s in seqs], shapes))
 
 
