@@ -15,9 +15,6 @@ import sys
 
 import psutil
 
-from workers.ane import apple_device
-from workers.ane.config import ENV_COMPUTE_UNITS
-
 # Apple does not expose the Neural Engine's core count; every M-series chip so far has 16.
 _ANE_CORES_BY_CHIP_PREFIX = {"Apple M1": 16, "Apple M2": 16, "Apple M3": 16, "Apple M4": 16}
 
@@ -79,6 +76,10 @@ def _sysctl(name: str) -> str | None:
 
 
 def report() -> dict:
+    # Late: the host imports nothing from workers at import time (only the wire contract).
+    from workers.ane import apple_device
+    from workers.ane.config import ENV_COMPUTE_UNITS
+
     coreml = _coreml()
     backends = ["reference"] + (["coreml"] if coreml.get("runtime") else [])
     return {
