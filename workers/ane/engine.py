@@ -304,8 +304,8 @@ class AneEngine(Engine):
             progress.advance("control")
             return None
 
-        def on_stage(stage: str) -> None:
-            progress.advance("setup" if stage == "graph" else "control")
+        def on_stage(stage: str) -> None:  # graph, converted, compiled, loaded, warmed
+            progress.advance("control")
 
         name = model.backend.name
         try:
