@@ -57,7 +57,7 @@ def _cache_env(synapse_cache_dir, monkeypatch):
 
 async def run(store_root: str, store: CertificateStore, options: RunOptions, **kw):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
-    async with Module(module_config(store_root, runtime, **kw), CertificateLanePolicy()) as mod:
+    async with Module(module_config(store_root, runtime, **kw)) as mod:
         return await certify(mod, options, store)
 
 
