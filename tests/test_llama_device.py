@@ -100,6 +100,11 @@ async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtim
         assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
         assert lane.config.device == "cpu" and mod.llama_device == "cpu"
         assert llama_identity(mod, MODEL).device == "cpu"
+        await mod.load("minilm-l6-v2-f32", "llama")
+        assert mod.lanes()["minilm-l6-v2-f32"].permits is lane.permits is mod.permits
+        with pytest.raises(KeyError, match="no execution permits configured for device 'tpu'"):
+            lane.set_device("tpu")
+        assert lane.config.device == "cpu"
 
 
 @pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
@@ -130,6 +135,12 @@ async def test_env_override_reaches_the_worker(store_root, short_runtime_dir, mo
             await mod.load(MODEL, "llama")
         assert info.value.code == "config_invalid"
         assert f"{GPU_LAYERS_ENV}=3: this llama.cpp build" in info.value.message
+    monkeypatch.setenv(GPU_LAYERS_ENV, "lots")
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        with pytest.raises(WorkerError) as info:
+            await mod.load(MODEL, "llama")
+        assert info.value.code == "config_invalid"
+        assert f"{GPU_LAYERS_ENV}='lots': expected" in info.value.message
     monkeypatch.setenv(GPU_LAYERS_ENV, "0")  # wins over the runtime_config
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama", {"gpu_layers": 7})
