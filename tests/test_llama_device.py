@@ -22,6 +22,7 @@ from workers.cpus import usable_cpu_count
 from workers.llama.device import (
     ALL_LAYERS,
     GPU_LAYERS_ENV,
+    describe_build,
     offload_device,
     parse_gpu_layers,
     resolve_gpu_layers,
@@ -70,6 +71,7 @@ def test_offload_device_is_named_from_the_backend_list():
     assert offload_device("BLAS : ACCELERATE = 1 | Metal : EMBED_LIBRARY = 1 | ", True) == "metal"
     assert offload_device("CUDA : ARCHS = 890 | CPU : AVX2 = 1 | ", True) == "cuda"
     assert offload_device(SYSTEM_INFO, True) == "gpu"  # a CPU list: offload to an unnamed GPU
+    assert describe_build("0.3.36", SYSTEM_INFO) == "llama-cpp-python 0.3.36, backends: CPU"
 
 
 def test_permit_kind_follows_the_device():

@@ -31,12 +31,25 @@ def offload_device(system_info: str, supports_offload: bool) -> str:
     the build cannot offload."""
     if not supports_offload:
         return "cpu"
+    for name in backends(system_info):
+        if name.lower() not in _CPU_SIDE:
+            return _GPU_BACKENDS.get(name.lower(), name.lower())
+    return "gpu"  # the build offloads but does not say to what
+
+
+def backends(system_info: str) -> list[str]:
+    """Backend names in llama_print_system_info order ("CPU", "MTL", "CUDA"...)."""
+    names = []
     for section in system_info.split("|"):
         name, sep, _ = section.partition(":")
-        backend = name.strip().lower()
-        if sep and backend and backend not in _CPU_SIDE and " " not in backend:
-            return _GPU_BACKENDS.get(backend, backend)
-    return "gpu"  # the build offloads but does not say to what
+        if sep and name.strip() and " " not in name.strip():
+            names.append(name.strip())
+    return names
+
+
+def describe_build(version: str, system_info: str) -> str:
+    """How a refusal names the build: "llama-cpp-python 0.3.36, backends: CPU"."""
+    return f"llama-cpp-python {version}, backends: {', '.join(backends(system_info)) or '?'}"
 
 
 def parse_gpu_layers(text: str) -> GpuLayers:

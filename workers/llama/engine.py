@@ -35,7 +35,12 @@ import numpy as np
 from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
-from workers.llama.device import env_gpu_layers, offload_device, resolve_gpu_layers
+from workers.llama.device import (
+    describe_build,
+    env_gpu_layers,
+    offload_device,
+    resolve_gpu_layers,
+)
 from workers.llama.gbnf import GrammarError, validate_gbnf
 from workers.llama.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.protocol import messages as m
@@ -196,11 +201,6 @@ class LlamaEngine(Engine):
             env = None  # refused at LOAD, with the reason
         return "cpu" if env == 0 else self._offload_device()
 
-    def _build_name(self) -> str:
-        backends = [s.partition(":")[0].strip() for s in self._system_info().split("|")]
-        names = ", ".join(b for b in backends if b and " " not in b) or "unknown"
-        return f"llama-cpp-python {llama_cpp.__version__}, backends: {names}"
-
     def models_loaded(self) -> list[str]:
         return sorted(self._models)
 
@@ -234,7 +234,9 @@ class LlamaEngine(Engine):
 
         try:
             gpu_layers = resolve_gpu_layers(
-                cfg.gpu_layers, bool(llama_cpp.llama_supports_gpu_offload()), self._build_name()
+                cfg.gpu_layers,
+                bool(llama_cpp.llama_supports_gpu_offload()),
+                describe_build(llama_cpp.__version__, self._system_info()),
             )
         except ValueError as e:
             raise EngineError("config_invalid", str(e)) from e
