@@ -32,10 +32,11 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.engine import Engine, EngineError, Generation, Progress
+from workers.llama import cpu_quirks
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.gbnf import GrammarError, validate_gbnf
-from workers.llama.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.protocol import messages as m
 
 UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
@@ -325,7 +326,10 @@ class LlamaEngine(Engine):
             raise EngineError("artifact_invalid", f"{path}: sha256 {got} != expected {want}")
 
     def _load_model(self, path: str, cfg: RuntimeConfig) -> ctypes.c_void_p:
-        mparams = llama_cpp.llama_model_default_params()
+        try:
+            mparams = cpu_quirks.model_params()  # AMX: see workers/llama/cpu_quirks.py
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from e
         mparams.n_gpu_layers = 0
         mparams.load_mode = (
             llama_cpp.LLAMA_LOAD_MODE_MMAP if cfg.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
