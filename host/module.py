@@ -138,7 +138,7 @@ def permit_for(lane: str, device: str) -> str:
 
 def hello_device(build_flags: str | None) -> str | None:
     """The `device=` a llama.cpp worker's HELLO names (what gpu_layers "auto" uses there)."""
-    for part in (build_flags or "").split(";"):
+    for part in (build_flags or "").split("|"):
         name, sep, value = part.strip().partition("=")
         if sep and name == "device":
             return value.strip() or None

@@ -98,7 +98,8 @@ async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtim
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama")
         lane = mod.lanes()[MODEL]
-        assert lane.hello.engine.build_flags.startswith("device=cpu; CPU : ")
+        flags = lane.hello.engine.build_flags
+        assert flags.startswith("CPU : ") and flags.endswith(" | device=cpu")
         assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
         assert lane.config.device == "cpu" and mod.llama_device == "cpu"
         assert llama_identity(mod, MODEL).device == "cpu"

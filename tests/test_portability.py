@@ -25,7 +25,7 @@ from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("host", "workers", "compile_cache", "certification", "bench")
+PACKAGES = ("host", "workers", "formats", "compile_cache", "certification", "bench")
 
 # Names (attributes / identifiers) and path prefixes (string literals) only Linux has.
 LINUX_NAMES = {"sched_getaffinity", "sched_setaffinity", "prctl", "SO_PEERCRED",
@@ -90,6 +90,19 @@ def _linux_only_uses(tree: ast.AST) -> list[tuple[ast.AST, str]]:
     return uses
 
 
+def _early_exit_before(parent: ast.AST, stmt: ast.AST, what: str) -> bool:
+    """`if <platform check>: return/raise` earlier in the same block as `stmt`."""
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(parent, field, None)
+        if isinstance(block, list) and stmt in block:
+            return any(
+                isinstance(s, ast.If) and _is_guard(s.test, what)
+                and isinstance(s.body[-1], ast.Return | ast.Raise)
+                for s in block[: block.index(stmt)]
+            )
+    return False
+
+
 def unguarded_linux_apis(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -99,10 +112,12 @@ def unguarded_linux_apis(path: Path) -> list[str]:
         while cur in parents and not guarded:
             parent = parents[cur]
             # Guarded = in the body of an `if` / conditional expression whose test checks
-            # the platform (not in its else branch, and not in the test itself).
+            # the platform (not in its else branch, and not in the test itself), or after
+            # an early `if <platform check>: return` in the same block.
             if isinstance(parent, ast.If | ast.IfExp) and cur is not parent.test:
                 body = parent.body if isinstance(parent.body, list) else [parent.body]
                 guarded = cur in body and _is_guard(parent.test, what)
+            guarded = guarded or _early_exit_before(parent, cur, what)
             cur = parent
         if not guarded:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {what}")
@@ -113,11 +128,16 @@ def test_the_scan_catches_an_unguarded_call(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os, sys\nn = len(os.sched_getaffinity(0))\n"
                    "if sys.platform == 'linux':\n    f = open('/proc/self/statm')\n"
-                   "else:\n    g = open('/proc/cpuinfo')\n")
+                   "else:\n    g = open('/proc/cpuinfo')\n"
+                   "def ok():\n    if sys.platform != 'linux':\n        return 0\n"
+                   "    return open('/proc/meminfo')\n"
+                   "def not_ok():\n    if sys.platform != 'linux':\n        print()\n"
+                   "    return open('/proc/meminfo')\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert unguarded_linux_apis(bad) == ["bad.py:2 sched_getaffinity", "bad.py:6 /proc/cpuinfo"]
+        assert unguarded_linux_apis(bad) == [
+            "bad.py:2 sched_getaffinity", "bad.py:6 /proc/cpuinfo", "bad.py:14 /proc/meminfo"]
     finally:
         ROOT = saved
 

@@ -32,8 +32,10 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
+from workers.llama import cpu_quirks
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.device import (
     describe_build,
@@ -42,7 +44,6 @@ from workers.llama.device import (
     resolve_gpu_layers,
 )
 from workers.llama.gbnf import GrammarError, validate_gbnf
-from workers.llama.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.protocol import messages as m
 
 UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
@@ -177,12 +178,13 @@ class LlamaEngine(Engine):
     # ---- identity --------------------------------------------------------------------------
 
     def info(self) -> m.EngineInfo:
-        # The device leads the flags: a certificate earned on the CPU must not cover a Metal
+        # The flags name the device: a certificate earned on the CPU must not cover a Metal
         # lane (their numerics differ), and HELLO is what the identity is built from.
+        info = self._system_info().rstrip(" |")
         return m.EngineInfo(
             engine="llama.cpp",
             version=llama_cpp.__version__,
-            build_flags=f"device={self._auto_device()}; {self._system_info()}",
+            build_flags=f"{info} | device={self._auto_device()}",
         )
 
     @staticmethod
@@ -360,7 +362,10 @@ class LlamaEngine(Engine):
             raise EngineError("artifact_invalid", f"{path}: sha256 {got} != expected {want}")
 
     def _load_model(self, path: str, cfg: RuntimeConfig, gpu_layers: int) -> ctypes.c_void_p:
-        mparams = llama_cpp.llama_model_default_params()
+        try:
+            mparams = cpu_quirks.model_params()  # AMX: see workers/llama/cpu_quirks.py
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from e
         mparams.n_gpu_layers = gpu_layers
         mparams.load_mode = (
             llama_cpp.LLAMA_LOAD_MODE_MMAP if cfg.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
