@@ -181,7 +181,8 @@ def main(as_json: bool, lane_policy=None) -> int:
                if llama["gpu_layers_env"] is not None else ""),
         )
     ne = data["neural_engine"]
-    table.add_row("Neural Engine", f"{ne['present']} ({ne['source']})")
+    present = {True: "yes", False: "no", None: "unknown"}[ne["present"]]
+    table.add_row("Neural Engine", f"{present} ({ne['source']})")
     cm = data["coreml"]
     table.add_row(
         "Core ML runtime",
