@@ -23,10 +23,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/actionlint
 	$(BIN)/python -m pytest -q
 
+# actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/actionlint
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.ipc

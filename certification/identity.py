@@ -2,7 +2,8 @@
 
 A certificate vouches for numbers, and numbers change with any of: the artifact bytes, the
 owned-graph manifest and kernel revision (Core ML), the compiled shapes, the engine build and
-version, the host tokenizer library, and the OS (Core ML's ANE compiler ships with macOS).
+version, the device it runs on (CPU, Metal...), the host tokenizer library, and the OS (Core
+ML's ANE compiler ships with macOS).
 All of them are in `CertificateKey`; its digest is the certificate id, so a change to any one
 of them means "no certificate" rather than a stale one.
 """
@@ -35,6 +36,9 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
     # Test-only graph degradations (Core ML build_options) as canonical JSON: they change
     # the graph without changing HELLO, so they must be in the key themselves.
     build_options: str = ""
+    # Where the lane computes ("cpu", "metal", "ane"...): a certificate earned on the CPU must
+    # never cover a Metal lane, their numerics differ.
+    device: str = ""
 
     @classmethod
     def from_mapping(cls, model: str, lane: str, d: dict[str, Any]) -> LaneIdentity:
@@ -60,6 +64,7 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
             engine_version=eng_version,
             build_flags=flags,
             build_options=_canonical(d.get("build_options")),
+            device=str(d.get("device") or ""),
         )
 
 
@@ -77,6 +82,7 @@ class CertificateKey(msgspec.Struct, frozen=True, kw_only=True):
     build_options: str
     runtime: dict[str, str]  # host-side libraries that change what the lane receives
     os: str
+    device: str = ""  # after the defaults-free fields; "" in certificates older than it
 
     @property
     def id(self) -> str:
@@ -109,6 +115,7 @@ def key_for(identity: LaneIdentity) -> CertificateKey:
         build_options=identity.build_options,
         runtime=runtime_versions(),
         os=os_name(),
+        device=identity.device,
     )
 
 

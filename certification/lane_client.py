@@ -4,8 +4,9 @@ Certification drives a REAL lane through `host.module.Module` — the same token
 batching and worker as serving — never an engine in-process. This adapter is the only code
 that knows the Module's lane API:
 
-- llama lane (the default, `lane="llama"`): `load(name)`, `embed(..., model=name)`,
-  `rerank(...)`; identity from HELLO (`lane.hello.engine`) and the store's `ModelRecord`.
+- llama lane (`lane="llama"`, always passed: a Module left to choose could serve another
+  lane): `load(name, lane=)`, `embed(..., model=name, lane=)`, `rerank(...)`; identity from
+  HELLO (`lane.hello.engine`), the device LOADED named, and the store's `ModelRecord`.
 - Core ML lane: the same calls with `lane="ane"`, plus `load(..., runtime_config_extra=)`
   (shapes, test-only build_options), `placement(name, lane=)` and `lane_identity(name, lane)`.
   The `lane` keyword is only passed for non-llama lanes, so this works with a Module that
@@ -41,7 +42,9 @@ class LaneClient:
         self.module = module
         self.model = model
         self.lane = lane
-        self._kw: dict[str, Any] = {} if lane == "llama" else {"lane": lane}
+        # Always explicit: a Module left to choose might serve another lane than the one
+        # being certified.
+        self._kw: dict[str, Any] = {"lane": lane}
         self._tokenizer: Tokenizer | None = None
         self._shapes: list[dict] | None = None
         self._build_options: dict | None = None
@@ -64,7 +67,7 @@ class LaneClient:
         if self.lane == "llama":
             if shapes or runtime_config_extra:
                 raise ValueError("shapes and runtime_config_extra apply to the ane lane only")
-            await self.module.load(self.model)
+            await self.module.load(self.model, lane="llama")
             return
         if not _accepts(self.module.load, "lane"):
             raise LaneUnavailable(
@@ -87,9 +90,7 @@ class LaneClient:
         """The lane's module-side tokenizer (the one whose ids reach the worker)."""
         if self._tokenizer is None:
             fn = self.module.tokenizer
-            if self.lane == "llama":
-                self._tokenizer = await fn(self.model)
-            elif _accepts(fn, "lane"):
+            if _accepts(fn, "lane"):
                 self._tokenizer = await fn(self.model, lane=self.lane)
             else:
                 # Module.tokenizer would start a llama lane; build the same tokenizer the
@@ -188,6 +189,7 @@ def llama_identity(module: Module, model: str) -> LaneIdentity:
         engine=hello.engine.engine,
         engine_version=hello.engine.version,
         build_flags=hello.engine.build_flags,
+        device=str(module.lane_identity(model, "llama").get("device") or ""),
     )
 
 

@@ -13,16 +13,15 @@
 - "off": no check.
 
 Hook in the host (`Module.load`, for the lanes in `ModuleConfig.certificate_lanes`): the
-module imports this file LATE, inside the function, because the dependency direction is
-`host <- certification` (certification imports host at import time; the reverse would be a
-cycle). `enforce` is that entry point.
+Module never imports this package (the dependency runs `host <- certification`); it calls
+the `host.lane_policy.LanePolicy` it was given, which certification.lane_policy implements
+with `check_certificate` in strict mode; the Module applies strict/warn itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -30,21 +29,14 @@ from certification.certificate import Certificate
 from certification.identity import CertificateKey, LaneIdentity, key_for
 from certification.store import CertificateStore
 from certification.thresholds import thresholds_for
-from host.errors import SynapseError
-
-if TYPE_CHECKING:
-    from host.module import Module
+from host.errors import CertificateRequired
 
 log = logging.getLogger("synapse.certification")
 
 MODES = ("strict", "warn", "off")
 
 
-class CertificateRequired(SynapseError):
-    """Strict mode: the lane has no certified certificate for its exact identity."""
-
-    code = "certificate_required"
-    http_status = 503
+__all__ = ["CertificateRequired", "check_certificate", "loosened"]
 
 
 def check_certificate(
@@ -61,10 +53,11 @@ def check_certificate(
     cert = store.get(key.id)
     if cert is not None and cert.status in accept and not loosened(cert):
         return cert
-    message = _missing(store, key, cert)
+    message, why = _missing(store, key, cert)
     if mode == "strict":
         raise CertificateRequired(
             message,
+            reason=why,
             model=identity.model,
             lane=identity.lane,
             certificate_id=key.id,
@@ -73,19 +66,6 @@ def check_certificate(
         )
     log.warning("%s (require_certificate=warn: serving anyway)", message)
     return cert
-
-
-def enforce(
-    module: Module, name: str, lane: str, runtime_config_extra: dict | None = None
-) -> Certificate | None:
-    """The Module's hook: the identity of the lane just loaded, against the certificates in
-    `<cache dir>/certificates` beside the module's artifact store."""
-    from certification.lane_client import lane_identity
-
-    extra = runtime_config_extra or {}
-    identity = lane_identity(module, name, lane, extra.get("shapes"), extra.get("build_options"))
-    store = CertificateStore(module.store.root.parent / "certificates")
-    return check_certificate(store, identity, module.config.require_certificate)
 
 
 # Gating thresholds and the direction that makes them stricter.
@@ -110,7 +90,10 @@ def loosened(cert: Certificate) -> list[str]:
     return out
 
 
-def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | None) -> str:
+def _missing(
+    store: CertificateStore, key: CertificateKey, found: Certificate | None
+) -> tuple[str, str]:
+    """(the full message, the short why) for a key without a certificate that applies."""
     head = (f"certificate {key.id} required for {key.model} on the {key.lane} lane "
             f"(artifact {key.artifact_digest[:12]}, kernel_revision {key.kernel_revision}, "
             f"shapes {','.join(key.shapes) or '-'}, {key.engine} {key.engine_version}, "
@@ -133,4 +116,4 @@ def _missing(store: CertificateStore, key: CertificateKey, found: Certificate | 
             why = "this model was never certified on this lane"
     shapes = f" --shapes {','.join(key.shapes)}" if key.lane == "ane" and key.shapes else ""
     hint = f"run `synapse certify --model {key.model} --lane {key.lane}{shapes}`"
-    return f"{head}: {why}; {hint}"
+    return f"{head}: {why}; {hint}", why

@@ -1,4 +1,8 @@
-"""The `synapse` command line."""
+"""The `synapse` command line.
+
+The composition root above `host` and `certification`: the only host module that imports
+certification (lazily), to hand the Module its certificate-backed lane policy.
+"""
 
 from __future__ import annotations
 
@@ -51,11 +55,19 @@ def _demo(args: argparse.Namespace) -> int:
 def _doctor(as_json: bool) -> int:
     from host.doctor import main as doctor_main
 
-    return doctor_main(as_json)
+    return doctor_main(as_json, lane_policy())
+
+
+def lane_policy():
+    """Which lane serves a model by default: certified Core ML lanes, else llama.cpp."""
+    from certification.lane_policy import CertificateLanePolicy
+
+    return CertificateLanePolicy()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.lane_policy = lane_policy  # a factory: only commands that serve models build it
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(levelname)s %(name)s: %(message)s",

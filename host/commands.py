@@ -86,6 +86,11 @@ def _run(coro) -> int:
         return 2
 
 
+def _module(args: argparse.Namespace) -> Module:
+    factory = getattr(args, "lane_policy", None)  # the CLI wires the certificate policy
+    return Module(ModuleConfig(), factory() if factory else None)
+
+
 def _store() -> ArtifactStore:
     return ArtifactStore()
 
@@ -147,7 +152,7 @@ def _models_rm(args: argparse.Namespace) -> int:
 def _embed(args: argparse.Namespace) -> int:
     async def go() -> int:
         ensure_defaults()
-        async with Module(ModuleConfig()) as mod:
+        async with _module(args) as mod:
             result = await mod.embed(
                 args.texts,
                 args.model,
@@ -195,7 +200,7 @@ def _print_embeddings(texts: list[str], result) -> None:
 def _rerank(args: argparse.Namespace) -> int:
     async def go() -> int:
         ensure_defaults()
-        async with Module(ModuleConfig()) as mod:
+        async with _module(args) as mod:
             result = await mod.rerank(args.query, args.documents, args.model)
         if args.json:
             print(
@@ -220,7 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
     async def go() -> int:
         grammar = args.grammar.read_text() if args.grammar else None
         ensure_defaults()
-        async with Module(ModuleConfig()) as mod:
+        async with _module(args) as mod:
             result = await mod.generate(args.prompt, args.max_tokens, grammar, args.model)
         if args.json:
             print(
@@ -254,6 +259,7 @@ def _quickstart(args: argparse.Namespace) -> int:
     console.rule("embedding through a supervised llama.cpp worker")
     code = _embed(
         argparse.Namespace(
+            lane_policy=getattr(args, "lane_policy", None),
             texts=QUICKSTART_SENTENCES,
             model=None,
             no_normalize=False,

@@ -30,7 +30,7 @@ class HostConfig(msgspec.Struct, kw_only=True):
     log_ring_bytes: int = 256 * 1024
     log_tail_bytes: int = 8192
     max_frame: int = DEFAULT_MAX_FRAME
-    device_permits: dict[str, int] = {}  # default: {"ane": 1, "cpu": cores}
+    device_permits: dict[str, int] = {}  # default: {"ane": 1, "gpu": 1, "cpu": cores}
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,8 +54,9 @@ class HostConfig(msgspec.Struct, kw_only=True):
         return Path(base)
 
     def permits(self) -> dict[str, int]:
-        # The ANE runs one inference at a time; CPU permits match the cores.
-        return {"ane": 1, "cpu": os.cpu_count() or 1, **self.device_permits}
+        # The ANE runs one inference at a time, and so does the GPU (on Apple silicon one
+        # device shared by every offloaded llama.cpp lane); CPU permits match the cores.
+        return {"ane": 1, "gpu": 1, "cpu": os.cpu_count() or 1, **self.device_permits}
 
 
 class LaneConfig(msgspec.Struct, kw_only=True):

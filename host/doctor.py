@@ -2,6 +2,9 @@
 
 Never imports llama_cpp into the host (a subprocess asks it), and reports the Core ML runtime
 honestly: on Linux coremltools can build and save packages but cannot compile or run them.
+Also: the chip, the macOS version (None elsewhere), whether llama.cpp offloads to a GPU and
+to which device, and which lane would serve each installed model and why (the lane policy
+the CLI hands in; no worker is started).
 """
 
 from __future__ import annotations
@@ -26,8 +29,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
+# Run in a child process: the host never loads llama.cpp. The device is what a LOAD with
+# gpu_layers "auto" would use, env override included (workers.llama.device's rule).
+_LLAMA_PROBE = """
+import json, llama_cpp
+from workers.llama.device import GPU_LAYERS_ENV, env_gpu_layers, offload_device
+info = llama_cpp.llama_print_system_info().decode().strip()
+offload = bool(llama_cpp.llama_supports_gpu_offload())
+try:
+    env = env_gpu_layers()
+except ValueError as exc:
+    env = str(exc)
+device = "cpu" if env == 0 else offload_device(info, offload)
+print(json.dumps({"build_flags": info, "gpu_offload": offload, "device": device,
+                  "gpu_layers_env": env}))
+"""
+
+
 def _llama_cpp() -> dict:
-    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    code = _LLAMA_PROBE
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
@@ -39,7 +59,7 @@ def _llama_cpp() -> dict:
     return {
         "available": True,
         "version": _version("llama_cpp_python"),
-        "build_flags": proc.stdout.strip(),
+        **json.loads(proc.stdout.strip().splitlines()[-1]),
     }
 
 
@@ -75,30 +95,75 @@ def _sysctl(name: str) -> str | None:
         return None
 
 
-def report() -> dict:
+def chip() -> str:
+    """The processor's marketing name ("Apple M2 Pro", "Intel(R) Xeon(R) ...")."""
+    if sys.platform == "darwin":
+        return _sysctl("machdep.cpu.brand_string") or platform.machine()
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        return line.partition(":")[2].strip()
+        except OSError:
+            pass
+    return platform.processor() or platform.machine()
+
+
+def macos_version() -> str | None:
+    return (platform.mac_ver()[0] or None) if sys.platform == "darwin" else None
+
+
+def neural_engine_present() -> bool | None:
+    """None off macOS (no Neural Engine to ask about); on macOS the Core ML adapter answers
+    (an MLNeuralEngineComputeDevice among MLComputeDevice.get_all_compute_devices())."""
     # Late: the host imports nothing from workers at import time (only the wire contract).
     from workers.ane import apple_device
+
+    return apple_device.neural_engine_present()
+
+
+def lane_choices(lane_policy, llama_device: str | None) -> dict[str, dict]:
+    """Which lane would serve each installed model and why, without starting a worker."""
+    from host.module import Module, ModuleConfig
+
+    mod = Module(ModuleConfig(), lane_policy)
+    mod.llama_device = llama_device
+    return {r.name: mod.describe_lane(r.name).to_dict() for r in mod.store.ls()}
+
+
+def report(lane_policy=None) -> dict:
+    from workers.ane import apple_device  # late, as above
     from workers.ane.config import ENV_COMPUTE_UNITS
 
     coreml = _coreml()
     backends = ["reference"] + (["coreml"] if coreml.get("runtime") else [])
+    llama = _llama_cpp()
     return {
         "os": f"{platform.system()} {platform.release()}",
         "machine": platform.machine(),
+        "chip": chip(),
+        "macos_version": macos_version(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "llama_cpp": _llama_cpp(),
+        "llama_cpp": llama,
         "coreml": coreml,
+        "neural_engine": {
+            "present": neural_engine_present(),
+            "source": "not macOS" if sys.platform != "darwin"
+            else "MLComputeDevice.get_all_compute_devices",
+        },
         "ane_backends": backends,
         # chip, macOS version/build, Neural Engine presence: None off macOS, with the reason.
         "apple": apple_device.describe(),
         "coreml_compute_units": os.environ.get(ENV_COMPUTE_UNITS) or "cpu_and_ne",
+        "lanes": lane_choices(lane_policy, llama.get("device")),
     }
 
 
-def main(as_json: bool) -> int:
-    data = report()
+def main(as_json: bool, lane_policy=None) -> int:
+    data = report(lane_policy)
     if as_json:
         print(json.dumps(data))
         return 0
@@ -107,6 +172,7 @@ def main(as_json: bool) -> int:
 
     table = Table("check", "result", show_header=False)
     table.add_row("system", f"{data['os']} {data['machine']}, Python {data['python']}")
+    table.add_row("chip / macOS", f"{data['chip']} / {data['macos_version'] or 'not macOS'}")
     table.add_row("cpus / memory", f"{data['cpus']} / {data['memory_gib']} GiB")
     llama = data["llama_cpp"]
     table.add_row(
@@ -115,6 +181,16 @@ def main(as_json: bool) -> int:
         if llama["available"]
         else f"unavailable: {llama['reason']}",
     )
+    if llama["available"]:
+        table.add_row(
+            "llama.cpp GPU offload",
+            f"{'yes' if llama['gpu_offload'] else 'no'}; lanes run on {llama['device']}"
+            + (f" (SYNAPSE_LLAMA_GPU_LAYERS: {llama['gpu_layers_env']})"
+               if llama["gpu_layers_env"] is not None else ""),
+        )
+    ne = data["neural_engine"]
+    present = {True: "yes", False: "no", None: "unknown"}[ne["present"]]
+    table.add_row("Neural Engine", f"{present} ({ne['source']})")
     cm = data["coreml"]
     table.add_row(
         "Core ML runtime",
@@ -132,5 +208,7 @@ def main(as_json: bool) -> int:
         else f"unknown — {apple['reason']}",
     )
     table.add_row("Core ML compute units", data["coreml_compute_units"])
+    for name, choice in data["lanes"].items():
+        table.add_row(f"lane for {name}", choice["reason"])
     Console().print(table)
     return 0

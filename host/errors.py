@@ -38,6 +38,15 @@ class ConfigInvalid(SynapseError):
     http_status = 500
 
 
+class CertificateRequired(SynapseError):
+    """`require_certificate="strict"`: the lane has no certified certificate for its exact
+    identity. Raised by the lane policy (certification implements it); defined here so the
+    host can catch it without importing certification."""
+
+    code = "certificate_required"
+    http_status = 503
+
+
 class Overloaded(SynapseError):
     """Admission refused the work: a fast, typed 'try later', never an unbounded queue."""
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-from host.artifacts.gguf_header import GGUFFormatError, read_gguf_header
+from formats.gguf_header import GGUFFormatError, read_gguf_header
 
 # llama.cpp's `llama_token_type` values as stored in `tokenizer.ggml.token_type`.
 TYPE_NORMAL = 1

@@ -107,6 +107,12 @@ class Lane:
         self.quarantines = 0  # times this lane entered quarantine (metrics)
         self.last_crash: EngineCrashed | None = None
 
+    def set_device(self, device: str) -> None:
+        """Which execution permit inference takes from now on (the worker's LOADED says where
+        the model really runs: a llama.cpp lane offloaded to the GPU takes `gpu`)."""
+        self.permits.for_device(device)  # unknown device: fail here, not mid-request
+        self.config.device = device
+
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -2,12 +2,16 @@
 
 The HOST creates the listener before spawning (so a crash-looping worker never races a stale
 socket file): `<runtime_dir>/synapse/workers/<worker_id>.sock`, directory 0700, socket 0600,
-a stale file unlinked first. Peer credentials: same uid, and the peer process must be the
-spawned child or in its process group (a shell wrapper may exec or fork the real worker).
+a stale file unlinked first. macOS allows only 104 bytes and its $TMPDIR alone is ~50 (60 on
+some hosts): when the readable path does not fit, `<runtime_dir>/synapse/w/<12 hex>.sock`
+(a digest of the worker id) is used, which fits under a 60-character $TMPDIR.
+Peer credentials: same uid, and the peer process must be the spawned child or in its process
+group (a shell wrapper may exec or fork the real worker).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import struct
@@ -21,12 +25,20 @@ SUN_PATH_MAX = 104 if sys.platform == "darwin" else 108
 
 
 def socket_path(runtime_dir: Path, worker_id: str) -> Path:
-    return runtime_dir / "synapse" / "workers" / f"{worker_id}.sock"
+    readable = runtime_dir / "synapse" / "workers" / f"{worker_id}.sock"
+    if _fits(readable):
+        return readable
+    digest = hashlib.sha256(worker_id.encode()).hexdigest()[:12]
+    return runtime_dir / "synapse" / "w" / f"{digest}.sock"
+
+
+def _fits(path: Path) -> bool:
+    return len(os.fsencode(str(path))) < SUN_PATH_MAX
 
 
 def check_path_length(path: Path) -> None:
     size = len(os.fsencode(str(path)))
-    if size >= SUN_PATH_MAX:
+    if not _fits(path):
         raise ConfigInvalid(
             f"worker socket path is {size} bytes; this OS allows {SUN_PATH_MAX - 1}: {path} "
             "(set HostConfig.runtime_dir to a shorter directory)"

@@ -4,12 +4,19 @@ The module owns everything a caller sees: tokenization (module-side, from the ar
 tokenizer.json; workers receive ids only), admission budgets, batching into protocol-sized
 requests, and the typed error contract. Each loaded model is served by its own lane (one
 supervised worker); llama.cpp workers get `n_threads = cores / workers`.
+
+Lane choice: a call that names no lane (`lane=None`, the default) is served by the lane the
+`LanePolicy` the Module was given picks for that model — a certified Core ML lane for this
+machine, else llama.cpp (GPU where the build offloads, else CPU); see host.lane_policy.
+`lane_choices()` says which lane serves each model and why. All lanes of a Module share one
+set of execution permits (`cpu` = cores, `gpu` 1, `ane` 1).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import platform
 from collections.abc import Sequence
@@ -25,13 +32,30 @@ from host.artifacts.owned import ensure_owned
 from host.artifacts.store import ArtifactStore, ModelRecord
 from host.batching import plan_chunks
 from host.config import HostConfig, LaneConfig
-from host.errors import ConfigInvalid, InvalidRequest, ModelNotFound
+from host.errors import (
+    CertificateRequired,
+    ConfigInvalid,
+    InvalidRequest,
+    ModelNotFound,
+    SynapseError,
+)
 from host.lane import Lane, LaneState
+from host.lane_policy import (
+    AneCandidate,
+    LaneChoice,
+    LanePolicy,
+    NoLanePolicy,
+    ane_reason,
+    llama_reason,
+)
+from host.permits import DevicePermits
 from host.tokenization import Tokenizer
 from workers.protocol import messages as m
 
 DEFAULT_EMBED = "minilm-l6-v2"
 DEFAULT_GENERATE = "gemma3-270m"
+
+log = logging.getLogger("synapse.certification")  # the certificate policy's outcomes
 
 
 class ModuleConfig(msgspec.Struct, kw_only=True):
@@ -50,7 +74,7 @@ class ModuleConfig(msgspec.Struct, kw_only=True):
     )
     # Certificates before serving (DESIGN 8): "strict" refuses a lane of `certificate_lanes`
     # that has no certified certificate for its exact identity (`certificate_required`),
-    # "warn" logs and serves. Checked by certification.policy, in <cache dir>/certificates.
+    # "warn" logs and serves. Checked by the Module's LanePolicy (certification provides it).
     require_certificate: Literal["strict", "warn", "off"] = "off"
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 
@@ -93,9 +117,10 @@ class _Served:
     dims: int
     lane_kind: str = "llama"
     artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
+    device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
 
 
-# Lane kinds and the device whose execution permit their inference takes.
+# Lane kinds and the device whose execution permit their inference takes by default.
 LANES = {"llama": "cpu", "ane": "ane"}
 
 
@@ -103,13 +128,37 @@ def served_key(name: str, lane: str) -> str:
     return name if lane == "llama" else f"{name}@{lane}"
 
 
+def permit_for(lane: str, device: str) -> str:
+    """The execution permit a lane's inference takes: the Core ML lane `ane`, a llama.cpp
+    lane `cpu` on the CPU and `gpu` when offloaded (the Apple GPU is one shared device)."""
+    if lane == "ane":
+        return "ane"
+    return "cpu" if device == "cpu" else "gpu"
+
+
+def hello_device(build_flags: str | None) -> str | None:
+    """The `device=` a llama.cpp worker's HELLO names (what gpu_layers "auto" uses there)."""
+    for part in (build_flags or "").split("|"):
+        name, sep, value = part.strip().partition("=")
+        if sep and name == "device":
+            return value.strip() or None
+    return None
+
+
 class Module:
-    def __init__(self, config: ModuleConfig | None = None) -> None:
+    def __init__(
+        self, config: ModuleConfig | None = None, lane_policy: LanePolicy | None = None
+    ) -> None:
         self.config = config or ModuleConfig()
         self.store = ArtifactStore(self.config.store_root)
         self.admission = Admission(self.config.budgets)
+        self.lane_policy: LanePolicy = lane_policy or NoLanePolicy()
+        self.permits = DevicePermits(self.config.host.permits())
         self._served: dict[str, _Served] = {}
         self._loading: dict[str, asyncio.Lock] = {}
+        self._choices: dict[str, LaneChoice] = {}
+        self._choosing: dict[str, asyncio.Lock] = {}
+        self.llama_device: str | None = None  # from the last llama.cpp HELLO
 
     async def __aenter__(self) -> Module:
         return self
@@ -120,16 +169,21 @@ class Module:
     # ---- models ---------------------------------------------------------------------------
 
     async def load(
-        self, name: str, lane: str = "llama", runtime_config_extra: dict | None = None
+        self, name: str, lane: str | None = None, runtime_config_extra: dict | None = None
     ) -> ModelRecord:
         """Start a lane for model `name` and LOAD it (idempotent per (name, lane)).
 
-        `lane`: "llama" (GGUF through llama.cpp) or "ane" (the owned Core ML graph, built from
-        the same Hugging Face weights). `runtime_config_extra` merges into LOAD's runtime_config;
-        for "ane" its `build_options` (test-only graph degradation) go to the worker's argv.
+        `lane`: "llama" (GGUF through llama.cpp), "ane" (the owned Core ML graph, built from
+        the same Hugging Face weights) or None: the lane the policy chooses (`choose_lane`).
+        `runtime_config_extra` merges into LOAD's runtime_config (explicit lanes only); for
+        "ane" its `build_options` (test-only graph degradation) go to the worker's argv.
         """
-        if lane not in LANES:
-            raise InvalidRequest(f"lane {lane!r}: expected one of {sorted(LANES)}")
+        if lane is None:
+            if runtime_config_extra:
+                raise InvalidRequest("runtime_config_extra needs an explicit lane")
+            await self.choose_lane(name)
+            return self._record(name)
+        _check_lane(lane)
         key = served_key(name, lane)
         lock = self._loading.setdefault(key, asyncio.Lock())
         async with lock:
@@ -167,6 +221,7 @@ class Module:
                     lane_id=f"{lane}.{name}"[:48], argv=argv, device=LANES[lane]
                 ),
                 self.config.host,
+                self.permits,
             )
             await lane_obj.start()
             try:
@@ -181,21 +236,116 @@ class Module:
             except BaseException:
                 await lane_obj.stop()
                 raise
-            self._served[key] = _Served(record, tokenizer, lane_obj, reply.dims, lane, digest)
+            device = reply.device or ("ane" if lane == "ane" else "cpu")
+            lane_obj.set_device(permit_for(lane, device))
+            if lane == "llama":
+                self.llama_device = hello_device(
+                    lane_obj.hello.engine.build_flags if lane_obj.hello else None
+                ) or self.llama_device
+            self._served[key] = _Served(
+                record, tokenizer, lane_obj, reply.dims, lane, digest, device
+            )
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
                 await self._enforce_certificate(name, lane, runtime_config_extra)
             return record
 
     async def _enforce_certificate(self, name: str, lane: str, extra: dict | None) -> None:
-        # Late import: certification imports host (DESIGN 2), so host must not import it at
-        # module import time. The identity needs HELLO, hence after LOAD; refused -> unloaded.
-        from certification.policy import enforce
-
+        # The identity needs HELLO, hence after LOAD; refused in strict mode -> unloaded.
         try:
-            enforce(self, name, lane, extra)
+            self.lane_policy.require(self, name, lane, extra)
+        except CertificateRequired as exc:
+            if self.config.require_certificate == "strict":
+                await self.unload(name, lane)
+                raise
+            log.warning("%s (require_certificate=warn: serving anyway)", exc.message)
         except BaseException:
             await self.unload(name, lane)
             raise
+
+    # ---- lane choice ----------------------------------------------------------------------
+
+    async def choose_lane(self, name: str) -> LaneChoice:
+        """The lane that serves `name` when a call names none, loaded; decided once per model
+        (until unloaded). See host.lane_policy for the rule."""
+        lock = self._choosing.setdefault(name, asyncio.Lock())
+        async with lock:
+            choice = self._choices.get(name)
+            if choice is None:
+                choice = self._choices[name] = await self._choose(name)
+            return choice
+
+    async def _choose(self, name: str) -> LaneChoice:
+        record = self._record(name)
+        if record.kind == "generate":
+            why = "generation runs on llama.cpp only"
+        else:
+            candidate = self.lane_policy.ane_candidate(self, name)
+            if isinstance(candidate, AneCandidate):
+                refused = await self._try_ane(name, candidate)
+                if refused is None:
+                    return LaneChoice("ane", "ane", ane_reason(candidate))
+                why = refused
+            else:
+                why = candidate
+        await self.load(name, "llama")
+        device = self._served[name].device
+        return LaneChoice("llama", device, llama_reason(device, why))
+
+    async def _try_ane(self, name: str, candidate: AneCandidate) -> str | None:
+        """Load the Core ML lane as certified and confirm its exact identity; None when it
+        serves, else why not (the lane is unloaded again)."""
+        cert = candidate.certificate_id
+        try:
+            await self.load(name, "ane", candidate.runtime_config_extra)
+        except SynapseError as exc:
+            log.warning("%s: certified Core ML lane failed to load: %s", name, exc.message)
+            return f"ANE certificate {cert} applies but its lane failed to load ({exc.code})"
+        try:
+            self.lane_policy.require(self, name, "ane", candidate.runtime_config_extra)
+        except CertificateRequired as exc:
+            await self.unload(name, "ane")
+            return f"ANE certificate {cert} does not cover the loaded lane: " + str(
+                exc.details.get("reason") or exc.message
+            )
+        return None
+
+    def describe_lane(self, name: str) -> LaneChoice:
+        """Which lane serves (or would serve) `name`, and why — never starts a worker. For a
+        model not chosen yet: the policy's answer, and the llama.cpp device a worker named."""
+        if name in self._choices:
+            return self._choices[name]
+        record = self._record(name)
+        if record.kind == "generate":
+            return LaneChoice("llama", self.llama_device,
+                              llama_reason(self.llama_device, "generation runs on llama.cpp only"))
+        candidate = self.lane_policy.ane_candidate(self, name)
+        if isinstance(candidate, AneCandidate):
+            return LaneChoice("ane", "ane", ane_reason(candidate))
+        return LaneChoice("llama", self.llama_device, llama_reason(self.llama_device, candidate))
+
+    def lane_choices(self) -> dict[str, LaneChoice]:
+        """The lane chosen for each model served without an explicit lane, and why."""
+        return dict(self._choices)
+
+    def lane_for(self, name: str) -> Lane | None:
+        """The lane a call without `lane=` reaches for `name`, if loaded."""
+        choice = self._choices.get(name)
+        served = self._served.get(served_key(name, choice.lane if choice else "llama"))
+        return served.lane if served else None
+
+    def _record(self, name: str) -> ModelRecord:
+        try:
+            return self.store.get(name)
+        except ArtifactNotFound as exc:
+            raise ModelNotFound(exc.msg, model=name) from None
+        except ArtifactError as exc:
+            raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
+
+    def _lane_of(self, name: str, lane: str | None) -> str:
+        if lane is not None:
+            return _check_lane(lane)
+        choice = self._choices.get(name)
+        return choice.lane if choice else "llama"
 
     def _tokenizer(self, record: ModelRecord) -> Tokenizer:
         path = record.tokenizer_path
@@ -204,8 +354,13 @@ class Module:
         man = record.manifest
         return Tokenizer.from_file(path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit)
 
-    async def unload(self, name: str, lane: str = "llama") -> None:
-        """UNLOAD and stop the lane; a reload starts fresh (clears any quarantine)."""
+    async def unload(self, name: str, lane: str | None = None) -> None:
+        """UNLOAD and stop the lane (default: the chosen one, else llama); a reload starts
+        fresh (clears any quarantine) and chooses again."""
+        lane = self._lane_of(name, lane)
+        choice = self._choices.get(name)
+        if choice is not None and choice.lane == lane:
+            del self._choices[name]
         served = self._served.pop(served_key(name, lane), None)
         if served is None:
             raise ModelNotFound(f"model {name!r} is not loaded", model=name)
@@ -218,6 +373,7 @@ class Module:
     async def close(self) -> None:
         lanes = [s.lane for s in self._served.values()]
         self._served.clear()
+        self._choices.clear()
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
 
     def models(self) -> list[str]:
@@ -228,10 +384,12 @@ class Module:
         return {name: s.lane.state() for name, s in self._served.items()}
 
     async def _get(
-        self, name: str | None, default: str, kind: str | None = None, lane: str = "llama"
+        self, name: str | None, default: str, kind: str | None = None, lane: str | None = None
     ) -> _Served:
         name = name or default
-        key = served_key(name, lane)
+        if lane is None:
+            lane = (await self.choose_lane(name)).lane
+        key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
         served = self._served[key]
@@ -250,7 +408,7 @@ class Module:
         normalize: bool = True,
         truncate: bool = True,
         deadline_s: float | None = None,
-        lane: str = "llama",
+        lane: str | None = None,
     ) -> EmbedResult:
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
         self.admission.check_inputs(batch)
@@ -261,7 +419,7 @@ class Module:
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
         return EmbedResult(vectors, usage, served.record.name, encoded.truncated)
 
-    async def tokenizer(self, model: str | None = None, lane: str = "llama") -> Tokenizer:
+    async def tokenizer(self, model: str | None = None, lane: str | None = None) -> Tokenizer:
         """The module-side tokenizer of `model` (loading it if needed)."""
         return (await self._get(model, DEFAULT_EMBED, lane=lane)).tokenizer
 
@@ -271,7 +429,7 @@ class Module:
         model: str | None = None,
         normalize: bool = True,
         deadline_s: float | None = None,
-        lane: str = "llama",
+        lane: str | None = None,
     ) -> np.ndarray:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
@@ -281,8 +439,8 @@ class Module:
     def lanes(self) -> dict[str, Lane]:
         return {name: s.lane for name, s in self._served.items()}
 
-    def dims(self, model: str, lane: str = "llama") -> int:
-        return self._served[served_key(model, lane)].dims
+    def dims(self, model: str, lane: str | None = None) -> int:
+        return self._served[served_key(model, self._lane_of(model, lane))].dims
 
     async def placement(self, model: str, lane: str = "ane") -> tuple[float | None, str | None]:
         """(placement_share, source) from a fresh PONG; (None, None) where it means nothing."""
@@ -290,8 +448,9 @@ class Module:
         pong = await served.lane.ping()
         return pong.placement_share, pong.placement_source
 
-    def lane_identity(self, model: str, lane: str = "llama") -> dict:
-        """What a certificate is keyed by: artifact, manifest, kernel, engine, runtime, OS."""
+    def lane_identity(self, model: str, lane: str | None = None) -> dict:
+        """What a certificate is keyed by: artifact, manifest, kernel, engine, device, OS."""
+        lane = self._lane_of(model, lane)
         served = self._served[served_key(model, lane)]
         hello = served.lane.hello
         return {
@@ -304,6 +463,7 @@ class Module:
             "engine": hello.engine.engine if hello else None,
             "engine_version": hello.engine.version if hello else None,
             "build_flags": hello.engine.build_flags if hello else None,
+            "device": served.device,  # numerics differ by device: CPU, Metal, Neural Engine
             "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         }
 
@@ -346,13 +506,13 @@ class Module:
         top_n: int | None = None,
         truncate: bool = True,
         deadline_s: float | None = None,
-        lane: str = "llama",
+        lane: str | None = None,
     ) -> RerankResult:
         docs = list(documents)
         self.admission.check_inputs([query], "query")
         self.admission.check_inputs(docs, "document")
         served = await self._get(model, DEFAULT_EMBED, lane=lane)
-        if served.record.kind == "rerank" and lane == "ane":
+        if served.record.kind == "rerank" and served.lane_kind == "ane":
             scores, tokens = await self._cross_encode_owned(
                 served, query, docs, truncate, deadline_s
             )
@@ -363,7 +523,7 @@ class Module:
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
             result = await self.embed(
-                [query, *docs], served.record.name, True, truncate, deadline_s, lane
+                [query, *docs], served.record.name, True, truncate, deadline_s, served.lane_kind
             )
             scores = result.vectors[1:] @ result.vectors[0]
             tokens = result.usage.total_tokens
@@ -453,3 +613,9 @@ class Module:
         return GenerateResult(
             reply.text, reply.n_prompt, reply.n_gen, reply.finish_reason, served.record.name
         )
+
+
+def _check_lane(lane: str) -> str:
+    if lane not in LANES:
+        raise InvalidRequest(f"lane {lane!r}: expected one of {sorted(LANES)}")
+    return lane

@@ -1,7 +1,8 @@
 """Execution permits per device: an inference holds one while the worker computes.
 
-The ANE runs one inference at a time; CPU permits match the cores. Compilation and other
-control requests take none (DESIGN section 3).
+The ANE runs one inference at a time, so does the GPU llama.cpp offloads to (`gpu`, one
+shared device on Apple silicon); CPU permits match the cores. A Module's lanes share one
+set. Compilation and other control requests take none (DESIGN section 3).
 """
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ class Scheduler:
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.
-        lane = self.module.lanes().get(model)
+        lane = self.module.lane_for(model)
         if lane is None:
             return
         state = lane.state()

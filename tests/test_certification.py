@@ -24,6 +24,7 @@ import pytest
 from certification import report
 from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
+from certification.lane_policy import CertificateLanePolicy
 from certification.policy import CertificateRequired, check_certificate
 from certification.reference.cross_encoder import build_test_cross_encoder, minilm_dir
 from certification.runner import RunOptions, certify
@@ -219,18 +220,24 @@ async def test_module_refuses_an_uncertified_lane_in_strict_mode(
     strict = {"require_certificate": "strict", "certificate_lanes": ["llama"]}
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     async with Module(module_config(store_root, runtime, **strict)) as mod:
+        # No policy given: nothing can vouch for the lane, and the error says why.
+        with pytest.raises(CertificateRequired, match="no lane policy"):
+            await mod.load(model)
+        assert mod.models() == []
+    policy = CertificateLanePolicy()  # certificates beside the module's store
+    async with Module(module_config(store_root, runtime, **strict), policy) as mod:
         with pytest.raises(CertificateRequired, match="never certified"):
             await mod.load(model)
         assert mod.models() == []
     warn = {"require_certificate": "warn", "certificate_lanes": ["llama"]}
-    async with Module(module_config(store_root, runtime, **warn)) as mod:
+    async with Module(module_config(store_root, runtime, **warn), policy) as mod:
         with caplog.at_level(logging.WARNING, logger="synapse.certification"):
             await mod.load(model)
         assert f"required for {model} on the llama lane" in caplog.text
         assert "serving anyway" in caplog.text and mod.models() == [model]
     cert = await run(store_root, cert_store, RunOptions(model=model, sample_stride=40))
     assert cert.status == "certified"
-    async with Module(module_config(store_root, runtime, **strict)) as mod:
+    async with Module(module_config(store_root, runtime, **strict), policy) as mod:
         await mod.load(model)
         assert (await mod.embed(["certified"], model=model)).vectors.shape == (1, 384)
 

@@ -24,6 +24,7 @@ from certification.reference.bert import BertReference
 from certification.reference.cross_encoder import build_test_cross_encoder
 from host.artifacts import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
+from workers.llama import cpu_quirks
 from workers.llama.engine import LlamaEngine, pack, sha256_file
 from workers.protocol import messages as m
 
@@ -383,8 +384,10 @@ YES_NO_PROMPT = _chat("Is the sky blue? Answer yes or no.")
 def gemma_llm(store):
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=str(store.get("gemma3-270m").artifact_path), n_ctx=2048,
-                           n_batch=512, n_threads=THREADS, flash_attn=True, verbose=False)
+    with cpu_quirks.high_level_llama_follows_policy():  # the worker's kernels
+        return llama_cpp.Llama(model_path=str(store.get("gemma3-270m").artifact_path),
+                               n_ctx=2048, n_batch=512, n_threads=THREADS, flash_attn=True,
+                               verbose=False)
 
 
 def _tok(llm, text: str) -> np.ndarray:

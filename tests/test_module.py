@@ -158,8 +158,11 @@ async def test_rerank_with_the_embedding_model_is_labelled_bi_encoder(
 _IN_PROCESS_GREEDY = r"""
 import json, sys
 import llama_cpp
+from workers.llama import cpu_quirks
 path, ids, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=1, verbose=False, seed=0)
+with cpu_quirks.high_level_llama_follows_policy():  # the worker's kernels
+    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=512, n_threads=1,
+                          flash_attn=True, verbose=False, seed=0)
 out = []
 for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
     if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok) or len(out) >= n:

@@ -354,11 +354,18 @@ def test_health_models_and_metrics(http, server):
     assert health.status_code == 200
     lane = health.json()["lanes"]["minilm-l6-v2"]
     assert lane["status"] in ("ready", "busy") and lane["pid"] > 0 and not lane["quarantined"]
+    # Which lane serves the model and why (Linux: llama.cpp on the CPU, never a certified ANE).
+    served = health.json()["models"]["minilm-l6-v2"]
+    assert served["lane"] == "llama" and served["device"] == "cpu"
+    assert served["reason"].startswith("llama/cpu: ") and "ANE certificate" in served["reason"]
 
     models = http.get("/v1/models").json()
     ids = {m["id"]: m for m in models["data"]}
     assert models["object"] == "list" and {"minilm-l6-v2", "gemma3-270m"} <= set(ids)
     assert ids["minilm-l6-v2"]["loaded"] and ids["minilm-l6-v2"]["dims"] == 384
+    assert ids["minilm-l6-v2"]["lane"] == "llama"
+    assert ids["minilm-l6-v2"]["lane_reason"] == served["reason"]
+    assert ids["gemma3-270m"]["lane_reason"] == "llama/cpu: generation runs on llama.cpp only"
     assert http.get("/v1/models/minilm-l6-v2").json()["id"] == "minilm-l6-v2"
     _assert_error(http.get("/v1/models/nope"), 404, "model_not_found")
 

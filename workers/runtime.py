@@ -42,10 +42,12 @@ EXIT_ENGINE_BUG = 70
 _PR_SET_PDEATHSIG = 1
 _SELF = psutil.Process()
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-try:  # Linux: one pread of statm is ~3 us; psutil's memory_info ~40 us on a PING hot path
-    _STATM: int | None = os.open("/proc/self/statm", os.O_RDONLY)
-except OSError:
-    _STATM = None
+_STATM: int | None = None  # elsewhere (macOS has no /proc): psutil's memory_info
+if sys.platform.startswith("linux"):
+    try:  # one pread of statm is ~3 us; psutil's memory_info ~40 us on a PING hot path
+        _STATM = os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        pass
 
 
 def _rss_mb() -> float:

@@ -29,6 +29,7 @@ import msgspec
 import platformdirs
 from filelock import FileLock
 
+from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 from host.artifacts import gemma
 from host.artifacts.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from host.artifacts.digest import read_digest_file, sha256_file, write_digest_file
@@ -38,7 +39,6 @@ from host.artifacts.errors import (
     ArtifactNotFound,
     InvalidRequest,
 )
-from host.artifacts.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from host.cli import lane_policy
 from host.serve.cli import add_serve_arguments, run_serve
 
 
@@ -13,6 +14,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m host.serve", description=__doc__)
     add_serve_arguments(parser)
     args = parser.parse_args()
+    args.lane_policy = lane_policy
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run_serve(args)
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from host.errors import SynapseError
+from host.lane_policy import LanePolicy
 from host.module import Module
 from host.scheduler import Scheduler
 from host.serve import completions, embeddings, rerank, status
@@ -108,6 +109,7 @@ def create_app(
     config: ServeConfig,
     on_ready: Callable[[ServerState], None] | None = None,
     on_stopped: Callable[[ServerState], None] | None = None,
+    lane_policy: LanePolicy | None = None,
 ) -> Starlette:
     state = ServerState(config)
 
@@ -120,7 +122,7 @@ def create_app(
             ArtifactStore(config.module.store_root).ingest_default(
                 tokenizer_builder=write_tokenizer_json
             )
-        module = Module(config.module)
+        module = Module(config.module, lane_policy)
         state.module = module
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
         try:

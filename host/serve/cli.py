@@ -37,4 +37,5 @@ def run_serve(args: argparse.Namespace) -> int:
     except SynapseError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
-    return serve(config, args.log_level)
+    factory = getattr(args, "lane_policy", None)  # wired by the CLI (certificates)
+    return serve(config, args.log_level, factory() if factory else None)

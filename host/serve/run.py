@@ -47,7 +47,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: ServeConfig, log_level: str = "warning") -> int:
+def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> int:
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -60,7 +60,7 @@ def serve(config: ServeConfig, log_level: str = "warning") -> int:
     def stopped(state: ServerState) -> None:
         print("synapse serve: stopped; workers reaped", flush=True)
 
-    app = create_app(config, on_ready=ready, on_stopped=stopped)
+    app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
     uv_config = uvicorn.Config(
         app,
         log_level=log_level,

@@ -50,11 +50,14 @@ async def health(request: Request, state: ServerState) -> Response:
     if waits:
         headers = {"Retry-After": str(max(1, math.ceil(max(waits))))}
     code = 200 if status == "ok" else 503
-    return _json({"status": status, "lanes": lanes}, code, headers)
+    # Which lane serves each model (chosen when first used) and why.
+    models = {name: c.to_dict() for name, c in (module.lane_choices() if module else {}).items()}
+    return _json({"status": status, "lanes": lanes, "models": models}, code, headers)
 
 
-def _model_entry(record, loaded: set[str]) -> dict:
+def _model_entry(record, loaded: set[str], module) -> dict:
     man = record.manifest
+    choice = module.describe_lane(record.name)  # the lane that serves (or would) and why
     return {
         "id": record.name,
         "object": "model",
@@ -64,13 +67,15 @@ def _model_entry(record, loaded: set[str]) -> dict:
         "dims": man.dims if man.kind != "generate" else None,
         "max_tokens": man.max_tokens,
         "loaded": record.name in loaded,
+        "lane": choice.lane,
+        "lane_reason": choice.reason,
     }
 
 
 async def list_models(request: Request, state: ServerState) -> Response:
     assert state.module is not None
     loaded = set(state.module.models())
-    data = [_model_entry(r, loaded) for r in state.module.store.ls()]
+    data = [_model_entry(r, loaded, state.module) for r in state.module.store.ls()]
     return _json({"object": "list", "data": data})
 
 
@@ -79,7 +84,7 @@ async def get_model(request: Request, state: ServerState) -> Response:
     name = request.path_params["model"]
     for record in state.module.store.ls():
         if record.name == name:
-            return _json(_model_entry(record, set(state.module.models())))
+            return _json(_model_entry(record, set(state.module.models()), state.module))
     raise ModelNotFound(f"model {name!r} does not exist", param="model")
 
 

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from workers.llama.device import ALL_LAYERS
+
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Kind = Literal["embed", "rerank", "generate"]
 PoolingName = Literal["none", "mean", "cls", "last", "rank"]
@@ -32,6 +34,9 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     flash_attn    True (default): packing many sequences per decode is slower without it
     seed          accepted for interface stability; greedy decoding draws no randomness
     use_mmap      mmap the GGUF (default True)
+    gpu_layers    "auto" (default: all layers on the GPU when the build offloads, else CPU) or
+                  a layer count; > 0 on a build without offload is refused. The env
+                  SYNAPSE_LLAMA_GPU_LAYERS overrides it (see workers.llama.device)
     """
 
     model_ref: str | None = None
@@ -47,6 +52,7 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     flash_attn: bool = True
     seed: Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)] = 0
     use_mmap: bool = True
+    gpu_layers: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0, le=ALL_LAYERS)] = "auto"
 
 
 def parse_runtime_config(raw: object) -> RuntimeConfig:

@@ -32,10 +32,18 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
+from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
+from workers.llama import cpu_quirks
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
+from workers.llama.device import (
+    describe_build,
+    env_gpu_layers,
+    offload_device,
+    resolve_gpu_layers,
+)
 from workers.llama.gbnf import GrammarError, validate_gbnf
-from workers.llama.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.protocol import messages as m
 
 UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
@@ -105,6 +113,7 @@ class _Model:
     n_cls_out: int
     arch: str
     capacity: int  # llama_batch slots: n_batch plus headroom (see _make_context)
+    device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
     # Token views into the llama_batch (filled with numpy, not per-token ctypes calls).
     tok: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
     pos: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int32))
@@ -169,12 +178,30 @@ class LlamaEngine(Engine):
     # ---- identity --------------------------------------------------------------------------
 
     def info(self) -> m.EngineInfo:
-        flags = llama_cpp.llama_print_system_info()
+        # The flags name the device: a certificate earned on the CPU must not cover a Metal
+        # lane (their numerics differ), and HELLO is what the identity is built from.
+        info = self._system_info().rstrip(" |")
         return m.EngineInfo(
             engine="llama.cpp",
             version=llama_cpp.__version__,
-            build_flags=flags.decode("utf-8", "replace").strip() if flags else "",
+            build_flags=f"{info} | device={self._auto_device()}",
         )
+
+    @staticmethod
+    def _system_info() -> str:
+        flags = llama_cpp.llama_print_system_info()
+        return flags.decode("utf-8", "replace").strip() if flags else ""
+
+    def _offload_device(self) -> str:
+        return offload_device(self._system_info(), bool(llama_cpp.llama_supports_gpu_offload()))
+
+    def _auto_device(self) -> str:
+        """The device a LOAD with gpu_layers "auto" uses here (env override included)."""
+        try:
+            env = env_gpu_layers()
+        except ValueError:
+            env = None  # refused at LOAD, with the reason
+        return "cpu" if env == 0 else self._offload_device()
 
     def models_loaded(self) -> list[str]:
         return sorted(self._models)
@@ -207,12 +234,21 @@ class LlamaEngine(Engine):
                 "unsupported", f"rerank needs a single-logit classifier, this one has {n_cls_out}"
             )
 
-        model = self._load_model(path, cfg)
+        try:
+            gpu_layers = resolve_gpu_layers(
+                cfg.gpu_layers,
+                bool(llama_cpp.llama_supports_gpu_offload()),
+                describe_build(llama_cpp.__version__, self._system_info()),
+            )
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from e
+        model = self._load_model(path, cfg, gpu_layers)
         try:
             loaded = self._make_context(ref, path, model, hdr, cfg, kind, pooling, n_cls_out)
         except BaseException:
             llama_cpp.llama_model_free(model)
             raise
+        loaded.device = self._offload_device() if gpu_layers > 0 else "cpu"
         self._models[ref] = loaded
         progress.advance("control")
         return m.LOADED(
@@ -220,6 +256,7 @@ class LlamaEngine(Engine):
             model_ref=ref,
             dims=loaded.n_embd,
             cold_load_ms=(time.perf_counter() - t0) * 1000.0,
+            device=loaded.device,
         )
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
@@ -324,9 +361,12 @@ class LlamaEngine(Engine):
         if got != want:
             raise EngineError("artifact_invalid", f"{path}: sha256 {got} != expected {want}")
 
-    def _load_model(self, path: str, cfg: RuntimeConfig) -> ctypes.c_void_p:
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
+    def _load_model(self, path: str, cfg: RuntimeConfig, gpu_layers: int) -> ctypes.c_void_p:
+        try:
+            mparams = cpu_quirks.model_params()  # AMX: see workers/llama/cpu_quirks.py
+        except ValueError as e:
+            raise EngineError("config_invalid", str(e)) from e
+        mparams.n_gpu_layers = gpu_layers
         mparams.load_mode = (
             llama_cpp.LLAMA_LOAD_MODE_MMAP if cfg.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
         )
@@ -384,7 +424,7 @@ class LlamaEngine(Engine):
         if problems:
             raise EngineError("config_invalid", "; ".join(problems))
 
-        threads = cfg.n_threads or len(os.sched_getaffinity(0))
+        threads = cfg.n_threads or usable_cpu_count()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch

@@ -162,6 +162,9 @@ class LOADED(_Msg, tag="LOADED"):
     model_ref: str
     dims: Count
     cold_load_ms: float = 0.0
+    # Extension (optional): the device the model actually runs on ("cpu", "metal", "cuda"...),
+    # so the host takes the right execution permit and certificates name it.
+    device: str | None = None
 
 
 class VECTORS(_Msg, tag="VECTORS"):

@@ -1,12 +1,15 @@
 """A fast, bounds-checked GGUF header scanner (metadata + tensor infos, no tensor data).
 
-Why not `gguf.GGUFReader`: it materialises every array field element by element, which takes
-~20 s for Gemma's 262k-token vocabulary; this scanner skips arrays it is not asked for.
+Why not `gguf.GGUFReader`: it materialises every array field element by element. Measured
+with gguf 0.19.0 on a 2-core x86_64 machine: 18.7 s to open Gemma 3 270M (262k-token
+vocabulary) against 0.20 s here, and 1.46 s against 0.03 s for MiniLM. The worker reads the
+header on every LOAD, so that difference is load latency. This scanner skips arrays it is not
+asked for.
 Why scan at all: so a truncated or corrupt file, or an architecture we refuse, is answered
 with a typed error before llama.cpp is handed the file.
 
-(The host keeps an identical copy in `host/artifacts/gguf_header.py`: workers never import
-`host`, and `host` imports nothing from `workers` but the protocol.)
+One copy serves both sides (`formats` imports no project package): the host's ingest and
+tokenizer derivation, and the llama.cpp worker's LOAD.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""Where the llama.cpp lane computes: gpu_layers, the env override, the device it names, the
+execution permit it takes. Real workers and this machine's real llama.cpp build (CPU-only
+here: llama_supports_gpu_offload() is false); the Metal half runs on the macOS CI job."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import llama_cpp
+import msgspec
+import numpy as np
+import pytest
+
+from certification.identity import LaneIdentity, key_for
+from certification.lane_client import llama_identity
+from host.config import HostConfig
+from host.errors import WorkerError
+from host.module import Module, ModuleConfig, permit_for
+from workers.cpus import usable_cpu_count
+from workers.llama.device import (
+    ALL_LAYERS,
+    GPU_LAYERS_ENV,
+    describe_build,
+    offload_device,
+    parse_gpu_layers,
+    resolve_gpu_layers,
+)
+
+MODEL = "minilm-l6-v2"
+BUILD_OFFLOADS = bool(llama_cpp.llama_supports_gpu_offload())
+SYSTEM_INFO = llama_cpp.llama_print_system_info().decode()
+
+
+def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
+    return ModuleConfig(store_root=store_root,
+                        host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+
+
+# ---- the rules, on this build's real facts ----------------------------------------------------
+
+
+def test_auto_follows_the_build_and_integers_need_offload():
+    build = "llama-cpp-python 0.3.36, backends: CPU"
+    assert resolve_gpu_layers("auto", False, build, {}) == 0
+    assert resolve_gpu_layers("auto", True, build, {}) == ALL_LAYERS
+    assert resolve_gpu_layers(0, False, build, {}) == 0
+    assert resolve_gpu_layers(12, True, build, {}) == 12
+    with pytest.raises(ValueError, match=r"gpu_layers=12: this llama.cpp build \(llama-cpp"):
+        resolve_gpu_layers(12, False, build, {})
+
+
+def test_env_override_wins_and_is_validated():
+    build = "b"
+    assert resolve_gpu_layers("auto", True, build, {GPU_LAYERS_ENV: "0"}) == 0
+    assert resolve_gpu_layers(5, True, build, {GPU_LAYERS_ENV: "auto"}) == ALL_LAYERS
+    assert resolve_gpu_layers(5, True, build, {GPU_LAYERS_ENV: " "}) == 5  # empty: unset
+    with pytest.raises(ValueError, match=f"{GPU_LAYERS_ENV}=3: this llama.cpp build"):
+        resolve_gpu_layers(0, False, build, {GPU_LAYERS_ENV: "3"})
+    for bad in ("-1", "all", "1.5"):
+        with pytest.raises(ValueError, match="expected \"auto\" or an integer >= 0"):
+            parse_gpu_layers(bad)
+
+
+def test_offload_device_is_named_from_the_backend_list():
+    assert offload_device(SYSTEM_INFO, False) == "cpu"  # no offload: the CPU, whatever listed
+    # llama_print_system_info's format: "<backend> : FEATURE = 1 | ... | <backend> : ..."; the
+    # Metal backend registers as "MTL" (older builds "Metal"), CPU-side BLAS is no GPU.
+    assert offload_device("MTL : EMBED_LIBRARY = 1 | CPU : NEON = 1 | ", True) == "metal"
+    assert offload_device("BLAS : ACCELERATE = 1 | Metal : EMBED_LIBRARY = 1 | ", True) == "metal"
+    assert offload_device("CUDA : ARCHS = 890 | CPU : AVX2 = 1 | ", True) == "cuda"
+    assert offload_device(SYSTEM_INFO, True) == "gpu"  # a CPU list: offload to an unnamed GPU
+    assert describe_build("0.3.36", SYSTEM_INFO) == "llama-cpp-python 0.3.36, backends: CPU"
+
+
+def test_permit_kind_follows_the_device():
+    assert permit_for("llama", "cpu") == "cpu"
+    assert permit_for("llama", "metal") == "gpu" and permit_for("llama", "cuda") == "gpu"
+    assert permit_for("ane", "ane") == "ane"
+    assert HostConfig().permits()["gpu"] == 1  # one shared GPU on Apple silicon
+
+
+def test_thread_count_falls_back_where_there_is_no_affinity(monkeypatch):
+    if hasattr(os, "sched_getaffinity"):
+        assert usable_cpu_count() == len(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")  # as on macOS
+    assert usable_cpu_count() == (os.cpu_count() or 1)
+
+
+# ---- through real workers ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
+async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtime_dir,
+                                                        monkeypatch):
+    monkeypatch.delenv(GPU_LAYERS_ENV, raising=False)
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load(MODEL, "llama")
+        lane = mod.lanes()[MODEL]
+        flags = lane.hello.engine.build_flags
+        assert flags.startswith("CPU : ") and flags.endswith(" | device=cpu")
+        assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
+        assert lane.config.device == "cpu" and mod.llama_device == "cpu"
+        assert llama_identity(mod, MODEL).device == "cpu"
+        await mod.load("minilm-l6-v2-f32", "llama")
+        assert mod.lanes()["minilm-l6-v2-f32"].permits is lane.permits is mod.permits
+        with pytest.raises(KeyError, match="no execution permits configured for device 'tpu'"):
+            lane.set_device("tpu")
+        assert lane.config.device == "cpu"
+
+
+@pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
+async def test_gpu_layers_without_offload_is_config_invalid_naming_the_build(
+    store_root, short_runtime_dir, monkeypatch
+):
+    monkeypatch.delenv(GPU_LAYERS_ENV, raising=False)
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        with pytest.raises(WorkerError) as info:
+            await mod.load(MODEL, "llama", {"gpu_layers": 4})
+        assert info.value.code == "config_invalid"
+        assert f"llama-cpp-python {llama_cpp.__version__}, backends: CPU" in info.value.message
+        assert "gpu_layers=4" in info.value.message
+        for bad in (-1, "all", 1.5):
+            with pytest.raises(WorkerError) as info:
+                await mod.load(MODEL, "llama", {"gpu_layers": bad})
+            assert info.value.code == "config_invalid"
+        # Explicit 0 is the CPU, as asked.
+        await mod.load(MODEL, "llama", {"gpu_layers": 0})
+        assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
+
+
+@pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
+async def test_env_override_reaches_the_worker(store_root, short_runtime_dir, monkeypatch):
+    monkeypatch.setenv(GPU_LAYERS_ENV, "3")  # workers inherit the host's environment
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        with pytest.raises(WorkerError) as info:
+            await mod.load(MODEL, "llama")
+        assert info.value.code == "config_invalid"
+        assert f"{GPU_LAYERS_ENV}=3: this llama.cpp build" in info.value.message
+    monkeypatch.setenv(GPU_LAYERS_ENV, "lots")
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        with pytest.raises(WorkerError) as info:
+            await mod.load(MODEL, "llama")
+        assert info.value.code == "config_invalid"
+        assert f"{GPU_LAYERS_ENV}='lots': expected" in info.value.message
+    monkeypatch.setenv(GPU_LAYERS_ENV, "0")  # wins over the runtime_config
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load(MODEL, "llama", {"gpu_layers": 7})
+        assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
+        assert (await mod.embed(["still served"], lane="llama")).vectors.shape == (1, 384)
+
+
+async def test_identity_differs_by_device(store_root, short_runtime_dir):
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load(MODEL, "llama")
+        here = llama_identity(mod, MODEL)
+    metal = msgspec.structs.replace(here, device="metal")
+    assert key_for(here).id != key_for(metal).id
+    assert "device: metal -> " + here.device in key_for(here).differences(key_for(metal))
+    assert LaneIdentity.from_mapping(MODEL, "llama", {"device": "metal"}).device == "metal"
+
+
+# ---- macOS: Metal really used (the macos-14 CI job; never faked here) -------------------------
+
+
+async def test_metal_offload_is_used_and_agrees_with_the_cpu(store_root, short_runtime_dir):
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        pytest.skip("needs macOS on Apple silicon: Metal offload")
+    if not BUILD_OFFLOADS:
+        pytest.skip("needs a llama.cpp build with Metal (llama_supports_gpu_offload)")
+    if os.environ.get(GPU_LAYERS_ENV) == "0":
+        pytest.skip(f"needs a usable Metal device ({GPU_LAYERS_ENV}=0: hosted VM)")
+    texts = ["The cat sits on the mat.", "Stock markets fell sharply on Monday."]
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load(MODEL, "llama")
+        assert mod.lane_identity(MODEL, "llama")["device"] == "metal"
+        assert mod.lanes()[MODEL].config.device == "gpu"
+        gpu = (await mod.embed(texts, lane="llama")).vectors
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load(MODEL, "llama", {"gpu_layers": 0})
+        assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
+        cpu = (await mod.embed(texts, lane="llama")).vectors
+    assert np.sum(gpu * cpu, axis=1).min() >= 0.9999
