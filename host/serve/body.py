@@ -4,24 +4,38 @@ Over the limit is a 413. A body that announces its size is refused before it is 
 that does not (chunked) is counted as it streams. Either way the rest is read and dropped up
 to `_DRAIN_LIMIT`, because a server that answers and closes while the client is still sending
 makes the client see a reset instead of the 413.
+
+A body not complete within `timeout_s` is a 408: a client that stalls mid-body must not hold
+a task and a connection forever.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from host.errors import InvalidRequest
-from host.serve.errors import PayloadTooLarge
+from host.serve.errors import PayloadTooLarge, RequestTimeout
 
 T = TypeVar("T")
 
 _DRAIN_LIMIT = 64 << 20
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body was not complete within {timeout_s:g} s"
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_large = PayloadTooLarge(
         f"request body is over the limit of {limit} bytes", limit_bytes=limit
@@ -56,6 +70,11 @@ async def _drain(request: Request, seen: int) -> None:
                 return
     except (ClientDisconnect, RuntimeError):  # RuntimeError: stream already consumed
         return
+
+
+async def read_json(request: Request, type_: type[T], limit: int, timeout_s: float) -> T:
+    """The body under its size and time limits, decoded into `type_`."""
+    return decode(await read_body(request, limit, timeout_s), type_)
 
 
 def decode(body: bytes, type_: type[T]) -> T:
