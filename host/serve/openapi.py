@@ -55,7 +55,7 @@ class _Op:
     ok_status: tuple[int, ...] = (200,)
 
 
-def _operations(config: ServeConfig) -> list[_Op]:
+def operations(config: ServeConfig) -> list[_Op]:
     return [
         _Op("/v1/embeddings", "post", "Embed texts or token arrays (OpenAI shape)",
             schemas.EmbeddingResponse, EmbeddingRequest, _INFERENCE_ERRORS),
@@ -89,7 +89,7 @@ def _error_responses(statuses: tuple[int, ...]) -> dict:
 
 
 def build_document(config: ServeConfig, auth_enabled: bool) -> dict:
-    ops = _operations(config)
+    ops = operations(config)
     types: list[object] = [schemas.ErrorResponse]
     for op in ops:
         if op.request is not None:
