@@ -171,6 +171,7 @@ async def _measure(lane: Lane, raw: RawEcho, pings: int, repeats: int) -> dict:
     return {
         "bench": "ipc",
         "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "pings": pings,
         "repeats": repeats,
         "ping": ping,

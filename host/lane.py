@@ -425,6 +425,12 @@ class Lane:
             self.quarantines += 1
             log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
 
+    def quarantine_remaining_s(self) -> float | None:
+        """Seconds of quarantine left, or None when the lane takes requests (cheap: for
+        per-request checks; `state()` builds the whole snapshot)."""
+        retry = self._retry_after()
+        return retry if retry is not None and retry > 0 else None
+
     def _retry_after(self) -> float | None:
         if self._quarantined_until is None:
             return None

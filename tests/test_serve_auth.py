@@ -173,6 +173,7 @@ def test_each_key_source_and_both_headers_are_accepted(server):
 
 def test_health_and_the_document_stay_open(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert not any("WARNING" in line for line in server.log().splitlines())  # loopback
     doc = httpx.get(f"{server.url}/openapi.json").json()
     assert doc["security"] == [{"bearerAuth": []}, {"apiKeyHeader": []}]
     assert doc["paths"]["/health"]["get"]["security"] == []

@@ -53,31 +53,34 @@ class State(enum.Enum):
 
 
 # ---- events ---------------------------------------------------------------------------------
+# Plain slotted dataclasses, not frozen ones: one is built per frame on the request path, and a
+# frozen dataclass's __init__ (object.__setattr__ per field) costs twice as much. Treat them
+# as immutable all the same.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HelloReceived:
     hello: m.HELLO
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProgressReceived:
     progress: m.PROGRESS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplyReceived:
     reply: object  # a reply struct or m.ERR
     raw: bytes | bytearray | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestReceived:
     request: object
     raw: bytes | bytearray | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ShutdownReceived:
     pass
 
