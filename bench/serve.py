@@ -172,16 +172,29 @@ class _Conn:
     Content-Length-framed responses for well under 1 ms. Same client for both servers.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, url: str
+    ) -> None:
+        self.reader, self.writer, self.url = reader, writer, url
 
     @classmethod
     async def open(cls, url: str) -> _Conn:
         host, port = url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
-        return cls(reader, writer)
+        return cls(reader, writer, url)
 
     async def request(self, raw: bytes) -> int:
+        """The response status; 0 (an error) if the server closed the connection under us,
+        which then reconnects: one dropped connection must not end the whole run."""
+        try:
+            return await self._request(raw)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.writer.close()
+            fresh = await _Conn.open(self.url)
+            self.reader, self.writer = fresh.reader, fresh.writer
+            return 0
+
+    async def _request(self, raw: bytes) -> int:
         self.writer.write(raw)
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
