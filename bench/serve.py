@@ -184,15 +184,19 @@ class _Conn:
         return cls(reader, writer, url)
 
     async def request(self, raw: bytes) -> int:
-        """The response status; 0 (an error) if the server closed the connection under us,
-        which then reconnects: one dropped connection must not end the whole run."""
-        try:
-            return await self._request(raw)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.writer.close()
-            fresh = await _Conn.open(self.url)
-            self.reader, self.writer = fresh.reader, fresh.writer
-            return 0
+        """The response status. A connection the server closed while it sat idle (its
+        keep-alive timeout: llama_cpp.server's is 5 s, and warming 32 connections on a busy
+        machine can take longer) is reopened and the request sent again, as HTTP clients do;
+        0 (an error) if that fails too."""
+        for attempt in range(2):
+            try:
+                return await self._request(raw)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self.writer.close()
+                if attempt == 0:
+                    fresh = await _Conn.open(self.url)
+                    self.reader, self.writer = fresh.reader, fresh.writer
+        return 0
 
     async def _request(self, raw: bytes) -> int:
         self.writer.write(raw)
