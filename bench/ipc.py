@@ -16,7 +16,6 @@ Prints one JSON object:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket
@@ -28,7 +27,8 @@ import time
 
 import numpy as np
 
-from host import HostConfig, Lane, LaneConfig
+from host import HostConfig, Lane, LaneConfig, eventloop
+from host.eventloop import loop_name
 from workers.protocol import messages as m
 from workers.protocol.framing import encode_frame
 
@@ -171,6 +171,7 @@ async def _measure(lane: Lane, raw: RawEcho, pings: int, repeats: int) -> dict:
     return {
         "bench": "ipc",
         "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "pings": pings,
         "repeats": repeats,
         "ping": ping,
@@ -188,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         _peer(args.peer)
         return 0
-    print(json.dumps(asyncio.run(_bench(args.pings, args.repeats))))
+    # The host's own event loop: uvloop where installed (host/eventloop.py).
+    result = eventloop.run(_bench(args.pings, args.repeats))
+    print(json.dumps({"event_loop": loop_name(), **result}))
     return 0
 
 

@@ -6,6 +6,11 @@ every frame is validated by `HostSession`, and only VALID events are queued. An 
 waits on that queue with the watchdog window as its timeout, so the window is renewed only by
 progress that already passed validation.
 
+An `Exchange` keeps its progress (bytes still to send, when the watchdog was last renewed) in
+itself rather than in a coroutine frame, so `wait()` can be interrupted — the caller cancelled
+— and resumed by another task that drains the reply, with the same watchdog deadline. That
+lets the lane run the common request in the caller's own task (no task, no shield).
+
 Faults are reported as `ConnectionFault(kind, reason)`; the lane kills the worker and turns
 them into typed errors with the worker's log tail.
 """
@@ -30,7 +35,7 @@ from workers.protocol.session import (
 )
 
 EOF = "eof"
-_THREAD_SEND_BYTES = 4 << 20  # above what the widened socket buffer takes at once
+THREAD_SEND_BYTES = 4 << 20  # above what the widened socket buffer takes at once
 VIOLATION = "violation"
 SILENCE = "silence"
 
@@ -62,7 +67,9 @@ class WorkerConnection:
         self.ended: _Ended | None = None  # set once the stream is unusable
         self._events: deque[object] = deque()
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.BaseTransport | None = None
+        self._loop = asyncio.get_running_loop()
         # Sends go through a dup of the socket: the read side belongs to the transport (whose
         # reader stays registered, no per-read setup), while sock_sendall sends large payloads
         # straight from the caller's buffer — asyncio's transport.write would copy them.
@@ -108,22 +115,37 @@ class WorkerConnection:
             waiter.set_result(None)
 
     async def _next_event(self, timeout: float) -> object:
+        return await self._next_event_by(self._loop.time() + timeout, timeout)
+
+    async def _next_event_by(self, expiry: float, window: float) -> object:
+        """The next valid event, or a SILENCE fault at loop time `expiry`."""
         if not self._events:
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(timeout, _expire, waiter)
+            if self._waiter is None:
+                self._arm(expiry)
             try:
-                await waiter
+                await self._waiter  # type: ignore[misc]
             finally:
-                timer.cancel()
-                self._waiter = None
+                self._disarm()
             if not self._events:
-                raise ConnectionFault(SILENCE, f"no valid progress for {timeout:g} s")
+                raise ConnectionFault(SILENCE, f"no valid progress for {window:g} s")
+        elif self._waiter is not None:
+            self._disarm()
         event = self._events.popleft()
         if isinstance(event, _Ended):
             self._events.appendleft(event)  # stays the answer for anyone who asks again
             raise ConnectionFault(event.kind, event.reason)
         return event
+
+    def _arm(self, expiry: float) -> None:
+        """Create the waiter the next event resolves, with its watchdog timer."""
+        waiter = self._waiter = self._loop.create_future()
+        self._timer = self._loop.call_at(expiry, _expire, waiter)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._waiter = None
 
     # ---- send side ------------------------------------------------------------------------
 
@@ -134,36 +156,10 @@ class WorkerConnection:
             self._end(EOF, f"send failed: {exc}")
             raise ConnectionFault(EOF, f"send failed: {exc}") from None
 
-    async def _send(self, msg: object, raw: memoryview | bytes | None) -> None:
-        loop = asyncio.get_running_loop()
+    async def _send(self, msg: object) -> None:
+        """A control frame outside any exchange (HELLO_ACK, SHUTDOWN)."""
         body = m.encode(msg)
-        head = frame_header(len(body)) + body
-        try:
-            if raw is None:
-                await loop.sock_sendall(self._wsock, head)
-            else:
-                await loop.sock_sendall(self._wsock, head + frame_header(len(raw)))
-                if len(raw) >= _THREAD_SEND_BYTES:
-                    await asyncio.to_thread(self._tsock.sendall, raw)
-                else:
-                    await loop.sock_sendall(self._wsock, raw)
-        except (ConnectionError, OSError) as exc:
-            self._end(EOF, f"send failed: {exc}")
-            raise ConnectionFault(EOF, f"send failed: {exc}") from None
-
-    def _send_now(self, msg: object) -> bytes:
-        """One non-blocking send of a control frame; returns what is left to send (usually
-        nothing: a small frame fits the socket buffer, so no await and no timer)."""
-        body = m.encode(msg)
-        frame = frame_header(len(body)) + body
-        try:
-            sent = self._wsock.send(frame)
-        except BlockingIOError:
-            sent = 0
-        except (ConnectionError, OSError) as exc:
-            self._end(EOF, f"send failed: {exc}")
-            raise ConnectionFault(EOF, f"send failed: {exc}") from None
-        return frame[sent:]
+        await self._send_bytes(frame_header(len(body)) + body)
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -174,37 +170,57 @@ class WorkerConnection:
             raise ConnectionFault(VIOLATION, f"unexpected {event!r} before HELLO_ACK")
         ack = self.session.accept_hello()
         self.decoder.max_frame = self.session.max_frame
-        await self._send(ack, None)
+        await self._send(ack)
         return event.hello
+
+    def start_exchange(
+        self, req: object, raw: memoryview | bytes | None, window_for: WindowFor
+    ) -> Exchange:
+        """Record `req` as in flight and send what the socket takes now (usually all of it:
+        no await, no timer). Raises ProtocolError if the request breaks the contract (then
+        nothing was sent) or ConnectionFault if the connection is gone."""
+        if self.ended is not None:
+            raise ConnectionFault(self.ended.kind, self.ended.reason)
+        self.session.start_request(req, None if raw is None else len(raw))
+        body = m.encode(req)
+        if raw is None:
+            parts = [frame_header(len(body)) + body]
+        else:
+            parts = [frame_header(len(body)) + body + frame_header(len(raw)), raw]
+        ex = Exchange(self, window_for, parts)
+        if raw is None or len(raw) < THREAD_SEND_BYTES:
+            # Armed BEFORE the send: the reply can come back within microseconds, and on a
+            # busy machine the worker may share our core, so nothing should sit between the
+            # send and this task's return to the event loop.
+            if not self._events:
+                self._arm(ex.renewed + window_for(None))
+            ex.send_some()
+        return ex
 
     async def exchange(
         self, req: object, raw: memoryview | bytes | None, window_for: WindowFor
     ) -> ReplyReceived:
         """Send `req` (+ raw frame) and wait for its terminal reply under the watchdog."""
-        if self.ended is not None:
-            raise ConnectionFault(self.ended.kind, self.ended.reason)
-        tracker = self.session.start_request(req, None if raw is None else len(raw))
-        rest = self._send_now(req) if raw is None else None
-        if rest != b"":
-            try:
-                # A stopped worker can stall a large send, so the first window covers it too.
-                async with asyncio.timeout(window_for(None)):
-                    if rest is None:
-                        await self._send(req, raw)
-                    else:
-                        await self._send_bytes(rest)
-            except TimeoutError:
-                raise ConnectionFault(SILENCE, "worker did not take the request") from None
-        while True:
-            event = await self._next_event(window_for(tracker.phase))
-            if isinstance(event, ProgressReceived):
-                continue
-            assert isinstance(event, ReplyReceived)
-            return event
+        return await self.start_exchange(req, raw, window_for).wait()
+
+    async def _writable(self, expiry: float) -> None:
+        """Wait until the send socket has room; SILENCE at `expiry` (a stopped worker)."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self._wsock.fileno()
+        loop.add_writer(fd, _expire, ready)
+        timer = loop.call_at(expiry, _fail_with, ready, _NOT_TAKEN)
+        try:
+            await ready
+        except _NotTaken:
+            raise ConnectionFault(SILENCE, "worker did not take the request") from None
+        finally:
+            timer.cancel()
+            loop.remove_writer(fd)
 
     async def send_shutdown(self) -> None:
         self.session.send_shutdown()
-        await self._send(m.SHUTDOWN(), None)
+        await self._send(m.SHUTDOWN())
 
     async def close(self) -> None:
         if self._transport is not None:
@@ -214,6 +230,79 @@ class WorkerConnection:
         self._wsock.close()
         self._tsock.close()
         self._end(EOF, "connection closed by host")
+
+
+class _NotTaken(Exception):
+    pass
+
+
+_NOT_TAKEN = _NotTaken()
+
+
+class Exchange:
+    """One request on the wire until its reply. Resumable: see the module docstring."""
+
+    __slots__ = ("conn", "tracker", "window_for", "out", "renewed", "_large")
+
+    def __init__(self, conn: WorkerConnection, window_for: WindowFor, parts: list) -> None:
+        self.conn = conn
+        self.tracker = conn.session.current
+        self.window_for = window_for
+        # Bytes not yet sent, in order (an empty raw frame has nothing to send).
+        self.out = [p for p in parts if len(p)]
+        self.renewed = conn._loop.time()  # the watchdog's last renewal
+        self._large = len(self.out) == 2 and len(self.out[1]) >= THREAD_SEND_BYTES
+
+    def send_some(self) -> None:
+        """One non-blocking send of what is left."""
+        try:
+            sent = self.conn._wsock.sendmsg(self.out)
+        except BlockingIOError:
+            return
+        except (ConnectionError, OSError) as exc:
+            self.conn._end(EOF, f"send failed: {exc}")
+            raise ConnectionFault(EOF, f"send failed: {exc}") from None
+        while sent:
+            head = self.out[0]
+            if sent < len(head):
+                self.out[0] = memoryview(head).cast("B")[sent:]
+                return
+            sent -= len(head)
+            self.out.pop(0)
+
+    async def wait(self) -> ReplyReceived:
+        """Finish sending, then wait for the terminal reply; PROGRESS that passed validation
+        renews the watchdog, nothing else does."""
+        conn = self.conn
+        loop = conn._loop
+        if self.out:
+            # A stopped worker can stall a send, so the first window covers it too.
+            expiry = self.renewed + self.window_for(None)
+            if self._large:
+                self._large = False
+                head, raw = self.out
+                self.out = []
+                try:
+                    async with asyncio.timeout_at(expiry):
+                        await conn._send_bytes(head)
+                        await asyncio.to_thread(conn._tsock.sendall, raw)
+                except TimeoutError:
+                    raise ConnectionFault(SILENCE, "worker did not take the request") from None
+                except (ConnectionError, OSError) as exc:
+                    conn._end(EOF, f"send failed: {exc}")
+                    raise ConnectionFault(EOF, f"send failed: {exc}") from None
+            while self.out:
+                await conn._writable(expiry)
+                self.send_some()
+            self.renewed = loop.time()
+        while True:
+            window = self.window_for(self.tracker.phase)
+            event = await conn._next_event_by(self.renewed + window, window)
+            self.renewed = loop.time()
+            if isinstance(event, ProgressReceived):
+                continue
+            assert isinstance(event, ReplyReceived)
+            return event
 
 
 class _Reader(asyncio.BufferedProtocol):
@@ -240,6 +329,11 @@ class _Reader(asyncio.BufferedProtocol):
 def _expire(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _fail_with(waiter: asyncio.Future, exc: BaseException) -> None:
+    if not waiter.done():
+        waiter.set_exception(exc)
 
 
 def _widen_buffers(sock: socket.socket) -> None:

@@ -18,6 +18,13 @@ Rules (DESIGN section 3), all enforced here:
   fresh worker gets the lane's successful LOADs replayed before it serves, so a crash is
   invisible to callers beyond the request that was running.
 - Health is cached: a background task PINGs an idle worker; `state()` never touches it.
+
+The fast path: with no deadline, a live worker and a free stream (and permit), a request runs
+in the caller's own task — no task, no shield, two event-loop turns per round trip. If the
+caller is cancelled while its request is on the wire, a drain task takes the stream (and the
+permit) over and finishes the exchange under the same watchdog, exactly as an abandoned
+request of the general path does. Everything else (a deadline, a worker to start, a busy
+stream, a payload large enough to send from a thread) takes the general path.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import msgspec
 import numpy as np
 
 from host.config import HostConfig, LaneConfig
-from host.connection import EOF, SILENCE, VIOLATION, ConnectionFault
+from host.connection import EOF, SILENCE, THREAD_SEND_BYTES, VIOLATION, ConnectionFault, Exchange
 from host.errors import (
     DeadlineExceeded,
     EngineCrashed,
@@ -73,6 +80,24 @@ class _Job:
     abandoned: bool = False  # the caller stopped waiting (deadline or cancellation)
 
 
+class _Held:
+    """The stream lock (and an execution permit) held by a request; released exactly once,
+    by whichever task ends up finishing the request."""
+
+    __slots__ = ("stream", "permit")
+
+    def __init__(self, stream: asyncio.Lock, permit: asyncio.Semaphore | None) -> None:
+        self.stream, self.permit = stream, permit
+
+    def release(self) -> None:
+        if self.permit is not None:
+            self.permit.release()
+            self.permit = None
+        if self.stream is not None:
+            self.stream.release()
+            self.stream = None
+
+
 @dataclass
 class _Cached:
     pong: m.PONG | None = None
@@ -106,6 +131,14 @@ class Lane:
         self.restarts = 0
         self.quarantines = 0  # times this lane entered quarantine (metrics)
         self.last_crash: EngineCrashed | None = None
+        host_cfg = self.host
+        # Watchdog windows by request kind (phase -> seconds), built once, not per request.
+        self._ping_window = lambda phase: host_cfg.ping_window_s
+        self._inference_window = lambda phase: (
+            # Input preparation (phase setup) gets the long window until inference starts.
+            host_cfg.setup_window_s if phase == "setup" else host_cfg.inference_window_s
+        )
+        self._control_window = lambda phase: host_cfg.control_window_s
 
     def set_device(self, device: str) -> None:
         """Which execution permit inference takes from now on (the worker's LOADED says where
@@ -174,10 +207,22 @@ class Lane:
             raise LaneStopped(f"lane {self.config.lane_id} is not running")
         self._raise_if_quarantined()
         raw = _as_raw(payload)
+        worker = self._worker
+        if (
+            deadline_s is None
+            and worker is not None
+            and not self._stream.locked()
+            and worker.usable()
+            and (raw is None or len(raw) < THREAD_SEND_BYTES)
+        ):
+            permit = None
+            if type(message) in m.INFERENCE_REQUESTS:
+                permit = self.permits.for_device(self.config.device)
+            if permit is None or not permit.locked():
+                return await self._request_inline(worker, message, raw, permit)
         job = _Job()
         task = asyncio.create_task(self._run(message, raw, job))
-        self._jobs.add(task)
-        task.add_done_callback(self._job_done)
+        self._track(task)
         try:
             if deadline_s is None:  # the common case: no timer to arm
                 return await asyncio.shield(task)
@@ -192,6 +237,68 @@ class Lane:
         except asyncio.CancelledError:
             job.abandoned = True
             raise
+
+    async def _request_inline(
+        self,
+        worker: WorkerHandle,
+        message: object,
+        raw: memoryview | None,
+        permit: asyncio.Semaphore | None,
+    ):
+        """The fast path (see the module docstring): the caller's task does the exchange."""
+        await self._stream.acquire()  # free: returns without suspending
+        held: _Held | None = _Held(self._stream, None)
+        try:
+            if permit is not None:
+                await permit.acquire()  # free: returns without suspending
+                held.permit = permit
+            req = self._stamp(message)
+            try:
+                ex = worker.conn.start_exchange(req, raw, self._window_for(req))
+            except ProtocolError as exc:  # the caller's request broke the contract; nothing sent
+                raise InvalidRequest(exc.reason) from None
+            except ConnectionFault as fault:
+                held_now, held = held, None  # released by _fault_holding, after the reaping
+                raise await self._fault_holding(worker, fault, held_now) from None
+            # The request is on the wire: from here its reply must drain, whoever waits.
+            try:
+                event = await ex.wait()
+            except asyncio.CancelledError:
+                self._drain_later(worker, req, ex, held)
+                held = None
+                raise
+            except ConnectionFault as fault:
+                held_now, held = held, None
+                raise await self._fault_holding(worker, fault, held_now) from None
+            return self._accept(req, event)
+        finally:
+            if held is not None:
+                held.release()
+
+    async def _fault_holding(
+        self, worker: WorkerHandle, fault: ConnectionFault, held: _Held
+    ) -> EngineCrashed:
+        """`_fault` (kill, reap, strike) while still holding the stream, in a task of its own
+        so that a cancelled caller cannot interrupt the reaping; releases `held` after."""
+        task = asyncio.create_task(self._fault(worker, fault))
+        task.add_done_callback(lambda _: held.release())
+        self._track(task)
+        return await asyncio.shield(task)
+
+    def _drain_later(self, worker: WorkerHandle, req: object, ex: Exchange, held: _Held) -> None:
+        async def drain() -> None:
+            try:
+                self._accept(req, await ex.wait())
+            except ConnectionFault as fault:
+                await self._fault(worker, fault)
+            finally:
+                held.release()
+
+        self._track(asyncio.create_task(drain()))
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
 
     def _job_done(self, task: asyncio.Task) -> None:
         self._jobs.discard(task)
@@ -211,36 +318,41 @@ class Lane:
                     return await self._exchange(worker, message, raw)
             return await self._exchange(worker, message, raw)
 
-    async def _exchange(self, worker: WorkerHandle, message: object, raw: memoryview | None):
+    def _stamp(self, message: object) -> object:
         self._req_ids += 1
-        req = msgspec.structs.replace(message, req_id=self._req_ids)
+        return msgspec.structs.replace(message, req_id=self._req_ids)
+
+    async def _exchange(self, worker: WorkerHandle, message: object, raw: memoryview | None):
+        req = self._stamp(message)
         try:
             event = await worker.conn.exchange(req, raw, self._window_for(req))
         except ProtocolError as exc:  # the caller's request broke the contract; nothing sent
             raise InvalidRequest(exc.reason) from None
         except ConnectionFault as fault:
             raise await self._fault(worker, fault) from None
+        return self._accept(req, event)
+
+    def _accept(self, req: object, event):
+        """A drained terminal reply: the worker's ERR, or the reply with its payload."""
         reply = event.reply
-        if isinstance(reply, m.ERR):
+        # Exact types: isinstance() on msgspec Structs is slow (workers/protocol/payloads.py).
+        if type(reply) is m.ERR:
             raise WorkerError(reply.code, reply.msg)
-        if type(req) in m.INFERENCE_REQUESTS:
+        kind = type(req)
+        if kind in m.INFERENCE_REQUESTS:
             self._strikes = 0  # drained, successful serving work
-        elif isinstance(req, m.LOAD) and isinstance(reply, m.LOADED):
+        elif kind is m.LOAD and type(reply) is m.LOADED:
             self._loads[reply.model_ref] = req
-        elif isinstance(req, m.UNLOAD):
+        elif kind is m.UNLOAD:
             self._loads.pop(req.model_ref, None)
         return reply, _reply_array(reply, event.raw)
 
     def _window_for(self, req: object):
-        host = self.host
-        if isinstance(req, m.PING):
-            return lambda phase: host.ping_window_s
+        if type(req) is m.PING:
+            return self._ping_window
         if type(req) in m.INFERENCE_REQUESTS:
-            # Input preparation (phase setup) gets the long window until inference starts.
-            return lambda phase: (
-                host.setup_window_s if phase == "setup" else host.inference_window_s
-            )
-        return lambda phase: host.control_window_s
+            return self._inference_window
+        return self._control_window
 
     # ---- workers, faults, strikes ---------------------------------------------------------
 
@@ -318,6 +430,12 @@ class Lane:
             self._quarantined_until = time.monotonic() + self.host.quarantine_s
             self.quarantines += 1
             log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
+
+    def quarantine_remaining_s(self) -> float | None:
+        """Seconds of quarantine left, or None when the lane takes requests (cheap: for
+        per-request checks; `state()` builds the whole snapshot)."""
+        retry = self._retry_after()
+        return retry if retry is not None and retry > 0 else None
 
     def _retry_after(self) -> float | None:
         if self._quarantined_until is None:
@@ -417,6 +535,6 @@ def _as_raw(payload) -> memoryview | None:
 def _reply_array(reply: object, raw: bytes | bytearray | None) -> np.ndarray | None:
     if raw is None:
         return None
-    if isinstance(reply, m.VECTORS):
+    if type(reply) is m.VECTORS:
         return payloads.floats_view(raw, (reply.n, reply.dims))
     return payloads.floats_view(raw, (-1,))

@@ -106,6 +106,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Failed authentications by reason ("missing" | "invalid"): never key material.
+        self.auth_failures = Counter(
+            "synapse_auth_failures",
+            "Requests refused with 401, by reason",
+            ["reason"],
+            registry=r,
+        )
         r.register(_StateCollector(module, scheduler))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -115,6 +122,9 @@ class Metrics:
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()
+
+    def observe_auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.batch_items.labels(stats.model).observe(stats.items)

@@ -390,15 +390,16 @@ class Scheduler:
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.
+        # Per request, so the lane's cheap check, not its full state() snapshot.
         lane = self.module.lane_for(model)
         if lane is None:
             return
-        state = lane.state()
-        if state.quarantined:
+        remaining = lane.quarantine_remaining_s()
+        if remaining is not None:
             raise EngineCrashed(
-                f"lane {state.lane_id} is quarantined after repeated worker faults; retry in "
-                f"{state.retry_after_s or 0:.0f} s",
-                lane_id=state.lane_id,
+                f"lane {lane.config.lane_id} is quarantined after repeated worker faults; "
+                f"retry in {remaining:.0f} s",
+                lane_id=lane.config.lane_id,
                 quarantined=True,
-                retry_after_s=state.retry_after_s,
+                retry_after_s=remaining,
             )

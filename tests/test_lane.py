@@ -285,6 +285,46 @@ async def test_deadline_while_queued_sends_nothing(short_runtime_dir):
         await honest(lane)
 
 
+async def _on_the_wire(lane: Lane, req, ids) -> asyncio.Task:
+    """Start a request with no deadline (the lane's fast path: it runs in the caller's own
+    task) and return once it has been sent."""
+    sent = lane._req_ids
+    task = asyncio.create_task(lane.request(req, ids))
+    await asyncio.sleep(0)  # one turn: the fast path sends without suspending
+    assert lane._req_ids == sent + 1 and lane._stream.locked()
+    return task
+
+
+async def test_cancelled_caller_on_the_fast_path_drains_and_the_next_reply_is_its_own(
+    short_runtime_dir,
+):
+    async with running_lane(short_runtime_dir, inference_window_s=5.0) as lane:
+        pid = lane.worker.pid
+        task = await _on_the_wire(lane, *embed_req("fault:late:0.6", first_id=100))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert lane._stream.locked()  # the drain task holds the stream until the reply
+        _, elapsed = await timed(honest(lane, first_id=7), bound=5)
+        assert elapsed > 0.3  # it waited for the abandoned reply to drain
+        assert lane.worker.pid == pid and lane.state().strikes == 0
+
+
+async def test_cancelled_caller_whose_worker_goes_silent_still_kills_and_strikes(
+    short_runtime_dir,
+):
+    async with running_lane(short_runtime_dir, inference_window_s=0.5) as lane:
+        pid = lane.worker.pid
+        task = await _on_the_wire(lane, *embed_req("fault:hang"))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(asyncio.gather(*lane._jobs, return_exceptions=True), 10)
+        assert_reaped(pid)  # the drain's watchdog killed it, as the caller's would have
+        assert lane.state().strikes == 1 and isinstance(lane.last_crash, WatchdogExpired)
+        await recovers_on_fresh_worker(lane, pid)
+
+
 # ---- strikes and quarantine -----------------------------------------------------------------
 
 

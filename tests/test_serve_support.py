@@ -30,18 +30,39 @@ def server_config(store_root: str, runtime_dir: str, **overrides) -> dict:
     return {"port": 0, "install_defaults": False, "module": module, **overrides}
 
 
-class ServerProcess:
-    """`python -m host.serve --config FILE --port 0`; ready when it prints its address."""
+SERVE = [sys.executable, "-m", "host.serve"]
 
-    def __init__(self, config: dict, start_timeout_s: float = 180.0) -> None:
+
+class ServerProcess:
+    """`python -m host.serve --config FILE --port 0`; ready when it prints its address.
+
+    `command` replaces `python -m host.serve` (e.g. to run it with a module blocked), `args`
+    are appended, `env` is added to the environment. Every stdout line is kept in `lines`.
+    """
+
+    def __init__(
+        self,
+        config: dict,
+        start_timeout_s: float = 180.0,
+        command: list[str] | None = None,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.dir = tempfile.mkdtemp(prefix="syn-srv-", dir="/tmp")
         self.config_path = Path(self.dir) / "serve.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = Path(self.dir) / "server.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
+        self.lines: list[str] = []
+        self._line_seen = threading.Condition()
+        env = {
+            **os.environ,
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "passive",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "host.serve", "--config", str(self.config_path)],
+            [*(command or SERVE), "--config", str(self.config_path), *(args or [])],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -58,6 +79,9 @@ class ServerProcess:
                 line = raw.decode(errors="replace")
                 self._log.write(raw)
                 self._log.flush()
+                with self._line_seen:
+                    self.lines.append(line)
+                    self._line_seen.notify_all()
                 m = _READY.search(line)
                 if m and not found:
                     found.append(m.group(1))
@@ -73,6 +97,19 @@ class ServerProcess:
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def wait_for_line(self, needle: str, timeout_s: float = 30.0, after: int = 0) -> str:
+        """The first stdout line from index `after` on that contains `needle` (waits)."""
+        deadline = time.monotonic() + timeout_s
+        with self._line_seen:
+            while True:
+                for line in self.lines[after:]:
+                    if needle in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no line with {needle!r} in {timeout_s} s")
+                self._line_seen.wait(left)
 
     def log(self) -> str:
         if self.proc.poll() is not None:

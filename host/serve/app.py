@@ -8,8 +8,10 @@ stops and reaps every worker.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -21,11 +23,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from host.errors import SynapseError
+from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
 from host.scheduler import Scheduler
-from host.serve import completions, embeddings, rerank, status
+from host.serve import completions, embeddings, openapi, rerank, status
+from host.serve.auth import AuthenticationFailed, presented_key
 from host.serve.config import ServeConfig
 from host.serve.errors import MethodNotAllowed, NotFound, error_response
 from host.serve.state import ServerState
@@ -43,7 +46,10 @@ ENDPOINTS = {
     "/health",
     "/v1/models",
     "/metrics",
+    "/openapi.json",
 }
+# Open without a key: load balancers probe /health; tools read the API's description.
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 
 
 def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -64,7 +70,10 @@ def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Await
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        return error_response(MethodNotAllowed(f"{request.method} is not allowed here"))
+        response = error_response(MethodNotAllowed(f"{request.method} is not allowed here"))
+        if exc.headers and "Allow" in exc.headers:  # RFC 9110: say what is allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     if exc.status_code == 404:
         return error_response(NotFound(f"no route {request.url.path}"))
     err = SynapseError(str(exc.detail))
@@ -105,6 +114,65 @@ class _RequestMetrics:
             self.state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
 
 
+class _Authenticate:
+    """Pure ASGI middleware: a request to a protected path needs a configured API key.
+
+    Runs before routing, so an unauthenticated client learns nothing about which paths exist.
+    Failures are counted by reason only; the presented key goes nowhere.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self.open_paths = OPEN_PATHS | (
+            frozenset() if state.config.metrics_require_key else frozenset({"/metrics"})
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keys = self.state.keys
+        if scope["type"] != "http" or not keys.enabled or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        key = presented_key(dict(scope["headers"]))
+        if key is not None and keys.accepts(key):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing" if key is None else "invalid"
+        self.state.metrics.observe_auth_failure(reason)
+        message = (
+            "no API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            if key is None
+            else "the API key is not valid"
+        )
+        await error_response(AuthenticationFailed(message))(scope, receive, send)
+
+
+def _install_key_reload(state: ServerState) -> Callable[[], None]:
+    """SIGHUP re-reads the key file; returns the undo. Silently absent where the loop cannot
+    take signals (not the main thread, e.g. when another server hosts this app)."""
+
+    def reload() -> None:
+        ok = state.keys.reload()
+        word = f"reloaded ({len(state.keys)} keys)" if ok else "NOT reloaded (see the log)"
+        print(f"synapse serve: API keys {word}", flush=True)
+
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, ValueError, AttributeError):
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)
+
+
+def _check_aliases(config: ServeConfig, module: Module) -> None:
+    for alias, target in config.aliases.items():
+        try:
+            module.store.get(target)
+        except Exception:  # noqa: BLE001 - any failure means the alias cannot serve
+            raise ConfigInvalid(
+                f"alias {alias!r} names {target!r}, which is not an installed model"
+            ) from None
+
+
 def create_app(
     config: ServeConfig,
     on_ready: Callable[[ServerState], None] | None = None,
@@ -125,7 +193,13 @@ def create_app(
         module = Module(config.module, lane_policy)
         state.module = module
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
+        undo_reload = _install_key_reload(state)
         try:
+            try:
+                _check_aliases(config, module)
+            except ConfigInvalid as exc:
+                print(f"synapse serve: error[{exc.code}]: {exc.message}", file=sys.stderr)
+                raise
             for name in config.preload:
                 try:
                     await module.load(name)
@@ -140,6 +214,7 @@ def create_app(
                 on_ready(state)
             yield
         finally:
+            undo_reload()
             state.draining = True
             await state.scheduler.close()
             await module.close()
@@ -158,6 +233,7 @@ def create_app(
         route("/v1/models", status.list_models, ["GET"]),
         route("/v1/models/{model}", status.get_model, ["GET"]),
         route("/metrics", status.metrics, ["GET"]),
+        route("/openapi.json", openapi.serve_document, ["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -165,5 +241,6 @@ def create_app(
         exception_handlers={HTTPException: _http_error},
     )
     app.state.synapse = state
+    app.add_middleware(_Authenticate, state=state)  # inside the metrics: 401s are counted too
     app.add_middleware(_RequestMetrics, state=state)
     return app

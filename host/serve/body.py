@@ -4,24 +4,38 @@ Over the limit is a 413. A body that announces its size is refused before it is 
 that does not (chunked) is counted as it streams. Either way the rest is read and dropped up
 to `_DRAIN_LIMIT`, because a server that answers and closes while the client is still sending
 makes the client see a reset instead of the 413.
+
+A body not complete within `timeout_s` is a 408: a client that stalls mid-body must not hold
+a task and a connection forever.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from host.errors import InvalidRequest
-from host.serve.errors import PayloadTooLarge
+from host.serve.errors import PayloadTooLarge, RequestTimeout
 
 T = TypeVar("T")
 
 _DRAIN_LIMIT = 64 << 20
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body was not complete within {timeout_s:g} s"
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_large = PayloadTooLarge(
         f"request body is over the limit of {limit} bytes", limit_bytes=limit
@@ -58,15 +72,27 @@ async def _drain(request: Request, seen: int) -> None:
         return
 
 
+async def read_json(request: Request, type_: type[T], limit: int, timeout_s: float) -> T:
+    """The body under its size and time limits, decoded into `type_`."""
+    return decode(await read_body(request, limit, timeout_s), type_)
+
+
 def decode(body: bytes, type_: type[T]) -> T:
     """JSON -> struct; every failure is a 400 naming the offending field."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=type_)
+        try:
+            return msgspec.json.decode(body, type=type_)
+        except UnicodeDecodeError:
+            # The project's one sanitization rule (host/sanitize.py): invalid UTF-8 in text
+            # becomes U+FFFD. Anywhere else in the JSON it stays a 400 on the second try.
+            return msgspec.json.decode(body.decode("utf-8", "replace").encode(), type=type_)
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = text.rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in text else None
         raise InvalidRequest(f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's answer to nesting deeper than Python's stack allows
+        raise InvalidRequest("request body is nested too deeply") from None

@@ -11,6 +11,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="TCP port (default 8080; 0 picks a free one)")
     parser.add_argument("--config", help="a TOML or JSON file mapping to ServeConfig")
     parser.add_argument(
+        "--api-key-file",
+        help="API keys, one per line (SIGHUP re-reads it); keys are never taken as arguments",
+    )
+    parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
 
@@ -30,7 +34,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        key_file = getattr(args, "api_key_file", None)
+        given = (("host", args.host), ("port", args.port), ("api_key_file", key_file))
+        overrides = {k: v for k, v in given if v is not None}
         if overrides:
             config = msgspec.structs.replace(config, **overrides)
             config.__post_init__()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request
@@ -18,15 +18,24 @@ from starlette.responses import Response
 
 from host.errors import InvalidRequest, WorkerError
 from host.module import DEFAULT_GENERATE
-from host.serve.body import decode, read_body
 from host.serve.errors import Unsupported
+from host.serve.schemas import CompletionChoice, CompletionResponse, CompletionUsage
 from host.serve.state import ServerState
+
+# `prompt` decodes as Any and `_prompt` checks it; this is what it accepts (for the document).
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    ]
+}
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
-    prompt: Any
+    prompt: Annotated[Any, msgspec.Meta(extra_json_schema=_PROMPT_SCHEMA)]
     model: str | None = None
-    max_tokens: int | None = None
+    # The upper bound is the server's `max_generate_tokens`; /openapi.json states it.
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     grammar: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -83,7 +92,7 @@ def _prompt(value: Any) -> str:
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    req = decode(await read_body(request, state.config.max_body_bytes), CompletionRequest)
+    req = await state.read_json(request, CompletionRequest)
     _refuse_unsupported(req)
     prompt = _prompt(req.prompt)
     limit = state.config.module.max_generate_tokens
@@ -103,23 +112,20 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             if req.grammar is not None and exc.message.startswith("grammar"):
                 exc.details["param"] = "grammar"  # point the client at the field to fix
             raise
-    payload = {
-        "id": f"cmpl-{secrets.token_hex(12)}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": result.model,
-        "choices": [
-            {
-                "text": result.text,
-                "index": 0,
-                "finish_reason": result.finish_reason,
-                "logprobs": None,
-            }
+    body = CompletionResponse(
+        id=f"cmpl-{secrets.token_hex(12)}",
+        object="text_completion",
+        created=int(time.time()),
+        model=result.model,
+        choices=[
+            CompletionChoice(
+                text=result.text, index=0, finish_reason=result.finish_reason, logprobs=None
+            )
         ],
-        "usage": {
-            "prompt_tokens": result.n_prompt,
-            "completion_tokens": result.n_gen,
-            "total_tokens": result.n_prompt + result.n_gen,
-        },
-    }
-    return Response(msgspec.json.encode(payload), media_type="application/json")
+        usage=CompletionUsage(
+            prompt_tokens=result.n_prompt,
+            completion_tokens=result.n_gen,
+            total_tokens=result.n_prompt + result.n_gen,
+        ),
+    )
+    return Response(msgspec.json.encode(body), media_type="application/json")

@@ -29,6 +29,17 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 << 20  # -> 413 above this
     graceful_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may drain
     default_completion_tokens: int = 16  # OpenAI's default max_tokens
+    # A client that stops sending its body mid-way gets a 408 after this long, instead of
+    # holding a connection and a task forever.
+    body_timeout_s: float = 30.0
+    # API keys (host/serve/auth.py). Also from `--api-key-file` and SYNAPSE_API_KEYS; never
+    # from a command-line argument, which any local user can read in `ps`.
+    api_keys: list[str] = []
+    api_key_file: str | None = None
+    metrics_require_key: bool = False  # /metrics is open by default (scrapers), /health always
+    # Names clients send (e.g. OpenAI's) -> installed models: {"text-embedding-3-small" =
+    # "minilm-l6-v2"}. Listed by /v1/models; one level only (an alias never names an alias).
+    aliases: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -40,6 +51,18 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "scheduler.max_queue_items must be >= module.budgets.max_inputs, or a "
                 "maximal request could never be queued"
             )
+        if self.body_timeout_s <= 0:
+            raise ConfigInvalid("body_timeout_s must be > 0")
+        if any(not k.strip() for k in self.api_keys):
+            raise ConfigInvalid("api_keys: a key must not be empty")
+        for alias, target in self.aliases.items():
+            if not alias or not target:
+                raise ConfigInvalid("aliases: names and targets must not be empty")
+            if target in self.aliases:
+                raise ConfigInvalid(
+                    f"aliases: {alias!r} -> {target!r}, which is itself an alias; name the "
+                    "installed model directly"
+                )
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -10,7 +10,7 @@ fine; anything else is a 400 rather than a silently degraded vector.
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -19,15 +19,27 @@ from starlette.responses import Response
 
 from host.errors import InvalidRequest
 from host.module import DEFAULT_EMBED
-from host.serve.body import decode, read_body
+from host.serve.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from host.serve.state import ServerState
+
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# `input` decodes as Any (msgspec allows one array type per union) and `parse_input` checks it;
+# this is what it accepts, for the OpenAPI document.
+_INPUT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKENS,
+        {"type": "array", "items": _TOKENS, "minItems": 1},
+    ]
+}
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: Any
+    input: Annotated[Any, msgspec.Meta(extra_json_schema=_INPUT_SCHEMA)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: Any = None  # accepted and ignored, as the issue asks
 
 
@@ -90,11 +102,8 @@ def _encode_vector(row: np.ndarray, fmt: str) -> list[float] | str:
 
 
 async def create_embeddings(request: Request, state: ServerState) -> Response:
-    body = await read_body(request, state.config.max_body_bytes)
-    req = decode(body, EmbeddingRequest)
+    req = await state.read_json(request, EmbeddingRequest)
     texts, token_arrays = parse_input(req.input)
-    if req.dimensions is not None and req.dimensions < 1:
-        raise InvalidRequest("dimensions must be >= 1", param="dimensions")
     model = state.resolve(req.model, DEFAULT_EMBED)
     sched = state.scheduler
     assert sched is not None
@@ -106,15 +115,14 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
         result.vectors, req.dimensions, model, model in state.config.matryoshka_models
     )
     fmt = req.encoding_format
-    data = [
-        {"object": "embedding", "index": i, "embedding": _encode_vector(row, fmt)}
-        for i, row in enumerate(vectors)
-    ]
     tokens = result.total_tokens
-    payload = {
-        "object": "list",
-        "data": data,
-        "model": result.model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return Response(msgspec.json.encode(payload), media_type="application/json")
+    body = EmbeddingResponse(
+        object="list",
+        data=[
+            EmbeddingData(object="embedding", index=i, embedding=_encode_vector(row, fmt))
+            for i, row in enumerate(vectors)
+        ],
+        model=result.model,
+        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+    return Response(msgspec.json.encode(body), media_type="application/json")

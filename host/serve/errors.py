@@ -36,7 +36,16 @@ class MethodNotAllowed(SynapseError):
     http_status = 405
 
 
+class RequestTimeout(SynapseError):
+    """The client did not finish sending its body in time."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
 def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
     if status == 429:
         return "rate_limit_error"
     if status < 500:
@@ -74,6 +83,10 @@ def error_response(exc: SynapseError) -> Response:
     after = retry_after(exc)
     if after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(after)))
+    if exc.http_status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if exc.http_status == 408:  # the body never ended: the stream cannot carry another request
+        headers["Connection"] = "close"
     if exc.http_status >= 500:
         log.warning("%s %s: %s", exc.http_status, exc.code, exc.message)
     return Response(

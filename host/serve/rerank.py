@@ -10,13 +10,23 @@ header (TEI's body is a bare list).
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.module import DEFAULT_EMBED, RerankResult
-from host.serve.body import decode, read_body
+from host.module import DEFAULT_EMBED
+from host.module import RerankResult as Ranked
+from host.serve.schemas import (
+    BilledUnits,
+    EmbeddingUsage,
+    RerankedDocument,
+    RerankMeta,
+    RerankResponse,
+    RerankResult,
+    TeiRerankItem,
+)
 from host.serve.state import ServerState
 
 BI_ENCODER_NOTE = (
@@ -31,23 +41,23 @@ class Document(msgspec.Struct):
 
 class RerankRequest(msgspec.Struct, kw_only=True):
     query: str
-    documents: list[str | Document]
+    documents: Annotated[list[str | Document], msgspec.Meta(min_length=1)]
     model: str | None = None
-    top_n: int | None = None
+    top_n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     return_documents: bool = True
     truncate: bool = True  # extension: over-long pairs are cut, not refused
 
 
 class TeiRerankRequest(msgspec.Struct, kw_only=True):
     query: str
-    texts: list[str]
+    texts: Annotated[list[str], msgspec.Meta(min_length=1)]
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool = True
     model: str | None = None  # extension: TEI serves one model
 
 
-def _score(result: RerankResult, raw: float, raw_scores: bool) -> float:
+def _score(result: Ranked, raw: float, raw_scores: bool) -> float:
     if result.method == "cross-encoder" and not raw_scores:
         return 1.0 / (1.0 + math.exp(-raw))
     return raw
@@ -57,7 +67,7 @@ def _json(payload: object, headers: dict | None = None) -> Response:
     return Response(msgspec.json.encode(payload), media_type="application/json", headers=headers)
 
 
-async def _rerank(state: ServerState, model, query, docs, top_n, truncate) -> RerankResult:
+async def _rerank(state: ServerState, model, query, docs, top_n, truncate) -> Ranked:
     name = state.resolve(model, DEFAULT_EMBED)
     assert state.module is not None and state.scheduler is not None
     with state.scheduler.slot("rerank"):
@@ -65,33 +75,38 @@ async def _rerank(state: ServerState, model, query, docs, top_n, truncate) -> Re
 
 
 async def rerank_v1(request: Request, state: ServerState) -> Response:
-    req = decode(await read_body(request, state.config.max_body_bytes), RerankRequest)
+    req = await state.read_json(request, RerankRequest)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     result = await _rerank(state, req.model, req.query, docs, req.top_n, req.truncate)
-    results = []
-    for index, raw in result.results:
-        item: dict = {"index": index, "relevance_score": _score(result, raw, False)}
-        if req.return_documents:
-            item["document"] = {"text": docs[index]}
-        results.append(item)
-    meta: dict = {
-        "method": result.method,
-        "billed_units": {"input_tokens": result.usage.total_tokens},
-    }
-    if result.method == "bi-encoder-cosine":
-        meta["warning"] = BI_ENCODER_NOTE
-    usage = {"prompt_tokens": result.usage.prompt_tokens, "total_tokens": result.usage.total_tokens}
-    return _json({"model": result.model, "results": results, "usage": usage, "meta": meta})
+    results = [
+        RerankResult(
+            index=index,
+            relevance_score=_score(result, raw, False),
+            document=RerankedDocument(text=docs[index]) if req.return_documents else None,
+        )
+        for index, raw in result.results
+    ]
+    meta = RerankMeta(
+        method=result.method,
+        billed_units=BilledUnits(input_tokens=result.usage.total_tokens),
+        warning=BI_ENCODER_NOTE if result.method == "bi-encoder-cosine" else None,
+    )
+    usage = EmbeddingUsage(
+        prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens
+    )
+    return _json(RerankResponse(model=result.model, results=results, usage=usage, meta=meta))
 
 
 async def rerank_tei(request: Request, state: ServerState) -> Response:
-    req = decode(await read_body(request, state.config.max_body_bytes), TeiRerankRequest)
+    req = await state.read_json(request, TeiRerankRequest)
     result = await _rerank(state, req.model, req.query, req.texts, None, req.truncate)
-    out = []
-    for index, raw in result.results:
-        item: dict = {"index": index, "score": _score(result, raw, req.raw_scores)}
-        if req.return_text:
-            item["text"] = req.texts[index]
-        out.append(item)
+    out = [
+        TeiRerankItem(
+            index=index,
+            score=_score(result, raw, req.raw_scores),
+            text=req.texts[index] if req.return_text else None,
+        )
+        for index, raw in result.results
+    ]
     headers = {"X-Synapse-Rerank-Method": result.method, "X-Synapse-Model": result.model}
     return _json(out, headers)

@@ -17,7 +17,10 @@ import sys
 
 import uvicorn
 
+from host.errors import SynapseError
+from host.eventloop import http_name, loop_name
 from host.serve.app import create_app
+from host.serve.auth import exposure_warning
 from host.serve.config import ServeConfig
 from host.serve.state import ServerState
 
@@ -48,9 +51,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> int:
-    sock = bind(config.host, config.port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     states: list[ServerState] = []
 
     def ready(state: ServerState) -> None:
@@ -60,9 +60,23 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
     def stopped(state: ServerState) -> None:
         print("synapse serve: stopped; workers reaped", flush=True)
 
-    app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
+    try:
+        app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
+    except SynapseError as exc:  # e.g. an unreadable API key file: never start open
+        print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2
+    warning = exposure_warning(config.host, app.state.synapse.keys)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+    loop, http = loop_name(), http_name()
+    print(f"synapse serve: event loop {loop}, http {http}", flush=True)
+    sock = bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     uv_config = uvicorn.Config(
         app,
+        loop=loop,
+        http=http,
         log_level=log_level,
         access_log=False,
         lifespan="on",

@@ -1,8 +1,11 @@
-"""What every handler shares: config, module, scheduler, metrics, and the draining flag."""
+"""What every handler shares: config, keys, module, scheduler, metrics, and the draining flag."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
 
 from host.artifacts.errors import ArtifactError, ArtifactNotFound
 from host.artifacts.errors import InvalidRequest as BadName
@@ -10,7 +13,11 @@ from host.errors import ConfigInvalid, ModelNotFound
 from host.metrics import Metrics
 from host.module import Module
 from host.scheduler import Scheduler
+from host.serve.auth import ApiKeys
+from host.serve.body import read_json
 from host.serve.config import ServeConfig
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -20,18 +27,30 @@ class ServerState:
     scheduler: Scheduler | None = None
     draining: bool = False
     metrics: Metrics = field(init=False)
+    keys: ApiKeys = field(init=False)
     _known: set[str] = field(default_factory=set)
+    _openapi: tuple[bool, bytes] | None = None  # (auth enabled, encoded document)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(lambda: self.module, lambda: self.scheduler)
+        # Raises ConfigInvalid when the key file cannot be read: the server must not start
+        # open because a file it was told to use is missing.
+        self.keys = ApiKeys(self.config.api_keys, self.config.api_key_file)
+
+    async def read_json(self, request: Request, type_: type[T]) -> T:
+        """The request's body under the configured size and time limits, as `type_`."""
+        cfg = self.config
+        return await read_json(request, type_, cfg.max_body_bytes, cfg.body_timeout_s)
 
     def resolve(self, name: str | None, default: str) -> str:
-        """The model a request names, or a 404 before any lane is touched.
+        """The installed model a request names (directly or by alias), or a 404 before any
+        lane is touched.
 
         A name the store rejects as malformed is also a 404 (not the module's 500): to a
         client it is simply a model that does not exist.
         """
         model = name or default
+        model = self.config.aliases.get(model, model)
         if model in self._known:
             return model
         assert self.module is not None
@@ -39,10 +58,16 @@ class ServerState:
             self.module.store.get(model)
         except (ArtifactNotFound, BadName):
             raise ModelNotFound(
-                f"model {model!r} does not exist; GET /v1/models lists the installed ones",
+                f"model {name or default!r} does not exist; available: "
+                f"{', '.join(self.available_names())}",
                 param="model",
             ) from None
         except ArtifactError as exc:  # installed but damaged: the operator's problem
             raise ConfigInvalid(f"model {model!r}: {exc.msg}") from None
         self._known.add(model)
         return model
+
+    def available_names(self) -> list[str]:
+        """Installed models, then aliases: what a 404 tells the client it may ask for."""
+        assert self.module is not None
+        return sorted(r.name for r in self.module.store.ls()) + sorted(self.config.aliases)

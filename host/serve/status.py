@@ -72,20 +72,35 @@ def _model_entry(record, loaded: set[str], module) -> dict:
     }
 
 
-async def list_models(request: Request, state: ServerState) -> Response:
+def _alias_entry(alias: str, target: dict) -> dict:
+    """An alias is listed like the model it names, plus `alias_for`."""
+    return {**target, "id": alias, "alias_for": target["id"]}
+
+
+def _all_entries(state: ServerState) -> list[dict]:
     assert state.module is not None
     loaded = set(state.module.models())
-    data = [_model_entry(r, loaded, state.module) for r in state.module.store.ls()]
-    return _json({"object": "list", "data": data})
+    entries = [_model_entry(r, loaded, state.module) for r in state.module.store.ls()]
+    by_name = {e["id"]: e for e in entries}
+    for alias, target in sorted(state.config.aliases.items()):
+        if target in by_name:  # start-up refuses aliases to models that are not installed
+            entries.append(_alias_entry(alias, by_name[target]))
+    return entries
+
+
+async def list_models(request: Request, state: ServerState) -> Response:
+    return _json({"object": "list", "data": _all_entries(state)})
 
 
 async def get_model(request: Request, state: ServerState) -> Response:
-    assert state.module is not None
     name = request.path_params["model"]
-    for record in state.module.store.ls():
-        if record.name == name:
-            return _json(_model_entry(record, set(state.module.models()), state.module))
-    raise ModelNotFound(f"model {name!r} does not exist", param="model")
+    for entry in _all_entries(state):
+        if entry["id"] == name:
+            return _json(entry)
+    raise ModelNotFound(
+        f"model {name!r} does not exist; available: {', '.join(state.available_names())}",
+        param="model",
+    )
 
 
 async def metrics(request: Request, state: ServerState) -> Response:

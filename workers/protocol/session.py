@@ -53,31 +53,34 @@ class State(enum.Enum):
 
 
 # ---- events ---------------------------------------------------------------------------------
+# Plain slotted dataclasses, not frozen ones: one is built per frame on the request path, and a
+# frozen dataclass's __init__ (object.__setattr__ per field) costs twice as much. Treat them
+# as immutable all the same.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HelloReceived:
     hello: m.HELLO
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProgressReceived:
     progress: m.PROGRESS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplyReceived:
     reply: object  # a reply struct or m.ERR
     raw: bytes | bytearray | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestReceived:
     request: object
     raw: bytes | bytearray | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ShutdownReceived:
     pass
 
@@ -191,7 +194,7 @@ class HostSession(_Base):
         if self.state is not State.REQUEST:
             raise ProtocolError(f"unsolicited {m.message_name(msg)} in state {self.state.value}")
         assert self.current is not None
-        if isinstance(msg, m.PROGRESS):
+        if type(msg) is m.PROGRESS:  # exact type: see payloads.py on isinstance and Structs
             self.current.check_progress(msg)
             return ProgressReceived(msg)
         return self._receive_reply(msg)
@@ -215,10 +218,10 @@ class HostSession(_Base):
                 f"{m.message_name(msg)} for req_id {getattr(msg, 'req_id', None)}, "
                 f"expected {req_id}"
             )
-        expected = m.REPLY_FOR[type(req)]
-        if not isinstance(msg, expected | m.ERR):
+        kind = type(msg)
+        if kind is not m.REPLY_FOR[type(req)] and kind is not m.ERR:
             raise ProtocolError(f"{m.message_name(msg)} does not answer {m.message_name(req)}")
-        if isinstance(msg, m.VECTORS) and isinstance(req, m.EMBED_BATCH):
+        if kind is m.VECTORS and type(req) is m.EMBED_BATCH:
             if msg.n != len(req.items):
                 raise ProtocolError(f"VECTORS n={msg.n} for {len(req.items)} items")
         floats = payloads.reply_payload_floats(msg, req)

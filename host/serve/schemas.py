@@ -1,0 +1,155 @@
+"""Response bodies as msgspec structs: the handlers encode these, and `/openapi.json` is
+generated from them (with the request structs the handlers decode). One definition each, so the
+document cannot drift from what the server sends.
+
+Optional fields default to None and are omitted when None (`omit_defaults`), so the document
+marks them not-required; a field that is always sent, even as null, has no default. No struct
+forbids extra fields: a client must accept additions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+class ErrorDetail(_Body):
+    message: str
+    type: str  # invalid_request_error | authentication_error | rate_limit_error | server_error
+    code: str  # the typed code from host.errors (invalid_request, engine_crashed, ...)
+    param: str | None  # the offending field, when there is one (always present, maybe null)
+    lane_id: str | None = None
+    quarantined: bool | None = None
+    retry_after_s: float | None = None
+    limit_bytes: int | None = None
+
+
+class ErrorResponse(_Body):
+    error: ErrorDetail
+
+
+# ---- embeddings --------------------------------------------------------------------------------
+
+
+class EmbeddingData(_Body):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 little-endian float32
+
+
+class EmbeddingUsage(_Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Body):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---- rerank ------------------------------------------------------------------------------------
+
+
+class RerankedDocument(_Body):
+    text: str
+
+
+class RerankResult(_Body):
+    index: int
+    relevance_score: float
+    document: RerankedDocument | None = None
+
+
+class BilledUnits(_Body):
+    input_tokens: int
+
+
+class RerankMeta(_Body):
+    method: Literal["cross-encoder", "bi-encoder-cosine"]
+    billed_units: BilledUnits
+    warning: str | None = None
+
+
+class RerankResponse(_Body):
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+    meta: RerankMeta
+
+
+class TeiRerankItem(_Body):
+    index: int
+    score: float
+    text: str | None = None
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+
+class CompletionChoice(_Body):
+    text: str
+    index: int
+    finish_reason: str
+    logprobs: None  # always null: logprobs are not supported
+
+
+class CompletionUsage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+# ---- status (host/serve/status.py builds these as dicts; the live fuzz test holds them to
+# these shapes) ---------------------------------------------------------------------------------
+
+
+class LaneHealth(_Body):
+    lane_id: str
+    status: str  # ready | busy | starting | down | quarantined | stopped
+    pid: int | None
+    strikes: int
+    quarantined: bool
+    retry_after_s: float | None
+    restarts: int
+    checked_age_s: float | None
+
+
+class HealthResponse(_Body):
+    status: Literal["ok", "degraded", "draining", "starting"]
+    lanes: dict[str, LaneHealth]
+
+
+class ModelEntry(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    kind: str
+    dims: int | None
+    max_tokens: int
+    loaded: bool
+    alias_for: str | None = None  # set on aliases: the installed model this name serves
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[ModelEntry]
