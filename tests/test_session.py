@@ -105,6 +105,9 @@ def test_req_id_reuse_is_refused():
     s.receive_frame(m.encode(m.PONG(req_id=5, rss_mb=1.0)))
     with pytest.raises(ProtocolError, match="reused"):
         s.start_request(m.PING(req_id=5))
+    with pytest.raises(ProtocolError, match="reused"):
+        s.start_request(m.PING(req_id=4))  # an older id is a reuse as well
+    s.start_request(m.PING(req_id=6))
 
 
 @pytest.mark.parametrize(

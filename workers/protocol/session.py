@@ -149,7 +149,9 @@ class HostSession(_Base):
         self.current: RequestTracker | None = None
         self._pending_reply: object | None = None
         self._raw_count = 0
-        self._used_req_ids: set[int] = set()
+        # req_ids are unique per connection; the host issues them increasing, so remembering
+        # the last one enforces uniqueness in O(1) memory for a connection's whole life.
+        self._last_req_id = -1
 
     # -- host actions --
 
@@ -164,14 +166,17 @@ class HostSession(_Base):
         """Record `req` as in flight. `raw_len` is the byte length of its raw frame."""
         self._expect(State.IDLE)
         req_id = req.req_id  # type: ignore[attr-defined]
-        if req_id in self._used_req_ids:
-            raise ProtocolError(f"req_id {req_id} reused on this connection")
+        if req_id <= self._last_req_id:
+            raise ProtocolError(
+                f"req_id {req_id} reused on this connection (ids increase; last was "
+                f"{self._last_req_id})"
+            )
         tokens = payloads.request_payload_tokens(req)
         if (tokens is None) != (raw_len is None):
             raise ProtocolError(f"{m.message_name(req)}: raw frame presence does not match")
         if tokens is not None and raw_len is not None:
             payloads.check_raw_length(raw_len, tokens, 4, m.message_name(req))
-        self._used_req_ids.add(req_id)
+        self._last_req_id = req_id
         self.current = RequestTracker(req, phases_for(req))
         self.state = State.REQUEST
         return self.current
