@@ -1,9 +1,10 @@
 """The host-side Unix socket a worker connects to, and who is on the other end.
 
 The HOST creates the listener before spawning (so a crash-looping worker never races a stale
-socket file): `<runtime_dir>/synapse/workers/<worker_id>.sock`, directory 0700, socket 0600,
-a stale file unlinked first. Peer credentials: same uid, and the peer process must be the
-spawned child or in its process group (a shell wrapper may exec or fork the real worker).
+socket file): `<runtime_dir>/synapse/workers/<worker_id>.<random>.sock`, directory 0700,
+socket 0600, a stale file unlinked first. Peer credentials: same uid, and the peer process
+must be the spawned child or in its process group (a shell wrapper may exec or fork the real
+worker).
 """
 
 from __future__ import annotations
