@@ -43,6 +43,8 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--no-truncate", action="store_true",
                        help="a text over the model's limit is a row error, not cut")
     embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--window-rows", type=_positive, default=4096,
+                       help="rows per commit and per output row group (default 4096)")
     embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                        help="run on Ray Data: a local Ray, or the cluster at ADDRESS")
     embed.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -99,15 +101,16 @@ def _options(args: argparse.Namespace):
         text_field=args.text_field, id_field=args.id_field,
         workers=args.workers or default_workers(), resume=args.resume,
         max_errors=args.max_errors, normalize=not args.no_normalize,
-        truncate=not args.no_truncate,
+        truncate=not args.no_truncate, window_rows=args.window_rows,
     )
 
 
 def _run_local(args: argparse.Namespace):
-    from batch.job import run_job
+    from batch.job import run_job, validate
     from host.commands import ensure_defaults
 
     opts = _options(args)
+    validate(opts)  # usage errors before the models are installed or a worker starts
     ensure_defaults()
     return _run_interruptible(run_job(opts), opts.output)
 

@@ -14,6 +14,7 @@ import msgspec
 from host.errors import ConfigInvalid
 from host.module import DEFAULT_EMBED, ModuleConfig
 from host.scheduler import SchedulerConfig
+from host.serve.ray_settings import RaySettings
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +30,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 << 20  # -> 413 above this
     graceful_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may drain
     default_completion_tokens: int = 16  # OpenAI's default max_tokens
+    ray: RaySettings = msgspec.field(default_factory=RaySettings)  # `serve --ray` only
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
