@@ -114,17 +114,22 @@ def stop() -> None:
 
 
 def serve_on_ray(config: ServeConfig, address: str | None) -> int:
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+    import ray
+
     try:
         url = start(config, address)
     except Exception as exc:  # noqa: BLE001 - one line, not a Ray traceback
         print(f"synapse serve: Ray Serve failed to start: {exc}", file=sys.stderr)
         return 3
+    # After ray.init, which installs its own SIGTERM handler (exit at once, no reaping).
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     n = config.ray.autoscaling or config.ray.num_replicas
     print(f"synapse serve: listening on {url} (Ray Serve, replicas: {n})", flush=True)
     stopping.wait()
     stop()
+    if address is None:
+        ray.shutdown()  # the local Ray we started
     print("synapse serve: stopped; workers reaped", flush=True)
     return 0
