@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,6 +39,7 @@ from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
 from batch.job import JobOptions, JobSummary, validate
 from batch.output import merge_parts, output_schema, publish_copy
 from batch.rows import InputSpec, Row, read_rows
+from host.module import ModuleConfig
 
 # Engines own the cores; reading rows and writing Parquet are I/O and ask for little CPU, so
 # they are never starved by the actors (Ray's CPU accounting is logical).
@@ -100,8 +102,10 @@ def _rows_table(rows: list[Row]) -> pa.Table:
 class EmbedActor:
     """One engine per actor: a `Module` whose supervised worker runs on the actor's node."""
 
-    def __init__(self, model, lane, normalize, truncate, store_root, planned_workers,
-                 runtime_config=None) -> None:
+    def __init__(self, model, lane, normalize, truncate, module_config: bytes,
+                 planned_workers, runtime_config=None) -> None:
+        import msgspec
+
         from batch.embedder import LaneEmbedder
         from batch.metadata import describe
         from host.module import Module, ModuleConfig
@@ -109,7 +113,8 @@ class EmbedActor:
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        config = ModuleConfig(store_root=store_root, planned_workers=planned_workers)
+        config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
+        config = msgspec.structs.replace(config, planned_workers=planned_workers)
         self.module = Module(config)
         self.embedder = LaneEmbedder(self.module, model, lane, normalize, runtime_config)
         self._run(self.embedder.start())
@@ -247,7 +252,7 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: in
         fn_constructor_kwargs={
             "model": opts.model, "lane": opts.lane, "normalize": opts.normalize,
             "truncate": opts.truncate,
-            "store_root": opts.module.store_root if opts.module else None,
+            "module_config": msgspec.json.encode(opts.module or ModuleConfig()),
             "planned_workers": max(1, min(workers, cores)),
             "runtime_config": opts.runtime_config,
         },
