@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batch.errors import ENGINE_CRASHED, JobAborted
+from batch.errors import JobAborted
 from host.errors import EngineCrashed
 from host.module import DEFAULT_EMBED, Module
 from host.tokenization import Tokenizer
@@ -127,5 +127,3 @@ def _crash_message(exc: EngineCrashed) -> str:
     last = f" (worker's last words: {tail[0][:200]})" if tail else ""
     return f"this row crashed the engine twice: {exc.message}{last}"
 
-
-ENGINE_CRASHED_CODE = ENGINE_CRASHED
