@@ -30,6 +30,7 @@ from batch.output import make_table, merge_parts, output_schema, publish_copy
 from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
+from host.errors import SynapseError
 from host.module import Module, ModuleConfig
 
 log = logging.getLogger("synapse.batch")
@@ -213,7 +214,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress) -> 
         async with asyncio.TaskGroup() as tg:
             runners = [tg.create_task(runner(e)) for e in embedders]
             await tg.create_task(_supervise(committer(), runners))
-    except* (JobAborted, BatchUsageError) as group:
+    except* SynapseError as group:  # typed errors reach the CLI as themselves
         raise group.exceptions[0] from None
     finally:
         stop_reader.set()

@@ -230,7 +230,11 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
         resources = {"ane": 1}
     cores = os.cpu_count() or 1
     try:
-        _execute(spec, opts, scratch, workers, resources, cores)
+        try:
+            _execute(spec, opts, scratch, workers, resources, cores)
+        except (ray.exceptions.RayError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise JobAborted(f"the Ray job failed: {first}") from exc
         summary = _merge(opts, scratch, output, t0, timings)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
