@@ -1,11 +1,14 @@
 """`synapse serve --ray` on the session's local Ray: two replicas behind Ray's HTTP proxy,
-the official `openai` client, a real worker SIGKILL under concurrent load, and shutdown."""
+the official `openai` client, a real worker SIGKILL under concurrent load, and a SIGTERM of
+the driver that leaves no worker behind."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +17,6 @@ import httpx
 import openai
 import pytest
 
-from host.config import HostConfig
-from host.module import ModuleConfig
-from host.serve.config import ServeConfig
-from host.serve.ray_settings import RaySettings
 from tests.ray_support import wait_gone
 
 MODEL = "minilm-l6-v2"
@@ -41,22 +40,35 @@ def health_by_replica(url: str, replicas: int, timeout_s: float = 60) -> dict[st
 
 
 @pytest.fixture
-def ray_serve(ray_session, store_root):
-    from host.serve import ray_deployment
-
+def ray_serve(ray_session, store_root, tmp_path):
+    """`synapse serve --ray ADDRESS` in a subprocess, joined to the session's Ray; stopped
+    with SIGTERM, which must shut Serve down and reap every worker of every replica."""
     runtime_dir = tempfile.mkdtemp(prefix="syns-", dir="/tmp")
-    config = ServeConfig(
-        port=free_port(),
-        install_defaults=False,
-        module=ModuleConfig(store_root=store_root, host=HostConfig(runtime_dir=runtime_dir)),
-        ray=RaySettings(num_replicas=2, replica_cpus=0.5, max_ongoing_requests=32),
+    port = free_port()
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f"port = {port}\ninstall_defaults = false\n"
+        f"[module]\nstore_root = \"{store_root}\"\n"
+        f"[module.host]\nruntime_dir = \"{runtime_dir}\"\n"
+        f"[ray]\nnum_replicas = 2\nreplica_cpus = 0.5\nmax_ongoing_requests = 32\n"
     )
-    url = ray_deployment.start(config)
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "host.cli", "serve", "--ray", address, "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
     try:
-        yield url, runtime_dir
+        for line in proc.stdout:  # the readiness line, once both replicas are up
+            if line.startswith("synapse serve: listening on"):
+                break
+        else:
+            raise AssertionError(f"serve --ray exited {proc.wait()} before listening")
+        yield f"http://127.0.0.1:{port}", runtime_dir
     finally:
-        ray_deployment.stop()
-    assert not wait_gone(runtime_dir, timeout_s=30), "an engine worker outlived serve.shutdown()"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "stopped; workers reaped" in out, out
+    assert not wait_gone(runtime_dir, timeout_s=30), "an engine worker outlived the shutdown"
 
 
 def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker(ray_serve):
