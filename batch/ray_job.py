@@ -41,6 +41,10 @@ from batch.output import merge_parts, output_schema, publish_copy
 from batch.rows import InputSpec, Row, read_rows
 from host.module import ModuleConfig
 
+# Ray reports usage statistics to its authors by default; ours never phones home (an
+# operator may still opt in by setting the variable).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 # Engines own the cores; reading rows and writing Parquet are I/O and ask for little CPU, so
 # they are never starved by the actors (Ray's CPU accounting is logical).
 _IO_CPUS = 0.1

@@ -10,6 +10,7 @@ import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the test Ray never phones home
 
 
 @pytest.fixture

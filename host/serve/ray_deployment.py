@@ -16,6 +16,7 @@ exits on its own when its socket closes.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from host.serve.app import create_app
 from host.serve.config import ServeConfig
+
+# Ray reports usage statistics to its authors by default; ours never phones home (an
+# operator may still opt in by setting the variable).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPLICA_HEADER = "x-synapse-replica"
 APP_NAME = "synapse"
