@@ -49,7 +49,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # they are never starved by the actors (Ray's CPU accounting is logical).
 _IO_CPUS = 0.1
 _ACTOR_CPUS = 0.9
-_READ_BLOCK_ROWS = 2048
+# Rows per read block and per actor call: small enough that batches spread evenly over the
+# actors and the first rows come out early, large enough for length-aware batching.
+_READ_BLOCK_ROWS = 1024
+_ACTOR_BATCH_ROWS = 1024
 
 
 def node_resources() -> dict[str, float]:
@@ -253,7 +256,7 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: in
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",
-        batch_size=opts.window_rows,
+        batch_size=min(opts.window_rows, _ACTOR_BATCH_ROWS),
         concurrency=workers,
         num_cpus=_ACTOR_CPUS,
         resources=resources or None,
