@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -34,14 +35,30 @@ def wait_gone(marker: str, timeout_s: float = 30.0) -> list[psutil.Process]:
     return alive
 
 
-def start_ray():
+def start_ray(attempts: int = 3):
+    """ray.init, retried: on a loaded 2-core machine Ray's raylet can give up waiting for its
+    own agents (a hard-coded startup wait) before they come up; a failed start is cleaned up
+    (its processes killed, its dir removed) before the next attempt."""
     import ray
 
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    started = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             configure_logging=False)
-    return ray, temp_dir, time.monotonic() - started
+    # The agents report their ports within this window (Ray's default is far shorter).
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    for attempt in range(1, attempts + 1):
+        temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        started = time.monotonic()
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     _temp_dir=temp_dir, configure_logging=False)
+            return ray, temp_dir, time.monotonic() - started
+        except Exception as exc:
+            if attempt == attempts or "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
+            for proc in our_processes(temp_dir):
+                proc.kill()
+            wait_gone(temp_dir, timeout_s=10)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    raise AssertionError("unreachable")
 
 
 def stop_ray(ray, temp_dir: str) -> list[psutil.Process]:
