@@ -68,32 +68,40 @@ def _row_schema() -> pa.Schema:
 
 
 class RowsDatasource(Datasource):
-    """A Ray Data source over `batch.rows`: one read task streaming blocks of rows."""
+    """A Ray Data source over `batch.rows`: `stripes` read tasks, task k keeping the k-th of
+    every `stripes` blocks of rows. Each task parses the whole input (cheap next to
+    embedding), so every actor gets blocks from the start instead of one task feeding one
+    actor; the rows and their line numbers are exactly the local job's."""
 
-    def __init__(self, spec: InputSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: InputSpec, stripes: int = 1,
+                 block_rows: int = _READ_BLOCK_ROWS) -> None:
+        self.spec, self.stripes, self.block_rows = spec, max(1, stripes), block_rows
 
     def estimate_inmemory_data_size(self):
         return None
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-        spec = self.spec
+        spec, n, rows = self.spec, self.stripes, self.block_rows
         meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None,
                              input_files=(spec.path,))
-        return [ReadTask(lambda: _read_blocks(spec), meta, schema=_row_schema())]
+        return [ReadTask(lambda k=k: _read_blocks(spec, k, n, rows), meta,
+                         schema=_row_schema()) for k in range(n)]
 
     def get_name(self) -> str:
         return "SynapseRows"
 
 
-def _read_blocks(spec: InputSpec):
+def _read_blocks(spec: InputSpec, stripe: int = 0, stripes: int = 1,
+                 block_rows: int = _READ_BLOCK_ROWS):
     buf: list[Row] = []
+    block = 0
     for row in read_rows(spec):
         buf.append(row)
-        if len(buf) >= _READ_BLOCK_ROWS:
-            yield _rows_table(buf)
-            buf = []
-    if buf:
+        if len(buf) >= block_rows:
+            if block % stripes == stripe:
+                yield _rows_table(buf)
+            buf, block = [], block + 1
+    if buf and block % stripes == stripe:
         yield _rows_table(buf)
 
 
@@ -251,12 +259,13 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
 def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: int) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # rows come out in input order
-    ds = ray.data.read_datasource(RowsDatasource(spec), num_cpus=_IO_CPUS,
-                                  override_num_blocks=1)
+    rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
+    ds = ray.data.read_datasource(RowsDatasource(spec, workers, rows), num_cpus=_IO_CPUS,
+                                  override_num_blocks=workers)
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",
-        batch_size=min(opts.window_rows, _ACTOR_BATCH_ROWS),
+        batch_size=rows,
         concurrency=workers,
         num_cpus=_ACTOR_CPUS,
         resources=resources or None,
@@ -268,7 +277,9 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: in
             "runtime_config": opts.runtime_config,
         },
     )
-    ds.write_parquet(str(scratch), ray_remote_args={"num_cpus": _IO_CPUS})
+    # At most one actor batch a file: files then sort by their first line into input order.
+    ds.write_parquet(str(scratch), max_rows_per_file=rows,
+                     ray_remote_args={"num_cpus": _IO_CPUS})
 
 
 def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
@@ -283,7 +294,7 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
     first_done = None
     with open(errors_tmp, "w") as err_out:
         for f in files:
-            table = pq.read_table(f)
+            table = pq.read_table(f).sort_by("line")
             if table.num_rows == 0:
                 continue
             metas.update(table.column("_meta").unique().to_pylist())

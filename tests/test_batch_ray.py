@@ -34,7 +34,7 @@ def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, t
     timings: dict = {}
     remote = run_ray_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
                                  tmp_path / "ray.parquet", window_rows=32),
-                         address=None, workers=1, timings=timings)
+                         address=None, workers=2, timings=timings)  # 2 actors, 3 blocks
     assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors,
                                                             local.tokens) == (90, 2, local.tokens)
     (lt, lids), (rt, rids) = read_output(tmp_path / "local.parquet"), read_output(
