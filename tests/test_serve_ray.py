@@ -114,3 +114,23 @@ def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker
         time.sleep(0.2)
     assert lane["restarts"] >= 1
     assert len(client.embeddings.create(model=MODEL, input=["after"]).data) == 1
+
+
+def test_the_ray_table_of_the_serve_config_is_checked(tmp_path):
+    from host.errors import ConfigInvalid
+    from host.serve.config import load_config
+    from host.serve.ray_deployment import synapse_deployment
+
+    for body, message in [("num_replicas = 0", "num_replicas must be >= 1"),
+                          ("max_ongoing_requests = 0", "max_ongoing_requests must be >= 1"),
+                          ("replicas = 2", "replicas")]:
+        (tmp_path / "c.toml").write_text(f"[ray]\n{body}\n")
+        with pytest.raises(ConfigInvalid, match=message):
+            load_config(tmp_path / "c.toml")
+    (tmp_path / "c.toml").write_text(
+        "[ray]\nmax_ongoing_requests = 8\n"
+        "autoscaling = {min_replicas = 1, max_replicas = 3}\n")
+    app = synapse_deployment(load_config(tmp_path / "c.toml"))
+    config = app._bound_deployment._deployment_config
+    assert config.max_ongoing_requests == 8
+    assert config.autoscaling_config.max_replicas == 3
