@@ -1,6 +1,6 @@
 """`synapse batch embed --ray [ADDRESS]`: the same job on Ray Data.
 
-    read_datasource(RowsDatasource)          the local job's reader and row rules, in a task
+    read_datasource(RowsDatasource)          the local job's reader and row rules, striped
     .map_batches(EmbedActor, concurrency=N)  each actor starts a `Module` (supervised workers
                                              on its node, tokenization included)
     .write_parquet(OUTPUT.ray/)              on the nodes; rows carry their errors
