@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(sub)
 
+    from batch.cli import add_batch_parser
+
+    add_batch_parser(sub)
+
     from host.serve.cli import add_serve_parser
 
     add_serve_parser(sub)

@@ -1,8 +1,9 @@
 """The host-side Unix socket a worker connects to, and who is on the other end.
 
 The HOST creates the listener before spawning (so a crash-looping worker never races a stale
-socket file): `<runtime_dir>/synapse/workers/<worker_id>.sock`, directory 0700, socket 0600,
-a stale file unlinked first. macOS allows only 104 bytes and its $TMPDIR alone is ~50 (60 on
+socket file): `<runtime_dir>/synapse/workers/<worker_id>.<random>.sock`, directory 0700,
+socket 0600, a stale file unlinked first (the random part: two hosts may run lanes of the same
+id over one runtime dir). macOS allows only 104 bytes and its $TMPDIR alone is ~50 (60 on
 some hosts): when the readable path does not fit, `<runtime_dir>/synapse/w/<12 hex>.sock`
 (a digest of the worker id) is used, which fits under a 60-character $TMPDIR.
 Peer credentials: same uid, and the peer process must be the spawned child or in its process

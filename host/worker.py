@@ -88,7 +88,9 @@ async def spawn_worker(
     lane: LaneConfig, config: HostConfig, generation: int, ring_capacity: int | None = None
 ) -> WorkerHandle:
     worker_id = f"{lane.lane_id}-{generation}"
-    path = socket_path(config.resolved_runtime_dir(), worker_id)
+    # A random suffix: two hosts (Ray replicas, parallel jobs) or two Modules in one process
+    # may run lanes of the same id over one runtime dir; they must never share a socket path.
+    path = socket_path(config.resolved_runtime_dir(), f"{worker_id}.{secrets.token_hex(4)}")
     listener = create_listener(path)
     nonce = secrets.token_hex(16)
     ring = LogRing(worker_id, ring_capacity or config.log_ring_bytes)

@@ -10,6 +10,7 @@ import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the test Ray never phones home
 
 
 @pytest.fixture
@@ -34,3 +35,14 @@ def synapse_cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def store_root(synapse_cache_dir) -> str:
     return str(synapse_cache_dir / "models")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """ONE local Ray (2 CPUs, private temp dir) for every Ray test of the session."""
+    from tests.ray_support import start_ray, stop_ray
+
+    ray, temp_dir, _ = start_ray()
+    yield ray
+    left = stop_ray(ray, temp_dir)
+    assert not left, f"Ray processes outlived ray.shutdown(): {[p.pid for p in left]}"

@@ -10,6 +10,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, help="TCP port (default 8080; 0 picks a free one)")
     parser.add_argument("--config", help="a TOML or JSON file mapping to ServeConfig")
+    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                        help="serve on Ray Serve: a local Ray, or the cluster at ADDRESS")
     parser.add_argument(
         "--api-key-file",
         help="API keys, one per line (SIGHUP re-reads it); keys are never taken as arguments",
@@ -43,5 +45,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except SynapseError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
+    if getattr(args, "ray", None) is not None:
+        from host.serve.ray_deployment import serve_on_ray
+
+        return serve_on_ray(config, None if args.ray == "local" else args.ray)
     factory = getattr(args, "lane_policy", None)  # wired by the CLI (certificates)
     return serve(config, args.log_level, factory() if factory else None)

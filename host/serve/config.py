@@ -14,6 +14,7 @@ import msgspec
 from host.errors import ConfigInvalid
 from host.module import DEFAULT_EMBED, ModuleConfig
 from host.scheduler import SchedulerConfig
+from host.serve.ray_settings import RaySettings
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -40,6 +41,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Names clients send (e.g. OpenAI's) -> installed models: {"text-embedding-3-small" =
     # "minilm-l6-v2"}. Listed by /v1/models; one level only (an alias never names an alias).
     aliases: dict[str, str] = {}
+    ray: RaySettings = msgspec.field(default_factory=RaySettings)  # `serve --ray` only
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

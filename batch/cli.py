@@ -1,0 +1,174 @@
+"""`synapse batch embed INPUT -o OUTPUT.parquet ...`: argument parsing and exit statuses.
+
+Exit 0: the output is complete (the summary says how many rows failed). Exit 1: the job
+stopped before that — too many bad rows, an engine that keeps crashing, Ctrl-C or SIGTERM —
+and its checkpoint stays for `--resume`. Exit 2: usage errors (bad arguments, missing input,
+unknown rows format, unwritable output directory, a checkpoint of another job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+
+from batch.checkpoint import checkpoint_dir
+from batch.errors import BatchUsageError, JobAborted
+
+
+def add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    batch = sub.add_parser("batch", help="bulk jobs over a corpus: embed")
+    batch_sub = batch.add_subparsers(dest="batch_command", required=True)
+    embed = batch_sub.add_parser(
+        "embed",
+        help="embed a corpus into a Parquet file (streaming, resumable)",
+        description="Rows: .jsonl (text in --text-field, id in --id-field, else the line "
+        "number), .txt (one text a line), .parquet and .csv (columns by name); '-' reads "
+        "JSONL from stdin. Bad rows go to OUTPUT.errors.jsonl.",
+    )
+    embed.add_argument("input", help="rows file (.jsonl .txt .parquet .csv) or - for stdin")
+    embed.add_argument("-o", "--output", required=True, help="OUTPUT.parquet")
+    embed.add_argument("--model", help="embedding model (default: minilm-l6-v2)")
+    embed.add_argument("--lane", choices=["ane", "llama"], help="engine lane")
+    embed.add_argument("--text-field", default="text")
+    embed.add_argument("--id-field", default="id")
+    embed.add_argument("--workers", type=_positive, default=None,
+                       help="lanes on this machine, threads split between them (default 2)")
+    embed.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint an interrupted run left")
+    embed.add_argument("--max-errors", type=_non_negative, default=1000,
+                       help="abort (exit 1) when more rows than this fail (default 1000)")
+    embed.add_argument("--no-truncate", action="store_true",
+                       help="a text over the model's limit is a row error, not cut")
+    embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--window-rows", type=_positive, default=4096,
+                       help="rows per commit and per output row group (default 4096)")
+    embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                       help="run on Ray Data: a local Ray, or the cluster at ADDRESS")
+    embed.add_argument("--json", action="store_true", help="print the summary as JSON")
+    embed.set_defaults(func=run_batch_embed)
+
+
+def _positive(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def run_batch_embed(args: argparse.Namespace) -> int:
+    from host.errors import SynapseError
+
+    try:
+        if args.ray is not None:
+            summary = _run_ray(args)
+        else:
+            summary = _run_local(args)
+    except BatchUsageError as exc:
+        print(f"synapse batch: error: {exc.message}", file=sys.stderr)
+        return 2
+    except JobAborted as exc:
+        print(f"synapse batch: aborted: {exc.message}", file=sys.stderr)
+        return 1
+    except SynapseError as exc:
+        print(f"synapse batch: error[{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2 if exc.http_status < 500 else 1
+    _print_summary(summary, args.json)
+    return 0
+
+
+def _options(args: argparse.Namespace):
+    from batch.job import JobOptions, default_workers
+
+    return JobOptions(
+        input=args.input, output=args.output, model=args.model, lane=args.lane,
+        text_field=args.text_field, id_field=args.id_field,
+        workers=args.workers or default_workers(), resume=args.resume,
+        max_errors=args.max_errors, normalize=not args.no_normalize,
+        truncate=not args.no_truncate, window_rows=args.window_rows,
+    )
+
+
+def _run_local(args: argparse.Namespace):
+    from batch.job import run_job, validate
+    from host.commands import ensure_defaults
+
+    opts = _options(args)
+    validate(opts)  # usage errors before the models are installed or a worker starts
+    ensure_defaults()
+    return _run_interruptible(run_job(opts), opts.output)
+
+
+def _run_ray(args: argparse.Namespace):
+    from batch.ray_job import run_ray_job
+    from host.commands import ensure_defaults
+
+    if args.resume:
+        raise BatchUsageError("--resume is for the local job; a Ray job retries its own tasks")
+    opts = _options(args)
+    ensure_defaults()
+    address = None if args.ray == "local" else args.ray
+    return run_ray_job(opts, address, workers=args.workers)
+
+
+def _run_interruptible(coro, output: str):
+    """Ctrl-C and SIGTERM stop the job between commits' steps; the checkpoint stays."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        caught: list[str] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda s=sig: (caught.append(s.name), task.cancel()))
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if not caught:
+                raise
+            raise JobAborted(
+                f"interrupted by {caught[0]}; the checkpoint at "
+                f"{checkpoint_dir(_abs(output))} keeps every committed row: rerun the same "
+                f"command with --resume"
+            ) from None
+
+    return asyncio.run(main())
+
+
+def _abs(path: str):
+    from pathlib import Path
+
+    return Path(path).absolute()
+
+
+def _print_summary(summary, as_json: bool) -> None:
+    rate = summary.rows / summary.seconds if summary.seconds > 0 else 0.0
+    if as_json:
+        print(json.dumps({
+            "output": summary.output, "rows": summary.rows, "errors": summary.errors,
+            "errors_file": summary.errors_file, "tokens": summary.tokens,
+            "seconds": round(summary.seconds, 3), "rows_per_s": round(rate, 1),
+            "resumed_from_line": summary.resumed_from_line, "metadata": summary.metadata,
+        }))
+        return
+    failed = (f"; {summary.errors} rows failed, see {summary.errors_file}"
+              if summary.errors else "; no row failed")
+    resumed = (f" (resumed at line {summary.resumed_from_line})"
+               if summary.resumed_from_line > 1 else "")
+    print(f"synapse batch: wrote {summary.rows} rows to {summary.output}{resumed}{failed}; "
+          f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:,.0f} rows/s)")

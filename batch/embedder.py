@@ -1,0 +1,129 @@
+"""One lane's share of a job: embed token-id batches through a `Module`, surviving crashes.
+
+Crash policy (the lane's supervisor already kills, reaps and replaces a crashed worker):
+- a batch whose worker dies is retried once, whole: a lost worker is usually not the rows'
+  fault (a SIGKILL, an OOM kill);
+- if it crashes again, each of its rows runs alone, at most twice: a row that crashes the
+  engine twice is reported as `engine_crashed` and the job goes on without it;
+- the lane quarantines after two consecutive crashes (a service's protection). The job lifts
+  it before each attempt instead, because its own budget bounds the crashes: more than
+  `crash_budget` crashes in a row without one success aborts the job (`JobAborted`), so an
+  engine that cannot run at all never loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batch.errors import JobAborted
+from host.errors import EngineCrashed
+from host.module import DEFAULT_EMBED, Module
+from host.tokenization import Tokenizer
+
+log = logging.getLogger("synapse.batch")
+
+
+@dataclass
+class BatchResult:
+    vectors: np.ndarray  # float32 (n, dims); rows in `failed` are zeros
+    failed: dict[int, str] = field(default_factory=dict)  # batch index -> error message
+
+
+class LaneEmbedder:
+    def __init__(
+        self,
+        module: Module,
+        model: str | None,
+        lane: str | None,
+        normalize: bool = True,
+        runtime_config: dict | None = None,
+        crash_budget: int = 8,
+    ) -> None:
+        self.module = module
+        self.model = model or DEFAULT_EMBED
+        self.requested_lane = lane  # None: the module's own default/auto choice
+        self.normalize = normalize
+        self.runtime_config = runtime_config
+        self.crash_budget = crash_budget
+        self.crashes_in_a_row = 0
+        self.crashes = 0
+        self.lane = ""  # the lane kind actually serving ("llama", "ane")
+        self.tokenizer: Tokenizer | None = None
+        self.dims = 0
+
+    def _lane_kw(self) -> dict:
+        return {} if self.requested_lane is None else {"lane": self.requested_lane}
+
+    async def start(self) -> None:
+        """Load the model (its lane starts a supervised worker) and learn what serves it."""
+        if self.runtime_config:
+            await self.module.load(
+                self.model, self.requested_lane or "llama", self.runtime_config
+            )
+        self.tokenizer = await self.module.tokenizer(self.model, **self._lane_kw())
+        key = next(k for k in self.module.models() if k.split("@")[0] == self.model)
+        self.lane = key.split("@")[1] if "@" in key else "llama"
+        self.dims = self.module.dims(self.model, self.lane)
+        self._key = key
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.module.health()[self._key].pid
+
+    def identity(self) -> dict:
+        return self.module.lane_identity(self.model, self.lane)
+
+    async def embed(self, ids: list[np.ndarray]) -> BatchResult:
+        try:
+            return BatchResult(await self._attempt(ids))
+        except EngineCrashed as exc:
+            log.warning("batch of %d rows: %s; retrying it", len(ids), exc.message)
+        try:
+            return BatchResult(await self._attempt(ids))
+        except EngineCrashed as exc:
+            if len(ids) == 1:
+                return BatchResult(self._zeros(1), {0: _crash_message(exc)})
+            log.warning("batch of %d rows crashed twice; running its rows alone", len(ids))
+        out, failed = self._zeros(len(ids)), {}
+        for i, row in enumerate(ids):
+            for attempt in (1, 2):
+                try:
+                    out[i] = (await self._attempt([row]))[0]
+                    break
+                except EngineCrashed as exc:
+                    if attempt == 2:
+                        failed[i] = _crash_message(exc)
+        return BatchResult(out, failed)
+
+    async def _attempt(self, ids: list[np.ndarray]) -> np.ndarray:
+        lane = self.module.lanes()[self._key]
+        if lane.state().quarantined:
+            lane.clear_quarantine()  # our crash budget, not the lane's, decides (see above)
+        try:
+            vectors = await self.module.embed_token_ids(
+                ids, self.model, normalize=self.normalize, lane=self.lane
+            )
+        except EngineCrashed as exc:
+            self.crashes += 1
+            self.crashes_in_a_row += 1
+            if self.crashes_in_a_row > self.crash_budget:
+                raise JobAborted(
+                    f"the {self.lane} engine crashed {self.crashes_in_a_row} times in a row "
+                    f"without one success; last: {exc.message}"
+                ) from exc
+            raise
+        self.crashes_in_a_row = 0
+        return vectors
+
+    def _zeros(self, n: int) -> np.ndarray:
+        return np.zeros((n, self.dims), dtype=np.float32)
+
+
+def _crash_message(exc: EngineCrashed) -> str:
+    tail = exc.log_tail.strip().splitlines()[-1:] if exc.log_tail else []
+    last = f" (worker's last words: {tail[0][:200]})" if tail else ""
+    return f"this row crashed the engine twice: {exc.message}{last}"
+

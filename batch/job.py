@@ -1,0 +1,267 @@
+"""`run_job`: the local bulk embedding job — streaming, checkpointed, resumable.
+
+Pipeline (memory bounded by a few windows, whatever the corpus size):
+    reader thread: rows -> windows (tokenized, length-batched)   at most `ahead` windows
+    lane runners (one per `--workers` Module): batches -> vectors, crashes survived
+    committer: windows in input order -> part file + errors + state.json (the checkpoint)
+At the end the parts are merged into OUTPUT and the errors into OUTPUT.errors.jsonl, each
+published atomically, and the checkpoint is removed. Ctrl-C, SIGTERM or a SIGKILL leave the
+checkpoint; `resume=True` continues at its `next_line`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from batch.checkpoint import Checkpoint
+from batch.embedder import LaneEmbedder
+from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
+from batch.metadata import describe
+from batch.output import make_table, merge_parts, output_schema, publish_copy
+from batch.progress import JobProgress
+from batch.rows import InputSpec, count_records
+from batch.windows import Window, error_record, windows
+from host.errors import SynapseError
+from host.module import Module, ModuleConfig
+
+log = logging.getLogger("synapse.batch")
+
+
+@dataclass
+class JobOptions:
+    input: str
+    output: str
+    model: str | None = None
+    lane: str | None = None
+    text_field: str = "text"
+    id_field: str = "id"
+    workers: int = 1
+    resume: bool = False
+    max_errors: int = 1000
+    normalize: bool = True
+    truncate: bool = True
+    window_rows: int = 4096
+    ahead: int = 2  # windows read and tokenized ahead of the committer
+    module: ModuleConfig | None = None  # store, host windows; planned_workers is set here
+    runtime_config: dict | None = None  # LOAD extras for the lane (tests shrink n_ubatch)
+    progress_interval_s: float = 5.0
+
+    def errors_output(self) -> Path:
+        return Path(self.output).with_name(Path(self.output).name + ".errors.jsonl")
+
+    def job_key(self, spec: InputSpec) -> dict:
+        """What must match for `--resume` to continue a checkpoint."""
+        return {"input": spec.identity(), "format": spec.format, "text_field": self.text_field,
+                "id_field": self.id_field, "model": self.model, "lane": self.lane,
+                "normalize": self.normalize, "truncate": self.truncate}
+
+
+@dataclass
+class JobSummary:
+    output: str
+    rows: int
+    errors: int
+    tokens: int
+    seconds: float
+    metadata: dict[str, str]
+    errors_file: str | None = None
+    resumed_from_line: int = 1
+    worker_pids: list[int] = field(default_factory=list)
+
+
+def validate(opts: JobOptions) -> InputSpec:
+    if opts.workers < 1:
+        raise BatchUsageError("--workers must be >= 1")
+    if opts.max_errors < 0:
+        raise BatchUsageError("--max-errors must be >= 0")
+    if opts.window_rows < 1:
+        raise BatchUsageError("window_rows must be >= 1")
+    spec = InputSpec(opts.input, opts.text_field, opts.id_field)
+    spec.check()
+    if Path(opts.output).suffix.lower() != ".parquet":
+        raise BatchUsageError(f"output {opts.output}: the output is a .parquet file")
+    return spec
+
+
+async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
+    """Run the job; raise `BatchUsageError` (nothing done) or `JobAborted` (checkpoint left).
+
+    `on_ready(embedders)` is called once every lane is up (tests find worker pids there).
+    """
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    spec = validate(opts)
+    output = Path(opts.output).absolute()
+    ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
+    base = opts.module or ModuleConfig()
+    config = msgspec.structs.replace(base, planned_workers=opts.workers)
+    modules = [Module(config) for _ in range(opts.workers)]
+    try:
+        embedders = [
+            LaneEmbedder(mod, opts.model, opts.lane, opts.normalize, opts.runtime_config)
+            for mod in modules
+        ]
+        await asyncio.gather(*(e.start() for e in embedders))
+        meta = describe(embedders[0], opts.normalize)
+        ckpt.bind_artifact(meta["artifact_digest"])
+        if on_ready is not None:
+            on_ready(embedders)
+        start_line = ckpt.next_line
+        progress = JobProgress(
+            count_records(spec), ckpt.state["rows"], ckpt.state["tokens"], ckpt.state["errors"],
+            opts.progress_interval_s,
+        )
+        try:
+            await _pipeline(opts, spec, ckpt, embedders, meta, progress)
+        finally:
+            progress.close()
+    finally:
+        await asyncio.gather(*(m.close() for m in modules), return_exceptions=True)
+    s = ckpt.state
+    errors_file = _publish(opts, ckpt, output, meta)
+    return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], loop.time() - t0, meta,
+                      errors_file, start_line)
+
+
+def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> str | None:
+    errors_dest = opts.errors_output().absolute()
+    errors_file = None
+    if ckpt.state["errors"]:
+        publish_copy(ckpt.errors_path, errors_dest)
+        errors_file = str(errors_dest)
+    else:
+        errors_dest.unlink(missing_ok=True)  # a stale one from an earlier run
+    merge_parts(ckpt.parts(), output, output_schema(int(meta["dims"]), meta))
+    ckpt.remove()
+    return errors_file
+
+
+async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress) -> None:
+    loop = asyncio.get_running_loop()
+    cfg = embedders[0].module.config
+    ready: asyncio.Queue = asyncio.Queue(maxsize=opts.ahead)  # windows, in order, or the end
+    work: asyncio.Queue = asyncio.Queue()  # (window, batch) for the lane runners
+    schema = output_schema(int(meta["dims"]), None)
+    stop_reader = threading.Event()
+
+    def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
+        try:
+            source = windows(spec, ckpt.next_line, opts.window_rows, embedders[0].tokenizer,
+                             opts.truncate, cfg.max_batch_tokens, cfg.max_batch_items,
+                             ckpt.state["parts"])
+            for window in source:
+                if stop_reader.is_set():
+                    return
+                asyncio.run_coroutine_threadsafe(ready.put(window), loop).result()
+            item: object = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop to raise
+            item = exc
+        if not stop_reader.is_set():
+            asyncio.run_coroutine_threadsafe(ready.put(item), loop).result()
+
+    pending: dict[int, _Progress] = {}
+
+    async def runner(emb: LaneEmbedder) -> None:
+        while True:
+            window, batch = await work.get()
+            result = await emb.embed([window.ids[i] for i in batch])
+            state = pending[window.index]
+            for j, i in enumerate(batch):
+                if j in result.failed:
+                    state.crashed[i] = result.failed[j]
+                else:
+                    state.vectors[i] = result.vectors[j]
+            state.left -= 1
+            if state.left == 0:
+                state.done.set()
+
+    async def committer() -> None:
+        """Commit windows strictly in input order, keeping `ahead` windows at the lanes so
+        they never idle while the head window finishes."""
+        backlog: collections.deque[_Progress] = collections.deque()
+        reader_done = False
+        while True:
+            while len(backlog) < opts.ahead and not reader_done:
+                window = await ready.get()
+                if window is None:
+                    reader_done = True
+                    break
+                if isinstance(window, BaseException):
+                    raise window
+                state = _Progress(window, int(meta["dims"]))
+                pending[window.index] = state
+                for batch in window.batches:
+                    work.put_nowait((window, batch))
+                backlog.append(state)
+            if not backlog:
+                return
+            head = backlog.popleft()
+            await head.done.wait()
+            pending.pop(head.window.index, None)
+            _commit(head, ckpt, schema, progress, opts)
+
+    threading.Thread(target=read, name="batch-reader", daemon=True).start()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            runners = [tg.create_task(runner(e)) for e in embedders]
+            await tg.create_task(_supervise(committer(), runners))
+    except* SynapseError as group:  # typed errors reach the CLI as themselves
+        raise group.exceptions[0] from None
+    finally:
+        stop_reader.set()
+
+
+async def _supervise(main, runners) -> None:
+    try:
+        await main
+    finally:
+        for task in runners:
+            task.cancel()
+
+
+@dataclass
+class _Progress:
+    window: Window
+    dims: int
+    vectors: np.ndarray = field(init=False)
+    crashed: dict[int, str] = field(default_factory=dict)
+    left: int = field(init=False)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.vectors = np.zeros((len(self.window.rows), self.dims), dtype=np.float32)
+        self.left = len(self.window.batches)
+        if self.left == 0:
+            self.done.set()
+
+
+def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts) -> None:
+    w = state.window
+    keep = [i for i in range(len(w.rows)) if i not in state.crashed]
+    errors = list(w.errors) + [error_record(w.rows[i], ENGINE_CRASHED, msg)
+                               for i, msg in state.crashed.items()]
+    errors.sort(key=lambda e: e["line"])
+    table = make_table([w.rows[i].id for i in keep], state.vectors[keep],
+                       [len(w.ids[i]) for i in keep], [w.truncated[i] for i in keep], schema)
+    tokens = sum(len(w.ids[i]) for i in keep)
+    ckpt.commit(table, errors, w.next_line, tokens)
+    progress.update(len(keep), tokens, len(errors))
+    if ckpt.state["errors"] > opts.max_errors:
+        raise JobAborted(
+            f"{ckpt.state['errors']} rows failed, more than --max-errors {opts.max_errors}; "
+            f"see {ckpt.errors_path} (the checkpoint stays: fix the input or raise "
+            f"--max-errors, then --resume)"
+        )
+
+
+def default_workers() -> int:
+    return max(1, min(2, os.cpu_count() or 1))

@@ -1,0 +1,111 @@
+"""The output Parquet file: its schema and metadata, row groups, and atomic publication.
+
+Columns: `id` (string), `embedding` (fixed_size_list<float32>[dims]), `n_tokens` (int32),
+`truncated` (bool). File metadata (key -> UTF-8 value): `synapse.model`, `synapse.lane`,
+`synapse.artifact_digest`, `synapse.certificate` (empty when none), `synapse.normalize`
+("true"/"false"), `synapse.dims`. Plain Arrow types only, so DuckDB, pandas, polars and
+LanceDB read the file as is.
+
+Publication is atomic: the final file is written beside its path under a temporary name,
+fsynced and renamed over it, so OUTPUT exists only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+META_KEYS = ("model", "lane", "artifact_digest", "certificate", "normalize", "dims")
+
+
+def output_schema(dims: int, metadata: dict[str, str] | None = None) -> pa.Schema:
+    schema = pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("embedding", pa.list_(pa.float32(), dims), nullable=False),
+            pa.field("n_tokens", pa.int32(), nullable=False),
+            pa.field("truncated", pa.bool_(), nullable=False),
+        ]
+    )
+    if metadata:
+        schema = schema.with_metadata({f"synapse.{k}": str(v) for k, v in metadata.items()})
+    return schema
+
+
+def make_table(
+    ids: list[str], vectors: np.ndarray, n_tokens: Iterable[int], truncated: Iterable[bool],
+    schema: pa.Schema,
+) -> pa.Table:
+    dims = schema.field("embedding").type.list_size
+    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
+    embedding = pa.FixedSizeListArray.from_arrays(flat, dims)
+    return pa.Table.from_arrays(
+        [pa.array(ids, pa.string()), embedding, pa.array(list(n_tokens), pa.int32()),
+         pa.array(list(truncated), pa.bool_())],
+        schema=schema,
+    )
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    raw = pq.read_schema(path).metadata or {}
+    return {k.decode().removeprefix("synapse."): v.decode() for k, v in raw.items()
+            if k.startswith(b"synapse.")}
+
+
+def write_part(path: Path, table: pa.Table) -> None:
+    """One row group in its own file, published atomically (a checkpoint's unit)."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, row_group_size=max(1, table.num_rows))
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def merge_parts(parts: list[Path], dest: Path, schema: pa.Schema) -> int:
+    """Copy the parts' row groups, one at a time, into `dest` (atomically); rows written."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    rows = 0
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for part in parts:
+                pf = pq.ParquetFile(part)
+                for g in range(pf.num_row_groups):
+                    table = pf.read_row_group(g).cast(schema)  # the final schema's metadata
+                    writer.write_table(table, row_group_size=max(1, table.num_rows))
+                    rows += table.num_rows
+        fsync_file(tmp)
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return rows
+
+
+def publish_copy(src: Path, dest: Path) -> None:
+    """Copy a finished side file (the errors) into place atomically."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        while chunk := fin.read(1 << 20):
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    os.replace(tmp, dest)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fsync_file(path)

@@ -1,0 +1,257 @@
+"""Reading a corpus as a stream of rows, whatever its format; never the whole file at once.
+
+Formats (by the file's extension; `-` is JSONL on stdin):
+- `.jsonl` / `.ndjson`: one JSON object a line; the text in `text_field`, the id in
+  `id_field`, else the line number. Blank lines are not records (they still count as lines).
+- `.txt`: one text a line; the id is the line number.
+- `.parquet`, `.csv`: columns by name; the "line" is the 1-based row number (CSV: after the
+  header). A missing text column is a usage error for the whole file.
+
+Row rules (a bad row is an error record, never the end of the job):
+- `invalid_json`: the line is not a JSON object;
+- `missing_field`: the text field is absent or null;
+- `not_a_string`: the text is not a string;
+- `empty_text`: the text is empty or only whitespace;
+- `invalid_id`: the id is neither a string nor an integer.
+Ids are always strings in the output (an integer id 7 becomes "7"), so one column type holds
+every input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from batch.errors import BatchUsageError
+
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet",
+           ".csv": "csv"}
+_ARROW_BATCH = 4096  # rows per Arrow read batch (Parquet/CSV): bounded memory
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    line: int  # 1-based position in the input (line, or row for Parquet/CSV)
+    id: str | None  # None only on error rows whose id could not be read
+    text: str | None  # None on error rows
+    error_code: str | None = None
+    error_message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str  # "-" for stdin
+    text_field: str = "text"
+    id_field: str = "id"
+
+    @property
+    def format(self) -> str:
+        if self.path == "-":
+            return "jsonl"
+        fmt = FORMATS.get(Path(self.path).suffix.lower())
+        if fmt is None:
+            raise BatchUsageError(
+                f"{self.path}: unknown rows format {Path(self.path).suffix or '(no extension)'!r};"
+                f" expected one of {', '.join(sorted(FORMATS))} or '-' for JSONL on stdin"
+            )
+        return fmt
+
+    def check(self) -> None:
+        """Fail before any work: a missing file or an unknown format is a usage error."""
+        fmt = self.format
+        if self.path == "-":
+            return
+        p = Path(self.path)
+        if not p.exists():
+            raise BatchUsageError(f"input {self.path} does not exist")
+        if not p.is_file():
+            raise BatchUsageError(f"input {self.path} is not a file")
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as exc:
+            raise BatchUsageError(f"cannot read input {self.path}: {exc.strerror}") from None
+        if fmt in ("parquet", "csv"):
+            next(iter(read_rows(self, start_line=1, limit_lines=0)), None)  # schema check
+
+    def identity(self) -> dict:
+        """What a checkpoint remembers of the input, to refuse resuming on a changed one."""
+        if self.path == "-":
+            return {"path": "-"}
+        st = Path(self.path).stat()
+        return {"path": str(Path(self.path).resolve()), "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns}
+
+
+def read_rows(
+    spec: InputSpec, start_line: int = 1, limit_lines: int | None = None
+) -> Iterator[Row]:
+    """Rows with `line >= start_line`, in input order. `limit_lines=0` only opens the file
+    (and checks its schema)."""
+    fmt = spec.format
+    if fmt in ("jsonl", "txt"):
+        if spec.path == "-":
+            yield from _lines(sys.stdin.buffer, spec, fmt, start_line, limit_lines)
+            return
+        with open(spec.path, "rb") as f:
+            yield from _lines(f, spec, fmt, start_line, limit_lines)
+        return
+    yield from _arrow_rows(spec, fmt, start_line, limit_lines)
+
+
+def _lines(
+    f: BinaryIO, spec: InputSpec, fmt: str, start_line: int, limit: int | None
+) -> Iterator[Row]:
+    if limit == 0:
+        return
+    for line_no, raw in enumerate(f, 1):
+        if line_no < start_line:
+            continue  # resuming: these were committed already
+        text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if fmt == "txt":
+            yield _check_text(line_no, str(line_no), text)
+        elif text.strip():
+            yield parse_json_line(line_no, text, spec.text_field, spec.id_field)
+
+
+def parse_json_line(line: int, text: str, text_field: str, id_field: str) -> Row:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return Row(line, str(line), None, "invalid_json", f"line {line} is not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return Row(line, str(line), None, "invalid_json",
+                   f"line {line} is a JSON {type(obj).__name__}, expected an object")
+    return _row_from(line, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING),
+                     text_field, id_field)
+
+
+_MISSING = object()
+
+
+def _row_from(line: int, text: object, rid: object, text_field: str, id_field: str) -> Row:
+    if rid is _MISSING or rid is None:
+        row_id = str(line)
+    elif isinstance(rid, bool) or not isinstance(rid, str | int):
+        return Row(line, None, None, "invalid_id",
+                   f"{id_field!r} is {type(rid).__name__}; ids are strings or integers")
+    else:
+        row_id = str(rid)
+    if text is _MISSING or text is None:
+        return Row(line, row_id, None, "missing_field", f"no {text_field!r} field")
+    if not isinstance(text, str):
+        return Row(line, row_id, None, "not_a_string",
+                   f"{text_field!r} is {type(text).__name__}, expected a string")
+    return _check_text(line, row_id, text)
+
+
+def _check_text(line: int, row_id: str, text: str) -> Row:
+    if not text.strip():
+        return Row(line, row_id, None, "empty_text", "the text is empty")
+    return Row(line, row_id, text)
+
+
+def _arrow_rows(spec: InputSpec, fmt: str, start_line: int, limit: int | None) -> Iterator[Row]:
+    import pyarrow as pa
+
+    batches = _arrow_batches(spec, fmt)
+    first = next(batches, None)
+    if first is None or limit == 0:
+        return
+    line = 0
+    pending: Iterator[pa.RecordBatch] = _chain(first, batches)
+    for batch in pending:
+        n = batch.num_rows
+        if line + n < start_line:  # a whole batch already committed
+            line += n
+            continue
+        texts = batch.column(spec.text_field).to_pylist()
+        ids = (batch.column(spec.id_field).to_pylist()
+               if spec.id_field in batch.schema.names else [None] * n)
+        for text, rid in zip(texts, ids, strict=True):
+            line += 1
+            if line >= start_line:
+                yield _row_from(line, text, rid, spec.text_field, spec.id_field)
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _arrow_batches(spec: InputSpec, fmt: str):
+    """Record batches with the text (and, if present, id) columns; schema errors are usage
+    errors raised before the first batch."""
+    import pyarrow as pa
+
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(spec.path)
+            names = pf.schema_arrow.names
+            _require_column(spec, names)
+            _require_string(spec, pf.schema_arrow.field(spec.text_field).type)
+            cols = [spec.text_field] + ([spec.id_field] if spec.id_field in names else [])
+            batches = pf.iter_batches(batch_size=_ARROW_BATCH, columns=cols)
+        else:
+            import pyarrow.csv as pcsv
+
+            reader = pcsv.open_csv(
+                spec.path,
+                read_options=pcsv.ReadOptions(block_size=1 << 20),
+                convert_options=pcsv.ConvertOptions(
+                    column_types={spec.text_field: pa.string(), spec.id_field: pa.string()}
+                ),
+            )
+            _require_column(spec, reader.schema.names)
+            batches = iter(reader)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise BatchUsageError(f"{spec.path}: not a readable {fmt} file: {exc}") from None
+    try:
+        yield from batches
+    except pa.ArrowInvalid as exc:  # e.g. a CSV row with the wrong number of columns
+        raise BatchUsageError(f"{spec.path}: malformed {fmt}: {exc}") from None
+
+
+def _require_column(spec: InputSpec, names: list[str]) -> None:
+    if spec.text_field not in names:
+        raise BatchUsageError(
+            f"{spec.path}: no column {spec.text_field!r} (columns: {', '.join(names)}); "
+            f"name the text column with --text-field"
+        )
+
+
+def _require_string(spec: InputSpec, typ) -> None:
+    import pyarrow as pa
+
+    if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+        raise BatchUsageError(f"{spec.path}: column {spec.text_field!r} is {typ}, expected string")
+
+
+def count_records(spec: InputSpec) -> int | None:
+    """How many records the input holds (for the ETA), or None when it cannot tell cheaply
+    (stdin). Lines are counted in 1 MiB reads; Parquet reads its footer."""
+    if spec.path == "-":
+        return None
+    fmt = spec.format
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(spec.path).metadata.num_rows
+    n = 0
+    last = b"\n"
+    with open(spec.path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    n += last != b"\n"  # a last line without its newline
+    return n - 1 if fmt == "csv" else n

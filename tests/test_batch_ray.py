@@ -1,0 +1,59 @@
+"""`batch embed --ray` on the session's local Ray: the same output as the local job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+
+import numpy as np
+import pytest
+
+from batch.errors import BatchUsageError
+from batch.job import JobOptions, run_job
+from batch.output import read_metadata
+from batch.ray_job import run_ray_job
+from host.config import HostConfig
+from host.module import ModuleConfig
+from tests.batch_support import read_output, write_jsonl
+from tests.ray_support import wait_gone
+
+
+def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
+    module = ModuleConfig(store_root=store_root,
+                          host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    return JobOptions(input=str(input), output=str(output), module=module, **kw)
+
+
+def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, tmp_path):
+    runtime_dir = tempfile.mkdtemp(prefix="synr-", dir="/tmp")
+    bad = ["not json", json.dumps({"id": "e", "text": ""})]
+    write_jsonl(tmp_path / "c.jsonl", 90, seed=7, extra=bad)
+    local = asyncio.run(run_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
+                                        tmp_path / "local.parquet", window_rows=32)))
+    timings: dict = {}
+    remote = run_ray_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
+                                 tmp_path / "ray.parquet", window_rows=32),
+                         address=None, workers=2, timings=timings)  # 2 actors, 3 blocks
+    assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors,
+                                                            local.tokens) == (90, 2, local.tokens)
+    (lt, lids), (rt, rids) = read_output(tmp_path / "local.parquet"), read_output(
+        tmp_path / "ray.parquet")
+    assert rids == lids
+    lv = np.stack(lt.column("embedding").to_numpy(zero_copy_only=False))
+    rv = np.stack(rt.column("embedding").to_numpy(zero_copy_only=False))
+    assert np.sum(lv * rv, axis=1).min() >= 0.99999
+    assert rt.schema == lt.schema
+    assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
+    assert (tmp_path / "ray.parquet.errors.jsonl").read_text() == (
+        tmp_path / "local.parquet.errors.jsonl").read_text()
+    assert not (tmp_path / "ray.parquet.ray").exists()
+    assert 0 < timings["first_row_s"]
+    assert not wait_gone(runtime_dir, timeout_s=30), "an actor's worker outlived the job"
+
+
+def test_the_ane_lane_needs_a_node_that_offers_the_ane(ray_session, store_root, tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", 2)
+    with pytest.raises(BatchUsageError, match="no Ray node offers the 'ane' resource"):
+        run_ray_job(options(store_root, "/tmp", tmp_path / "c.jsonl", tmp_path / "o.parquet",
+                            lane="ane"), address=None)
