@@ -107,7 +107,7 @@ def _options(args: argparse.Namespace):
 
 def _run_local(args: argparse.Namespace):
     from batch.job import run_job, validate
-    from host.commands import ensure_defaults
+    from ingest.defaults import ensure_defaults
 
     opts = _options(args)
     validate(opts)  # usage errors before the models are installed or a worker starts
@@ -117,7 +117,7 @@ def _run_local(args: argparse.Namespace):
 
 def _run_ray(args: argparse.Namespace):
     from batch.ray_job import run_ray_job
-    from host.commands import ensure_defaults
+    from ingest.defaults import ensure_defaults
 
     if args.resume:
         raise BatchUsageError("--resume is for the local job; a Ray job retries its own tasks")

@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ from batch.job import JobOptions, JobSummary, validate
 from batch.output import merge_parts, output_schema, publish_copy
 from batch.rows import InputSpec, Row, read_rows
 from host.module import ModuleConfig
+from host.node_resources import node_resources
 
 # Ray reports usage statistics to its authors by default; ours never phones home (an
 # operator may still opt in by setting the variable).
@@ -54,12 +53,6 @@ _ACTOR_CPUS = 0.9
 _READ_BLOCK_ROWS = 1024
 _ACTOR_BATCH_ROWS = 1024
 
-
-def node_resources() -> dict[str, float]:
-    """Custom resources this node advertises: `ane` on Apple silicon with Core ML."""
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        return {"ane": 1.0}
-    return {}
 
 
 def _row_schema() -> pa.Schema:

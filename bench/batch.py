@@ -36,10 +36,10 @@ import numpy as np
 from batch.job import JobOptions, run_job
 from batch.windows import plan_batches
 from certification.corpus import corpus
-from host.artifacts.store import ArtifactStore
 from host.config import HostConfig
-from host.gguf_vocab import write_tokenizer_json
 from host.module import DEFAULT_EMBED, ModuleConfig
+from ingest.gguf_vocab import write_tokenizer_json
+from ingest.store import ArtifactStore
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

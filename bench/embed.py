@@ -26,11 +26,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # same as the lane's worker
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads a local dir only
 
 from certification.corpus import corpus
-from host.artifacts.store import ArtifactStore
 from host.batching import plan_chunks
 from host.config import HostConfig
-from host.gguf_vocab import write_tokenizer_json
 from host.module import DEFAULT_EMBED, DEFAULT_GENERATE, Module, ModuleConfig
+from ingest.gguf_vocab import write_tokenizer_json
+from ingest.store import ArtifactStore
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

@@ -37,10 +37,10 @@ import httpx
 import numpy as np
 
 from certification.corpus import corpus
-from host.artifacts.store import ArtifactStore
-from host.gguf_vocab import write_tokenizer_json
 from host.module import DEFAULT_EMBED
 from host.tokenization import Tokenizer
+from ingest.gguf_vocab import write_tokenizer_json
+from ingest.store import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"synapse serve: listening on (http://\S+)")
@@ -126,7 +126,7 @@ def _start_ours(workdir: str, threads: int, env: dict) -> tuple[_Proc, str]:
     }
     path = Path(workdir) / "serve.json"
     path.write_text(json.dumps(config))
-    proc = _Proc([sys.executable, "-m", "host.serve", "--config", str(path)], env, workdir, "ours")
+    proc = _Proc([sys.executable, "-m", "service", "--config", str(path)], env, workdir, "ours")
     found: list[str] = []
 
     def ready() -> bool:

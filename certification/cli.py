@@ -117,9 +117,9 @@ def parse_overrides(items: list[str], placement: float | None) -> dict[str, floa
 def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int:
     from certification.runner import RunOptions, certify
     from certification.terminal import RichProgress
-    from host.commands import _run as run_typed
-    from host.commands import ensure_defaults
     from host.module import Module, ModuleConfig
+    from host.run_command import run_command as run_typed
+    from ingest.defaults import ensure_defaults
 
     if not args.model:
         raise ValueError("--model is required (or use `certify ls` / `certify show ID`)")

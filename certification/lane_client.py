@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from certification.identity import LaneIdentity
-from host.artifacts.owned import owned_dir
-from host.artifacts.store import ModelRecord
 from host.module import Module, served_key
 from host.tokenization import Tokenizer
+from ingest.owned import owned_dir
+from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
 

@@ -22,10 +22,10 @@ import numpy as np
 import tokenizers
 
 from certification.reference.bert import BertReference
-from host.artifacts.errors import ArtifactInvalid
-from host.artifacts.owned import hf_source_dir
-from host.artifacts.store import ModelRecord
 from host.tokenization import model_limits
+from ingest.errors import ArtifactInvalid
+from ingest.owned import hf_source_dir
+from ingest.store import ModelRecord
 
 
 def reference_dir_for(record: ModelRecord) -> Path:

@@ -27,9 +27,6 @@ import msgspec
 import numpy as np
 
 from host.admission import Admission, Budgets
-from host.artifacts.errors import ArtifactError, ArtifactNotFound
-from host.artifacts.owned import ensure_owned
-from host.artifacts.store import ArtifactStore, ModelRecord
 from host.batching import plan_chunks
 from host.config import HostConfig, LaneConfig
 from host.errors import (
@@ -50,6 +47,9 @@ from host.lane_policy import (
 )
 from host.permits import DevicePermits
 from host.tokenization import Tokenizer
+from ingest.errors import ArtifactError, ArtifactNotFound
+from ingest.owned import ensure_owned
+from ingest.store import ArtifactStore, ModelRecord
 from workers.protocol import messages as m
 
 DEFAULT_EMBED = "minilm-l6-v2"
@@ -60,7 +60,7 @@ log = logging.getLogger("synapse.certification")  # the certificate policy's out
 
 class ModuleConfig(msgspec.Struct, kw_only=True):
     host: HostConfig = msgspec.field(default_factory=HostConfig)
-    store_root: str | None = None  # default: the user cache dir (see host.artifacts.store)
+    store_root: str | None = None  # default: the user cache dir (see ingest.store)
     budgets: Budgets = msgspec.field(default_factory=Budgets)
     max_batch_tokens: int = 4096  # ids per EMBED_BATCH; the worker splits into decodes
     max_batch_items: int = 256

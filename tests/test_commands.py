@@ -13,7 +13,7 @@ import numpy as np
 def synapse(cache_dir, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir)}
     return subprocess.run(
-        [sys.executable, "-m", "host.cli", *args],
+        [sys.executable, "-m", "cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

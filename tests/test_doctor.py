@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def doctor(cache_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "host.cli", "doctor", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "cli.main", "doctor", *args], capture_output=True, text=True,
         cwd=ROOT, timeout=180,
         env={**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir), **env, "COLUMNS": "200"},
     )

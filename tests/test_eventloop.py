@@ -23,7 +23,7 @@ WITHOUT_FAST = [
     sys.executable,
     "-c",
     "import sys; sys.modules['uvloop'] = None; sys.modules['httptools'] = None; "
-    "from host.serve.__main__ import main; sys.exit(main())",
+    "from service.__main__ import main; sys.exit(main())",
 ]
 
 

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import tokenizers
 
-from host.gguf_vocab import (
+from host.sanitize import sanitize
+from host.tokenization import Tokenizer
+from ingest.gguf_vocab import (
     TYPE_CONTROL,
     TYPE_USER_DEFINED,
     GGUFVocab,
@@ -30,8 +32,6 @@ from host.gguf_vocab import (
     spm_merges,
     write_tokenizer_json,
 )
-from host.sanitize import sanitize
-from host.tokenization import Tokenizer
 
 # Runs in the child: reads {model, texts} on stdin, writes one record per text on stdout.
 _LLAMA_CHILD = r"""

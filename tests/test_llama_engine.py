@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from certification.reference.bert import BertReference
 from certification.reference.cross_encoder import build_test_cross_encoder
-from host.artifacts import ArtifactStore, convert_bert_dir
+from ingest import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks
 from workers.llama.engine import LlamaEngine, pack, sha256_file

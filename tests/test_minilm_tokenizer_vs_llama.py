@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 from certification.corpus import SENTENCES, SHORT
-from host.artifacts.store import ArtifactStore
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
+from ingest.store import ArtifactStore
 
 KNOWN_DIFFERENT_SCRIPTS = [(0x0900, 0x0DFF), (0x1100, 0x11FF), (0x3130, 0x318F), (0xAC00, 0xD7AF)]
 

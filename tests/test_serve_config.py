@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from host.errors import ConfigInvalid
-from host.serve.config import ServeConfig, load_config
+from service.config import ServeConfig, load_config
 
 
 def test_defaults_bind_loopback():
@@ -61,7 +61,7 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"port": -1}')
     proc = subprocess.run(
-        [sys.executable, "-m", "host.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "cli.main", "serve", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from host.serve.config import ServeConfig
-from host.serve.openapi import operations
+from service.config import ServeConfig
+from service.openapi import operations
 from tests.test_serve_support import ServerProcess, server_config
 
 KEY = "fuzz-key-0123456789"

@@ -1,14 +1,14 @@
-"""The OpenAPI document (host/serve/openapi.py) as built from the handlers' own structs; the
+"""The OpenAPI document (service/openapi.py) as built from the handlers' own structs; the
 live fuzzing of it against a real server is tests/test_serve_fuzz.py."""
 
 from __future__ import annotations
 
 import msgspec
 
-from host.serve.completions import CompletionRequest
-from host.serve.config import ServeConfig
-from host.serve.embeddings import EmbeddingRequest
-from host.serve.openapi import build_document, operations
+from service.completions import CompletionRequest
+from service.config import ServeConfig
+from service.embeddings import EmbeddingRequest
+from service.openapi import build_document, operations
 
 ROUTES = {
     ("/v1/embeddings", "post"),

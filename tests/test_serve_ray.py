@@ -54,7 +54,7 @@ def ray_serve(ray_session, store_root, tmp_path):
     )
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen(
-        [sys.executable, "-m", "host.cli", "serve", "--ray", address, "--config", str(config)],
+        [sys.executable, "-m", "cli.main", "serve", "--ray", address, "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -118,8 +118,8 @@ def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker
 
 def test_the_ray_table_of_the_serve_config_is_checked(tmp_path):
     from host.errors import ConfigInvalid
-    from host.serve.config import load_config
-    from host.serve.ray_deployment import synapse_deployment
+    from service.config import load_config
+    from service.ray_deployment import synapse_deployment
 
     for body, message in [("num_replicas = 0", "num_replicas must be >= 1"),
                           ("max_ongoing_requests = 0", "max_ongoing_requests must be >= 1"),

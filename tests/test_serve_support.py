@@ -1,4 +1,4 @@
-"""Helpers for the serve tests: a REAL `python -m host.serve` subprocess on a free loopback port.
+"""Helpers for the serve tests: a REAL `python -m service` subprocess on a free loopback port.
 
 No tests here. The default models are ingested once per session into a temp store (ingest is
 idempotent, so a second module asking for the same store pays nothing).
@@ -30,13 +30,13 @@ def server_config(store_root: str, runtime_dir: str, **overrides) -> dict:
     return {"port": 0, "install_defaults": False, "module": module, **overrides}
 
 
-SERVE = [sys.executable, "-m", "host.serve"]
+SERVE = [sys.executable, "-m", "service"]
 
 
 class ServerProcess:
-    """`python -m host.serve --config FILE --port 0`; ready when it prints its address.
+    """`python -m service --config FILE --port 0`; ready when it prints its address.
 
-    `command` replaces `python -m host.serve` (e.g. to run it with a module blocked), `args`
+    `command` replaces `python -m service` (e.g. to run it with a module blocked), `args`
     are appended, `env` is added to the environment. Every stdout line is kept in `lines`.
     """
 

@@ -214,7 +214,7 @@ class PONG(_Msg, tag="PONG"):
     # Extension: where placement_share comes from, "compute_plan" or "estimate".
     placement_source: str | None = None
     # Extensions (Core ML lanes): this worker's compile-cache hits / misses since it started
-    # and the cache's total bytes after its last admission (host/metrics reads them).
+    # and the cache's total bytes after its last admission (service/metrics.py reads them).
     cache_hits: int | None = None
     cache_misses: int | None = None
     cache_bytes: int | None = None

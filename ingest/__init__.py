@@ -4,16 +4,16 @@ The host process imports this package; it never imports llama_cpp (engines that 
 run in worker processes only).
 """
 
-from host.artifacts.bert_to_gguf import BertGGUFInfo, convert_bert_dir
-from host.artifacts.errors import (
+from ingest.bert_to_gguf import BertGGUFInfo, convert_bert_dir
+from ingest.errors import (
     ArtifactError,
     ArtifactExists,
     ArtifactInvalid,
     ArtifactNotFound,
     InvalidRequest,
 )
-from host.artifacts.gemma import assemble_gemma
-from host.artifacts.store import ArtifactStore, Manifest, ModelRecord, default_root
+from ingest.gemma import assemble_gemma
+from ingest.store import ArtifactStore, Manifest, ModelRecord, default_root
 
 __all__ = [
     "ArtifactError",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host.artifacts.errors import ArtifactInvalid
+from ingest.errors import ArtifactInvalid
 
 _DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),

@@ -19,10 +19,10 @@ import uvicorn
 
 from host.errors import SynapseError
 from host.eventloop import http_name, loop_name
-from host.serve.app import create_app
-from host.serve.auth import exposure_warning
-from host.serve.config import ServeConfig
-from host.serve.state import ServerState
+from service.app import create_app
+from service.auth import exposure_warning
+from service.config import ServeConfig
+from service.state import ServerState
 
 log = logging.getLogger("synapse.serve")
 

@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
-from host.artifacts.errors import ArtifactInvalid, InvalidRequest
-from host.artifacts.safetensors_io import read_model_weights
+from ingest.errors import ArtifactInvalid, InvalidRequest
+from ingest.safetensors_io import read_model_weights
 
 Dtype = Literal["f32", "f16"]
 PoolingName = Literal["mean", "cls", "last", "rank"]

@@ -18,9 +18,9 @@ from starlette.responses import Response
 
 from host.errors import InvalidRequest, WorkerError
 from host.module import DEFAULT_GENERATE
-from host.serve.errors import Unsupported
-from host.serve.schemas import CompletionChoice, CompletionResponse, CompletionUsage
-from host.serve.state import ServerState
+from service.errors import Unsupported
+from service.schemas import CompletionChoice, CompletionResponse, CompletionUsage
+from service.state import ServerState
 
 # `prompt` decodes as Any and `_prompt` checks it; this is what it accepts (for the document).
 _PROMPT_SCHEMA = {

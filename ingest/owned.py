@@ -14,8 +14,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from host.artifacts.errors import ArtifactInvalid
-from host.artifacts.store import ArtifactStore, ModelRecord
+from ingest.errors import ArtifactInvalid
+from ingest.store import ArtifactStore, ModelRecord
 
 _INGEST = (
     "import sys; from workers.ane.manifest import ingest_owned; "

@@ -7,7 +7,6 @@ and exit 2 (caller's fault) or 3 (engine/host fault), so scripts can tell them a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -17,13 +16,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from host.artifacts.errors import ArtifactError
-from host.artifacts.store import ArtifactStore
-from host.errors import SynapseError
 from host.module import Module, ModuleConfig
+from host.run_command import err_console, run_command
+from ingest.errors import ArtifactError
+from ingest.store import ArtifactStore
 
 console = Console()
-err_console = Console(stderr=True)
 
 QUICKSTART_SENTENCES = [
     "The cat sits on the mat.",
@@ -75,15 +73,7 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     quick.set_defaults(func=_quickstart)
 
 
-def _run(coro) -> int:
-    try:
-        return asyncio.run(coro)
-    except SynapseError as exc:
-        err_console.print(escape(f"error[{exc.code}]: {exc.message}"))
-        return 2 if exc.http_status < 500 else 3
-    except ArtifactError as exc:
-        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
-        return 2
+_run = run_command
 
 
 def _module(args: argparse.Namespace) -> Module:
@@ -96,9 +86,9 @@ def _store() -> ArtifactStore:
 
 
 def ensure_defaults() -> None:
-    from host.gguf_vocab import write_tokenizer_json
+    from ingest.defaults import ensure_defaults as install
 
-    _store().ingest_default(tokenizer_builder=write_tokenizer_json)
+    install()
 
 
 def _models_ls(args: argparse.Namespace) -> int:

@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from host.errors import InvalidRequest
 from host.module import DEFAULT_EMBED
-from host.serve.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
-from host.serve.state import ServerState
+from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
+from service.state import ServerState
 
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 # `input` decodes as Any (msgspec allows one array type per union) and `parse_input` checks it;

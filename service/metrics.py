@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from host.module import Module
-from host.scheduler import BatchStats, Scheduler
+from service.scheduler import BatchStats, Scheduler
 
 _LATENCY_BUCKETS = (
     0.001,

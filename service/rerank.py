@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from host.module import DEFAULT_EMBED
 from host.module import RerankResult as Ranked
-from host.serve.schemas import (
+from service.schemas import (
     BilledUnits,
     EmbeddingUsage,
     RerankedDocument,
@@ -27,7 +27,7 @@ from host.serve.schemas import (
     RerankResult,
     TeiRerankItem,
 )
-from host.serve.state import ServerState
+from service.state import ServerState
 
 BI_ENCODER_NOTE = (
     "no cross-encoder is installed: scores are the embedding model's cosine similarity "

@@ -30,10 +30,10 @@ import platformdirs
 from filelock import FileLock
 
 from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
-from host.artifacts import gemma
-from host.artifacts.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
-from host.artifacts.digest import read_digest_file, sha256_file, write_digest_file
-from host.artifacts.errors import (
+from ingest import gemma
+from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
+from ingest.digest import read_digest_file, sha256_file, write_digest_file
+from ingest.errors import (
     ArtifactExists,
     ArtifactInvalid,
     ArtifactNotFound,

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import ModelNotFound
-from host.serve.state import ServerState
+from service.state import ServerState
 
 _OK = ("ready", "busy")
 

@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from host.errors import InvalidRequest
-from host.serve.errors import PayloadTooLarge, RequestTimeout
+from service.errors import PayloadTooLarge, RequestTimeout
 
 T = TypeVar("T")
 

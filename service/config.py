@@ -13,8 +13,8 @@ import msgspec
 
 from host.errors import ConfigInvalid
 from host.module import DEFAULT_EMBED, ModuleConfig
-from host.scheduler import SchedulerConfig
-from host.serve.ray_settings import RaySettings
+from service.ray_settings import RaySettings
+from service.scheduler import SchedulerConfig
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -33,7 +33,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A client that stops sending its body mid-way gets a 408 after this long, instead of
     # holding a connection and a task forever.
     body_timeout_s: float = 30.0
-    # API keys (host/serve/auth.py). Also from `--api-key-file` and SYNAPSE_API_KEYS; never
+    # API keys (service/auth.py). Also from `--api-key-file` and SYNAPSE_API_KEYS; never
     # from a command-line argument, which any local user can read in `ps`.
     api_keys: list[str] = []
     api_key_file: str | None = None

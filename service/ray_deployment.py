@@ -8,7 +8,7 @@ response carries `x-synapse-replica`, so `/health` is read per replica: its body
 replica's own lanes.
 
 Replica count (`num_replicas` or `autoscaling`), `max_ongoing_requests` and the CPUs a
-replica reserves come from the config's `[ray]` table (`host.serve.ray_settings`).
+replica reserves come from the config's `[ray]` table (`service.ray_settings`).
 Shutdown (`serve.shutdown()`, or SIGTERM/SIGINT of `synapse serve --ray`) stops every
 replica gracefully, which reaps every engine worker; a worker whose replica dies abruptly
 exits on its own when its socket closes.
@@ -25,8 +25,8 @@ import msgspec
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from host.serve.app import create_app
-from host.serve.config import ServeConfig
+from service.app import create_app
+from service.config import ServeConfig
 
 # Ray reports usage statistics to its authors by default; ours never phones home (an
 # operator may still opt in by setting the variable).
@@ -95,15 +95,12 @@ def start(config: ServeConfig, address: str | None = None) -> str:
     """Connect to (or start) Ray, run the deployment behind Ray's proxy; return its URL."""
     import ray
 
-    from batch.ray_job import node_resources
+    from host.node_resources import node_resources
 
     if config.install_defaults:  # once here, not racing in every replica
-        from host.artifacts.store import ArtifactStore
-        from host.gguf_vocab import write_tokenizer_json
+        from ingest.defaults import ensure_defaults
 
-        ArtifactStore(config.module.store_root).ingest_default(
-            tokenizer_builder=write_tokenizer_json
-        )
+        ensure_defaults(config.module.store_root)
         config = msgspec.structs.replace(config, install_defaults=False)
     if not ray.is_initialized():
         if address is None:

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=lambda args: _doctor(args.json))
 
-    from host.commands import add_model_commands
+    from cli.commands import add_model_commands
 
     add_model_commands(sub)
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parser(sub)
 
-    from host.serve.cli import add_serve_parser
+    from service.cli import add_serve_parser
 
     add_serve_parser(sub)
 
@@ -51,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from host.demo import main as demo_main
+    from cli.demo import main as demo_main
 
     return demo_main()
 
 
 def _doctor(as_json: bool) -> int:
-    from host.doctor import main as doctor_main
+    from cli.doctor import main as doctor_main
 
     return doctor_main(as_json, lane_policy())
 

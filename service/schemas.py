@@ -118,7 +118,7 @@ class CompletionResponse(_Body):
     usage: CompletionUsage
 
 
-# ---- status (host/serve/status.py builds these as dicts; the live fuzz test holds them to
+# ---- status (service/status.py builds these as dicts; the live fuzz test holds them to
 # these shapes) ---------------------------------------------------------------------------------
 
 

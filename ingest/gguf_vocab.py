@@ -275,7 +275,7 @@ def _decoder(vocab: GGUFVocab) -> decoders.Decoder:
 def write_tokenizer_json(gguf_path: str | Path, out_path: str | Path) -> Path:
     """Derive the tokenizer from `gguf_path` and save it as `out_path` (a tokenizer.json).
 
-    Matches `host.artifacts.store.TokenizerBuilder`. Written to a temp name then renamed, so
+    Matches `ingest.store.TokenizerBuilder`. Written to a temp name then renamed, so
     a crash never leaves a half-written tokenizer.json behind.
     """
     tok = build_tokenizer(GGUFVocab.read(gguf_path))

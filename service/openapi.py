@@ -1,7 +1,7 @@
 """`GET /openapi.json`: the API described from the very structs the handlers decode and encode.
 
 Request bodies are the handlers' msgspec request types, responses the structs in
-`host.serve.schemas`, all turned into JSON Schema by `msgspec.json.schema_components`; this
+`service.schemas`, all turned into JSON Schema by `msgspec.json.schema_components`; this
 file only says which route uses which. Every route documents the error shape for each status it
 can answer with. The auth schemes are always described; `security` applies them only when the
 server has keys (and to `/metrics` only with `metrics_require_key`).
@@ -15,12 +15,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.serve import schemas
-from host.serve.completions import CompletionRequest
-from host.serve.config import ServeConfig
-from host.serve.embeddings import EmbeddingRequest
-from host.serve.rerank import RerankRequest, TeiRerankRequest
-from host.serve.state import ServerState
+from service import schemas
+from service.completions import CompletionRequest
+from service.config import ServeConfig
+from service.embeddings import EmbeddingRequest
+from service.rerank import RerankRequest, TeiRerankRequest
+from service.state import ServerState
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {"$ref": _REF.format(name="ErrorResponse")}

@@ -26,12 +26,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
-from host.scheduler import Scheduler
-from host.serve import completions, embeddings, openapi, rerank, status
-from host.serve.auth import AuthenticationFailed, presented_key
-from host.serve.config import ServeConfig
-from host.serve.errors import MethodNotAllowed, NotFound, error_response
-from host.serve.state import ServerState
+from service import completions, embeddings, openapi, rerank, status
+from service.auth import AuthenticationFailed, presented_key
+from service.config import ServeConfig
+from service.errors import MethodNotAllowed, NotFound, error_response
+from service.scheduler import Scheduler
+from service.state import ServerState
 
 log = logging.getLogger("synapse.serve")
 
@@ -184,12 +184,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         if config.install_defaults:
-            from host.artifacts.store import ArtifactStore
-            from host.gguf_vocab import write_tokenizer_json
+            from ingest.defaults import ensure_defaults
 
-            ArtifactStore(config.module.store_root).ingest_default(
-                tokenizer_builder=write_tokenizer_json
-            )
+            ensure_defaults(config.module.store_root)
         module = Module(config.module, lane_policy)
         state.module = module
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)

@@ -7,15 +7,15 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from host.artifacts.errors import ArtifactError, ArtifactNotFound
-from host.artifacts.errors import InvalidRequest as BadName
 from host.errors import ConfigInvalid, ModelNotFound
-from host.metrics import Metrics
 from host.module import Module
-from host.scheduler import Scheduler
-from host.serve.auth import ApiKeys
-from host.serve.body import read_json
-from host.serve.config import ServeConfig
+from ingest.errors import ArtifactError, ArtifactNotFound
+from ingest.errors import InvalidRequest as BadName
+from service.auth import ApiKeys
+from service.body import read_json
+from service.config import ServeConfig
+from service.metrics import Metrics
+from service.scheduler import Scheduler
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Argument parsing of `synapse serve` / `python -m host.serve`; imports the server lazily."""
+"""Argument parsing of `synapse serve` / `python -m service`; imports the server lazily."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import msgspec
 
     from host.errors import SynapseError
-    from host.serve.config import load_config
-    from host.serve.run import serve
+    from service.config import load_config
+    from service.run import serve
 
     try:
         config = load_config(args.config)
@@ -46,7 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
     if getattr(args, "ray", None) is not None:
-        from host.serve.ray_deployment import serve_on_ray
+        from service.ray_deployment import serve_on_ray
 
         return serve_on_ray(config, None if args.ray == "local" else args.ray)
     factory = getattr(args, "lane_policy", None)  # wired by the CLI (certificates)

@@ -1,0 +1,1 @@
+"""The `synapse` command line: every subcommand, `doctor` and `demo`. Imports any package."""
