@@ -15,7 +15,7 @@ import msgspec
 from host.errors import InvalidRequest, Overloaded
 
 
-class Budgets(msgspec.Struct, kw_only=True):
+class Budgets(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_inputs: int = 2048  # texts per embed request, documents per rerank request
     max_input_bytes: int = 1 << 20  # one text, UTF-8 (truncation handles long ones)
     max_request_bytes: int = 16 << 20  # all texts of one request together

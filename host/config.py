@@ -15,7 +15,7 @@ from workers.protocol.messages import DEFAULT_MAX_FRAME
 _LANE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 
 
-class HostConfig(msgspec.Struct, kw_only=True):
+class HostConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     runtime_dir: str | None = None  # default: $XDG_RUNTIME_DIR, else a private temp dir
     hello_timeout_s: float = 10.0
     inference_window_s: float = 120.0  # silence window once the worker computes

@@ -58,7 +58,7 @@ DEFAULT_GENERATE = "gemma3-270m"
 log = logging.getLogger("synapse.certification")  # the certificate policy's outcomes
 
 
-class ModuleConfig(msgspec.Struct, kw_only=True):
+class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: HostConfig = msgspec.field(default_factory=HostConfig)
     store_root: str | None = None  # default: the user cache dir (see ingest.store)
     budgets: Budgets = msgspec.field(default_factory=Budgets)

@@ -1,0 +1,91 @@
+"""The repository's docs are true to the code: the serve config they show loads, every
+environment variable and metric they name exists (and every one the code reads is documented),
+every `synapse ...` command line they show parses, and nothing points outside the repository."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from cli.main import build_parser
+from service.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE_DIRS = ["host", "workers", "compile_cache", "certification", "formats", "ingest", "service",
+             "batch", "cli"]
+
+
+def _code_text() -> str:
+    return "\n".join(p.read_text() for d in CODE_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def _fenced(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def test_the_documented_serve_config_loads_key_for_key():
+    (block,) = _fenced((ROOT / "docs" / "operations.md").read_text(), "toml")
+    # Every key is known (unknown ones are errors at every level) and every value valid.
+    config = msgspec.convert(tomllib.loads(block), ServeConfig)
+    assert config.aliases == {"text-embedding-3-small": "minilm-l6-v2"}
+
+
+def test_a_typo_in_a_nested_table_is_an_error():
+    with pytest.raises(msgspec.ValidationError, match="n_thread|unknown"):
+        msgspec.convert({"module": {"host": {"inference_window": 1}}}, ServeConfig)
+
+
+def test_every_environment_variable_is_documented_and_exists():
+    documented = set(re.findall(r"\bSYNAPSE_[A-Z_]+\b", (ROOT / "docs" / "operations.md")
+                                .read_text()))
+    read_by_code = set(re.findall(r"\bSYNAPSE_[A-Z_]+\b", _code_text()))
+    assert read_by_code - documented == set()
+    assert documented - read_by_code == set()
+
+
+def test_every_documented_metric_is_exported():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    documented = {re.sub(r"_total$", "", m) for m in re.findall(r"`(synapse_[a-z_]+)`", text)}
+    exported = set(re.findall(r'"(synapse_[a-z_]+)"', (ROOT / "service" / "metrics.py")
+                              .read_text()))
+    assert documented == exported
+
+
+def _command_lines() -> list[tuple[str, list[str]]]:
+    found = []
+    for doc in DOCS:
+        for block in _fenced(doc.read_text(), "sh"):
+            for line in block.splitlines():
+                line = line.split("  #")[0].strip()
+                words = shlex.split(line) if line else []
+                if words and words[0].endswith("synapse"):
+                    found.append((f"{doc.name}: {line}", words[1:]))
+    return found
+
+
+@pytest.mark.parametrize("where, argv", _command_lines(), ids=lambda v: str(v)[:60])
+def test_every_documented_command_line_parses(where, argv):
+    parser = build_parser()
+    # Alternatives written as a|b|c or [OPTIONAL] are documentation, not one command line:
+    # take the first alternative of each and drop the optional parts.
+    if "|" in argv:
+        argv = argv[: argv.index("|")]
+    argv = [w.split("|")[0] for w in argv if not w.startswith("[") and not w.endswith("]")]
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"{where}: does not parse (exit {e.code})")
+
+
+def test_nothing_points_outside_the_repository():
+    for doc in DOCS:
+        assert "../shared" not in doc.read_text(), doc
+        for target in re.findall(r"\]\(([^)#]+)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
