@@ -73,7 +73,7 @@ def _load(engine: LlamaEngine, path: Path, ref: str, **cfg: object) -> m.LOADED:
 @pytest.fixture(scope="module")
 def embedders(engine: LlamaEngine, store: ArtifactStore) -> dict[str, str]:
     refs = {}
-    for dtype, name in (("f16", "minilm-l6-v2"), ("f32", "minilm-l6-v2-f32")):
+    for dtype, name in (("f16", "minilm-l6-v2-f16"), ("f32", "minilm-l6-v2-f32")):
         loaded = _load(engine, store.get(name).artifact_path, f"mini-{dtype}")
         assert loaded.dims == 384
         refs[dtype] = loaded.model_ref

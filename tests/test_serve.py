@@ -359,6 +359,8 @@ def test_health_models_and_metrics(http, server):
     ids = {m["id"]: m for m in models["data"]}
     assert models["object"] == "list" and {"minilm-l6-v2", "gemma3-270m"} <= set(ids)
     assert ids["minilm-l6-v2"]["loaded"] and ids["minilm-l6-v2"]["dims"] == 384
+    assert ids["minilm-l6-v2-f16"]["precision"] == {"llama": "f16", "ane": "fp16"}
+    assert ids["gemma3-270m"]["precision"] == {"llama": "q4_k_m"}
     assert http.get("/v1/models/minilm-l6-v2").json()["id"] == "minilm-l6-v2"
     _assert_error(http.get("/v1/models/nope"), 404, "model_not_found")
 

@@ -13,6 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from host.artifacts.precision import lane_precisions
 from host.errors import ModelNotFound
 from host.serve.state import ServerState
 
@@ -63,6 +64,7 @@ def _model_entry(record, loaded: set[str]) -> dict:
         "kind": man.kind,
         "dims": man.dims if man.kind != "generate" else None,
         "max_tokens": man.max_tokens,
+        "precision": lane_precisions(man.kind, man.dtype),  # what each lane computes with
         "loaded": record.name in loaded,
     }
 
