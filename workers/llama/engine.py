@@ -58,8 +58,11 @@ _ENC_BATCH_MIN, _ENC_BATCH_MAX = 512, 2048
 _ENC_SEQ_MAX = 64
 # Tokens per encoder decode: packed sequences see each other only through the attention mask,
 # and ggml's CPU flash attention still walks every masked key, so attention costs n_tokens²
-# per decode while the matmuls cost n_tokens. Decodes of ~128 tokens of similar-length
-# sequences (see `plan_decodes`) measured faster than filling 512 (bench.embed, MiniLM).
+# per decode while the matmuls cost n_tokens. Measured on MiniLM f32, 2 threads, interleaved
+# in-process runs of bench.embed's sentences: 128-token decodes of similar lengths (see
+# `plan_decodes`) 2.2x faster than filling 512 on this shared, overloaded machine; 64 0.96x
+# and 256 0.85x of 128. A perf profile (load-independent view) puts flash attention at 0.35
+# of the matmul time with 512-token decodes and 0.24 with 128.
 ENC_DECODE_TOKENS = 128
 # Generation defaults: prompts are short here (DESIGN 5), so a 2k context and 512-token
 # prompt chunks (llama-cpp-python's own defaults for n_batch/n_ubatch).
