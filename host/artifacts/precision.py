@@ -7,8 +7,9 @@ cosine >= 0.9999 against the fp32 reference.
 - x86_64 -> f32. ggml's x86 kernels have no fp16 arithmetic: an f16 weight matrix is
   converted to f32 (F16C) on every matmul, which costs more than the halved weight bytes save
   on a model this small (MiniLM: 90 MB in f32). Measured f32 / f16: 1.74x on a 2-core AMD
-  EPYC (AVX2; issue 14: 30.7 vs 17.6 sentences/s), 1.1x on a 2-core Intel Xeon with AVX-512
-  and AVX512-FP16, which ggml does not use for f16 matmuls.
+  EPYC (AVX2; issue 14: 30.7 vs 17.6 sentences/s), ~1.1x on a 2-core Intel Xeon with AVX-512
+  and AVX512-FP16 (interleaved in-process runs on a heavily shared machine: noisy), whose fp16
+  arithmetic ggml does not use for f16 matmuls. f16 was faster on no x86 machine measured.
 - Apple silicon (and other ARMv8.2+ CPUs with fp16 vector arithmetic) -> f16. Metal computes
   in f16 natively and ggml's ARM kernels multiply f16 without converting, so the cost above
   does not apply. NOT measured: there is no Mac here. f16 stays the default until
