@@ -64,6 +64,9 @@ _ENC_SEQ_MAX = 64
 # and 256 0.85x of 128. A perf profile (load-independent view) puts flash attention at 0.35
 # of the matmul time with 512-token decodes and 0.24 with 128.
 ENC_DECODE_TOKENS = 128
+# Small decodes come fast: report PROGRESS (the watchdog's heartbeat, one host wakeup each) at
+# most this often rather than per decode, so the host does not steal the cores per decode.
+_PROGRESS_EVERY_S = 0.25
 # Generation defaults: prompts are short here (DESIGN 5), so a 2k context and 512-token
 # prompt chunks (llama-cpp-python's own defaults for n_batch/n_ubatch).
 _GEN_CTX = 2048
@@ -508,6 +511,7 @@ class LlamaEngine(Engine):
         out = np.empty((len(seqs), width), dtype=np.float32)
         budget = min(mdl.n_batch, mdl.n_ubatch)
         mem = llama_cpp.llama_get_memory(mdl.ctx)
+        unreported, last_report = 0, time.monotonic()
         for group in plan_decodes([len(s) for s in seqs], budget, mdl.n_seq_max):
             if mem:  # decoder-as-embedder: drop the previous decode's cache
                 llama_cpp.llama_memory_clear(mem, True)
@@ -532,7 +536,12 @@ class LlamaEngine(Engine):
                 if not ptr:
                     raise RuntimeError(f"llama.cpp returned no pooled output for seq {seq_id}")
                 out[idx] = np.ctypeslib.as_array(ptr, shape=(width,))
-            progress.advance("inference")
+            unreported += 1
+            if time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                progress.advance("inference", unreported)
+                unreported, last_report = 0, time.monotonic()
+        if unreported:
+            progress.advance("inference", unreported)
         return out
 
     def _decode(self, mdl: _Model) -> None:
