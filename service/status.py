@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import ModelNotFound
+from ingest.precision import lane_precisions
 from service.state import ServerState
 
 _OK = ("ready", "busy")
@@ -66,6 +67,7 @@ def _model_entry(record, loaded: set[str], module) -> dict:
         "kind": man.kind,
         "dims": man.dims if man.kind != "generate" else None,
         "max_tokens": man.max_tokens,
+        "precision": lane_precisions(man.kind, man.dtype),  # what each lane computes with
         "loaded": record.name in loaded,
         "lane": choice.lane,
         "lane_reason": choice.reason,

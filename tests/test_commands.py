@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 
+from ingest.precision import embed_precision
+
 
 def synapse(cache_dir, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir)}
@@ -24,8 +26,20 @@ def synapse(cache_dir, *args: str, timeout: float = 300) -> subprocess.Completed
 def test_models_ls_json(synapse_cache_dir):
     proc = synapse(synapse_cache_dir, "models", "ls", "--json")
     assert proc.returncode == 0, proc.stderr
-    names = {m["name"] for m in json.loads(proc.stdout)}
-    assert {"minilm-l6-v2", "minilm-l6-v2-f32", "gemma3-270m"} <= names
+    models = {m["name"]: m for m in json.loads(proc.stdout)}
+    assert {"minilm-l6-v2", "minilm-l6-v2-f16", "minilm-l6-v2-f32", "gemma3-270m"} <= set(models)
+    # The precision each lane serves; the default embedder's is this platform's choice.
+    default = embed_precision().dtype
+    assert models["minilm-l6-v2"]["precision"] == {"llama": default, "ane": "fp16"}
+    assert models["minilm-l6-v2-f32"]["precision"]["llama"] == "f32"
+    assert models["gemma3-270m"]["precision"] == {"llama": "q4_k_m"}
+
+
+def test_models_ls_says_which_precision_is_default_and_why(synapse_cache_dir):
+    proc = synapse(synapse_cache_dir, "models", "ls")
+    assert proc.returncode == 0, proc.stderr
+    choice = embed_precision()
+    assert f"minilm-l6-v2 is {choice.dtype} on this machine" in " ".join(proc.stdout.split())
 
 
 def test_embed_json_prints_unit_vectors(synapse_cache_dir):

