@@ -8,7 +8,7 @@ export OMP_WAIT_POLICY ?= passive
 # llama-cpp-python builds from source; use both cores, pip caches the wheel afterwards.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/actionlint
 	$(BIN)/python -m pytest -q
+
+# The inner loop: every test that starts no model worker and builds no model (see
+# tests/conftest.py, marker `model`).
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not model"
 
 # actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)

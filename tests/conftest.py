@@ -46,3 +46,27 @@ def ray_session():
     yield ray
     left = stop_ray(ray, temp_dir)
     assert not left, f"Ray processes outlived ray.shutdown(): {[p.pid for p in left]}"
+
+
+# ---- `make test-fast`: the inner loop ---------------------------------------------------------
+# A test is marked `model` when it starts a model worker or builds/loads a real model, so
+# `pytest -m "not model"` (make test-fast) keeps protocol, supervision (with the faulty worker),
+# config, cache, layout and docs tests: the fast inner loop. `make test` runs everything.
+MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session"}
+# Modules whose own fixtures build or load real models (no shared fixture to detect).
+MODEL_MODULES = {
+    "test_ane_builder", "test_ane_compiler", "test_ane_compute_plan", "test_ane_coreml",
+    "test_ane_engine", "test_ane_executor", "test_ane_packing", "test_artifacts",
+    "test_llama_engine", "test_reference_bert", "test_worker_start",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model: starts a model worker or builds a real model")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if MODEL_FIXTURES & set(item.fixturenames) or module in MODEL_MODULES:
+            item.add_marker(pytest.mark.model)
