@@ -50,19 +50,8 @@ class PackageError(Exception):
     """The package cannot be read back as an ML Program."""
 
 
-_NP_DTYPES = {
-    "fp16": np.float32,  # stored as float32 holding float16 values
-    "fp32": np.float32,
-    "fp64": np.float64,
-    "int8": np.int8,
-    "uint8": np.uint8,
-    "int16": np.int16,
-    "uint16": np.uint16,
-    "int32": np.int32,
-    "uint32": np.uint32,
-    "int64": np.int64,
-    "bool": np.bool_,
-}
+# MIL dtype name -> numpy storage dtype: one table, shared with the compiled-program format.
+_NP_DTYPES = program_ir.STORAGE_DTYPES
 
 
 def _dtype_name(var: object) -> str:
