@@ -205,7 +205,7 @@ class Lane:
         """
         if not self._running:
             raise LaneStopped(f"lane {self.config.lane_id} is not running")
-        self._raise_if_quarantined()
+        self.raise_if_quarantined()
         raw = _as_raw(payload)
         worker = self._worker
         if (
@@ -309,7 +309,7 @@ class Lane:
         async with self._stream:
             if job.abandoned:  # the caller gave up before we owned the stream: send nothing
                 raise DeadlineExceeded("abandoned before it was sent")
-            self._raise_if_quarantined()
+            self.raise_if_quarantined()
             worker = await self._ensure_worker()
             if type(message) in m.INFERENCE_REQUESTS:
                 async with self.permits.for_device(self.config.device):
@@ -363,7 +363,7 @@ class Lane:
         if worker is not None:  # died while idle: reap it, strike once
             error = await self._fault(worker, ConnectionFault(EOF, "worker died while idle"))
             log.warning("%s", error.message)
-            self._raise_if_quarantined()
+            self.raise_if_quarantined()
         self._generation += 1
         try:
             worker = await spawn_worker(self.config, self.host, self._generation)
@@ -431,18 +431,14 @@ class Lane:
             self.quarantines += 1
             log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
 
-    def quarantine_remaining_s(self) -> float | None:
-        """Seconds of quarantine left, or None when the lane takes requests (cheap: for
-        per-request checks; `state()` builds the whole snapshot)."""
-        retry = self._retry_after()
-        return retry if retry is not None and retry > 0 else None
-
     def _retry_after(self) -> float | None:
         if self._quarantined_until is None:
             return None
         return max(0.0, self._quarantined_until - time.monotonic())
 
-    def _raise_if_quarantined(self) -> None:
+    def raise_if_quarantined(self) -> None:
+        """Fail at once with `EngineCrashed(quarantined=True)` while quarantined (cheap: for
+        per-request checks, also by a scheduler before it queues work)."""
         if self._quarantined_until is None:
             return
         remaining = self._quarantined_until - time.monotonic()

@@ -33,7 +33,6 @@ import numpy as np
 from host.errors import (
     ConfigInvalid,
     DeadlineExceeded,
-    EngineCrashed,
     InvalidRequest,
     LaneStopped,
     Overloaded,
@@ -390,16 +389,6 @@ class Scheduler:
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.
-        # Per request, so the lane's cheap check, not its full state() snapshot.
         lane = self.module.lane_for(model)
-        if lane is None:
-            return
-        remaining = lane.quarantine_remaining_s()
-        if remaining is not None:
-            raise EngineCrashed(
-                f"lane {lane.config.lane_id} is quarantined after repeated worker faults; "
-                f"retry in {remaining:.0f} s",
-                lane_id=lane.config.lane_id,
-                quarantined=True,
-                retry_after_s=remaining,
-            )
+        if lane is not None:
+            lane.raise_if_quarantined()
