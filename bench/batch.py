@@ -38,7 +38,7 @@ from batch.windows import plan_batches
 from certification.corpus import corpus
 from host.config import HostConfig
 from host.module import DEFAULT_EMBED, ModuleConfig
-from ingest.gguf_vocab import write_tokenizer_json
+from ingest.defaults import ensure_defaults
 from ingest.store import ArtifactStore
 from workers.engine import NullProgress
 from workers.protocol import messages as m
@@ -143,8 +143,7 @@ def main() -> None:
     if args.shard:
         run_shard(args.shard, args.corpus, args.max_batch_tokens, args.max_batch_items)
         return
-    store = ArtifactStore()
-    store.ingest_default(tokenizer_builder=write_tokenizer_json)
+    ensure_defaults()
     load_before = _load()
     with tempfile.TemporaryDirectory(prefix="syn-bb-", dir="/tmp") as tmp:
         tmpdir = Path(tmp)

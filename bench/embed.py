@@ -35,7 +35,7 @@ from certification.corpus import corpus
 from host.batching import plan_chunks
 from host.config import HostConfig
 from host.module import DEFAULT_EMBED, DEFAULT_GENERATE, Module, ModuleConfig
-from ingest.gguf_vocab import write_tokenizer_json
+from ingest.defaults import ensure_defaults
 from ingest.store import ArtifactStore
 from workers.engine import NullProgress
 from workers.protocol import messages as m
@@ -105,8 +105,7 @@ def _median_rate(times: list[float], n: int) -> float:
 
 
 async def _bench(repeats: int, threads: int, embed_model: str, generate: bool) -> dict:
-    store = ArtifactStore()
-    store.ingest_default(tokenizer_builder=write_tokenizer_json)
+    store = ensure_defaults()
     texts = _texts()
     with tempfile.TemporaryDirectory(prefix="syn-bench-") as runtime_dir:
         config = ModuleConfig(

@@ -39,8 +39,7 @@ import numpy as np
 from certification.corpus import corpus
 from host.module import DEFAULT_EMBED
 from host.tokenization import Tokenizer
-from ingest.gguf_vocab import write_tokenizer_json
-from ingest.store import ArtifactStore
+from ingest.defaults import ensure_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"synapse serve: listening on (http://\S+)")
@@ -334,8 +333,7 @@ def _agreement(ours: str, theirs: str, text: str) -> float:
 
 
 async def _run(args) -> dict:
-    store = ArtifactStore()
-    store.ingest_default(tokenizer_builder=write_tokenizer_json)
+    store = ensure_defaults()
     rec = store.get(DEFAULT_EMBED)
     man = rec.manifest
     tokenizer = Tokenizer.from_file(

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from host.module import Module, ModuleConfig
 from host.run_command import err_console, run_command
+from ingest.defaults import ensure_defaults
 from ingest.errors import ArtifactError
 from ingest.precision import embed_precision, lane_precisions
 from ingest.store import DEFAULT_EMBED, ArtifactStore
@@ -76,9 +77,6 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     quick.set_defaults(func=_quickstart)
 
 
-_run = run_command
-
-
 def _module(args: argparse.Namespace) -> Module:
     factory = getattr(args, "lane_policy", None)  # the CLI wires the certificate policy
     return Module(ModuleConfig(), factory() if factory else None)
@@ -86,12 +84,6 @@ def _module(args: argparse.Namespace) -> Module:
 
 def _store() -> ArtifactStore:
     return ArtifactStore()
-
-
-def ensure_defaults() -> None:
-    from ingest.defaults import ensure_defaults as install
-
-    install()
 
 
 def _models_ls(args: argparse.Namespace) -> int:
@@ -176,7 +168,7 @@ def _embed(args: argparse.Namespace) -> int:
         _print_embeddings(args.texts, result)
         return 0
 
-    return _run(go())
+    return run_command(go())
 
 
 def _print_embeddings(texts: list[str], result) -> None:
@@ -218,7 +210,7 @@ def _rerank(args: argparse.Namespace) -> int:
             console.print(f"  {rank}. {score:+.4f}  [{i}] {args.documents[i][:70]!r}")
         return 0
 
-    return _run(go())
+    return run_command(go())
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -249,7 +241,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
         return 0
 
-    return _run(go())
+    return run_command(go())
 
 
 def _quickstart(args: argparse.Namespace) -> int:

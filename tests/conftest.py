@@ -24,11 +24,10 @@ def short_runtime_dir():
 @pytest.fixture(scope="session")
 def synapse_cache_dir(tmp_path_factory):
     """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
-    from ingest.gguf_vocab import write_tokenizer_json
-    from ingest.store import ArtifactStore
+    from ingest.defaults import ensure_defaults
 
     cache = tmp_path_factory.mktemp("synapse-cache")
-    ArtifactStore(cache / "models").ingest_default(tokenizer_builder=write_tokenizer_json)
+    ensure_defaults(str(cache / "models"))
     return cache
 
 
