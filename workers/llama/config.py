@@ -32,6 +32,9 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     embedding     force embedding mode on/off (a decoder can be served as an embedder)
     pooling       pooling override for embedders (must agree with the model for rerank)
     flash_attn    True (default): packing many sequences per decode is slower without it
+    encode_streams  embed/rerank: llama_contexts decoding one request's packed decodes in
+                  parallel, n_threads / streams threads each (default: n_threads on the CPU,
+                  1 when offloaded to a GPU; see workers.llama.engine._encode_streams)
     seed          accepted for interface stability; greedy decoding draws no randomness
     use_mmap      mmap the GGUF (default True)
     gpu_layers    "auto" (default: all layers on the GPU when the build offloads, else CPU) or
@@ -50,6 +53,7 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     embedding: bool | None = None
     pooling: PoolingName | None = None
     flash_attn: bool = True
+    encode_streams: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)] = 0
     use_mmap: bool = True
     gpu_layers: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0, le=ALL_LAYERS)] = "auto"
