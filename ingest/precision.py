@@ -10,6 +10,8 @@ cosine >= 0.9999 against the fp32 reference.
   EPYC (AVX2; issue 14: 30.7 vs 17.6 sentences/s), ~1.1x on a 2-core Intel Xeon with AVX-512
   and AVX512-FP16 (interleaved in-process runs on a heavily shared machine: noisy), whose fp16
   arithmetic ggml does not use for f16 matmuls. f16 was faster on no x86 machine measured.
+  With the OpenBLAS build (scripts/llama_wheel.py) f32 gains again: ggml hands f32 matmuls
+  to sgemm as they are, f16 ones only after converting the weights to f32 per matmul.
 - Apple silicon (and other ARMv8.2+ CPUs with fp16 vector arithmetic) -> f16. Metal computes
   in f16 natively and ggml's ARM kernels multiply f16 without converting, so the cost above
   does not apply. NOT measured: there is no Mac here. f16 stays the default until
