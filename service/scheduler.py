@@ -1,10 +1,12 @@
 """Dynamic batching of embedding requests from concurrent callers.
 
 Each request is tokenized module-side, admitted against the module's token budget, and queued
-per (model, normalize). One batcher task per queue takes every request waiting when the lane
-is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), calls
-`Module.embed_token_ids` once, and splits the vectors back per request. Requests that arrive
-while the lane computes form the next batch, so load itself grows the batches.
+per (model, normalize). One batcher task per queue takes every request waiting when a batch
+slot is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), calls
+`Module.embed_token_ids` once, and splits the vectors back per request. With
+`batches_in_flight` = 2 the second batch waits at the lane while the first computes, so the
+worker goes straight on to it while the first batch's callers are answered and send again.
+Requests that arrive meanwhile form the next batch, so load itself grows the batches.
 
 Waiting is adaptive: when a batch has just been answered, its callers send their next
 requests a few milliseconds apart. If recent batches held more requests than are queued now,
@@ -48,18 +50,24 @@ _THREAD_TOKENIZE_BYTES = 64 * 1024
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # Ids per coalesced batch (a larger request still goes alone). About one llama.cpp decode
-    # (n_batch 512): a bigger batch runs as successive decodes anyway, so it adds no
-    # throughput, but every request in it would wait for the whole batch.
-    max_batch_tokens: int = 512
+    # Ids per coalesced batch (a larger request still goes alone). Half of what fills both
+    # encode streams' 256-token decodes, so two batches in flight keep the worker busy: at
+    # 16-token inputs and 32 concurrent callers, 256 x 2 in flight measured ~1.15x 512 x 1
+    # (interleaved runs on 2 cores; bench.serve).
+    max_batch_tokens: int = 256
     max_batch_items: int = 256
     max_wait_ms: float = 4.0  # upper bound of the adaptive wait for a non-full batch
+    # Batches per model sent before the previous one is answered: the next one waits at the
+    # lane, so the worker starts it the moment the first is done instead of idling while the
+    # first one's callers get their answers and send again.
+    batches_in_flight: int = 2
     max_queue_items: int = 4096  # queued inputs per model; over it -> 429
     request_timeout_s: float = 300.0  # a queued or running request's total wait -> 504
     max_pending: int = 64  # rerank / completion requests in flight, each; over it -> 429
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_batch_items", "max_queue_items", "max_pending"):
+        for name in ("max_batch_tokens", "max_batch_items", "max_queue_items", "max_pending",
+                     "batches_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"scheduler.{name} must be >= 1")
         if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
@@ -106,6 +114,8 @@ class _Queue:
         self.queued_tokens = 0
         self.expected = 1.0  # requests per recent batch (moving average)
         self.wake = asyncio.Event()
+        self.in_flight = asyncio.Semaphore(sched.config.batches_in_flight)
+        self.running: set[asyncio.Task] = set()
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
 
     def put(self, pending: _Pending) -> None:
@@ -159,23 +169,43 @@ class _Queue:
     async def _run(self) -> None:
         wait_s = self.sched.config.max_wait_ms / 1000
         while True:
-            await self.wake.wait()
-            # One loop turn lets requests parsed in the same tick join this batch.
-            await asyncio.sleep(0)
-            if wait_s > 0 and self._expect_more():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait_s):
-                        while self._expect_more():
-                            self.wake.clear()
-                            await self.wake.wait()
-            batch = self._take()
-            if self.items:  # more than one batch waiting: run again without a new put
-                self.wake.set()
-            else:
-                self.wake.clear()
-            if batch:
-                self.expected = 0.7 * self.expected + 0.3 * len(batch)
-                await self._execute(batch)
+            # A batch slot first: until one is free, arrivals stay queued (and grow the batch).
+            await self.in_flight.acquire()
+            try:
+                batch = await self._next_batch(wait_s)
+            except BaseException:
+                self.in_flight.release()
+                raise
+            if not batch:
+                self.in_flight.release()
+                continue
+            self.expected = 0.7 * self.expected + 0.3 * len(batch)
+            task = asyncio.create_task(self._execute_then_release(batch))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    async def _next_batch(self, wait_s: float) -> list[_Pending]:
+        await self.wake.wait()
+        # One loop turn lets requests parsed in the same tick join this batch.
+        await asyncio.sleep(0)
+        if wait_s > 0 and self._expect_more():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    while self._expect_more():
+                        self.wake.clear()
+                        await self.wake.wait()
+        batch = self._take()
+        if self.items:  # more than one batch waiting: run again without a new put
+            self.wake.set()
+        else:
+            self.wake.clear()
+        return batch
+
+    async def _execute_then_release(self, batch: list[_Pending]) -> None:
+        try:
+            await self._execute(batch)
+        finally:
+            self.in_flight.release()
 
     async def _execute(self, batch: list[_Pending]) -> None:
         ids = [x for p in batch for x in p.ids]
@@ -343,9 +373,12 @@ class Scheduler:
         queues, self._queues = list(self._queues.values()), {}
         for q in queues:
             q.task.cancel()
+            for task in q.running:
+                task.cancel()  # each fails its own batch with LaneStopped
         for q in queues:
-            with contextlib.suppress(asyncio.CancelledError):
-                await q.task
+            for task in [q.task, *q.running]:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             _fail(list(q.items), LaneStopped("the server is shutting down"))
 
     # ---- internals ------------------------------------------------------------------------

@@ -149,8 +149,8 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
 
 
 def test_encode_streams_split_decodes_without_changing_vectors(engine, store, tokenizer) -> None:
-    # Two single-threaded contexts share the weights and take decodes off one queue. The same
-    # sequences share a decode either way, so the vectors are exactly those of one context.
+    # Two single-threaded contexts share the weights and take decodes off one queue. With the
+    # 60-token context the packing is the same either way, so the vectors are exactly equal.
     path = store.get("minilm-l6-v2-f32").artifact_path
     small = {"n_batch": 60, "n_ubatch": 60, "n_seq_max": 3}  # many decodes
     one = _load(engine, path, "mini-1stream", encode_streams=1, **small).model_ref
@@ -316,6 +316,14 @@ def test_build_flags_name_the_backends_and_the_decode_size_follows_blas(engine) 
     assert len(plan_decodes(lengths, 512, 64, ENC_DECODE_TOKENS_BLAS)) < len(
         plan_decodes(lengths, 512, 64)
     )
+
+
+def test_plan_decodes_gives_every_stream_work() -> None:
+    # 16 x 16 tokens fit one 256-token decode; with two streams it runs as two at once.
+    assert [len(g) for g in plan_decodes([16] * 16, 512, 64, 256, streams=2)] == [8, 8]
+    assert len(plan_decodes([16] * 32, 512, 64, 256, streams=2)) == 2  # already 2 decodes
+    assert plan_decodes([100, 5], 512, 64, 256, streams=2) == [[1], [0]]  # never cut an item
+    assert plan_decodes([7], 512, 64, 256, streams=2) == [[0]]
 
 
 def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> None:

@@ -30,6 +30,9 @@ from service.scheduler import BatchStats, Scheduler, SchedulerConfig
 
 MODEL = "minilm-l6-v2"
 LONG = "word " * 400  # truncated to 256 tokens: a batch of these keeps the worker busy
+# The tests of queueing behind a busy lane send one batch at a time; the default (two in
+# flight) has its own test.
+ONE_AT_A_TIME = SchedulerConfig(batches_in_flight=1)
 
 
 @contextlib.asynccontextmanager
@@ -84,6 +87,26 @@ async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(store_roo
     assert sum(r.total_tokens for r in results[:-1]) == reference.usage.total_tokens
 
 
+async def test_a_second_batch_waits_at_the_lane_and_a_third_in_the_queue(store_root):
+    # Two in flight (the default): requests arriving while a batch computes form the next
+    # batch, sent at once to wait at the lane; only when both slots are taken do they queue.
+    async with running(store_root) as (mod, sched, batches):
+        assert sched.config.batches_in_flight == 2
+        reference = (await mod.embed(["second 0", "second 1", "second 2", "third"])).vectors
+        first = asyncio.create_task(sched.embed_texts([LONG] * 8))
+        await _until(lambda: _busy(mod))
+        second = [asyncio.create_task(sched.embed_texts([f"second {i}"])) for i in range(3)]
+        queue = sched._queues[(MODEL, True)]
+        await _until(lambda: len(queue.running) == 2 and sched.queue_depth()[MODEL] == 0)
+        third = asyncio.create_task(sched.embed_texts(["third"]))
+        await _until(lambda: sched.queue_depth()[MODEL] == 1)
+        assert not first.done()
+        results = await asyncio.wait_for(asyncio.gather(first, *second, third), 120)
+    assert [b.requests for b in batches] == [1, 3, 1]
+    got = np.concatenate([r.vectors for r in results[1:]])
+    assert np.abs(got - reference).max() < 5e-4
+
+
 async def test_token_arrays_are_validated_then_embedded_as_given(store_root):
     async with running(store_root) as (mod, sched, _):
         tok = await mod.tokenizer(MODEL)
@@ -108,7 +131,7 @@ async def test_token_arrays_are_validated_then_embedded_as_given(store_root):
 
 
 async def test_bounded_queue_and_token_budget_refuse_at_once(store_root):
-    cfg = SchedulerConfig(max_queue_items=8, max_batch_items=8, max_pending=1)
+    cfg = SchedulerConfig(max_queue_items=8, max_batch_items=8, max_pending=1, batches_in_flight=1)
     async with running(store_root, cfg, Budgets(max_inputs=8)) as (mod, sched, _):
         running_batch = asyncio.create_task(sched.embed_texts([LONG] * 8))
         await _until(lambda: _busy(mod) and sched.queue_depth()[MODEL] == 0)
@@ -134,7 +157,7 @@ async def test_bounded_queue_and_token_budget_refuse_at_once(store_root):
 
 
 async def test_deadline_and_close_answer_every_waiter(store_root):
-    cfg = SchedulerConfig(request_timeout_s=0.2)
+    cfg = SchedulerConfig(request_timeout_s=0.2, batches_in_flight=1)
     async with running(store_root, cfg) as (mod, sched, batches):
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 16))
         await _until(lambda: _busy(mod))
@@ -161,7 +184,11 @@ async def test_deadline_and_close_answer_every_waiter(store_root):
 
 
 async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recovers(store_root):
-    async with running(store_root, strike_limit=1, quarantine_s=2.0) as (mod, sched, _):
+    async with running(store_root, ONE_AT_A_TIME, strike_limit=1, quarantine_s=2.0) as (
+        mod,
+        sched,
+        _,
+    ):
         first = asyncio.create_task(sched.embed_texts([LONG] * 4))
         await _until(lambda: _busy(mod))
         rest = [asyncio.create_task(sched.embed_texts([f"text {i}"])) for i in range(8)]
@@ -192,7 +219,7 @@ async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recove
 async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(store_root):
     """Host validation comes first; should some input still reach the worker and be refused,
     only its own caller gets the error — the batch is retried request by request."""
-    async with running(store_root) as (mod, sched, batches):
+    async with running(store_root, ONE_AT_A_TIME) as (mod, sched, batches):
         pid = mod.lanes()[MODEL].state().pid
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
         await _until(lambda: _busy(mod))

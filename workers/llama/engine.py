@@ -202,12 +202,20 @@ def _split(ids: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
 
 
 def plan_decodes(
-    lengths: list[int], max_tokens: int, max_seqs: int, decode_tokens: int = ENC_DECODE_TOKENS
+    lengths: list[int],
+    max_tokens: int,
+    max_seqs: int,
+    decode_tokens: int = ENC_DECODE_TOKENS,
+    streams: int = 1,
 ) -> list[list[int]]:
     """Encoder decodes: shortest sequences first, so similar lengths share a decode, packed
-    to `decode_tokens` (an item longer than that, up to `max_tokens`, goes alone)."""
+    to `decode_tokens` (an item longer than that, up to `max_tokens`, goes alone). With
+    several streams, a request smaller than streams x decode_tokens is cut into about one
+    decode per stream, so every stream has work (a 256-token batch runs as 2 x 128 at once)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     budget = min(max_tokens, decode_tokens)
+    if streams > 1 and lengths:
+        budget = min(budget, max(max(lengths), -(-sum(lengths) // streams)))
     groups = pack([lengths[i] for i in order], budget, max_seqs)
     return [[order[j] for j in group] for group in groups]
 
@@ -650,13 +658,15 @@ class LlamaEngine(Engine):
 
         With several slots, each slot's thread takes the next decode off a shared queue
         (llama_decode releases the GIL), so one request's decodes run on every core; the
-        calling thread only reports PROGRESS and collects failures. Which decode a slot runs
-        does not change its numbers: the same sequences are packed together either way.
+        calling thread only reports PROGRESS and collects failures. Which slot runs a decode
+        does not change its numbers (only how sequences are packed can, by float rounding).
         """
         width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
         out = np.empty((len(seqs), width), dtype=np.float32)
         budget = min(mdl.n_batch, mdl.n_ubatch)
-        groups = plan_decodes([len(s) for s in seqs], budget, mdl.n_seq_max, self._decode_tokens)
+        groups = plan_decodes(
+            [len(s) for s in seqs], budget, mdl.n_seq_max, self._decode_tokens, len(mdl.slots)
+        )
         if mdl.pool is None or len(groups) == 1:
             reporter = _ProgressThrottle(progress)
             for group in groups:
