@@ -100,6 +100,12 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, embed_
     return engine, embed_once, generate_once
 
 
+def _backends() -> list[str]:
+    from workers.llama.engine import registered_backends
+
+    return registered_backends()
+
+
 def _median_rate(times: list[float], n: int) -> float:
     return n / statistics.median(times)
 
@@ -158,6 +164,8 @@ async def _bench(repeats: int, threads: int, embed_model: str, generate: bool) -
         "sentences": N_SENTENCES,
         "tokens": tokens,
         "threads": threads,
+        # how the engine computes here: BLAS or not, and one stream per thread by default
+        "llama_backends": _backends(),
         "repeats": repeats,
         "load_avg_1m": round(os.getloadavg()[0], 2),  # this machine is shared: context
         "embed": {
