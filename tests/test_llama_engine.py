@@ -137,12 +137,16 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
         assert progress.completed == len(expected) > 2  # every decode counted in PROGRESS
         assert all(len(g) <= 3 and sum(len(seqs[i]) for i in g) <= 60 for g in expected)
         alone = np.concatenate([_embed(engine, ref, [s]) for s in seqs])
-        np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5)
-        # The big default context packs them all into one decode. Another micro-batch size
-        # takes other kernel paths, so only near-equality holds across contexts.
+        # With a BLAS backend, ggml sends matmuls of >= 32 rows to sgemm and smaller ones to
+        # its own kernels: packed and alone then round differently (measured 7.8e-5).
+        blas = "BLAS" in registered_backends()
+        np.testing.assert_allclose(together, alone, rtol=0, atol=2e-4 if blas else 1e-5)
+        # The big default context packs them into one decode per stream. Another micro-batch
+        # size takes other kernel paths, so only near-equality holds across contexts.
         one = NullProgress()
         big = _embed(engine, "mini-f32", seqs, progress=one)
-        assert one.completed == 1
+        lengths = [len(s) for s in seqs]
+        assert one.completed == len(plan_decodes(lengths, 512, 64, 10**6, THREADS)) == THREADS
         assert np.min(np.sum(big * alone, axis=1)) >= 0.99999
     finally:
         engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
@@ -321,8 +325,12 @@ def test_build_flags_name_the_backends_and_the_decode_size_follows_blas(engine) 
 def test_plan_decodes_gives_every_stream_work() -> None:
     # 16 x 16 tokens fit one 256-token decode; with two streams it runs as two at once.
     assert [len(g) for g in plan_decodes([16] * 16, 512, 64, 256, streams=2)] == [8, 8]
+    for lengths in ([12, 12, 13, 3, 18, 12, 12, 12, 18, 30], [1, 50, 2, 49, 3], [5] * 7):
+        for streams in (2, 3):
+            groups = plan_decodes(lengths, 512, 64, 10**6, streams)
+            assert len(groups) <= streams and sorted(sum(groups, [])) == list(range(len(lengths)))
     assert len(plan_decodes([16] * 32, 512, 64, 256, streams=2)) == 2  # already 2 decodes
-    assert plan_decodes([100, 5], 512, 64, 256, streams=2) == [[1], [0]]  # never cut an item
+    assert plan_decodes([100, 5], 512, 64, 256, streams=2) == [[1, 0]]  # no item is ever cut
     assert plan_decodes([7], 512, 64, 256, streams=2) == [[0]]
 
 
@@ -444,7 +452,10 @@ def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> No
     progress = NullProgress()
     scores = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), progress)
     assert scores.dtype == np.float32 and scores.shape == (3,)
-    assert np.all(np.isfinite(scores)) and progress.completed == 1
+    # one PROGRESS step per decode; the two streams each take a share of the three pairs
+    pairs = [len(query) + len(d) + 3 for d in docs]
+    decodes = plan_decodes(pairs, 512, 64, engine._decode_tokens, THREADS)
+    assert np.all(np.isfinite(scores)) and progress.completed == len(decodes) > 1
     assert len(set(scores.tolist())) == 3
     # The pair is [CLS] q [SEP] d [SEP]. llama.cpp gives every position token type 0 (HF
     # would mark segment B with type 1): the scores match the type-0 forward, not the other.

@@ -215,7 +215,9 @@ def plan_decodes(
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     budget = min(max_tokens, decode_tokens)
     if streams > 1 and lengths:
-        budget = min(budget, max(max(lengths), -(-sum(lengths) // streams)))
+        # Greedy packing closes a decode only when the next item would overflow it, so each
+        # closed one holds >= budget - longest + 1 tokens: this budget makes at most `streams`.
+        budget = min(budget, -(-sum(lengths) // streams) + max(lengths) - 1)
     groups = pack([lengths[i] for i in order], budget, max_seqs)
     return [[order[j] for j in group] for group in groups]
 
