@@ -181,7 +181,8 @@ async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
 
 async def test_sigterm_drains_in_flight_requests_then_stops_and_reaps_workers(server):
     pid = server.worker_pid()
-    payload = {"input": [f"drain {i} " + "text " * 40 for i in range(4)]}
+    # Long enough (16 x 256 tokens each) that all 8 are still inside when SIGTERM comes.
+    payload = {"input": [f"drain {i} " + "text " * 300 for i in range(16)]}
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
         in_flight = [asyncio.create_task(ac.post("/v1/embeddings", json=payload)) for _ in range(8)]
 
