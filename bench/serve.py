@@ -1,6 +1,6 @@
 """`synapse serve` vs llama-cpp-python's own server, same GGUF, same client, same run.
 
-    python -m bench.serve [--requests 240] [--rounds 4] [--threads 2]
+    python -m bench.serve [--requests 240] [--rounds 4] [--threads 2] [--scheduler JSON]
 
 Both servers run as subprocesses on loopback ports with the same minilm GGUF from the
 artifact store, the same llama.cpp thread count and `OMP_WAIT_POLICY=passive`. One httpx
@@ -8,6 +8,8 @@ client drives both with one input per request (`POST /v1/embeddings`), at concur
 and 32, for inputs of exactly 16 and 128 tokens (specials included). Each point is measured in
 `rounds` alternating slices (ours, theirs, theirs, ours, ...) so this shared machine's noise
 hits both alike. Bounded: `--requests` per server per point, and `--max-seconds` per slice.
+At concurrency 32, use `--requests 1280` or more: the default leaves 60 requests per slice,
+under two batches, and the slices' start and end then dominate the figure.
 
 Prints ONE JSON object: embeddings/s and p50/p99 latency per point and server, and the ratios
 `throughput_ratio` (ours / theirs; target >= 2 at concurrency 8 and 32) and `p99_ratio`
@@ -113,7 +115,9 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
     raise RuntimeError(f"{what} did not become ready in {timeout_s} s")
 
 
-def _start_ours(workdir: str, threads: int, env: dict) -> tuple[_Proc, str]:
+def _start_ours(
+    workdir: str, threads: int, env: dict, scheduler: dict | None = None
+) -> tuple[_Proc, str]:
     config = {
         "port": 0,
         "preload": [DEFAULT_EMBED],
@@ -123,6 +127,8 @@ def _start_ours(workdir: str, threads: int, env: dict) -> tuple[_Proc, str]:
             "host": {"runtime_dir": str(Path(workdir) / "rt")},
         },
     }
+    if scheduler:
+        config["scheduler"] = scheduler
     path = Path(workdir) / "serve.json"
     path.write_text(json.dumps(config))
     proc = _Proc([sys.executable, "-m", "service", "--config", str(path)], env, workdir, "ours")
@@ -344,7 +350,7 @@ async def _run(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="syn-bench-", dir="/tmp")  # short: worker socket paths
     procs: list[_Proc] = []
     try:
-        ours, ours_url = _start_ours(workdir, args.threads, env)
+        ours, ours_url = _start_ours(workdir, args.threads, env, json.loads(args.scheduler))
         procs.append(ours)
         theirs, theirs_url = _start_theirs(workdir, str(rec.artifact_path), args.threads, env)
         procs.append(theirs)
@@ -416,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--max-seconds", type=float, default=60.0, help="cap per slice")
+    parser.add_argument(
+        "--scheduler", default="{}", help="our [scheduler] overrides, JSON (tuning A/B runs)"
+    )
     parser.add_argument(
         "--no-ceiling", dest="ceiling", action="store_false",
         help="skip the in-process engine batching-gain measurement",
