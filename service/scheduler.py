@@ -3,10 +3,9 @@
 Each request is tokenized module-side, admitted against the module's token budget, and queued
 per (model, normalize). One batcher task per queue takes every request waiting when a batch
 slot is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), calls
-`Module.embed_token_ids` once, and splits the vectors back per request. With
-`batches_in_flight` = 2 the second batch waits at the lane while the first computes, so the
-worker goes straight on to it while the first batch's callers are answered and send again.
-Requests that arrive meanwhile form the next batch, so load itself grows the batches.
+`Module.embed_token_ids` once, and splits the vectors back per request. Requests that arrive
+while the lane computes form the next batch, so load itself grows the batches. With
+`batches_in_flight` = 2 (default 1) that next batch is sent at once and waits at the lane.
 
 Waiting is adaptive: when a batch has just been answered, its callers send their next
 requests a few milliseconds apart. If recent batches held more requests than are queued now,
@@ -50,17 +49,19 @@ _THREAD_TOKENIZE_BYTES = 64 * 1024
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # Ids per coalesced batch (a larger request still goes alone). Half of what fills both
-    # encode streams' 256-token decodes, so two batches in flight keep the worker busy: at
-    # 16-token inputs and 32 concurrent callers, 256 x 2 in flight measured ~1.15x 512 x 1
-    # (interleaved runs on 2 cores; bench.serve).
-    max_batch_tokens: int = 256
+    # Ids per coalesced batch (a larger request still goes alone). About one llama.cpp decode
+    # per encode stream: a bigger batch runs as successive decodes anyway, so it adds no
+    # throughput, but every request in it would wait for the whole batch.
+    max_batch_tokens: int = 512
     max_batch_items: int = 256
     max_wait_ms: float = 4.0  # upper bound of the adaptive wait for a non-full batch
     # Batches per model sent before the previous one is answered: the next one waits at the
     # lane, so the worker starts it the moment the first is done instead of idling while the
-    # first one's callers get their answers and send again.
-    batches_in_flight: int = 2
+    # first one's callers get their answers and send again. Not the default: on 2 cores,
+    # 16-token inputs at concurrency 32, 2 x 256-token batches measured 0.97-0.98x of
+    # 1 x 512 (bench.serve --scheduler, interleaved runs): the host's work then competes with
+    # the engine for the cores, and smaller decodes cost the worker ~3% more per input.
+    batches_in_flight: int = 1
     max_queue_items: int = 4096  # queued inputs per model; over it -> 429
     request_timeout_s: float = 300.0  # a queued or running request's total wait -> 504
     max_pending: int = 64  # rerank / completion requests in flight, each; over it -> 429

@@ -30,8 +30,7 @@ from service.scheduler import BatchStats, Scheduler, SchedulerConfig
 
 MODEL = "minilm-l6-v2"
 LONG = "word " * 400  # truncated to 256 tokens: a batch of these keeps the worker busy
-# The tests of queueing behind a busy lane send one batch at a time; the default (two in
-# flight) has its own test.
+# One batch at a time (the default), said explicitly where a test queues behind a busy lane.
 ONE_AT_A_TIME = SchedulerConfig(batches_in_flight=1)
 
 
@@ -88,10 +87,10 @@ async def test_concurrent_requests_coalesce_and_each_gets_its_own_rows(store_roo
 
 
 async def test_a_second_batch_waits_at_the_lane_and_a_third_in_the_queue(store_root):
-    # Two in flight (the default): requests arriving while a batch computes form the next
-    # batch, sent at once to wait at the lane; only when both slots are taken do they queue.
-    async with running(store_root) as (mod, sched, batches):
-        assert sched.config.batches_in_flight == 2
+    # Two in flight: requests arriving while a batch computes form the next batch, sent at
+    # once to wait at the lane; only when both slots are taken do they queue.
+    two = SchedulerConfig(batches_in_flight=2)
+    async with running(store_root, two) as (mod, sched, batches):
         reference = (await mod.embed(["second 0", "second 1", "second 2", "third"])).vectors
         first = asyncio.create_task(sched.embed_texts([LONG] * 8))
         await _until(lambda: _busy(mod))
