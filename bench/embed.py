@@ -137,13 +137,17 @@ async def _bench(repeats: int, threads: int, embed_model: str, generate: bool) -
             times: dict[str, list[float]] = {"lane": [], **{k: [] for k in contenders}}
             lane_g, inproc_g = [], []
             n_gen_lane = n_gen_inproc = 0
-            for _ in range(repeats):  # interleaved so machine noise hits every contender alike
-                t = time.perf_counter()
-                await mod.embed(texts, model=embed_model)
-                times["lane"].append(time.perf_counter() - t)
-                for name, run in contenders.items():
+            names = ["lane", *contenders]
+            for r in range(repeats):
+                # Interleaved so machine noise hits every contender alike, and rotated so no
+                # contender always runs right after the same other one (e.g. the lane after
+                # the in-process generation, whose caches it would find cold).
+                for name in names[r % len(names):] + names[: r % len(names)]:
                     t = time.perf_counter()
-                    run()
+                    if name == "lane":
+                        await mod.embed(texts, model=embed_model)
+                    else:
+                        contenders[name]()
                     times[name].append(time.perf_counter() - t)
                 if not generate:
                     continue
