@@ -29,23 +29,20 @@ def _version(dist: str) -> str | None:
         return None
 
 
-# Run in a child process: the host never loads llama.cpp. The device is what a LOAD with
-# gpu_layers "auto" would use, env override included (workers.llama.device's rule).
+# Run in a child process: the host never loads llama.cpp. The build flags are exactly what a
+# llama worker's HELLO says (backends and, last, the device a LOAD with gpu_layers "auto" uses,
+# env override included), read back with the host's own `hello_device`.
 _LLAMA_PROBE = """
 import json, llama_cpp
-from workers.llama.device import GPU_LAYERS_ENV, env_gpu_layers, offload_device
-from workers.llama.engine import registered_backends
-llama_cpp.llama_backend_init()
-info = llama_cpp.llama_print_system_info().decode().strip().rstrip(" |")
-info += " | backends=" + ",".join(registered_backends())
+from workers.llama.device import env_gpu_layers
+from workers.llama.engine import LlamaEngine
+flags = LlamaEngine().info().build_flags
 offload = bool(llama_cpp.llama_supports_gpu_offload())
 try:
     env = env_gpu_layers()
 except ValueError as exc:
     env = str(exc)
-device = "cpu" if env == 0 else offload_device(info, offload)
-print(json.dumps({"build_flags": info, "gpu_offload": offload, "device": device,
-                  "gpu_layers_env": env}))
+print(json.dumps({"build_flags": flags, "gpu_offload": offload, "gpu_layers_env": env}))
 """
 
 
@@ -59,10 +56,14 @@ def _llama_cpp() -> dict:
         return {"available": False, "reason": str(exc)}
     if proc.returncode != 0:
         return {"available": False, "reason": proc.stderr.strip()[-300:]}
+    from host.module import hello_device  # late, as the Module import below
+
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "available": True,
         "version": _version("llama_cpp_python"),
-        **json.loads(proc.stdout.strip().splitlines()[-1]),
+        "device": hello_device(probe["build_flags"]) or "cpu",
+        **probe,
     }
 
 

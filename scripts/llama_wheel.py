@@ -69,11 +69,14 @@ def install_openblas() -> bool:
         return False
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [*sudo, "apt-get", "install", "-y", "--no-install-recommends", "libopenblas-dev"]
-    for cmd in (install, [*sudo, "apt-get", "update"], install):
-        ok = subprocess.run(cmd, stdout=sys.stderr, env=env, check=False).returncode == 0
-        if ok and cmd is install:
-            return openblas_headers()
+    def apt(*args: str) -> bool:
+        cmd = [*sudo, "apt-get", *args]
+        return subprocess.run(cmd, stdout=sys.stderr, env=env, check=False).returncode == 0
+
+    install = ("install", "-y", "--no-install-recommends", "libopenblas-dev")
+    # A fresh machine may have no package lists yet: update once, then try again.
+    if apt(*install) or (apt("update") and apt(*install)):
+        return openblas_headers()
     print("llama_wheel: could not install libopenblas-dev; building without BLAS", file=sys.stderr)
     return False
 
