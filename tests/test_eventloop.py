@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import shutil
 import sys
-import tempfile
 
 import httpx
 import pytest
@@ -49,9 +47,8 @@ def test_unimportable_modules_fall_back(monkeypatch):
 
 
 def test_server_without_uvloop_and_httptools_serves_and_warns_when_open(store_root):
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     # Not loopback and no key: the exposure warning. Only loopback traffic is sent.
-    cfg = {**server_config(store_root, runtime, preload=[]), "host": "0.0.0.0"}
+    cfg = {**server_config(store_root, preload=[]), "host": "0.0.0.0"}
     srv = ServerProcess(cfg, command=WITHOUT_FAST)
     try:
         assert "event loop asyncio, http h11" in srv.wait_for_line("event loop")
@@ -64,4 +61,3 @@ def test_server_without_uvloop_and_httptools_serves_and_warns_when_open(store_ro
         assert len(warnings) == 1 and "0.0.0.0" in warnings[0]
     finally:
         srv.stop()
-        shutil.rmtree(runtime, ignore_errors=True)

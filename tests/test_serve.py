@@ -30,17 +30,14 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def server(store_root):
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     cfg = server_config(
         store_root,
-        runtime,
         preload=["minilm-l6-v2"],
         matryoshka_models=["minilm-l6-v2-f32"],  # to exercise truncation; MiniLM stays refused
     )
     srv = ServerProcess(cfg)
     yield srv
     srv.stop()
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture

@@ -106,13 +106,11 @@ def test_serve_with_an_unreadable_key_file_exits_2_before_binding(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(store_root):
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     key_dir = Path(tempfile.mkdtemp(prefix="syn-keys-", dir="/tmp"))
     key_file = key_dir / "keys"
     key_file.write_text(f"{FILE_KEY}\n")
     cfg = server_config(
         store_root,
-        runtime,
         preload=["minilm-l6-v2"],
         api_keys=[CONFIG_KEY],
         metrics_require_key=True,
@@ -124,7 +122,6 @@ def server(store_root):
     srv.key_file = key_file
     yield srv
     srv.stop()
-    shutil.rmtree(runtime, ignore_errors=True)
     shutil.rmtree(key_dir, ignore_errors=True)
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import time
 
 import httpx
@@ -26,10 +24,8 @@ QUARANTINE_S = 3.0
 
 @pytest.fixture(scope="module")
 def server(store_root):
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     cfg = server_config(
         store_root,
-        runtime,
         host={"quarantine_s": QUARANTINE_S, "shutdown_grace_s": 2.0, "term_grace_s": 1.0},
         module={"budgets": {"max_inputs": 256}},
         scheduler={"max_queue_items": 256},
@@ -38,7 +34,6 @@ def server(store_root):
     srv = ServerProcess(cfg)
     yield srv
     srv.stop()
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _is_typed_5xx(resp: httpx.Response) -> bool:

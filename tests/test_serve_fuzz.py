@@ -11,9 +11,7 @@ a typed 503/504 within a bound, and no worker may be restarted by any of it.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -37,10 +35,8 @@ REPLY_BOUND_S = 30.0  # every answer comes well within this; a hang fails the te
 
 @pytest.fixture(scope="module")
 def server(store_root):
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     cfg = server_config(
         store_root,
-        runtime,
         preload=["minilm-l6-v2", "gemma3-270m"],
         api_keys=[KEY],
         aliases={"text-embedding-3-small": "minilm-l6-v2"},
@@ -52,7 +48,6 @@ def server(store_root):
     srv.restarts_at_start = _restarts(srv)
     yield srv
     srv.stop()
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _restarts(srv: ServerProcess) -> dict[str, int]:

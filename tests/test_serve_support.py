@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"synapse serve: listening on (http://\S+)")
 
 
-def server_config(store_root: str, runtime_dir: str, **overrides) -> dict:
-    host = {"runtime_dir": runtime_dir, "ping_interval_s": 0.5, **overrides.pop("host", {})}
+def server_config(store_root: str, **overrides) -> dict:
+    """A serve config over the session's store; ServerProcess adds its own runtime dir."""
+    host = {"ping_interval_s": 0.5, **overrides.pop("host", {})}
     module = {"store_root": store_root, "host": host, **overrides.pop("module", {})}
     return {"port": 0, "install_defaults": False, "module": module, **overrides}
 
@@ -48,7 +49,10 @@ class ServerProcess:
         args: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.dir = tempfile.mkdtemp(prefix="syn-srv-", dir="/tmp")
+        self.dir = tempfile.mkdtemp(prefix="syn-srv-", dir="/tmp")  # short: socket paths
+        # Worker sockets go under our own dir unless the config names one: stop() removes it.
+        host = config.setdefault("module", {}).setdefault("host", {})
+        host.setdefault("runtime_dir", str(Path(self.dir) / "rt"))
         self.config_path = Path(self.dir) / "serve.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = Path(self.dir) / "server.log"
