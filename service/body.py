@@ -37,12 +37,9 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    too_large = PayloadTooLarge(
-        f"request body is over the limit of {limit} bytes", limit_bytes=limit
-    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _drain(request, int(declared))
-        raise too_large
+        raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -55,8 +52,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise InvalidRequest("client disconnected while sending the body") from None
     if size > limit:
         await _drain(request, size)
-        raise too_large
+        raise _too_large(limit)
     return b"".join(chunks)
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is over the limit of {limit} bytes", limit_bytes=limit)
 
 
 async def _drain(request: Request, seen: int) -> None:
