@@ -114,11 +114,21 @@ class Metrics:
             registry=r,
         )
         r.register(_StateCollector(module, scheduler))
+        # (endpoint, status) -> its counter and histogram children: `labels()` takes a lock
+        # and builds a key on every call, on the path of every request. Endpoints are a
+        # fixed set and statuses a few, so this stays small.
+        self._request_children: dict[tuple[str, int], tuple] = {}
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
-        code = str(status)
-        self.requests.labels(endpoint, code).inc()
-        self.latency.labels(endpoint, code).observe(seconds)
+        children = self._request_children.get((endpoint, status))
+        if children is None:
+            code = str(status)
+            children = self._request_children[(endpoint, status)] = (
+                self.requests.labels(endpoint, code),
+                self.latency.labels(endpoint, code),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()

@@ -69,9 +69,7 @@ class SynapseReplica:
         from certification.lane_policy import CertificateLanePolicy
 
         app = create_app(self._config, lane_policy=CertificateLanePolicy())
-        replica = serve.get_replica_context().replica_tag
-        app.add_middleware(_ReplicaHeader, replica=replica)
-        return app
+        return _ReplicaHeader(app, replica=serve.get_replica_context().replica_tag)
 
 
 def synapse_deployment(config: ServeConfig):

@@ -65,7 +65,7 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
     except SynapseError as exc:  # e.g. an unreadable API key file: never start open
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2
-    warning = exposure_warning(config.host, app.state.synapse.keys)
+    warning = exposure_warning(config.host, app.state.keys)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
     loop, http = loop_name(), http_name()
