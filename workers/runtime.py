@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -123,6 +124,7 @@ class WorkerRuntime:
             self.session.receive_frame(channel.recv_frame())  # HELLO_ACK or ProtocolError
             channel.set_max_frame(self.session.max_frame)
             self.after_handshake()
+            _freeze_heap()
             log.info("worker %s ready (pid %d)", self.worker_id, os.getpid())
             while True:
                 event = self.session.receive_frame(channel.recv_frame())
@@ -163,6 +165,8 @@ class WorkerRuntime:
             sys.stderr.flush()
             os._exit(EXIT_ENGINE_BUG)
         channel.send(reply, out)
+        if isinstance(req, m.LOAD):
+            _freeze_heap()  # the model's objects live until UNLOAD
 
     def dispatch(
         self, req: object, raw: bytes | bytearray | None, progress: WireProgress
@@ -210,6 +214,17 @@ class WorkerRuntime:
                 **engine.pong_extras(),
             ), None
         raise EngineError("invalid_request", f"unhandled request {m.message_name(req)}")
+
+
+def _freeze_heap() -> None:
+    """Keep what is alive now (imports, loaded models) out of the cyclic collector's scans.
+
+    A full collection walks every tracked object: ~10 ms over a loaded worker's ~50,000 when
+    idle, far more with the engine's working set in the caches, and it lands inside whatever
+    request allocated last. Frozen objects are still freed by reference counting.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _check_f32(values: np.ndarray, rows: int, what: str) -> np.ndarray:
