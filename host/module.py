@@ -267,6 +267,9 @@ class Module:
     async def choose_lane(self, name: str) -> LaneChoice:
         """The lane that serves `name` when a call names none, loaded; decided once per model
         (until unloaded). See host.lane_policy for the rule."""
+        choice = self._choices.get(name)
+        if choice is not None:  # every request asks: answer without the lock once decided
+            return choice
         lock = self._choosing.setdefault(name, asyncio.Lock())
         async with lock:
             choice = self._choices.get(name)

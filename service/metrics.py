@@ -114,10 +114,11 @@ class Metrics:
             registry=r,
         )
         r.register(_StateCollector(module, scheduler))
-        # (endpoint, status) -> its counter and histogram children: `labels()` takes a lock
-        # and builds a key on every call, on the path of every request. Endpoints are a
-        # fixed set and statuses a few, so this stays small.
+        # Label children, looked up once: `labels()` takes a lock and builds a key on every
+        # call, on the path of every request and batch. Endpoints are a fixed set, statuses
+        # and models a few, so these stay small.
         self._request_children: dict[tuple[str, int], tuple] = {}
+        self._batch_children: dict[str, tuple] = {}  # model -> its batch histograms
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         children = self._request_children.get((endpoint, status))
@@ -137,10 +138,18 @@ class Metrics:
         self.auth_failures.labels(reason).inc()
 
     def observe_batch(self, stats: BatchStats) -> None:
-        self.batch_items.labels(stats.model).observe(stats.items)
-        self.batch_tokens.labels(stats.model).observe(stats.tokens)
-        self.batch_requests.labels(stats.model).observe(stats.requests)
-        self.batch_seconds.labels(stats.model).observe(stats.seconds)
+        children = self._batch_children.get(stats.model)
+        if children is None:
+            children = self._batch_children[stats.model] = tuple(
+                h.labels(stats.model)
+                for h in (self.batch_items, self.batch_tokens, self.batch_requests,
+                          self.batch_seconds)
+            )  # fmt: skip
+        items, tokens, requests, seconds = children
+        items.observe(stats.items)
+        tokens.observe(stats.tokens)
+        requests.observe(stats.requests)
+        seconds.observe(stats.seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

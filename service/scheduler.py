@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -96,13 +96,13 @@ class BatchStats:
     seconds: float
 
 
-@dataclass(eq=False)
 class _Pending:
-    ids: list[np.ndarray]
-    tokens: int
-    future: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    """One request's inputs, waiting in a queue; its future gets the vectors."""
+
+    __slots__ = ("ids", "tokens", "future")
+
+    def __init__(self, ids: list[np.ndarray], tokens: int, future: asyncio.Future) -> None:
+        self.ids, self.tokens, self.future = ids, tokens, future
 
 
 class _Queue:
@@ -241,6 +241,11 @@ class _Queue:
             if not p.future.done():
                 p.future.set_result(vectors[row : row + n])
             row += n
+
+
+def _expire(future: asyncio.Future, timeout_s: float) -> None:
+    if not future.done():
+        future.set_exception(DeadlineExceeded(f"no result within {timeout_s:g} s"))
 
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:
@@ -405,21 +410,23 @@ class Scheduler:
             raise LaneStopped("the server is shutting down")
         self._raise_if_quarantined(model)
         with self.module.admission.reserve(tokens):
-            pending = _Pending(ids, tokens)
+            loop = asyncio.get_running_loop()
+            pending = _Pending(ids, tokens, loop.create_future())
             key = (model, normalize)
             queue = self._queues.get(key)
             if queue is None:
                 queue = self._queues[key] = _Queue(self, model, normalize)
             queue.put(pending)
+            # The deadline fails the future itself, and a cancelled caller cancels it: either
+            # way the batcher then skips it (not yet taken) or drops its rows (running). One
+            # timer handle per request, not an asyncio.timeout scope: this runs for every
+            # request while the engine waits for the next batch.
+            timeout_s = self.config.request_timeout_s
+            timer = loop.call_later(timeout_s, _expire, pending.future, timeout_s)
             try:
-                # Timeout or caller cancellation cancels the future: the batcher then skips
-                # it (not yet taken) or drops its rows (already running).
-                async with asyncio.timeout(self.config.request_timeout_s):
-                    return await pending.future
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"no result within {self.config.request_timeout_s:g} s"
-                ) from None
+                return await pending.future
+            finally:
+                timer.cancel()
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.
