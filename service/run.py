@@ -79,6 +79,9 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
         http=http,
         log_level=log_level,
         access_log=False,
+        # Nothing here reads the client's address or scheme, so X-Forwarded-* rewriting
+        # would only add a layer to every request.
+        proxy_headers=False,
         lifespan="on",
         timeout_graceful_shutdown=config.graceful_timeout_s,
         timeout_keep_alive=30,
