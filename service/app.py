@@ -258,10 +258,13 @@ def create_app(
                 on_stopped(state)
 
     posts = {
-        "/v1/embeddings": embeddings.create_embeddings,
-        "/v1/rerank": rerank.rerank_v1,
-        "/rerank": rerank.rerank_tei,
-        "/v1/completions": completions.create_completion,
+        path: _endpoint(state, handler)
+        for path, handler in {
+            "/v1/embeddings": embeddings.create_embeddings,
+            "/v1/rerank": rerank.rerank_v1,
+            "/rerank": rerank.rerank_tei,
+            "/v1/completions": completions.create_completion,
+        }.items()
     }
     gets = {
         "/health": status.health,
@@ -271,11 +274,11 @@ def create_app(
         "/openapi.json": openapi.serve_document,
     }
     # Starlette keeps the POST routes too: a GET to one of them is its 405, with Allow.
-    routes = [Route(p, _endpoint(state, h), methods=["POST"]) for p, h in posts.items()]
+    routes = [Route(p, endpoint, methods=["POST"]) for p, endpoint in posts.items()]
     routes += [Route(p, _endpoint(state, h), methods=["GET"]) for p, h in gets.items()]
     starlette = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return SynapseApp(state, starlette, {p: _endpoint(state, h) for p, h in posts.items()})
+    return SynapseApp(state, starlette, posts)
