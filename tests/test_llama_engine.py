@@ -332,6 +332,16 @@ def test_plan_decodes_gives_every_stream_work() -> None:
     assert len(plan_decodes([16] * 32, 512, 64, 256, streams=2)) == 2  # already 2 decodes
     assert plan_decodes([100, 5], 512, 64, 256, streams=2) == [[1, 0]]  # no item is ever cut
     assert plan_decodes([7], 512, 64, 256, streams=2) == [[0]]
+    # Over one round: at most whole rounds of one decode per stream, evenly filled, so
+    # 48 x 16 tokens run as 4 x 192, not as 256 + 256 + 256 (the last one alone).
+    assert [len(g) for g in plan_decodes([16] * 48, 512, 64, 256, streams=2)] == [12] * 4
+    for lengths in ([16] * 48, [30, 2, 250, 17] * 9, list(range(1, 80)), [16] * 33):
+        for streams in (2, 3):
+            groups = plan_decodes(lengths, 512, 64, 256, streams)
+            rounds = -(-sum(lengths) // (streams * 256))
+            assert len(groups) <= rounds * streams, (lengths, streams)
+            assert all(sum(lengths[i] for i in g) <= 256 for g in groups)
+            assert sorted(sum(groups, [])) == list(range(len(lengths)))
 
 
 def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> None:

@@ -210,14 +210,18 @@ def plan_decodes(
 ) -> list[list[int]]:
     """Encoder decodes: shortest sequences first, so similar lengths share a decode, packed
     to `decode_tokens` (an item longer than that, up to `max_tokens`, goes alone). With
-    several streams, a request smaller than streams x decode_tokens is cut into about one
-    decode per stream, so every stream has work (a 256-token batch runs as 2 x 128 at once)."""
+    several streams, the decodes come in whole rounds of one per stream, evenly filled, so
+    no stream idles while another finishes a last decode: a 256-token batch runs as 2 x 128
+    at once, a 768-token one as 4 x 192 rather than 3 x 256 (whose third decode ran alone:
+    16-token inputs, 2 streams: 48 at once measured 0.7x the rate of 32 at once)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     budget = min(max_tokens, decode_tokens)
     if streams > 1 and lengths:
+        total = sum(lengths)
+        decodes = streams * -(-total // (streams * budget))
         # Greedy packing closes a decode only when the next item would overflow it, so each
-        # closed one holds >= budget - longest + 1 tokens: this budget makes at most `streams`.
-        budget = min(budget, -(-sum(lengths) // streams) + max(lengths) - 1)
+        # closed one holds >= budget - longest + 1 tokens: this budget makes <= `decodes`.
+        budget = min(budget, -(-total // decodes) + max(lengths) - 1)
     groups = pack([lengths[i] for i in order], budget, max_seqs)
     return [[order[j] for j in group] for group in groups]
 
