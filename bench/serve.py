@@ -19,13 +19,17 @@ one-request-at-a-time server with the same engine on this machine.
 `synapse_share_of_ceiling` divides our throughput at concurrency >= 8 by the engine's
 in-process batch-32 rate measured right after each of our slices, for as long as the slice
 ran (this machine's speed drifts 10-35% within minutes; a ceiling taken only at the end
-compared a different machine). The end-of-run figure is reported beside it.
+compared a different machine). The end-of-run figure is reported beside it. Our side of each
+point also says where its CPU went per request (`cpu_ms_per_request`: host process, engine
+workers, this load client, all on the same cores) and `engine_share_of_cpu`, the workers'
+part of it: the share of the ceiling cannot exceed that, however the work is scheduled.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 from certification.corpus import corpus
 from host.module import DEFAULT_EMBED
@@ -285,25 +290,69 @@ async def _measure(
     args,
     engine: _Engine | None = None,
     n_tokens: int = 0,
+    meter: _CpuMeter | None = None,
 ) -> tuple[dict, float | None]:
     """Per server: the point's summary. With `engine`: also the engine's in-process batch-32
     rate, measured right after each of our slices for as long as that slice ran, so that this
-    machine's drift (10-35% within minutes) hits the share's numerator and denominator alike."""
+    machine's drift (10-35% within minutes) hits the share's numerator and denominator alike.
+    With `meter`: where our slices' CPU went, per request."""
     names = list(urls)
     acc = {name: ([], 0, 0.0) for name in names}
     ceiling = [0, 0.0]
+    cpu: dict[str, float] = {}
     per_slice = max(conc, args.requests // args.rounds)
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            ours = name == names[0]
+            before = meter.sample() if meter is not None and ours else None
             lat, err, wall = await _slice(urls[name], texts, conc, per_slice, args.max_seconds)
+            if before is not None:
+                for key, seconds in meter.sample().items():
+                    cpu[key] = cpu.get(key, 0.0) + seconds - before[key]
             a = acc[name]
             acc[name] = (a[0] + lat, a[1] + err, a[2] + wall)
-            if engine is not None and name == names[0]:
+            if engine is not None and ours:
                 done, seconds = engine.rate(n_tokens, 32, wall)
                 ceiling = [ceiling[0] + done, ceiling[1] + seconds]
     rate = round(ceiling[0] / ceiling[1], 1) if ceiling[1] else None
-    return {name: _summary(*acc[name]) for name in names}, rate
+    summaries = {name: _summary(*acc[name]) for name in names}
+    served = len(acc[names[0]][0])
+    if cpu and served:
+        summaries[names[0]]["cpu_ms_per_request"] = {
+            key: round(1000 * seconds / served, 3) for key, seconds in cpu.items()
+        }
+        # The most the engine can get of a machine whose cores all three share: the share
+        # of the ceiling cannot exceed this however the work is scheduled.
+        summaries[names[0]]["engine_share_of_cpu"] = round(
+            cpu["engine_workers"] / max(sum(cpu.values()), 1e-9), 3
+        )
+    return summaries, rate
+
+
+class _CpuMeter:
+    """CPU seconds of our server (its host process and its engine workers) and of this load
+    client, which all share the machine's cores."""
+
+    def __init__(self, host_pid: int) -> None:
+        self.host = psutil.Process(host_pid)
+        self.client = psutil.Process()
+
+    def sample(self) -> dict[str, float]:
+        workers = 0.0
+        for child in self.host.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                workers += _cpu_seconds(child)
+        return {
+            "host": _cpu_seconds(self.host),
+            "engine_workers": workers,
+            "load_client": _cpu_seconds(self.client),
+        }
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
 
 
 class _Engine:
@@ -389,13 +438,14 @@ async def _run(args) -> dict:
         theirs, theirs_url = _start_theirs(workdir, str(rec.artifact_path), args.threads, env)
         procs.append(theirs)
         urls = {"synapse": ours_url, "llama_cpp_server": theirs_url}
+        meter = _CpuMeter(ours.proc.pid)
         agreement = _agreement(ours_url, theirs_url, texts[args.lengths[0]][0])
         points = []
         for n_tokens in args.lengths:
             for conc in args.concurrency:
                 interleave = engine if conc >= 8 else None
                 res, ceiling_rate = await _measure(
-                    urls, texts[n_tokens], conc, args, interleave, n_tokens
+                    urls, texts[n_tokens], conc, args, interleave, n_tokens, meter
                 )
                 s, t = res["synapse"], res["llama_cpp_server"]
                 points.append(
