@@ -100,17 +100,13 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, embed_
     return engine, embed_once, generate_once
 
 
-def _backends() -> list[str]:
-    from workers.llama.engine import registered_backends
-
-    return registered_backends()
-
-
 def _median_rate(times: list[float], n: int) -> float:
     return n / statistics.median(times)
 
 
 async def _bench(repeats: int, threads: int, embed_model: str, generate: bool) -> dict:
+    from workers.llama.engine import registered_backends  # llama.cpp, as in _in_process
+
     store = ensure_defaults()
     texts = _texts()
     with tempfile.TemporaryDirectory(prefix="syn-bench-") as runtime_dir:
@@ -169,7 +165,7 @@ async def _bench(repeats: int, threads: int, embed_model: str, generate: bool) -
         "tokens": tokens,
         "threads": threads,
         # how the engine computes here: BLAS or not, and one stream per thread by default
-        "llama_backends": _backends(),
+        "llama_backends": registered_backends(),
         "repeats": repeats,
         "load_avg_1m": round(os.getloadavg()[0], 2),  # this machine is shared: context
         "embed": {

@@ -22,7 +22,8 @@ ran (this machine's speed drifts 10-35% within minutes; a ceiling taken only at 
 compared a different machine). The end-of-run figure is reported beside it. Our side of each
 point also says where its CPU went per request (`cpu_ms_per_request`: host process, engine
 workers, this load client, all on the same cores) and `engine_share_of_cpu`, the workers'
-part of it: the share of the ceiling cannot exceed that, however the work is scheduled.
+part of it: however the work is scheduled, the share of the ceiling stays near or below that
+(above it only as far as the served engine happened to run faster than the in-process one).
 """
 
 from __future__ import annotations
@@ -322,8 +323,8 @@ async def _measure(
         summaries[names[0]]["cpu_ms_per_request"] = {
             key: round(1000 * seconds / served, 3) for key, seconds in cpu.items()
         }
-        # The most the engine can get of a machine whose cores all three share: the share
-        # of the ceiling cannot exceed this however the work is scheduled.
+        # The engine's part of all the CPU the three processes used on the shared cores:
+        # what the share of the ceiling would be if no core ever idled.
         summaries[names[0]]["engine_share_of_cpu"] = round(
             cpu["engine_workers"] / max(sum(cpu.values()), 1e-9), 3
         )

@@ -69,6 +69,7 @@ def install_openblas() -> bool:
         return False
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+
     def apt(*args: str) -> bool:
         cmd = [*sudo, "apt-get", *args]
         return subprocess.run(cmd, stdout=sys.stderr, env=env, check=False).returncode == 0

@@ -167,7 +167,6 @@ class _Model:
     causal: bool
     n_cls_out: int
     arch: str
-    threads_per_slot: int
     device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
 
@@ -549,13 +548,12 @@ class LlamaEngine(Engine):
 
         threads = cfg.n_threads or usable_cpu_count()
         streams = _encode_streams(cfg, encoder, offloaded, threads)
-        per_slot = max(1, threads // streams)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_ubatch
         cparams.n_seq_max = n_seq_max
-        cparams.n_threads = per_slot
+        cparams.n_threads = max(1, threads // streams)
         cparams.n_threads_batch = max(1, (cfg.n_threads_batch or threads) // streams)
         cparams.embeddings = encoder
         cparams.pooling_type = _POOLING_IDS[pooling if encoder else "none"]
@@ -602,7 +600,6 @@ class LlamaEngine(Engine):
             causal=causal,
             n_cls_out=n_cls_out,
             arch=hdr.architecture,
-            threads_per_slot=per_slot,
             pool=ThreadPoolExecutor(streams, thread_name_prefix=f"encode-{ref}")
             if streams > 1
             else None,
