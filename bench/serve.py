@@ -3,11 +3,12 @@
     python -m bench.serve [--requests 240] [--rounds 4] [--threads 2] [--scheduler JSON]
 
 Both servers run as subprocesses on loopback ports with the same minilm GGUF from the
-artifact store, the same llama.cpp thread count and `OMP_WAIT_POLICY=passive`. One httpx
-client drives both with one input per request (`POST /v1/embeddings`), at concurrency 1, 8
-and 32, for inputs of exactly 16 and 128 tokens (specials included). Each point is measured in
-`rounds` alternating slices (ours, theirs, theirs, ours, ...) so this shared machine's noise
-hits both alike. Bounded: `--requests` per server per point, and `--max-seconds` per slice.
+artifact store, the same llama.cpp thread count and `OMP_WAIT_POLICY=passive`. One lean
+load client (`_Conn`) drives both with one input per request (`POST /v1/embeddings`), at
+concurrency 1, 8 and 32, for inputs of exactly 16 and 128 tokens (specials included). Each
+point is measured in `rounds` alternating slices (ours, theirs, theirs, ours, ...) so this
+shared machine's noise hits both alike. Bounded: `--requests` per server per point, and
+`--max-seconds` per slice.
 At concurrency 32, use `--requests 1280` or more: the default leaves 60 requests per slice,
 under two batches, and the slices' start and end then dominate the figure.
 
