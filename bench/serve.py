@@ -219,21 +219,12 @@ class _Conn:
     uvloop where installed) for a few tens of microseconds. Same client for both servers.
     """
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.transport: asyncio.Transport | None = None
-        self.framing = _Framing()
+    def __init__(self, url: str, transport: asyncio.Transport, framing: _Framing) -> None:
+        self.url, self.transport, self.framing = url, transport, framing
 
     @classmethod
     async def open(cls, url: str) -> _Conn:
-        conn = cls(url)
-        await conn._connect()
-        return conn
-
-    async def _connect(self) -> None:
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        loop = asyncio.get_running_loop()
-        self.transport, self.framing = await loop.create_connection(_Framing, host, int(port))
+        return cls(url, *await _connect(url))
 
     async def request(self, raw: bytes) -> int:
         """The response status. A connection the server closed while it sat idle (its
@@ -246,7 +237,7 @@ class _Conn:
             except ConnectionError:
                 self.close()
                 if attempt == 0:
-                    await self._connect()
+                    self.transport, self.framing = await _connect(self.url)
         return 0
 
     async def _request(self, raw: bytes) -> int:
@@ -257,8 +248,12 @@ class _Conn:
         return await self.framing.waiter
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
+
+
+async def _connect(url: str) -> tuple[asyncio.Transport, _Framing]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return await asyncio.get_running_loop().create_connection(_Framing, host, int(port))
 
 
 def _raw_request(url: str, text: str) -> bytes:
@@ -453,18 +448,12 @@ def _agreement(ours: str, theirs: str, text: str) -> float:
     return float(va @ vb / (np.linalg.norm(va) * np.linalg.norm(vb)))
 
 
-async def _run(args) -> dict:
-    store = ensure_defaults()
-    rec = store.get(DEFAULT_EMBED)
-    man = rec.manifest
-    tokenizer = Tokenizer.from_file(
-        rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
-    )
-    texts = {n: _texts(tokenizer, n, 64) for n in args.lengths}
+async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine | None):
+    """Both servers started, every (length, concurrency) point measured, both stopped:
+    (vector agreement, points)."""
     env = {**os.environ, "OMP_WAIT_POLICY": "passive", "OPENBLAS_NUM_THREADS": "1"}
     workdir = tempfile.mkdtemp(prefix="syn-bench-", dir="/tmp")  # short: worker socket paths
     procs: list[_Proc] = []
-    engine = _Engine(rec, args.threads) if args.ceiling else None
     try:
         ours, ours_url = _start_ours(workdir, args.threads, env, json.loads(args.scheduler))
         procs.append(ours)
@@ -495,11 +484,25 @@ async def _run(args) -> dict:
                         else None,
                     }
                 )
+        return agreement, points
     finally:
         for p in reversed(procs):
             p.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _run(args) -> dict:
+    store = ensure_defaults()
+    rec = store.get(DEFAULT_EMBED)
+    man = rec.manifest
+    tokenizer = Tokenizer.from_file(
+        rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
+    )
+    texts = {n: _texts(tokenizer, n, 64) for n in args.lengths}
+    engine = _Engine(rec, args.threads) if args.ceiling else None
     try:
+        agreement, points = await _serve_points(args, rec, texts, engine)
+        # After the servers have stopped, so that they do not share the cores with it.
         ceiling = _engine_ceiling(engine, args.lengths) if engine is not None else None
     finally:
         if engine is not None:
