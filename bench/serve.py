@@ -1,6 +1,7 @@
 """`synapse serve` vs llama-cpp-python's own server, same GGUF, same client, same run.
 
     python -m bench.serve [--requests 240] [--rounds 4] [--threads 2] [--scheduler JSON]
+                          [--encoding-format float|base64]
 
 Both servers run as subprocesses on loopback ports with the same minilm GGUF from the
 artifact store, the same llama.cpp thread count and `OMP_WAIT_POLICY=passive`. One lean
@@ -9,6 +10,10 @@ concurrency 1, 8 and 32, for inputs of exactly 16 and 128 tokens (specials inclu
 point is measured in `rounds` alternating slices (ours, theirs, theirs, ours, ...) so this
 shared machine's noise hits both alike. Bounded: `--requests` per server per point, and
 `--max-seconds` per slice.
+`--encoding-format` is what each request asks for: `float` (the default; JSON numbers, about
+7.7 KB per 384-d vector) or `base64` (2 KB of little-endian float32), which OpenAI's Python
+SDK asks for whenever its caller does not choose. llama-cpp-python's server ignores the field
+and answers floats either way.
 At concurrency 32, use `--requests 1280` or more: the default leaves 60 requests per slice,
 under two batches, and the slices' start and end then dominate the figure.
 
@@ -256,9 +261,11 @@ async def _connect(url: str) -> tuple[asyncio.Transport, _Framing]:
     return await asyncio.get_running_loop().create_connection(_Framing, host, int(port))
 
 
-def _raw_request(url: str, text: str) -> bytes:
+def _raw_request(url: str, text: str, encoding_format: str) -> bytes:
     host = url.removeprefix("http://")
-    body = json.dumps({"input": text, "model": DEFAULT_EMBED}).encode()
+    body = json.dumps(
+        {"input": text, "model": DEFAULT_EMBED, "encoding_format": encoding_format}
+    ).encode()
     head = (
         f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -267,10 +274,10 @@ def _raw_request(url: str, text: str) -> bytes:
 
 
 async def _slice(
-    url: str, texts: list[str], concurrency: int, n: int, max_s: float
+    url: str, texts: list[str], concurrency: int, n: int, max_s: float, encoding_format: str
 ) -> tuple[list[float], int, float]:
     """Latencies of `n` requests at `concurrency` (one connection each), errors, wall time."""
-    raws = [_raw_request(url, t) for t in texts]
+    raws = [_raw_request(url, t, encoding_format) for t in texts]
     conns = [await _Conn.open(url) for _ in range(concurrency)]
     latencies: list[float] = []
     errors = 0
@@ -334,7 +341,9 @@ async def _measure(
         for name in order:
             ours = name == names[0]
             before = meter.sample() if meter is not None and ours else None
-            lat, err, wall = await _slice(urls[name], texts, conc, per_slice, args.max_seconds)
+            lat, err, wall = await _slice(
+                urls[name], texts, conc, per_slice, args.max_seconds, args.encoding_format
+            )
             if before is not None:
                 for key, seconds in meter.sample().items():
                     cpu[key] = cpu.get(key, 0.0) + seconds - before[key]
@@ -526,6 +535,7 @@ async def _run(args) -> dict:
         "model": DEFAULT_EMBED,
         "gguf_sha256": rec.digest,
         "threads": args.threads,
+        "encoding_format": args.encoding_format,
         "requests_per_point": args.requests,
         "rounds": args.rounds,
         "vector_agreement_cosine": round(agreement, 6),
@@ -552,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--max-seconds", type=float, default=60.0, help="cap per slice")
+    parser.add_argument(
+        "--encoding-format", choices=["float", "base64"], default="float",
+        help="what every request asks for (OpenAI's Python SDK asks for base64 by default)",
+    )  # fmt: skip
     parser.add_argument(
         "--scheduler", default="{}", help="our [scheduler] overrides, JSON (tuning A/B runs)"
     )
