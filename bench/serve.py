@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -449,12 +450,21 @@ def _engine_ceiling(engine: _Engine, lengths: list[int], budget_s: float = 6.0) 
     return out
 
 
-def _agreement(ours: str, theirs: str, text: str) -> float:
-    a = httpx.post(f"{ours}/v1/embeddings", json={"input": text}, timeout=60).json()
+def _agreement(ours: str, theirs: str, text: str, encoding_format: str) -> float:
+    """Cosine of the two servers' vectors for `text`, ours in the format the load asks for
+    (so a base64 run also checks what it measures decodes to the same vector)."""
+    body = {"input": text, "encoding_format": encoding_format}
+    a = httpx.post(f"{ours}/v1/embeddings", json=body, timeout=60).json()
     b = httpx.post(f"{theirs}/v1/embeddings", json={"input": text}, timeout=60).json()
-    va = np.array(a["data"][0]["embedding"])
-    vb = np.array(b["data"][0]["embedding"])
+    va = _vector(a["data"][0]["embedding"])
+    vb = _vector(b["data"][0]["embedding"])
     return float(va @ vb / (np.linalg.norm(va) * np.linalg.norm(vb)))
+
+
+def _vector(embedding: list[float] | str) -> np.ndarray:
+    if isinstance(embedding, str):  # base64: little-endian float32
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4").astype(np.float64)
+    return np.array(embedding)
 
 
 async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine | None):
@@ -470,7 +480,9 @@ async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine 
         procs.append(theirs)
         urls = {"synapse": ours_url, "llama_cpp_server": theirs_url}
         meter = _CpuMeter(ours.proc.pid)
-        agreement = _agreement(ours_url, theirs_url, texts[args.lengths[0]][0])
+        agreement = _agreement(
+            ours_url, theirs_url, texts[args.lengths[0]][0], args.encoding_format
+        )
         points = []
         for n_tokens in args.lengths:
             for conc in args.concurrency:
