@@ -51,8 +51,10 @@ class ServerProcess:
     ) -> None:
         self.dir = tempfile.mkdtemp(prefix="syn-srv-", dir="/tmp")  # short: socket paths
         # Worker sockets go under our own dir unless the config names one: stop() removes it.
-        host = config.setdefault("module", {}).setdefault("host", {})
-        host.setdefault("runtime_dir", str(Path(self.dir) / "rt"))
+        # A copy: the caller's dict must not keep a path that dies with this server.
+        module = config.get("module", {})
+        host = {"runtime_dir": str(Path(self.dir) / "rt"), **module.get("host", {})}
+        config = {**config, "module": {**module, "host": host}}
         self.config_path = Path(self.dir) / "serve.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = Path(self.dir) / "server.log"
