@@ -189,7 +189,11 @@ def _start_theirs(workdir: str, gguf: str, threads: int, env: dict) -> tuple[_Pr
 
 class _Framing(asyncio.Protocol):
     """One connection's response framing: completes `waiter` with the status once a
-    Content-Length-framed response has fully arrived; fails it if the connection drops."""
+    Content-Length-framed response has fully arrived; fails it if the connection drops.
+
+    Only Content-Length framing is read (both servers send it). A response without it (e.g.
+    chunked) fails the request with ValueError rather than counting its headers as a whole
+    response, which would inflate the throughput measured."""
 
     def __init__(self) -> None:
         self.buffer = bytearray()
@@ -203,7 +207,11 @@ class _Framing(asyncio.Protocol):
             return
         head = bytes(self.buffer[:end]).lower() + b"\r\n"
         at = head.find(b"\r\ncontent-length:")
-        length = int(head[at + 17 : head.find(b"\r\n", at + 2)]) if at >= 0 else 0
+        if at < 0:
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_exception(ValueError(f"no Content-Length: {head[:200]!r}"))
+            return
+        length = int(head[at + 17 : head.find(b"\r\n", at + 2)])
         if len(self.buffer) < end + 4 + length:
             return
         del self.buffer[: end + 4 + length]
