@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from host.errors import InvalidRequest, Overloaded
+from host.errors import ConfigInvalid, InvalidRequest, Overloaded
 
 
 class Budgets(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -20,6 +20,11 @@ class Budgets(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_input_bytes: int = 1 << 20  # one text, UTF-8 (truncation handles long ones)
     max_request_bytes: int = 16 << 20  # all texts of one request together
     max_inflight_tokens: int = 1 << 18  # tokens admitted and not yet answered, module-wide
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if getattr(self, name) < 1:
+                raise ConfigInvalid(f"budgets.{name} must be >= 1")
 
 
 class Admission:

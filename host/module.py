@@ -78,6 +78,12 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     require_certificate: Literal["strict", "warn", "off"] = "off"
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_items", "max_generate_tokens",
+                     "planned_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigInvalid(f"module.{name} must be >= 1")
+
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
@@ -605,7 +611,19 @@ class Module:
             raise InvalidRequest("grammar must be a GBNF string")
         self.admission.check_inputs([prompt], "prompt")
         served = await self._get(model, DEFAULT_GENERATE, "generate")
-        encoded = served.tokenizer.encode([prompt], truncate=False)
+        try:
+            encoded = served.tokenizer.encode([prompt], truncate=False)
+        except InvalidRequest as exc:  # generation has no truncate option to point at
+            n, limit = exc.details.get("n_tokens"), exc.details.get("max_tokens")
+            if n is None:
+                raise
+            raise InvalidRequest(
+                f"prompt has {n} tokens, over {served.record.name!r}'s limit of {limit}; "
+                "shorten it",
+                param="prompt",
+                n_tokens=n,
+                max_tokens=limit,
+            ) from None
         ids = encoded.ids[0]
         with self.admission.reserve(len(ids) + max_tokens):
             req = m.GENERATE(

@@ -35,9 +35,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
-from service import completions, embeddings, openapi, rerank, status
+from service import completions, disconnect, embeddings, openapi, rerank, status
 from service.auth import AuthenticationFailed, presented_key
 from service.config import ServeConfig
+from service.disconnect import ClientClosedRequest
 from service.errors import MethodNotAllowed, NotFound, error_response
 from service.scheduler import Scheduler
 from service.state import ServerState
@@ -66,6 +67,12 @@ def _endpoint(state: ServerState, handler: Handler) -> Endpoint:
     async def run(request: Request) -> Response:
         try:
             return await handler(request, state)
+        except asyncio.CancelledError:
+            if not disconnect.stop(request):
+                raise  # the server's own cancellation (shutdown): not ours to answer
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            state.metrics.observe_error(ClientClosedRequest.code)
+            return error_response(ClientClosedRequest("the client closed the connection"))
         except SynapseError as exc:
             state.metrics.observe_error(exc.code)
             return error_response(exc)
@@ -73,6 +80,8 @@ def _endpoint(state: ServerState, handler: Handler) -> Endpoint:
             log.exception("unhandled error on %s", request.url.path)
             state.metrics.observe_error("internal")
             return error_response(SynapseError(f"internal error: {type(exc).__name__}"))
+        finally:
+            disconnect.stop(request)  # before the response is sent: finishing it cancels nothing
 
     return run
 
@@ -174,7 +183,14 @@ def _install_key_reload(state: ServerState) -> Callable[[], None]:
 
 
 def _check_aliases(config: ServeConfig, module: Module) -> None:
+    """Every alias names an installed model, and none hides one: a model's own name always
+    means that model (else /v1/models would list it twice and route it elsewhere)."""
+    installed = {r.name for r in module.store.ls()}
     for alias, target in config.aliases.items():
+        if alias in installed:
+            raise ConfigInvalid(
+                f"alias {alias!r} is the name of an installed model; choose another name"
+            )
         try:
             module.store.get(target)
         except Exception:  # noqa: BLE001 - any failure means the alias cannot serve

@@ -44,7 +44,8 @@ def _digest(key: str) -> bytes:
 
 def read_key_file(path: str) -> list[str]:
     try:
-        text = open(path, encoding="utf-8").read()  # noqa: SIM115 - read at once
+        # utf-8-sig: a byte-order mark (Windows editors, PowerShell) is not part of a key.
+        text = open(path, encoding="utf-8-sig").read()  # noqa: SIM115 - read at once
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid(f"cannot read API key file {path}: {type(exc).__name__}") from None
     keys = [line.strip() for line in text.splitlines()]
@@ -86,7 +87,7 @@ class ApiKeys:
         except ConfigInvalid as exc:
             log.warning("API keys not reloaded: %s", exc.message)
             return False
-        if not keys and not self._fixed:  # an emptied file must not open the server
+        if not keys:  # caught mid-rewrite, or emptied: never drop (or open) on that
             log.warning("API keys not reloaded: %s holds no key", self.key_file)
             return False
         self._from_file = {_digest(k) for k in keys}

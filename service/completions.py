@@ -105,13 +105,15 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         )
     model = state.resolve(req.model, DEFAULT_GENERATE)
     assert state.module is not None and state.scheduler is not None
-    with state.scheduler.slot("completion"):
-        try:
-            result = await state.module.generate(prompt, max_tokens, req.grammar, model)
-        except WorkerError as exc:
-            if req.grammar is not None and exc.message.startswith("grammar"):
-                exc.details["param"] = "grammar"  # point the client at the field to fix
-            raise
+    module = state.module
+    try:
+        result = await state.scheduler.unbatched(
+            "completion", lambda: module.generate(prompt, max_tokens, req.grammar, model)
+        )
+    except WorkerError as exc:
+        if req.grammar is not None and exc.message.startswith("grammar"):
+            exc.details["param"] = "grammar"  # point the client at the field to fix
+        raise
     body = CompletionResponse(
         id=f"cmpl-{secrets.token_hex(12)}",
         object="text_completion",

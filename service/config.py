@@ -7,6 +7,7 @@ keys at the top level are errors, so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import msgspec
@@ -53,8 +54,17 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "scheduler.max_queue_items must be >= module.budgets.max_inputs, or a "
                 "maximal request could never be queued"
             )
-        if self.body_timeout_s <= 0:
-            raise ConfigInvalid("body_timeout_s must be > 0")
+        # Written so that NaN fails too (every comparison with NaN is false).
+        if not 0 < self.body_timeout_s < math.inf:
+            raise ConfigInvalid("body_timeout_s must be finite and > 0")
+        if not 0 <= self.graceful_timeout_s < math.inf:
+            raise ConfigInvalid("graceful_timeout_s must be finite and >= 0")
+        if not 1 <= self.default_completion_tokens <= self.module.max_generate_tokens:
+            raise ConfigInvalid(
+                f"default_completion_tokens must be 1..module.max_generate_tokens "
+                f"({self.module.max_generate_tokens}), or every completion that omits "
+                "max_tokens would be refused"
+            )
         if any(not k.strip() for k in self.api_keys):
             raise ConfigInvalid("api_keys: a key must not be empty")
         for alias, target in self.aliases.items():
@@ -65,6 +75,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     f"aliases: {alias!r} -> {target!r}, which is itself an alias; name the "
                     "installed model directly"
                 )
+        # Requests are matched after alias resolution: list the model an alias names.
+        self.matryoshka_models = [self.aliases.get(m, m) for m in self.matryoshka_models]
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -59,7 +59,11 @@ class TeiRerankRequest(msgspec.Struct, kw_only=True):
 
 def _score(result: Ranked, raw: float, raw_scores: bool) -> float:
     if result.method == "cross-encoder" and not raw_scores:
-        return 1.0 / (1.0 + math.exp(-raw))
+        # The logistic sigmoid, in the form whose exp() cannot overflow for any logit.
+        if raw >= 0:
+            return 1.0 / (1.0 + math.exp(-raw))
+        e = math.exp(raw)
+        return e / (1.0 + e)
     return raw
 
 
@@ -70,8 +74,10 @@ def _json(payload: object, headers: dict | None = None) -> Response:
 async def _rerank(state: ServerState, model, query, docs, top_n, truncate) -> Ranked:
     name = state.resolve(model, DEFAULT_EMBED)
     assert state.module is not None and state.scheduler is not None
-    with state.scheduler.slot("rerank"):
-        return await state.module.rerank(query, docs, name, top_n=top_n, truncate=truncate)
+    module = state.module
+    return await state.scheduler.unbatched(
+        "rerank", lambda: module.rerank(query, docs, name, top_n=top_n, truncate=truncate)
+    )
 
 
 async def rerank_v1(request: Request, state: ServerState) -> Response:

@@ -23,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -43,6 +45,8 @@ from host.errors import (
 from host.module import DEFAULT_EMBED, Module
 
 log = logging.getLogger("synapse.scheduler")
+
+T = TypeVar("T")
 
 # Inputs larger than this are tokenized in a thread so one big request cannot stall the loop.
 _THREAD_TOKENIZE_BYTES = 64 * 1024
@@ -71,8 +75,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                      "batches_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"scheduler.{name} must be >= 1")
-        if self.max_wait_ms < 0 or self.request_timeout_s <= 0:
-            raise ConfigInvalid("scheduler: max_wait_ms >= 0 and request_timeout_s > 0")
+        # Written so that NaN fails too (every comparison with NaN is false).
+        if not (0 <= self.max_wait_ms < math.inf and 0 < self.request_timeout_s < math.inf):
+            raise ConfigInvalid(
+                "scheduler: max_wait_ms must be finite and >= 0, request_timeout_s finite and > 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,10 +106,11 @@ class BatchStats:
 class _Pending:
     """One request's inputs, waiting in a queue; its future gets the vectors."""
 
-    __slots__ = ("ids", "tokens", "future")
+    __slots__ = ("ids", "tokens", "future", "queued")
 
     def __init__(self, ids: list[np.ndarray], tokens: int, future: asyncio.Future) -> None:
         self.ids, self.tokens, self.future = ids, tokens, future
+        self.queued = False  # in its queue's deque (and counted in its totals)
 
 
 class _Queue:
@@ -130,9 +138,17 @@ class _Queue:
                 retry_after_s=self.sched.retry_after(self.queued_tokens),
             )
         self.items.append(pending)
+        pending.queued = True
         self.queued_items += n
         self.queued_tokens += pending.tokens
         self.wake.set()
+
+    def withdraw(self, pending: _Pending) -> None:
+        """Take out a request that ended before the batcher took it (deadline, cancelled
+        caller): what is queued counts only live requests, so a dead one never causes a 429."""
+        if pending.queued:
+            self.items.remove(pending)
+            self._uncount(pending)
 
     def _take(self) -> list[_Pending]:
         cfg = self.sched.config
@@ -154,9 +170,13 @@ class _Queue:
 
     def _pop(self) -> _Pending:
         p = self.items.popleft()
+        self._uncount(p)
+        return p
+
+    def _uncount(self, p: _Pending) -> None:
+        p.queued = False
         self.queued_items -= len(p.ids)
         self.queued_tokens -= p.tokens
-        return p
 
     def _full(self) -> bool:
         cfg = self.sched.config
@@ -322,11 +342,18 @@ class Scheduler:
                     f"for {name!r}",
                     param="input",
                 )
-            arr = np.asarray(seq, dtype=np.int64)
-            bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-            if bad.size:
+            try:
+                arr = np.asarray(seq, dtype=np.int64)
+            except OverflowError:  # JSON integers are unbounded; such an id is no token
+                arr = None
+            bad = (
+                np.flatnonzero((arr < 0) | (arr >= vocab))
+                if arr is not None
+                else [next(j for j, t in enumerate(seq) if not -(2**63) <= t < 2**63)]
+            )
+            if len(bad):
                 raise InvalidRequest(
-                    f"input {i}: token id {int(arr[bad[0]])} is outside {name!r}'s vocabulary "
+                    f"input {i}: token id {seq[int(bad[0])]} is outside {name!r}'s vocabulary "
                     f"(0..{vocab - 1})",
                     param="input",
                 )
@@ -350,6 +377,18 @@ class Scheduler:
             yield
         finally:
             self._pending[kind] -= 1
+
+    async def unbatched(self, kind: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run `call()` (a rerank or completion) in a `slot` of its kind, within
+        `request_timeout_s` like a batched request: past it, `DeadlineExceeded` (504) and the
+        lane drains the reply nobody waits for."""
+        timeout_s = self.config.request_timeout_s
+        with self.slot(kind):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await call()
+            except TimeoutError:
+                raise DeadlineExceeded(f"no result within {timeout_s:g} s") from None
 
     def queue_depth(self) -> dict[str, int]:
         """Queued inputs per model (not yet in a batch)."""
@@ -427,6 +466,7 @@ class Scheduler:
                 return await pending.future
             finally:
                 timer.cancel()
+                queue.withdraw(pending)
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.

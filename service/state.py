@@ -11,6 +11,7 @@ from host.errors import ConfigInvalid, ModelNotFound
 from host.module import Module
 from ingest.errors import ArtifactError, ArtifactNotFound
 from ingest.errors import InvalidRequest as BadName
+from service import disconnect
 from service.auth import ApiKeys
 from service.body import read_json
 from service.config import ServeConfig
@@ -38,9 +39,12 @@ class ServerState:
         self.keys = ApiKeys(self.config.api_keys, self.config.api_key_file)
 
     async def read_json(self, request: Request, type_: type[T]) -> T:
-        """The request's body under the configured size and time limits, as `type_`."""
+        """The request's body under the configured size and time limits, as `type_`; from here
+        on, the client closing its connection cancels the request (service/disconnect.py)."""
         cfg = self.config
-        return await read_json(request, type_, cfg.max_body_bytes, cfg.body_timeout_s)
+        body = await read_json(request, type_, cfg.max_body_bytes, cfg.body_timeout_s)
+        disconnect.watch(request)
+        return body
 
     def resolve(self, name: str | None, default: str) -> str:
         """The installed model a request names (directly or by alias), or a 404 before any

@@ -120,6 +120,8 @@ async def test_token_arrays_are_validated_then_embedded_as_given(store_root):
             ([[101] * 513], "1..512"),
             ([[101, tok.vocab_size, 102]], "vocabulary"),
             ([[-5]], "vocabulary"),
+            ([[101, 10**25]], "vocabulary"),  # JSON integers are unbounded: no OverflowError
+            ([[-(10**30)]], "vocabulary"),
         ]:
             with pytest.raises(InvalidRequest, match=match):
                 await sched.embed_ids(bad)
@@ -180,6 +182,40 @@ async def test_deadline_and_close_answer_every_waiter(store_root):
             await asyncio.wait_for(blocker, 10)
         with pytest.raises(LaneStopped):
             await sched.embed_texts(["after close"])
+
+
+async def test_a_request_that_ends_while_queued_leaves_the_queue_at_once(store_root):
+    # A deadline or a cancelled caller: its inputs stop counting against the queue bound then,
+    # not when the batcher gets to it, so it cannot turn a live request into a 429.
+    cfg = SchedulerConfig(max_queue_items=48, max_batch_items=48, batches_in_flight=1)
+    async with running(store_root, cfg, Budgets(max_inputs=48)) as (mod, sched, batches):
+        blocker = asyncio.create_task(sched.embed_texts([LONG] * 48))  # seconds of work
+        await _until(lambda: _busy(mod) and sched.queue_depth()[MODEL] == 0)
+        cancelled = asyncio.create_task(sched.embed_texts([f"gone {i}" for i in range(16)]))
+        await _until(lambda: sched.queue_depth()[MODEL] == 16)
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        assert sched.queue_depth()[MODEL] == 0
+
+        sched.config.request_timeout_s = 0.2
+        with pytest.raises(DeadlineExceeded):
+            await sched.embed_texts([f"late {i}" for i in range(16)])
+        assert sched.queue_depth()[MODEL] == 0 and not blocker.done()
+        sched.config.request_timeout_s = 300
+        live = await asyncio.wait_for(sched.embed_texts([f"live {i}" for i in range(16)]), 120)
+        await asyncio.wait_for(blocker, 120)
+    assert live.vectors.shape == (16, 384)
+    assert sum(b.items for b in batches) == 48 + 16  # the blocker and `live`; the dead never ran
+
+
+async def test_rerank_and_completion_waits_are_bounded_by_the_request_timeout():
+    sched = Scheduler(None, SchedulerConfig(request_timeout_s=0.05, max_pending=1))  # type: ignore[arg-type]
+    never = asyncio.Event()
+    with pytest.raises(DeadlineExceeded):
+        await sched.unbatched("rerank", never.wait)
+    assert await sched.unbatched("rerank", lambda: asyncio.sleep(0, "answered")) == "answered"
+    assert sched._pending["rerank"] == 0  # the slot came back both times
 
 
 async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recovers(store_root):

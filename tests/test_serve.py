@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import re
 import shutil
 import tempfile
@@ -15,7 +16,8 @@ import openai
 import pytest
 
 from host.config import HostConfig
-from host.module import Module, ModuleConfig
+from host.module import Module, ModuleConfig, RerankResult, Usage
+from service.rerank import _score
 from tests.test_serve_support import ServerProcess, metric, server_config
 
 TEXTS = [
@@ -175,6 +177,15 @@ def test_rerank_jina_cohere_shape_says_it_is_a_bi_encoder(http):
     assert all("document" not in r for r in objects["results"])
 
 
+def test_cross_encoder_logits_of_any_size_become_relevances_in_0_1():
+    ranked = RerankResult([], Usage(0, 0), "m", "cross-encoder")
+    for raw in (0.0, 2.5, -2.5, 30.0, -30.0):
+        assert _score(ranked, raw, False) == pytest.approx(1 / (1 + math.exp(-raw)), rel=1e-12)
+    assert _score(ranked, -1000.0, False) == 0.0  # exp(1000) would overflow: a 500 before
+    assert _score(ranked, 1000.0, False) == 1.0
+    assert _score(ranked, -1000.0, True) == -1000.0  # TEI's raw_scores skip the sigmoid
+
+
 def test_rerank_tei_shape(http):
     resp = http.post("/rerank", json={"query": QUERY, "texts": DOCS, "return_text": True})
     assert resp.status_code == 200, resp.text
@@ -259,6 +270,9 @@ def test_bad_inputs_get_the_right_4xx_and_the_server_stays_up(http):
     )
     assert "vocabulary" in err["message"]
     _assert_error(post("/v1/embeddings", json={"input": [[-1]]}), 400, "invalid_request")
+    _assert_error(  # beyond int64: a 400 like any other id outside the vocabulary, not a 500
+        post("/v1/embeddings", json={"input": [[101, 10**25]]}), 400, "invalid_request", "input"
+    )
     _assert_error(
         post("/v1/embeddings", json={"input": [[1000] * 513]}), 400, "invalid_request", "input"
     )
@@ -305,6 +319,13 @@ def test_bad_inputs_get_the_right_4xx_and_the_server_stays_up(http):
     _assert_error(
         post("/v1/completions", json={"prompt": "a", "stream": True}), 400, "unsupported", "stream"
     )
+    err = _assert_error(  # over the model's limit: completions have no truncate to suggest
+        post("/v1/completions", json={"prompt": "word " * 2100, "max_tokens": 1}),
+        400,
+        "invalid_request",
+        "prompt",
+    )
+    assert "shorten it" in err["message"] and "truncate" not in err["message"]
 
     assert http.get("/health").status_code == 200
     ok = post("/v1/embeddings", json={"input": "still alive"})

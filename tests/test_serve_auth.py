@@ -16,6 +16,8 @@ import openai
 import pytest
 
 from host.errors import ConfigInvalid
+from host.module import Module, ModuleConfig
+from service.app import _check_aliases
 from service.auth import ApiKeys, exposure_warning, is_loopback, presented_key
 from service.config import ServeConfig
 from tests.test_serve_support import REPO, ServerProcess, metric, server_config
@@ -61,6 +63,23 @@ def test_reload_rotates_but_never_opens_the_server(tmp_path):
     assert not keys.reload() and keys.accepts(ROTATED_KEY)
 
 
+def test_an_emptied_file_keeps_its_keys_even_beside_other_sources(tmp_path):
+    # Caught mid-rewrite by SIGHUP, an empty file must not revoke the keys clients use.
+    f = tmp_path / "keys"
+    f.write_text(FILE_KEY)
+    keys = ApiKeys([CONFIG_KEY], str(f), environ={"SYNAPSE_API_KEYS": ENV_KEY})
+    f.write_text("# rotating\n")
+    assert not keys.reload()
+    assert keys.accepts(FILE_KEY) and keys.accepts(CONFIG_KEY) and keys.accepts(ENV_KEY)
+
+
+def test_a_key_file_with_a_byte_order_mark_serves_its_first_key(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text(f"{FILE_KEY}\n{ROTATED_KEY}\n", encoding="utf-8-sig")  # as PowerShell writes
+    keys = ApiKeys([], str(f), environ={})
+    assert keys.accepts(FILE_KEY) and keys.accepts(ROTATED_KEY) and len(keys) == 2
+
+
 def test_presented_key_reads_bearer_then_x_api_key():
     assert presented_key({b"authorization": b"Bearer abc"}) == "abc"
     assert presented_key({b"authorization": b"bearer  abc "}) == "abc"
@@ -87,6 +106,13 @@ def test_config_refuses_alias_chains_and_empty_keys():
         ServeConfig(aliases={"a": "a"})
     with pytest.raises(ConfigInvalid, match="empty"):
         ServeConfig(api_keys=[" "])
+
+
+def test_an_alias_may_not_hide_an_installed_model(store_root):
+    module = Module(ModuleConfig(store_root=store_root))  # starts no worker
+    with pytest.raises(ConfigInvalid, match="name of an installed model"):
+        _check_aliases(ServeConfig(aliases={"minilm-l6-v2": "gemma3-270m"}), module)
+    _check_aliases(ServeConfig(aliases={ALIAS: "minilm-l6-v2"}), module)
 
 
 def test_serve_with_an_unreadable_key_file_exits_2_before_binding(tmp_path):

@@ -46,6 +46,18 @@ def test_toml_and_json_map_onto_module_and_scheduler_settings(tmp_path):
         ("[scheduler]\nmax_batch_items = 0\n", "max_batch_items"),
         ("[scheduler]\nmax_queue_items = 10\n", "max_queue_items"),
         ("this is not toml", "config"),
+        # NaN passes `x < 0` and `x <= 0` checks: each number is checked so that it fails.
+        ("[scheduler]\nrequest_timeout_s = nan\n", "request_timeout_s"),
+        ("[scheduler]\nmax_wait_ms = nan\n", "max_wait_ms"),
+        ("[scheduler]\nrequest_timeout_s = inf\n", "request_timeout_s"),
+        ("body_timeout_s = nan\n", "body_timeout_s"),
+        ("graceful_timeout_s = -5.0\n", "graceful_timeout_s"),
+        ("default_completion_tokens = 0\n", "default_completion_tokens"),
+        ("default_completion_tokens = 100\n", "default_completion_tokens"),  # over 64
+        ("[module]\nmax_batch_tokens = 0\n", "max_batch_tokens"),
+        ("[module]\nmax_generate_tokens = 0\n", "max_generate_tokens"),
+        ("[module.budgets]\nmax_inflight_tokens = 0\n", "max_inflight_tokens"),
+        ("[module.budgets]\nmax_inputs = -1\n", "max_inputs"),
     ],
 )
 def test_bad_configs_are_config_invalid(tmp_path, text, match):
@@ -68,3 +80,8 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
     )
     assert proc.returncode == 2 and "error[config_invalid]" in proc.stderr, proc.stderr
     assert ServeConfig().port == 8080
+
+
+def test_matryoshka_models_may_be_named_by_alias():
+    cfg = ServeConfig(aliases={"small": "nomic"}, matryoshka_models=["small", "other"])
+    assert cfg.matryoshka_models == ["nomic", "other"]  # requests are matched after resolution

@@ -174,6 +174,52 @@ async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
     assert metric(text, "synapse_overload_rejections_total") >= len(limited)
 
 
+async def test_a_client_that_disconnects_while_queued_is_never_computed(server):
+    model = "minilm-l6-v2"
+    heavy = [f"heavy {i} " + "word " * 400 for i in range(64)]  # 64 x 256 tokens: seconds
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+
+        async def metrics() -> str:
+            return (await ac.get("/metrics")).text
+
+        async def items_computed() -> float:
+            return metric(await metrics(), "synapse_batch_items_sum", model=model) or 0.0
+
+        before = await items_computed()
+        first = asyncio.create_task(ac.post("/v1/embeddings", json={"input": heavy}))
+        await _wait_for(lambda: _lane_busy(ac), 60, 0.01)
+
+        # A raw client sends a whole request that must queue behind `first`, then hangs up.
+        body = httpx.Request("POST", "/", json={"input": heavy}).content
+        url = httpx.URL(server.url)
+        _, writer = await asyncio.open_connection(url.host, url.port)
+        writer.write(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+
+        async def queued(n: int) -> bool:
+            return metric(await metrics(), "synapse_queue_depth", model=model) == n
+
+        await _wait_for(lambda: queued(len(heavy)), 30, 0.01)
+        writer.close()
+        await writer.wait_closed()
+        # It leaves the queue (and its tokens the budget) while `first` still computes.
+        await _wait_for(lambda: queued(0), 30, 0.01)
+        assert not first.done()
+
+        assert (await asyncio.wait_for(first, 120)).status_code == 200
+        text = await metrics()
+        assert metric(text, "synapse_errors_total", code="client_closed_request") == 1
+        assert metric(text, "synapse_inflight_tokens") == 0
+        assert await items_computed() - before == len(heavy)  # `first` only
+
+
+async def _lane_busy(ac: httpx.AsyncClient) -> bool:
+    return (await ac.get("/health")).json()["lanes"]["minilm-l6-v2"]["status"] == "busy"
+
+
 async def test_sigterm_drains_in_flight_requests_then_stops_and_reaps_workers(server):
     pid = server.worker_pid()
     # Long enough (16 x 256 tokens each) that all 8 are still inside when SIGTERM comes.
