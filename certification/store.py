@@ -3,19 +3,29 @@
 The cache dir is `$SYNAPSE_CACHE_DIR`, else platformdirs' user_cache_dir("synapse") — the
 same base as the artifact store's `models/`. A re-certification of the same key replaces the
 current record and keeps the previous one under `history/<id>/` so drift stays traceable.
-Writes are atomic (temp file + rename): a reader sees the old record or the new one.
+
+Rule for `save`: `<id>.json` always exists once written. The new record is written and synced
+to a temp file, the current one is hard-linked into history (it stays in place), and only then
+does one rename replace it. A reader sees the old record or the new one, never none; a crash
+at any point leaves the old record current. Saves of one id are serialized by a file lock
+(two processes re-certifying at once), and history names carry a unique suffix, so records
+created within the same second never overwrite each other.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import msgspec
 import platformdirs
+from filelock import FileLock
 
 from certification.certificate import Certificate, decode, encode
+from compile_cache.fsutil import fsync_dir, full_fsync
 
 
 def default_root() -> Path:
@@ -68,18 +78,30 @@ class CertificateStore:
         return None
 
     def save(self, cert: Certificate) -> Path:
+        """Make `cert` its id's current record (see the rule in the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         dest = self.path(cert.id)
-        if dest.exists():
-            hist = self.root / "history" / cert.id
-            hist.mkdir(parents=True, exist_ok=True)
-            os.replace(dest, hist / f"{_stamp(dest)}.json")
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode(cert))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        with FileLock(self.root / f".{cert.id}.lock"):
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(encode(cert))
+                    f.flush()
+                    full_fsync(f.fileno())
+                if dest.exists():
+                    hist = self.root / "history" / cert.id
+                    hist.mkdir(parents=True, exist_ok=True)
+                    kept = hist / f"{_stamp(dest)}-{uuid.uuid4().hex[:8]}.json"
+                    try:
+                        os.link(dest, kept)
+                    except OSError:  # a file system without hard links
+                        shutil.copyfile(dest, kept)
+                    fsync_dir(hist)
+                os.replace(tmp, dest)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            fsync_dir(self.root)
         return dest
 
     def _files(self) -> list[Path]:
