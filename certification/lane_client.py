@@ -146,7 +146,7 @@ class LaneClient:
 
         shapes = self._shapes or default_ane_shapes(self.record)
         return await asyncio.to_thread(
-            per_op_estimate, owned_dir(self.module.store, self.model), shapes,
+            per_op_estimate, owned_dir(self.module.store, self.record), shapes,
             self._build_options, self._cache_root,
         )
 

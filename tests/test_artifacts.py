@@ -345,3 +345,76 @@ def test_host_artifacts_never_import_llama_cpp() -> None:
                          cwd=root, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
+    s = ArtifactStore(tmp_path / "models")
+    for bad in ("m\n", "other\n"):
+        with pytest.raises(InvalidRequest):
+            s.get(bad)
+    with pytest.raises(InvalidRequest):
+        s.ingest_hf_dir(MINILM, name="m\n", dtype="f16")
+    assert not [p for p in s.root.iterdir() if not p.name.startswith(".")]
+
+
+def _ingest_in_child(root: str) -> None:
+    ArtifactStore(root).ingest_hf_dir(MINILM, name="killed", dtype="f32")
+
+
+def test_what_a_killed_ingest_leaves_is_swept_by_the_next_mutation(tmp_path: Path) -> None:
+    import multiprocessing as mp
+    import signal
+
+    root = tmp_path / "models"
+    s = ArtifactStore(root)
+    rec = s.ingest_hf_dir(MINILM, name="kept", dtype="f16")
+    (rec.dir / "tokenizer.json.tmp").write_text("{")  # a rewrite cut short
+    child = mp.get_context("spawn").Process(target=_ingest_in_child, args=(str(root),))
+    child.start()
+    deadline = time.monotonic() + 120
+    while not list(root.glob(".tmp-*")):  # the build's staging dir: kill it mid-conversion
+        assert time.monotonic() < deadline and child.is_alive(), "no staging dir appeared"
+        time.sleep(0.01)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    assert list(root.glob(".tmp-*")) and not (root / "killed").exists()
+
+    s.rm("kept")  # any mutation sweeps, under the lock every builder holds
+    assert not [p for p in root.iterdir() if p.name.startswith((".tmp-", ".rm-"))]
+    assert [r.name for r in s.ls()] == []
+
+
+def test_publishing_syncs_every_file_and_dir_before_the_rename_and_the_root_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ingest.store as store_mod
+
+    events: list[tuple[str, Path]] = []
+    real_sync, real_replace = store_mod._sync, os.replace
+    monkeypatch.setattr(store_mod, "_sync", lambda p: (events.append(("sync", Path(p))),
+                                                        real_sync(p)))
+    monkeypatch.setattr(store_mod.os, "replace", lambda a, b: (events.append(("replace", Path(b))),
+                                                                real_replace(a, b)))
+    s = ArtifactStore(tmp_path / "models")
+    s.ingest_hf_dir(MINILM, name="durable", dtype="f16")
+    publish = events.index(("replace", s.root / "durable"))
+    staging = events[publish - 1][1]
+    synced = {p for kind, p in events[:publish] if kind == "sync"}
+    assert staging.name.startswith(".tmp-") and staging in synced
+    for f in ("model.gguf", "model.gguf.sha256", "tokenizer.json", "manifest.json"):
+        assert staging / f in synced, f
+    assert events[publish + 1] == ("sync", s.root)
+
+
+def test_a_model_ingested_again_from_other_weights_gets_its_own_core_ml_build(
+    tmp_path: Path,
+) -> None:
+    from ingest.owned import ensure_owned
+
+    s = ArtifactStore(tmp_path / "models")
+    first_dir, first_digest = ensure_owned(s, s.ingest_hf_dir(MINILM, name="m", dtype="f16"))
+    assert ensure_owned(s, s.get("m")) == (first_dir, first_digest)  # built once, reused
+    s.rm("m")
+    other = build_test_cross_encoder(tmp_path / "ce", seed=0)
+    second_dir, second_digest = ensure_owned(s, s.ingest_hf_dir(other, name="m"))
+    assert second_dir != first_dir and second_digest != first_digest
