@@ -225,6 +225,24 @@ def test_default_n_seq_max_fits_llama_cpp_reservation(engine, store, tokenizer) 
     assert e.value.code == "config_invalid" and "divide" in e.value.msg
 
 
+def test_a_decoder_served_as_an_embedder_reserves_as_llama_cpp_does(engine, store) -> None:
+    # Causal: llama.cpp clamps n_batch to the n_ctx asked for (1000), not to n_ctx padded to
+    # 1024, so the default n_seq_max must divide 1000. Taking 64 aborted the process at LOAD
+    # (GGML_ASSERT(ggml_can_mul_mat)).
+    path = store.get("gemma3-270m").artifact_path
+    ref = _load(engine, path, "gemma-embed", embedding=True, pooling="mean", n_ctx=1000).model_ref
+    try:
+        mdl = engine._models[ref]
+        assert (mdl.n_batch, mdl.n_seq_max) == (1000, 50)
+        vectors = _embed(engine, ref, [[2, 818, 5279], [2, 9259]])
+        assert vectors.shape == (2, mdl.n_embd) and np.isfinite(vectors).all()
+    finally:
+        engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+    with pytest.raises(EngineError) as e:  # one sequence's cells would be n_ctx / n_seq_max
+        _load(engine, path, "gemma-two", n_seq_max=2)
+    assert e.value.code == "config_invalid" and "n_seq_max must be 1" in e.value.msg
+
+
 def test_pack_respects_limits() -> None:
     assert pack([3, 3, 3, 3], 6, 8) == [[0, 1], [2, 3]]
     assert pack([1] * 5, 100, 2) == [[0, 1], [2, 3], [4]]
@@ -257,6 +275,10 @@ def test_embed_validation_errors_leave_engine_usable(engine, embedders, tokenize
         with pytest.raises(EngineError) as e:
             _embed(engine, ref, seqs)
         assert e.value.code == "invalid_request", why
+    with pytest.raises(EngineError) as e:  # checked before the cast: not token 5
+        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=3)]),
+                     np.array([101, 2**32 + 5, 102], np.int64), NullProgress())
+    assert e.value.code == "invalid_request" and str(2**32 + 5) in e.value.msg
     with pytest.raises(EngineError) as e:  # header and payload disagree
         engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=5)]),
                      np.arange(4, dtype=np.int32), NullProgress())
@@ -360,6 +382,7 @@ def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> No
         "wrong digest": (path, "0" * 64, {}),
         "not a digest": (path, "abc", {}),
         "missing file": (tmp_path / "none.gguf", good, {}),
+        "NUL in path": (f"{path}\x00.gguf", good, {}),
         "unknown key": (path, good, {"n_thread": 2}),
         "bad type": (path, good, {"n_ctx": "512"}),
         "bool as int": (path, good, {"n_batch": True}),
@@ -370,7 +393,8 @@ def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> No
     for why, (p, d, cfg) in codes.items():
         with pytest.raises(EngineError) as e:
             load(p, d, {"model_ref": "bad", **cfg})
-        want = "artifact_invalid" if why in ("wrong digest", "not a digest", "missing file") \
+        want = "artifact_invalid" if why in ("wrong digest", "not a digest", "missing file",
+                                             "NUL in path") \
             else "config_invalid"
         assert e.value.code == want, (why, e.value)
 
@@ -557,6 +581,7 @@ def test_grammar_constrains_output(engine, gemma, gemma_llm) -> None:
     "root ::= (",                 # syntax error: our validator
     'root ::= "a" | undefined',   # undefined rule: our validator
     'root ::= root "a"',          # left recursion: llama.cpp returns NULL
+    'root ::= "' + "a" * 65000 + '"{2000}',  # ~2 GB once llama.cpp expands it: refused first
     "root ::= <not-a-token>",     # not one token: llama.cpp returns NULL
     "",                           # llama.cpp would silently run unconstrained
 ])

@@ -336,6 +336,8 @@ class LlamaEngine(Engine):
         if req.format.lower() != "gguf":
             raise EngineError("unsupported", f"format {req.format!r}: this engine loads gguf")
         path = req.artifact_path
+        if "\x00" in path:  # open() raises ValueError, and C would cut the path there
+            raise EngineError("artifact_invalid", "artifact_path contains a NUL character")
         ref = cfg.model_ref or _default_ref(path)
         if ref in self._models:
             raise EngineError("config_invalid", f"model_ref {ref!r} is already loaded")
@@ -510,6 +512,8 @@ class LlamaEngine(Engine):
     ) -> _Model:
         n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
         encoder = kind in ("embed", "rerank")
+        # What llama.cpp's reservation sees: a decoder served as an embedder stays causal.
+        causal = bool(hdr.arch_get("attention.causal", True))
         max_seq = llama_cpp.llama_max_parallel_sequences()
         if encoder:
             default_batch = min(max(n_ctx_train, _ENC_BATCH_MIN), _ENC_BATCH_MAX)
@@ -517,7 +521,7 @@ class LlamaEngine(Engine):
             n_ubatch = cfg.n_ubatch or n_batch
             n_ctx = cfg.n_ctx or n_batch
             # Default: the most sequences per decode that llama.cpp's reservation accepts.
-            reserve = _reserve_tokens(n_ctx, n_batch, n_ubatch, 1, unified=True, causal=False)
+            reserve = _reserve_tokens(n_ctx, n_batch, n_ubatch, 1, unified=True, causal=causal)
             n_seq_max = cfg.n_seq_max or max(
                 d for d in range(1, min(_ENC_SEQ_MAX, max_seq) + 1) if reserve % d == 0
             )
@@ -535,8 +539,12 @@ class LlamaEngine(Engine):
             problems.append(f"n_batch {n_batch} > n_ctx {n_ctx}")
         if not encoder and n_ctx > n_ctx_train:
             problems.append(f"n_ctx {n_ctx} > the model's trained context {n_ctx_train}")
+        if not encoder and n_seq_max != 1:
+            # Generation decodes one sequence; llama.cpp would give it n_ctx / n_seq_max
+            # cells while the prompt is checked against n_ctx (a 507 instead of a 400).
+            problems.append("generation serves one sequence: n_seq_max must be 1")
         reserve = _reserve_tokens(n_ctx, n_batch, n_ubatch, n_seq_max, unified=encoder,
-                                  causal=not encoder)
+                                  causal=causal)
         if reserve % n_seq_max:
             # llama.cpp reserves its worst-case graph with `reserve` tokens split evenly over
             # n_seq_max sequences; otherwise GGML_ASSERT(ggml_can_mul_mat) aborts at LOAD.
@@ -581,7 +589,6 @@ class LlamaEngine(Engine):
                 slot.free()
             raise
         vocab = llama_cpp.llama_model_get_vocab(model)
-        causal = bool(hdr.arch_get("attention.causal", True))
         return _Model(
             ref=ref,
             path=path,
@@ -638,14 +645,15 @@ class LlamaEngine(Engine):
             raise EngineError(
                 "invalid_request", f"items declare {sum(lengths)} tokens, payload has {ids.size}"
             )
-        ids = ids.astype(np.int32, copy=False)
         if _unsafe():
-            return ids
+            return ids.astype(np.int32, copy=False)
         if not lengths:
             raise EngineError("invalid_request", "no items")
+        # In the caller's dtype: cast first, and int64 2**32 + 5 would pass as token 5.
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= mdl.n_vocab):
             bad = int(ids[(ids < 0) | (ids >= mdl.n_vocab)][0])
             raise EngineError("invalid_request", f"token id {bad} outside [0, {mdl.n_vocab})")
+        ids = ids.astype(np.int32, copy=False)
         if mdl.kind == "embed":
             for i, n in enumerate(lengths):
                 if not 1 <= n <= mdl.item_limit:
@@ -889,13 +897,14 @@ def _reserve_tokens(
 ) -> int:
     """Token count of llama.cpp's worst-case graph reservation (llama_context::sched_reserve).
 
-    Mirrors llama-context.cpp: n_ctx is padded to 256 (per sequence when not unified), causal
-    contexts clamp n_batch to n_ctx, n_ubatch is clamped to n_batch.
+    Mirrors llama-context.cpp: causal contexts clamp n_batch to the n_ctx asked for (before
+    padding), n_ubatch is clamped to n_batch, and n_ctx is padded to 256 (per sequence when not
+    unified).
     """
+    batch = min(n_ctx, n_batch) if causal else n_batch
     ctx = -(-n_ctx // 256) * 256
     if not unified:
         ctx = -(-(ctx // n_seq_max) // 256) * 256 * n_seq_max
-    batch = min(ctx, n_batch) if causal else n_batch
     return min(ctx, min(batch, n_ubatch))
 
 

@@ -20,6 +20,10 @@ from __future__ import annotations
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_NESTING = 64
 MAX_REPETITION = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD
+# llama.cpp expands `item{m,n}` by copying the item's elements about max(m, n) + 1 times (a
+# literal is one element per character), so a 64 KiB grammar could otherwise ask for ~130M
+# elements (2 GB). A group or a rule reference is one element: nesting does not multiply.
+MAX_EXPANDED_ELEMENTS = 1 << 20
 
 
 class GrammarError(ValueError):
@@ -35,6 +39,7 @@ class _Parser:
         self.s = src
         self.defined: set[str] = set()
         self.referenced: dict[str, int] = {}  # name -> offset of first use
+        self.expanded = 0  # grammar elements llama.cpp's repetitions will create
 
     def at(self, i: int) -> str:
         return self.s[i] if i < len(self.s) else ""
@@ -114,20 +119,25 @@ class _Parser:
 
     def sequence(self, i: int, nested: bool, depth: int) -> int:
         has_item = False
+        size = 1  # elements of the last item (what a repetition of it copies)
         while True:
             c = self.at(i)
             if c == '"':
                 i += 1
+                size = 1
                 while self.at(i) != '"':
                     i = self.char(i)
+                    size += 1
                 i = self.space(i + 1, nested)
                 has_item = True
             elif c == "[":
                 i += 1
+                size = 1
                 if self.at(i) == "^":
                     i += 1
                 while self.at(i) != "]":
                     i = self.char(i)
+                    size += 1
                     if self.at(i) == "-" and self.at(i + 1) != "]":
                         if self.at(i + 1) == "":
                             raise self.fail("unexpected end of input", i)
@@ -140,12 +150,12 @@ class _Parser:
                     if self.at(i) != "<":
                         raise self.fail("expecting '<' after '!'", i)
                 i = self.space(self.token(i), nested)
-                has_item = True
+                has_item, size = True, 1
             elif c and _is_word(c):
                 j = self.name(i)
                 self.referenced.setdefault(self.s[i:j], i)
                 i = self.space(j, nested)
-                has_item = True
+                has_item, size = True, 1
             elif c == "(":
                 if depth >= MAX_NESTING:
                     raise self.fail(f"groups nested deeper than {MAX_NESTING}", i)
@@ -154,13 +164,14 @@ class _Parser:
                 if self.at(i) != ")":
                     raise self.fail("expecting ')'", i)
                 i = self.space(i + 1, nested)
-                has_item = True
+                has_item, size = True, 1
             elif c == ".":
                 i = self.space(i + 1, nested)
-                has_item = True
+                has_item, size = True, 1
             elif c in ("*", "+", "?"):
                 if not has_item:
                     raise self.fail(f"'{c}' has no preceding item", i)
+                self.expand(size * 2, i)
                 i = self.space(i + 1, nested)
             elif c == "{":
                 if not has_item:
@@ -169,23 +180,34 @@ class _Parser:
                 if not ("0" <= self.at(i) <= "9"):
                     raise self.fail("expecting an integer", i)
                 lo, i = self.integer(i)
+                hi = lo
                 i = self.space(i, nested)
                 if self.at(i) == "}":
                     i = self.space(i + 1, nested)
                 elif self.at(i) == ",":
                     i = self.space(i + 1, nested)
                     if "0" <= self.at(i) <= "9":
-                        _, i = self.integer(i)
+                        hi, i = self.integer(i)
                         i = self.space(i, nested)
                     if self.at(i) != "}":
                         raise self.fail("expecting '}'", i)
                     i = self.space(i + 1, nested)
                 else:
                     raise self.fail("expecting ',' or '}'", i)
-                if lo > MAX_REPETITION:
+                if max(lo, hi) > MAX_REPETITION:
                     raise self.fail(f"repetition count above {MAX_REPETITION}", i)
+                self.expand(size * (max(lo, hi) + 1), i)
             else:
                 return i
+
+    def expand(self, elements: int, i: int) -> None:
+        self.expanded += elements
+        if self.expanded > MAX_EXPANDED_ELEMENTS:
+            raise self.fail(
+                f"repetitions expand to more than {MAX_EXPANDED_ELEMENTS} grammar elements; "
+                "repeat a rule or a group instead of a long literal",
+                i,
+            )
 
     def rule(self, i: int) -> int:
         j = self.name(i)
