@@ -124,7 +124,7 @@ class _Queue:
         self.expected = 1.0  # requests per recent batch (moving average)
         self.wake = asyncio.Event()
         self.in_flight = asyncio.Semaphore(sched.config.batches_in_flight)
-        self.running: set[asyncio.Task] = set()
+        self.running: dict[asyncio.Task, list[_Pending]] = {}  # batch tasks and their batches
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
 
     def put(self, pending: _Pending) -> None:
@@ -202,8 +202,11 @@ class _Queue:
                 continue
             self.expected = 0.7 * self.expected + 0.3 * len(batch)
             task = asyncio.create_task(self._execute_then_release(batch))
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
+            self.running[task] = batch
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.running.pop(task, None)
 
     async def _next_batch(self, wait_s: float) -> list[_Pending]:
         await self.wake.wait()
@@ -416,15 +419,21 @@ class Scheduler:
         """Stop the batchers; anything still queued fails with `LaneStopped`."""
         self._closed = True
         queues, self._queues = list(self._queues.values()), {}
+        # Every caller of a running batch is answered here: a task cancelled before its first
+        # step never runs its handlers, and one cancelled in the one-by-one retry answers
+        # only the request it was computing.
+        batches = [batch for q in queues for batch in q.running.values()]
         for q in queues:
             q.task.cancel()
             for task in q.running:
-                task.cancel()  # each fails its own batch with LaneStopped
+                task.cancel()
         for q in queues:
             for task in [q.task, *q.running]:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            _fail(list(q.items), LaneStopped("the server is shutting down"))
+        stopped = LaneStopped("the server is shutting down")
+        for batch in [*batches, *(list(q.items) for q in queues)]:
+            _fail(batch, stopped)
 
     # ---- internals ------------------------------------------------------------------------
 

@@ -272,3 +272,23 @@ async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(store
         assert not isinstance(r, BaseException), r
     assert not any(b.requests == 4 for b in batches)  # the mixed batch never "succeeded"
     assert state.pid == pid and state.strikes == 0  # a refusal is not a fault
+
+
+async def test_close_during_the_one_by_one_retry_answers_every_caller_of_the_batch(store_root):
+    cfg = SchedulerConfig(batches_in_flight=1, max_batch_tokens=8192)  # all four in one batch
+    async with running(store_root, cfg) as (mod, sched, batches):
+        blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
+        await _until(lambda: _busy(mod))
+        good = [asyncio.create_task(sched.embed_texts([LONG] * 4)) for _ in range(3)]
+        bad_ids = [np.array([101, 10**6, 102], np.int32)]  # refused by the worker: a retry
+        bad = asyncio.create_task(sched._submit(MODEL, True, bad_ids, 3))
+        await _until(lambda: sched.queue_depth()[MODEL] == 13)
+        await asyncio.wait_for(blocker, 120)
+        await _until(lambda: len(batches) == 2)  # the retry answered its first request
+        await sched.close()  # ... and is cancelled while it computes the second
+        outcomes = await asyncio.wait_for(  # not request_timeout_s (300 s) later
+            asyncio.gather(*good, bad, return_exceptions=True), 10
+        )
+    assert not isinstance(outcomes[0], BaseException)
+    for out in outcomes[1:]:
+        assert isinstance(out, LaneStopped), out
