@@ -347,16 +347,12 @@ class Scheduler:
                 )
             try:
                 arr = np.asarray(seq, dtype=np.int64)
-            except OverflowError:  # JSON integers are unbounded; such an id is no token
+            except OverflowError:  # beyond int64 (JSON integers are unbounded): no token id
                 arr = None
-            bad = (
-                np.flatnonzero((arr < 0) | (arr >= vocab))
-                if arr is not None
-                else [next(j for j, t in enumerate(seq) if not -(2**63) <= t < 2**63)]
-            )
-            if len(bad):
+            if arr is None or ((arr < 0) | (arr >= vocab)).any():
+                bad = next(t for t in seq if not 0 <= t < vocab)
                 raise InvalidRequest(
-                    f"input {i}: token id {seq[int(bad[0])]} is outside {name!r}'s vocabulary "
+                    f"input {i}: token id {bad} is outside {name!r}'s vocabulary "
                     f"(0..{vocab - 1})",
                     param="input",
                 )
