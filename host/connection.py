@@ -168,7 +168,12 @@ class WorkerConnection:
         event = await self._next_event(timeout)
         if not isinstance(event, HelloReceived):  # the session only yields HELLO first
             raise ConnectionFault(VIOLATION, f"unexpected {event!r} before HELLO_ACK")
-        ack = self.session.accept_hello()
+        if self.ended is not None:  # e.g. a second frame right behind HELLO: a fault, typed
+            raise ConnectionFault(self.ended.kind, self.ended.reason)
+        try:
+            ack = self.session.accept_hello()
+        except ProtocolError as exc:
+            raise ConnectionFault(VIOLATION, exc.reason) from None
         self.decoder.max_frame = self.session.max_frame
         await self._send(ack)
         return event.hello
@@ -181,12 +186,20 @@ class WorkerConnection:
         nothing was sent) or ConnectionFault if the connection is gone."""
         if self.ended is not None:
             raise ConnectionFault(self.ended.kind, self.ended.reason)
-        self.session.start_request(req, None if raw is None else len(raw))
+        # Every frame is built and measured before the session records the request: a frame
+        # the worker would refuse (over the agreed max_frame, or over u32) fails this request
+        # alone, with nothing sent and the session still idle.
         body = m.encode(req)
+        head = frame_header(len(body)) + body
+        if len(body) > self.session.max_frame:
+            raise ProtocolError(
+                f"control frame of {len(body)} bytes exceeds max_frame {self.session.max_frame}"
+            )
         if raw is None:
-            parts = [frame_header(len(body)) + body]
+            parts = [head]
         else:
-            parts = [frame_header(len(body)) + body + frame_header(len(raw)), raw]
+            parts = [head + frame_header(len(raw)), raw]
+        self.session.start_request(req, None if raw is None else len(raw))
         ex = Exchange(self, window_for, parts)
         if raw is None or len(raw) < THREAD_SEND_BYTES:
             # Armed BEFORE the send: the reply can come back within microseconds, and on a

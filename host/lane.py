@@ -14,9 +14,10 @@ Rules (DESIGN section 3), all enforced here:
   a fresh worker with zero strikes. Only a drained, successful inference reply clears
   strikes — LOAD, replayed LOADs, PING and setup never do. `clear_quarantine()` (unload /
   reload) and a lane restart clear them at once.
-- A crashed worker is replaced at once in the background (never while quarantined); the
-  fresh worker gets the lane's successful LOADs replayed before it serves, so a crash is
-  invisible to callers beyond the request that was running.
+- A crashed worker (mid-request, or a process that ends while idle) is replaced at once in
+  the background (never while quarantined); the fresh worker gets the lane's successful
+  LOADs replayed before it serves, so a crash is invisible to callers beyond the request
+  that was running.
 - Health is cached: a background task PINGs an idle worker; `state()` never touches it.
 
 The fast path: with no deadline, a live worker and a free stream (and permit), a request runs
@@ -219,7 +220,9 @@ class Lane:
             if type(message) in m.INFERENCE_REQUESTS:
                 permit = self.permits.for_device(self.config.device)
             if permit is None or not permit.locked():
-                return await self._request_inline(worker, message, raw, permit)
+                result = await self._request_inline(worker, message, raw, permit)
+                if result is not None:
+                    return result
         job = _Job()
         task = asyncio.create_task(self._run(message, raw, job))
         self._track(task)
@@ -245,13 +248,22 @@ class Lane:
         raw: memoryview | None,
         permit: asyncio.Semaphore | None,
     ):
-        """The fast path (see the module docstring): the caller's task does the exchange."""
-        await self._stream.acquire()  # free: returns without suspending
+        """The fast path (see the module docstring): the caller's task does the exchange.
+        None: the lane changed while this task waited for the stream (a woken waiter ran
+        first and crashed the worker, or stop()), so the caller takes the general path."""
+        await self._stream.acquire()  # free: usually returns without suspending
         held: _Held | None = _Held(self._stream, None)
         try:
             if permit is not None:
-                await permit.acquire()  # free: returns without suspending
+                await permit.acquire()  # free: usually returns without suspending
                 held.permit = permit
+            if (
+                self._worker is not worker
+                or not worker.usable()
+                or not self._running
+                or self._quarantined_until is not None
+            ):
+                return None
             req = self._stamp(message)
             try:
                 ex = worker.conn.start_exchange(req, raw, self._window_for(req))
@@ -309,6 +321,8 @@ class Lane:
         async with self._stream:
             if job.abandoned:  # the caller gave up before we owned the stream: send nothing
                 raise DeadlineExceeded("abandoned before it was sent")
+            if not self._running:  # stop() came while this request waited: no new worker
+                raise LaneStopped(f"lane {self.config.lane_id} stopped")
             self.raise_if_quarantined()
             worker = await self._ensure_worker()
             if type(message) in m.INFERENCE_REQUESTS:
@@ -373,6 +387,7 @@ class Lane:
         if self._generation > 1:
             self.restarts += 1
         self._worker = worker
+        worker.process.exited.add_done_callback(lambda _: self._exited(worker))
         log.info(
             "lane %s: worker %s up (pid %d)", self.config.lane_id, worker.worker_id, worker.pid
         )
@@ -403,6 +418,12 @@ class Lane:
         error.retry_after_s = self._retry_after()
         error.details.update(quarantined=error.quarantined, retry_after_s=error.retry_after_s)
         return error
+
+    def _exited(self, worker: WorkerHandle) -> None:
+        """A worker's process ended. Idle (nobody holds the stream), nothing else would notice
+        until the next request, so replace it now; a request in flight sees the EOF itself."""
+        if self._worker is worker and not self._stream.locked():
+            self._schedule_restart()
 
     def _schedule_restart(self) -> None:
         """Replace a crashed worker now, not on the next request: health recovers by itself

@@ -17,7 +17,7 @@ import time
 
 from host.config import HostConfig, LaneConfig
 from host.connection import SILENCE, VIOLATION, ConnectionFault, WorkerConnection
-from host.errors import ProtocolViolation, WatchdogExpired, WorkerDied
+from host.errors import ConfigInvalid, ProtocolViolation, WatchdogExpired, WorkerDied
 from host.listener import create_listener, peer_credentials, peer_is_child, socket_path
 from host.logring import LogRing
 from host.process import WorkerProcess
@@ -98,7 +98,12 @@ async def spawn_worker(
     sock = None
     try:
         argv = [*resolve_argv(lane.argv), "--socket", str(path), "--nonce", nonce]
-        process = await WorkerProcess.spawn(argv, worker_env(lane, worker_id), lane.cwd, ring)
+        try:
+            process = await WorkerProcess.spawn(
+                argv, worker_env(lane, worker_id), lane.cwd, ring
+            )
+        except OSError as exc:  # no such program, not executable, bad cwd: the lane's config
+            raise ConfigInvalid(f"lane {lane.lane_id}: cannot start {argv[0]!r}: {exc}") from None
         deadline = time.monotonic() + config.hello_timeout_s
         sock = await _accept(listener, process, config.hello_timeout_s)
         peer_pid = _check_peer(sock, process.pid)

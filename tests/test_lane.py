@@ -23,6 +23,7 @@ from host.errors import (
     ConfigInvalid,
     DeadlineExceeded,
     EngineCrashed,
+    InvalidRequest,
     LaneStopped,
     ProtocolViolation,
     WatchdogExpired,
@@ -221,6 +222,7 @@ async def test_protocol_violations_kill_and_strike(short_runtime_dir, fault, rea
         ("early_progress", ProtocolViolation, "expected HELLO, got PROGRESS"),
         ("crash_on_start", WorkerDied, "exited before connecting"),
         ("no_hello", WatchdogExpired, "no valid progress"),
+        ("hello_extra_frame", ProtocolViolation, "unsolicited PONG"),  # typed, and a strike
     ],
 )
 async def test_startup_faults(short_runtime_dir, fault, error, text):
@@ -541,3 +543,96 @@ async def test_a_crashed_worker_is_replaced_without_waiting_for_a_request(short_
         assert state.pid not in (None, pid) and state.strikes == 1 and state.restarts == 1
         pong, _ = await lane.request(m.PING(req_id=0))
         assert pong.models_loaded == ["m1"]  # LOAD replayed on the replacement
+
+
+# ---- the lane's own requests and its lifecycle ------------------------------------------------
+
+
+async def test_a_frame_over_the_agreed_max_frame_fails_alone_and_nothing_is_sent(
+    short_runtime_dir,
+):
+    async with running_lane(short_runtime_dir, max_frame=1 << 20) as lane:
+        pid = lane.worker.pid
+        n = (1 << 18) + 1  # 4 bytes over the limit
+        big = m.EMBED_BATCH(req_id=0, model_ref="ok", items=[m.EmbedItem(id=0, n_tokens=n)])
+        for _ in range(3):  # each would have been a crash and a strike: a quarantine by now
+            with pytest.raises(InvalidRequest, match="exceeds max_frame"):
+                await lane.request(big, np.zeros(n, np.int32))
+        huge = m.GENERATE(req_id=0, model_ref="ok", max_tokens=1)
+        with pytest.raises(InvalidRequest):  # over u32 too: refused before the session moves
+            await lane.request(huge, np.empty(2**30 + 1, np.int32))
+        await honest(lane)
+        state = lane.state()
+        assert (state.pid, state.strikes, state.health.status) == (pid, 0, "ready")
+
+
+async def test_a_request_queued_behind_stop_gets_lane_stopped_and_no_new_worker(
+    short_runtime_dir,
+):
+    lane = Lane(
+        LaneConfig(lane_id="t", argv=WORKER),
+        config(short_runtime_dir, inference_window_s=30, shutdown_grace_s=0.3),
+    )
+    await lane.start()
+    first = lane.worker.pid
+    hung = asyncio.create_task(lane.request(*embed_req("fault:hang")))
+    async with asyncio.timeout(10):
+        while not lane._stream.locked():
+            await asyncio.sleep(0.01)
+    queued = asyncio.create_task(lane.request(*embed_req()))
+    async with asyncio.timeout(10):
+        while not lane._jobs:  # its job task exists ...
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # ... and waits for the stream
+    await timed(lane.stop(), bound=10)
+    for task in (hung, queued):
+        with pytest.raises(LaneStopped):
+            await task
+    assert lane.worker is None
+    assert_reaped(first)
+    for p in psutil.Process().children(recursive=True):
+        assert "workers.faulty" not in " ".join(p.cmdline()), "a worker outlived stop()"
+
+
+async def test_a_worker_that_dies_while_idle_is_replaced_at_once(short_runtime_dir):
+    async with running_lane(short_runtime_dir) as lane:  # no health refresher (interval 0)
+        pid = lane.worker.pid
+        os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(20):  # no request is sent: the exit alone restarts it
+            while lane.state().pid in (None, pid):
+                await asyncio.sleep(0.02)
+        state = lane.state()
+        assert state.health.status == "ready" and state.restarts == 1 and state.strikes == 1
+        assert_reaped(pid)
+        await honest(lane)
+
+
+async def test_a_fast_path_request_never_reaches_a_worker_a_queued_one_crashed(
+    short_runtime_dir,
+):
+    # One task sends A then B back to back; C, queued behind A, is woken first when A
+    # releases the stream and kills the worker. B must run on the replacement, not fail with
+    # C's crash.
+    async with running_lane(short_runtime_dir) as lane:
+
+        async def a_then_b():
+            await lane.request(*embed_req("fault:slow"))
+            return await lane.request(*embed_req())
+
+        sequence = asyncio.create_task(a_then_b())
+        async with asyncio.timeout(10):
+            while not lane._stream.locked():
+                await asyncio.sleep(0.01)
+        crasher = asyncio.create_task(lane.request(*embed_req("fault:sigkill")))
+        reply, vectors = await asyncio.wait_for(sequence, 20)
+        assert isinstance(reply, m.VECTORS) and vectors.shape[0] == 2
+        with pytest.raises(WorkerDied):
+            await crasher
+
+
+async def test_a_worker_command_that_cannot_start_is_config_invalid(short_runtime_dir):
+    lane = Lane(LaneConfig(lane_id="t", argv=["/nonexistent/worker"]), config(short_runtime_dir))
+    with pytest.raises(ConfigInvalid, match="cannot start"):
+        await lane.start()
+    assert lane.state().strikes == 0
+    await lane.stop()

@@ -14,6 +14,7 @@ import time
 from workers import runtime
 from workers.faulty.engine import FaultEngine
 from workers.protocol import messages as m
+from workers.protocol.framing import encode_frame
 
 
 class FaultRuntime(runtime.WorkerRuntime):
@@ -29,6 +30,10 @@ class FaultRuntime(runtime.WorkerRuntime):
             time.sleep(3600)
         if self.fault == "early_progress":  # something other than HELLO comes first
             return m.PROGRESS(req_id=0, completed=1, phase="setup")  # type: ignore[return-value]
+        if self.fault == "hello_extra_frame":  # HELLO and, in the same write, one more frame
+            extra = m.PONG(req_id=1, rss_mb=1.0)
+            self.channel.sock.sendall(encode_frame(m.encode(hello)) + encode_frame(m.encode(extra)))
+            time.sleep(3600)
         return hello
 
     def after_handshake(self) -> None:

@@ -174,6 +174,11 @@ class HostSession(_Base):
         tokens = payloads.request_payload_tokens(req)
         if (tokens is None) != (raw_len is None):
             raise ProtocolError(f"{m.message_name(req)}: raw frame presence does not match")
+        if raw_len is not None and raw_len > self.max_frame:  # the worker would refuse it
+            raise ProtocolError(
+                f"{m.message_name(req)}: raw frame of {raw_len} bytes exceeds max_frame "
+                f"{self.max_frame}"
+            )
         if tokens is not None and raw_len is not None:
             payloads.check_raw_length(raw_len, tokens, 4, m.message_name(req))
         self._last_req_id = req_id
