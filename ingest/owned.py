@@ -16,6 +16,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from filelock import FileLock
+
 from ingest.errors import ArtifactInvalid
 from ingest.store import ArtifactStore, ModelRecord
 
@@ -43,13 +45,19 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
     """(artifact dir, manifest_digest), ingesting on first use."""
     out = owned_dir(store, record)
     manifest = out / "manifest.json"
-    if not manifest.is_file():
-        proc = subprocess.run(
-            [sys.executable, "-c", _INGEST, str(hf_source_dir(record)), str(out)],
-            capture_output=True, text=True, timeout=600,
-        )
-        if proc.returncode != 0:
-            raise ArtifactInvalid(f"{record.name}: Core ML ingest failed: {proc.stderr[-800:]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two hosts loading the same model's Core ML lane at once build it once: the second waits
+    # and finds the manifest (without the lock, its publish could lose the race and fail).
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if not manifest.is_file():
+            proc = subprocess.run(
+                [sys.executable, "-c", _INGEST, str(hf_source_dir(record)), str(out)],
+                capture_output=True, text=True, timeout=600,
+            )
+            if proc.returncode != 0:
+                raise ArtifactInvalid(
+                    f"{record.name}: Core ML ingest failed: {proc.stderr[-800:]}"
+                )
     try:
         return out, json.loads(manifest.read_text())["manifest_digest"]
     except (OSError, ValueError, KeyError) as exc:

@@ -418,3 +418,28 @@ def test_a_model_ingested_again_from_other_weights_gets_its_own_core_ml_build(
     other = build_test_cross_encoder(tmp_path / "ce", seed=0)
     second_dir, second_digest = ensure_owned(s, s.ingest_hf_dir(other, name="m"))
     assert second_dir != first_dir and second_digest != first_digest
+
+
+def _ensure_owned_in_child(root: str, results) -> None:
+    from ingest.owned import ensure_owned
+
+    store = ArtifactStore(root)
+    results.put(ensure_owned(store, store.get("m"))[1])
+
+
+def test_hosts_building_one_core_ml_model_at_once_all_get_it(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    root = tmp_path / "models"
+    ArtifactStore(root).ingest_hf_dir(MINILM, name="m", dtype="f16")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_ensure_owned_in_child, args=(str(root), results))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    digests = {results.get(timeout=10) for _ in procs}
+    assert len(digests) == 1  # one build, the same manifest for everyone
