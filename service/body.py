@@ -6,7 +6,9 @@ to `_DRAIN_LIMIT`, because a server that answers and closes while the client is 
 makes the client see a reset instead of the 413.
 
 A body not complete within `timeout_s` is a 408: a client that stalls mid-body must not hold
-a task and a connection forever.
+a task and a connection forever. A body already known to be over the limit stays a 413 even
+if draining it runs out of time (the 413 says what the client must change); either way the
+connection closes after the answer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from service.errors import PayloadTooLarge, RequestTimeout
 T = TypeVar("T")
 
 _DRAIN_LIMIT = 64 << 20
+_OVER_LIMIT = "synapse.body_over_limit"  # scope flag: the body is known to be too large
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
@@ -30,6 +33,8 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
         async with asyncio.timeout(timeout_s):
             return await _read_body(request, limit)
     except TimeoutError:
+        if request.scope.get(_OVER_LIMIT):  # timed out while draining a refused body
+            raise _too_large(limit) from None
         raise RequestTimeout(
             f"the request body was not complete within {timeout_s:g} s"
         ) from None
@@ -38,6 +43,7 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
+        request.scope[_OVER_LIMIT] = True
         await _drain(request, int(declared))
         raise _too_large(limit)
     chunks: list[bytes] = []
@@ -51,6 +57,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise InvalidRequest("client disconnected while sending the body") from None
     if size > limit:
+        request.scope[_OVER_LIMIT] = True
         await _drain(request, size)
         raise _too_large(limit)
     return b"".join(chunks)

@@ -96,9 +96,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     _refuse_unsupported(req)
     prompt = _prompt(req.prompt)
     limit = state.config.module.max_generate_tokens
-    max_tokens = (
-        state.config.default_completion_tokens if req.max_tokens is None else req.max_tokens
-    )
+    default = state.config.default_completion_tokens
+    assert default is not None  # resolved when the config was loaded
+    max_tokens = default if req.max_tokens is None else req.max_tokens
     if not 1 <= max_tokens <= limit:
         raise InvalidRequest(
             f"max_tokens must be between 1 and {limit} (short generation)", param="max_tokens"

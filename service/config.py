@@ -30,7 +30,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     matryoshka_models: list[str] = []
     max_body_bytes: int = 4 << 20  # -> 413 above this
     graceful_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may drain
-    default_completion_tokens: int = 16  # OpenAI's default max_tokens
+    # max_tokens when a completion request omits it; default: OpenAI's 16, or
+    # module.max_generate_tokens where that is lower.
+    default_completion_tokens: int | None = None
     # A client that stops sending its body mid-way gets a 408 after this long, instead of
     # holding a connection and a task forever.
     body_timeout_s: float = 30.0
@@ -59,6 +61,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigInvalid("body_timeout_s must be finite and > 0")
         if not 0 <= self.graceful_timeout_s < math.inf:
             raise ConfigInvalid("graceful_timeout_s must be finite and >= 0")
+        if self.default_completion_tokens is None:
+            self.default_completion_tokens = min(16, self.module.max_generate_tokens)
         if not 1 <= self.default_completion_tokens <= self.module.max_generate_tokens:
             raise ConfigInvalid(
                 f"default_completion_tokens must be 1..module.max_generate_tokens "

@@ -85,7 +85,7 @@ def error_response(exc: SynapseError) -> Response:
         headers["Retry-After"] = str(max(1, math.ceil(after)))
     if exc.http_status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if exc.http_status == 408:  # the body never ended: the stream cannot carry another request
+    if exc.http_status in (408, 413):  # a body not (wholly) read: the stream is done
         headers["Connection"] = "close"
     if exc.http_status >= 500:
         log.warning("%s %s: %s", exc.http_status, exc.code, exc.message)

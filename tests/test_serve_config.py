@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from host.errors import ConfigInvalid
@@ -85,3 +86,9 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
 def test_matryoshka_models_may_be_named_by_alias():
     cfg = ServeConfig(aliases={"small": "nomic"}, matryoshka_models=["small", "other"])
     assert cfg.matryoshka_models == ["nomic", "other"]  # requests are matched after resolution
+
+
+def test_the_default_completion_length_follows_a_lower_generation_limit():
+    assert ServeConfig().default_completion_tokens == 16  # OpenAI's default
+    low = msgspec.convert({"module": {"max_generate_tokens": 4}}, ServeConfig)
+    assert low.default_completion_tokens == 4  # not a config error, not 16

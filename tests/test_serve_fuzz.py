@@ -236,6 +236,16 @@ def test_a_client_that_never_finishes_its_body_gets_408(server, framing):
         assert b'"code":"request_timeout"' in reply
 
 
+def test_a_declared_oversize_body_that_stalls_gets_413_not_408(server):
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
+    ).encode()
+    reply = _raw_exchange(server.url, head, b'{"input": "', BODY_TIMEOUT_S + REPLY_BOUND_S)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:300]  # what the client must change
+    assert b"connection: close" in reply.lower()
+
+
 def test_after_all_of_it_the_server_is_healthy_and_no_worker_restarted(server):
     health = server.health()
     assert health["status"] == "ok", health
