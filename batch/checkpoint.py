@@ -22,7 +22,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from batch.errors import BatchUsageError
-from batch.output import fsync_dir, write_part
+from batch.output import write_part
+from ingest.durable import fsync_dir
 
 STATE = "state.json"
 ERRORS = "errors.jsonl"

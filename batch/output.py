@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ingest.durable import fsync_dir, fsync_file
+
 META_KEYS = ("model", "lane", "artifact_digest", "certificate", "normalize", "dims")
 
 
@@ -97,15 +99,3 @@ def publish_copy(src: Path, dest: Path) -> None:
         os.fsync(fout.fileno())
     os.replace(tmp, dest)
 
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fsync_file(path)

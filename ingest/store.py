@@ -43,6 +43,7 @@ from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 from ingest import gemma
 from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from ingest.digest import read_digest_file, sha256_file, write_digest_file
+from ingest.durable import fsync_dir, fsync_file
 from ingest.errors import (
     ArtifactExists,
     ArtifactInvalid,
@@ -244,7 +245,7 @@ class ArtifactStore:
             rec = self.get(name)
             tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
             _clean_tokenizer(Path(tokenizer_json), tmp)
-            _sync(tmp)
+            fsync_file(tmp)
             os.replace(tmp, rec.dir / TOKENIZER_FILE)
             manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
             _write_manifest(rec.dir, manifest)
@@ -329,10 +330,10 @@ class ArtifactStore:
         _write_manifest(staging, manifest)
         os.chmod(staging, 0o755)
         for f in staging.iterdir():
-            _sync(f)
-        _sync(staging)
+            fsync_file(f)
+        fsync_dir(staging)
         os.replace(staging, self.root / manifest.name)
-        _sync(self.root)
+        fsync_dir(self.root)
         return ModelRecord(manifest=manifest, dir=self.root / manifest.name)
 
     def _publish_second_name(self, rec: ModelRecord, name: str) -> ModelRecord:
@@ -436,7 +437,7 @@ class ArtifactStore:
     def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         builder(rec.artifact_path, tmp)
-        _sync(tmp)
+        fsync_file(tmp)
         os.replace(tmp, rec.dir / TOKENIZER_FILE)
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         _write_manifest(rec.dir, manifest)
@@ -453,18 +454,9 @@ def _check_name(name: str) -> None:
 def _write_manifest(mdir: Path, manifest: Manifest) -> None:
     tmp = mdir / (MANIFEST_FILE + ".tmp")
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
-    _sync(tmp)
+    fsync_file(tmp)
     os.replace(tmp, mdir / MANIFEST_FILE)
-    _sync(mdir)
-
-
-def _sync(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once the file and its dir are)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(mdir)
 
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:

@@ -390,9 +390,11 @@ def test_publishing_syncs_every_file_and_dir_before_the_rename_and_the_root_afte
     import ingest.store as store_mod
 
     events: list[tuple[str, Path]] = []
-    real_sync, real_replace = store_mod._sync, os.replace
-    monkeypatch.setattr(store_mod, "_sync", lambda p: (events.append(("sync", Path(p))),
-                                                        real_sync(p)))
+    real_file, real_dir, real_replace = store_mod.fsync_file, store_mod.fsync_dir, os.replace
+    monkeypatch.setattr(store_mod, "fsync_file", lambda p: (events.append(("sync", Path(p))),
+                                                             real_file(p)))
+    monkeypatch.setattr(store_mod, "fsync_dir", lambda p: (events.append(("sync", Path(p))),
+                                                            real_dir(p)))
     monkeypatch.setattr(store_mod.os, "replace", lambda a, b: (events.append(("replace", Path(b))),
                                                                 real_replace(a, b)))
     s = ArtifactStore(tmp_path / "models")
