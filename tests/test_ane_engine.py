@@ -3,6 +3,8 @@ against the independent fp32 numpy reference forward."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -392,3 +394,49 @@ def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
     print("\nconverted program op set:", sorted(seen))
     assert seen - {"const"} <= SUPPORTED_OPS
     assert {"conv", "einsum", "softmax", "layer_norm", "gelu"} <= seen
+
+
+# ---- typed refusals and small models --------------------------------------------------------
+
+
+def test_a_packed_shape_with_zero_segments_is_refused_typed(embed_engine: AneEngine) -> None:
+    req = m.ADMIT_SHAPE(req_id=20, model_ref="minilm", rows=1, seq_len=16, packed=True,
+                        max_segments=0)
+    with pytest.raises(EngineError) as e:  # an untyped ValueError made the worker exit
+        embed_engine.admit_shape(req, NullProgress())
+    assert e.value.code == "invalid_request"
+    assert _embed(embed_engine, [h.encode("still serving")]).shape == (1, 384)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_warm_up_inputs_fit_a_one_token_shape(packed: bool) -> None:
+    from workers.ane.engine import _warmup_feeds
+
+    feeds = _warmup_feeds(Shape(1, 1, packed, 1), h.minilm())
+    assert feeds["input_ids"].shape == (1, 1)
+
+
+def test_a_model_with_fewer_positions_loads_with_the_default_shapes(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from certification.reference.cross_encoder import minilm_dir
+    from workers.ane.manifest import ingest_owned
+
+    src, d = minilm_dir(), tmp_path / "minilm-64"
+    shutil.copytree(src, d)
+    weights = load_file(str(src / "model.safetensors"))
+    name = "embeddings.position_embeddings.weight"
+    weights[name] = np.ascontiguousarray(weights[name][:64])
+    save_file(weights, str(d / "model.safetensors"))
+    for file, key in (("config.json", "max_position_embeddings"),
+                      ("sentence_bert_config.json", "max_seq_length")):
+        doc = json.loads((d / file).read_text())
+        doc[key] = 64
+        (d / file).write_text(json.dumps(doc))
+    manifest = ingest_owned(d, tmp_path / "owned")
+    engine = AneEngine(manifest.dir, backend="reference")
+    try:  # no `shapes`: the defaults (8x128, 4x max_seq_length) clamp to 64 positions
+        engine.load(h.load_request(manifest), NullProgress())
+        assert sorted(engine.loaded_shapes()) == ["4x64", "8x64"]
+    finally:
+        engine.close()

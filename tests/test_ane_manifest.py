@@ -129,3 +129,18 @@ def test_cls_pooling_embedder_is_refused(tmp_path: Path) -> None:
         {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
     with pytest.raises(UnsupportedModel, match="pooling"):
         ingest_owned(d, tmp_path / "out")
+
+
+def test_a_manifest_that_is_not_an_object_or_an_unreadable_tokenizer_is_typed(
+    tmp_path: Path,
+) -> None:
+    d = _copy(tmp_path)
+    (d / MANIFEST_NAME).write_text("[]")
+    with pytest.raises(ManifestError, match="expected a JSON object"):  # was a TypeError
+        load_manifest(d, verify_weights=False)
+    d2 = tmp_path / "copy2"
+    shutil.copytree(h.minilm().dir, d2)
+    (d2 / TOKENIZER_NAME).unlink()
+    (d2 / TOKENIZER_NAME).mkdir()  # exists, cannot be hashed: was an IsADirectoryError
+    with pytest.raises(ManifestError, match="tokenizer"):
+        load_manifest(d2, verify_weights=False)

@@ -254,8 +254,13 @@ class AneEngine(Engine):
 
     def _initial_shapes(self, model: _Model) -> list[Shape]:
         if model.config.shapes is None:
-            seq = model.manifest.config.max_seq_length
-            return [self._shape(model, rows, s or seq, False, None) for rows, s in DEFAULT_SHAPES]
+            # Clamped to the model's positions: a small model still loads with the defaults.
+            cfg = model.manifest.config
+            shapes = dict.fromkeys(  # in order, without the duplicates clamping can make
+                (rows, min(s or cfg.max_seq_length, cfg.max_positions))
+                for rows, s in DEFAULT_SHAPES
+            )
+            return [self._shape(model, rows, s, False, None) for rows, s in shapes]
         return [self._shape(model, s.rows, s.seq_len, s.packed, s.max_segments)
                 for s in model.config.shapes]
 
@@ -265,8 +270,11 @@ class AneEngine(Engine):
         self, model: _Model, rows: int, seq_len: int, packed: bool, max_segments: int | None
     ) -> Shape:
         cfg, limits = model.manifest.config, model.config
-        if rows < 1 or seq_len < 1:
-            raise EngineError("invalid_request", f"shape {rows}x{seq_len}: dims must be >= 1")
+        if rows < 1 or seq_len < 1 or (max_segments is not None and max_segments < 1):
+            raise EngineError(
+                "invalid_request",
+                f"shape {rows}x{seq_len} (max_segments {max_segments}): dims must be >= 1",
+            )
         if not packed and max_segments not in (None, 1):
             raise EngineError("invalid_request", "max_segments needs packed=true")
         if packed and max_segments is None:
@@ -451,10 +459,11 @@ class AneEngine(Engine):
 
 def _warmup_feeds(shape: Shape, manifest: Manifest) -> dict[str, np.ndarray]:
     """One real run's inputs: a two-token sequence in the first row (ids 101, 102: [CLS],
-    [SEP] in BERT vocabularies; any valid ids serve a warm-up)."""
+    [SEP] in BERT vocabularies; any valid ids serve a warm-up), one token in a 1-wide shape."""
     cfg = manifest.config
-    ids = np.array([min(101, cfg.vocab_size - 1), min(102, cfg.vocab_size - 1)], np.int32)
-    return feeds_for(Chunk(shape, [[0]]), [ids], [np.zeros(2, np.int32)], cfg.pad_token_id)
+    n = min(2, shape.seq_len)
+    ids = np.array([min(101, cfg.vocab_size - 1), min(102, cfg.vocab_size - 1)][:n], np.int32)
+    return feeds_for(Chunk(shape, [[0]]), [ids], [np.zeros(n, np.int32)], cfg.pad_token_id)
 
 
 def _dims(manifest: Manifest) -> int:

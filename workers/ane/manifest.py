@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -186,7 +186,7 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -398,6 +398,8 @@ def load_manifest(dir: str | os.PathLike[str], *, verify_weights: bool = True) -
     `verify_weights=False`) every tensor's digest. Raises `ManifestError` subclasses."""
     d = Path(dir)
     raw = _read_json(d / MANIFEST_NAME)
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{MANIFEST_NAME}: expected a JSON object, got {type(raw).__name__}")
     stored = raw.pop("manifest_digest", None)
     try:
         body = _body_decoder.decode(json.dumps(raw))
@@ -412,7 +414,11 @@ def load_manifest(dir: str | os.PathLike[str], *, verify_weights: bool = True) -
                             f"({digest[:16]}...)")
     manifest = Manifest(dir=str(d.absolute()), digest=digest, body=body)
     tok = manifest.tokenizer_path
-    if not tok.exists() or sha256_file(tok) != body.tokenizer.sha256:
+    try:
+        tok_ok = tok.is_file() and sha256_file(tok) == body.tokenizer.sha256
+    except OSError as e:  # unreadable: as damaged as a wrong digest
+        raise ManifestError(f"{body.tokenizer.file}: {e}") from e
+    if not tok_ok:
         raise ManifestError(f"{body.tokenizer.file}: missing or digest mismatch")
     if not manifest.weights_path.exists():
         raise ManifestError(f"{body.weights_file}: missing")
