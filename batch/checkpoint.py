@@ -120,6 +120,10 @@ class Checkpoint:
         self._write_state()
 
     def remove(self) -> None:
+        # state.json first: a removal cut short leaves a directory without it, which is no
+        # checkpoint (the next run clears it), never one naming parts already deleted.
+        (self.root / STATE).unlink(missing_ok=True)
+        fsync_dir(self.root)
         shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- internals --------------------------------------------------------------------------

@@ -89,6 +89,8 @@ def validate(opts: JobOptions) -> InputSpec:
     spec.check()
     if Path(opts.output).suffix.lower() != ".parquet":
         raise BatchUsageError(f"output {opts.output}: the output is a .parquet file")
+    if Path(opts.output).is_dir():
+        raise BatchUsageError(f"output {opts.output} is a directory; name a .parquet file")
     return spec
 
 
@@ -126,6 +128,7 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
             progress.close()
     finally:
         await asyncio.gather(*(m.close() for m in modules), return_exceptions=True)
+    _raise_if_over_max_errors(ckpt, opts)  # a resumed job whose last window broke it
     s = ckpt.state
     errors_file = _publish(opts, ckpt, output, meta)
     return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], loop.time() - t0, meta,
@@ -255,6 +258,10 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts) -> None:
     tokens = sum(len(w.ids[i]) for i in keep)
     ckpt.commit(table, errors, w.next_line, tokens)
     progress.update(len(keep), tokens, len(errors))
+    _raise_if_over_max_errors(ckpt, opts)
+
+
+def _raise_if_over_max_errors(ckpt: Checkpoint, opts: JobOptions) -> None:
     if ckpt.state["errors"] > opts.max_errors:
         raise JobAborted(
             f"{ckpt.state['errors']} rows failed, more than --max-errors {opts.max_errors}; "

@@ -18,6 +18,7 @@ and an ANE-lane actor asks for it, so Core ML engines land only where a Neural E
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -207,6 +208,8 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     spec = validate(opts)
     if spec.path == "-":
         raise BatchUsageError("--ray reads a file every node can open, not stdin")
+    # Read tasks run in the workers' own directories: name the file as the driver sees it.
+    spec = dataclasses.replace(spec, path=str(Path(spec.path).absolute()))
     output = Path(opts.output).absolute()
     scratch = output.with_name(output.name + ".ray")
     if not output.parent.is_dir():

@@ -12,7 +12,10 @@ Row rules (a bad row is an error record, never the end of the job):
 - `missing_field`: the text field is absent or null;
 - `not_a_string`: the text is not a string;
 - `empty_text`: the text is empty or only whitespace;
-- `invalid_id`: the id is neither a string nor an integer.
+- `invalid_id`: the id is neither a string nor an integer, or a string that is not valid
+  Unicode (a lone surrogate from a JSON `\\ud800` escape: it could not be written out).
+Invalid UTF-8 bytes in a text or an id (any format) become U+FFFD, the project's one
+sanitization rule (host/sanitize.py), so one bad byte never fails a file.
 Ids are always strings in the output (an integer id 7 becomes "7"), so one column type holds
 every input.
 """
@@ -145,12 +148,23 @@ def _row_from(line: int, text: object, rid: object, text_field: str, id_field: s
                    f"{id_field!r} is {type(rid).__name__}; ids are strings or integers")
     else:
         row_id = str(rid)
+        if not _encodable(row_id):
+            return Row(line, None, None, "invalid_id",
+                       f"{id_field!r} is not valid Unicode (it holds a lone surrogate)")
     if text is _MISSING or text is None:
         return Row(line, row_id, None, "missing_field", f"no {text_field!r} field")
     if not isinstance(text, str):
         return Row(line, row_id, None, "not_a_string",
                    f"{text_field!r} is {type(text).__name__}, expected a string")
     return _check_text(line, row_id, text)
+
+
+def _encodable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_text(line: int, row_id: str, text: str) -> Row:
@@ -179,7 +193,12 @@ def _arrow_rows(spec: InputSpec, fmt: str, start_line: int, limit: int | None) -
         for text, rid in zip(texts, ids, strict=True):
             line += 1
             if line >= start_line:
-                yield _row_from(line, text, rid, spec.text_field, spec.id_field)
+                yield _row_from(line, _utf8(text), _utf8(rid), spec.text_field, spec.id_field)
+
+
+def _utf8(value: object) -> object:
+    """CSV columns are read as bytes (one invalid byte must not fail the whole block)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _chain(first, rest):
@@ -208,8 +227,8 @@ def _arrow_batches(spec: InputSpec, fmt: str):
             reader = pcsv.open_csv(
                 spec.path,
                 read_options=pcsv.ReadOptions(block_size=1 << 20),
-                convert_options=pcsv.ConvertOptions(
-                    column_types={spec.text_field: pa.string(), spec.id_field: pa.string()}
+                convert_options=pcsv.ConvertOptions(  # bytes: decoded per row (`_utf8`)
+                    column_types={spec.text_field: pa.binary(), spec.id_field: pa.binary()}
                 ),
             )
             _require_column(spec, reader.schema.names)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from host.errors import InvalidRequest
 from host.module import Module, ModuleConfig
 from host.run_command import err_console, run_command
 from ingest.defaults import ensure_defaults
@@ -215,7 +216,10 @@ def _rerank(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     async def go() -> int:
-        grammar = args.grammar.read_text() if args.grammar else None
+        try:
+            grammar = args.grammar.read_text() if args.grammar else None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"cannot read grammar {args.grammar}: {exc}") from None
         ensure_defaults()
         async with _module(args) as mod:
             result = await mod.generate(args.prompt, args.max_tokens, grammar, args.model)

@@ -121,6 +121,14 @@ def test_stdin_and_max_errors(synapse_cache_dir, tmp_path, runtime_dir):
     assert "4 rows failed, more than --max-errors 3" in proc.stderr
     assert not (tmp_path / "m.parquet").exists()
 
+    # The limit broke on the last window: that window is committed, so --resume has nothing
+    # left to embed, and must still refuse to publish.
+    proc = batch_cli(synapse_cache_dir, "-", "-o", str(tmp_path / "m.parquet"),
+                     "--max-errors", "3", "--resume", input="\n".join(bad),
+                     runtime_dir=runtime_dir)
+    assert proc.returncode == 1, proc.stdout
+    assert "more than --max-errors 3" in proc.stderr and not (tmp_path / "m.parquet").exists()
+
 
 def test_usage_errors_exit_2_before_any_worker(synapse_cache_dir, tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "x"}\n')
@@ -138,9 +146,11 @@ def test_usage_errors_exit_2_before_any_worker(synapse_cache_dir, tmp_path):
         ([good, "-o", f"{unwritable}/o.parquet"], "cannot write in the output directory"),
         ([good, "-o", str(tmp_path / "nodir" / "o.parquet")], "does not exist"),
         ([good, "-o", str(tmp_path / "o.csv")], "is a .parquet file"),
+        ([good, "-o", str(tmp_path / "adir.parquet")], "is a directory"),  # before any work
         ([good, "-o", str(tmp_path / "o.parquet"), "--workers", "0"], "expected an integer"),
         ([good], "required: -o"),
     ]
+    (tmp_path / "adir.parquet").mkdir()
     for args, message in cases:
         proc = batch_cli(synapse_cache_dir, *args, timeout=60)
         assert proc.returncode == 2, (args, proc.stderr)

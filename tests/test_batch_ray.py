@@ -25,14 +25,18 @@ def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
     return JobOptions(input=str(input), output=str(output), module=module, **kw)
 
 
-def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, tmp_path):
+def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, tmp_path,
+                                                      monkeypatch):
     runtime_dir = tempfile.mkdtemp(prefix="synr-", dir="/tmp")
     bad = ["not json", json.dumps({"id": "e", "text": ""})]
     write_jsonl(tmp_path / "c.jsonl", 90, seed=7, extra=bad)
     local = asyncio.run(run_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
                                         tmp_path / "local.parquet", window_rows=32)))
     timings: dict = {}
-    remote = run_ray_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
+    # A relative input, from a directory Ray's workers do not run in: the job names the file
+    # as the driver sees it.
+    monkeypatch.chdir(tmp_path)
+    remote = run_ray_job(options(store_root, runtime_dir, "c.jsonl",
                                  tmp_path / "ray.parquet", window_rows=32),
                          address=None, workers=2, timings=timings)  # 2 actors, 3 blocks
     assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors,

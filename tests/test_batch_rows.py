@@ -30,6 +30,7 @@ def test_jsonl_rows_and_every_bad_row_rule(tmp_path):
         json.dumps({"id": "e", "text": "   "}),
         json.dumps({"id": {"x": 1}, "text": "bad id"}),
         "",  # a blank line is not a record, but it is a line
+        '{"id": "\\ud800", "text": "a lone surrogate cannot be written out as an id"}',
         json.dumps({"id": 7, "text": "integer id"}),
     ]
     path = tmp_path / "c.jsonl"
@@ -46,11 +47,12 @@ def test_jsonl_rows_and_every_bad_row_rule(tmp_path):
         (7, "s", "not_a_string"),
         (8, "e", "empty_text"),
         (9, None, "invalid_id"),
-        (11, "7", None),
+        (11, None, "invalid_id"),
+        (12, "7", None),
     ]
     assert rows[0].text == "hello" and "is a JSON list" in rows[3].error_message
     assert [r.line for r in read_rows(InputSpec(str(path)), start_line=6)][0] == 6
-    assert count_records(InputSpec(str(path))) == 11
+    assert count_records(InputSpec(str(path))) == 12
 
 
 def test_custom_fields_and_invalid_utf8(tmp_path):
@@ -120,3 +122,14 @@ def test_plan_batches_groups_by_length_within_budgets():
         assert len(b) <= 2 and (len(b) == 1 or sum(lengths[i] for i in b) <= 512)
     assert [lengths[b[0]] for b in batches] == sorted((lengths[b[0]] for b in batches),
                                                       reverse=True)
+
+
+def test_an_invalid_utf8_byte_in_one_csv_row_follows_the_sanitization_rule(tmp_path):
+    # One bad byte deep in the file: Arrow's string reading failed the whole block (and the
+    # job, mid-way, with exit 2); now it is U+FFFD like in JSONL, and every row is read.
+    lines = [b"id,text"] + [b"r%d,row number %d" % (i, i) for i in range(1, 10_001)]
+    lines[7_000] = b"r7000,caf\xc3 bad byte"
+    (tmp_path / "c.csv").write_bytes(b"\n".join(lines) + b"\n")
+    rows = rows_of(tmp_path / "c.csv")
+    assert len(rows) == 10_000 and all(r.ok for r in rows)
+    assert rows[6_999].id == "r7000" and "\ufffd" in rows[6_999].text

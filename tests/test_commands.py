@@ -75,6 +75,15 @@ def test_generate_with_grammar_file(synapse_cache_dir, tmp_path):
     assert json.loads(proc.stdout)["text"] in ("yes", "no")
 
 
+def test_generate_with_a_grammar_file_that_cannot_be_read_is_a_clear_error(
+    synapse_cache_dir, tmp_path
+):
+    proc = synapse(synapse_cache_dir, "generate", "x", "--grammar", str(tmp_path / "none"))
+    assert proc.returncode == 2, proc.stderr
+    assert "error[invalid_request]: cannot read grammar" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_doctor_reports_what_runs_here(synapse_cache_dir):
     proc = synapse(synapse_cache_dir, "doctor", "--json")
     assert proc.returncode == 0, proc.stderr
