@@ -68,11 +68,13 @@ class CorpusInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Measurements(msgspec.Struct, kw_only=True):
-    cosines: list[float] = []  # per corpus item (embedding models)
+    # Per-item values may be NaN (a lane that returns NaN vectors): JSON has no NaN, so it is
+    # written as null and reads back as None, which is why these lists admit None.
+    cosines: list[float | None] = []  # per corpus item (embedding models)
     latencies_ms: list[float] = []  # per lane request during the corpus pass
     request_items: list[int] = []  # items in each of those requests
-    rerank_errors: list[float] = []  # |lane - reference| per pair (cross-encoders)
-    retrieval_overlap: list[float] = []  # per query
+    rerank_errors: list[float | None] = []  # |lane - reference| per pair (cross-encoders)
+    retrieval_overlap: list[float | None] = []  # per query
     tokenizer_mismatch_items: list[int] = []  # corpus indices whose ids differ
     placement_share: float | None = None
     placement_source: str | None = None

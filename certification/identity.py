@@ -2,8 +2,10 @@
 
 A certificate vouches for numbers, and numbers change with any of: the artifact bytes, the
 owned-graph manifest and kernel revision (Core ML), the compiled shapes, the engine build and
-version, the device it runs on (CPU, Metal...), the host tokenizer library, and the OS (Core
-ML's ANE compiler ships with macOS).
+version, the device it runs on (CPU, Metal...), the runtime settings LOAD was given (Core
+ML compute units, llama.cpp options such as flash_attn), the host tokenizer library, and the
+OS (Core ML's ANE compiler ships with macOS). Equivalent spellings key the same: shapes are
+sorted and a packed shape's unnamed segment count is resolved as the worker resolves it.
 All of them are in `CertificateKey`; its digest is the certificate id, so a change to any one
 of them means "no certificate" rather than a stale one.
 """
@@ -18,6 +20,7 @@ from typing import Any
 import msgspec
 
 from workers.ane import apple_device
+from workers.ane.config import default_max_segments
 
 
 class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +42,8 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
     # Where the lane computes ("cpu", "metal", "ane"...): a certificate earned on the CPU must
     # never cover a Metal lane, their numerics differ.
     device: str = ""
+    # LOAD's runtime settings beyond shapes/build_options, as canonical JSON (see lane_client).
+    settings: str = ""
 
     @classmethod
     def from_mapping(cls, model: str, lane: str, d: dict[str, Any]) -> LaneIdentity:
@@ -59,12 +64,13 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
             artifact_digest=str(d.get("artifact_digest") or d.get("digest") or ""),
             manifest_digest=d.get("manifest_digest"),
             kernel_revision=d.get("kernel_revision"),
-            shapes=tuple(_shape_str(s) for s in d.get("shapes") or ()),
+            shapes=tuple(sorted(_shape_str(s) for s in d.get("shapes") or ())),
             engine=eng_name,
             engine_version=eng_version,
             build_flags=flags,
-            build_options=_canonical(d.get("build_options")),
+            build_options=canonical_json(d.get("build_options")),
             device=str(d.get("device") or ""),
+            settings=canonical_json(d.get("settings")),
         )
 
 
@@ -83,6 +89,7 @@ class CertificateKey(msgspec.Struct, frozen=True, kw_only=True):
     runtime: dict[str, str]  # host-side libraries that change what the lane receives
     os: str
     device: str = ""  # after the defaults-free fields; "" in certificates older than it
+    settings: str = ""  # LOAD's runtime settings (canonical JSON); "" in older certificates
 
     @property
     def id(self) -> str:
@@ -116,6 +123,7 @@ def key_for(identity: LaneIdentity) -> CertificateKey:
         runtime=runtime_versions(),
         os=os_name(),
         device=identity.device,
+        settings=identity.settings,
     )
 
 
@@ -152,13 +160,14 @@ def _shape_str(shape: object) -> str:
         return shape
     if isinstance(shape, dict):
         rows, seq = shape.get("rows"), shape.get("seq_len")
-        packed = "p" if shape.get("packed") else ""
-        segs = shape.get("max_segments")
-        return f"{rows}x{seq}{packed}" + (f"/{segs}" if packed and segs else "")
+        if not shape.get("packed"):
+            return f"{rows}x{seq}"
+        segs = shape.get("max_segments") or default_max_segments(int(seq or 0))
+        return f"{rows}x{seq}p/{segs}"
     return str(shape)
 
 
-def _canonical(value: object) -> str:
+def canonical_json(value: object) -> str:
     if not value:
         return ""
     return msgspec.json.encode(msgspec.to_builtins(value, order="sorted")).decode()

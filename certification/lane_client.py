@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from certification.identity import LaneIdentity
+from certification.identity import LaneIdentity, canonical_json
 from host.module import Module, served_key
 from host.tokenization import Tokenizer
 from ingest.owned import owned_dir
@@ -48,6 +48,7 @@ class LaneClient:
         self._tokenizer: Tokenizer | None = None
         self._shapes: list[dict] | None = None
         self._build_options: dict | None = None
+        self._extra: dict | None = None
         self._cache_root: str | None = None
 
     @property
@@ -77,6 +78,7 @@ class LaneClient:
         if shapes:
             extra["shapes"] = shapes
         self._shapes = shapes
+        self._extra = extra
         self._build_options = extra.get("build_options")
         self._cache_root = extra.get("cache_root")
         kwargs: dict[str, Any] = dict(self._kw)
@@ -132,7 +134,7 @@ class LaneClient:
 
     def identity(self) -> LaneIdentity:
         return lane_identity(self.module, self.model, self.lane, self._shapes,
-                             self._build_options)
+                             self._build_options, self._extra)
 
     async def placement_ops(self) -> dict[str, dict[str, float]] | None:
         """Per-op placement: from the lane's identity if it carries `placement_ops`, else the
@@ -157,20 +159,43 @@ def lane_identity(
     lane: str,
     shapes: list[dict] | None = None,
     build_options: dict | None = None,
+    runtime_config_extra: dict | None = None,
 ) -> LaneIdentity:
-    """The identity of a loaded lane. `shapes`/`build_options`: what LOAD was asked for,
-    used when `Module.lane_identity` does not report them itself."""
+    """The identity of a loaded lane. `shapes`/`build_options`/`runtime_config_extra`: what
+    LOAD was asked for, used when `Module.lane_identity` does not report them itself."""
+    settings = load_settings(lane, runtime_config_extra)
     if lane == "llama":
-        return llama_identity(module, model)
+        return llama_identity(module, model, settings)
     raw = dict(module.lane_identity(model, lane))
     if not raw.get("shapes"):
         raw["shapes"] = shapes or default_ane_shapes(module.store.get(model))
     if build_options and not raw.get("build_options"):
         raw["build_options"] = build_options
+    raw["settings"] = settings
     return LaneIdentity.from_mapping(model, lane, raw)
 
 
-def llama_identity(module: Module, model: str) -> LaneIdentity:
+# Keys of a LOAD's runtime_config that are in the identity by other fields, or that cannot
+# change a number (where files live, what the model is called).
+_NOT_SETTINGS = frozenset({"shapes", "build_options", "cache_root", "model_ref"})
+
+
+def load_settings(lane: str, runtime_config_extra: dict | None) -> dict:
+    """The runtime settings that can change a lane's numbers: everything LOAD was given beyond
+    the defaults (llama.cpp's flash_attn, n_seq_max...) and, for Core ML, the compute units
+    the worker will resolve (its environment override included)."""
+    settings = {k: v for k, v in (runtime_config_extra or {}).items() if k not in _NOT_SETTINGS}
+    if lane == "ane":
+        from workers.ane.config import AneRuntimeConfig, resolve_compute_units
+
+        units = settings.get("compute_units")
+        settings["compute_units"] = resolve_compute_units(
+            AneRuntimeConfig(compute_units=units if isinstance(units, str) else None)
+        )
+    return settings
+
+
+def llama_identity(module: Module, model: str, settings: dict | None = None) -> LaneIdentity:
     lane = module.lanes()[model]
     hello = lane.hello
     if hello is None:
@@ -190,6 +215,7 @@ def llama_identity(module: Module, model: str) -> LaneIdentity:
         engine_version=hello.engine.version,
         build_flags=hello.engine.build_flags,
         device=str(module.lane_identity(model, "llama").get("device") or ""),
+        settings=canonical_json(settings),
     )
 
 
@@ -198,8 +224,10 @@ def default_ane_shapes(record: ModelRecord) -> list[dict]:
     seq_len 0 stands for the model's max_seq_length, the store's max_tokens)."""
     from workers.ane.config import DEFAULT_SHAPES  # msgspec-only module: no coremltools
 
-    return [{"rows": rows, "seq_len": seq or record.manifest.max_tokens}
-            for rows, seq in DEFAULT_SHAPES]
+    man = record.manifest  # clamped to the model's positions, as the worker does
+    seqs = dict.fromkeys((rows, min(seq or man.max_tokens, man.max_tokens_limit))
+                         for rows, seq in DEFAULT_SHAPES)
+    return [{"rows": rows, "seq_len": seq} for rows, seq in seqs]
 
 
 def _accepts(fn: object, name: str) -> bool:

@@ -14,6 +14,7 @@ store is given.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from certification.certificate import Certificate
@@ -55,7 +56,10 @@ class CertificateLanePolicy:
         for cert in usable:  # newest first
             if not machine_differences(cert.key):
                 shapes = parse_shapes(",".join(cert.key.shapes))
-                extra = {"shapes": shapes} if shapes else {}
+                # Load it as it was certified: its shapes and its runtime settings.
+                extra = json.loads(cert.key.settings) if cert.key.settings else {}
+                if shapes:
+                    extra["shapes"] = shapes
                 return AneCandidate(cert.id, cert.created_at, extra)
         if usable:
             diffs = "; ".join(machine_differences(usable[0].key))
@@ -67,7 +71,7 @@ class CertificateLanePolicy:
     ) -> Certificate | None:
         extra = runtime_config_extra or {}
         identity = lane_identity(module, model, lane, extra.get("shapes"),
-                                 extra.get("build_options"))
+                                 extra.get("build_options"), extra)
         return check_certificate(self.store(module), identity, "strict")
 
 

@@ -41,8 +41,20 @@ def reference_dir_for(record: ModelRecord) -> Path:
 
 
 class Oracle:
-    def __init__(self, model_dir: str | Path, cache_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, cache_dir: str | Path | None = None, pooling: str = "mean"
+    ) -> None:
+        """`pooling`: how the lane pools (the artifact's manifest): the reference pools the
+        same way, or a CLS-pooled model is judged against mean pooling and a model converted
+        with the wrong pooling passes against it."""
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling {pooling!r}: the reference computes 'mean' or 'cls'")
         self.dir = Path(model_dir)
+        if not (self.dir / "model.safetensors").is_file() or not (
+            self.dir / "config.json"
+        ).is_file():
+            raise ValueError(f"reference dir {self.dir} lacks model.safetensors/config.json")
+        self.pooling = pooling
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._bert: BertReference | None = None
         h = hashlib.sha256()
@@ -82,9 +94,12 @@ class Oracle:
     # ---- forward --------------------------------------------------------------------------
 
     def embed(self, ids: Sequence[np.ndarray]) -> np.ndarray:
-        """Mean-pooled, L2-normalized fp32 embeddings of already-tokenized sequences."""
-        return self._cached("embed-mean-l2", ids, None,
-                            lambda: self.bert.embed(list(ids), pooling="mean", normalize=True))
+        """Pooled (the lane's pooling), L2-normalized fp32 embeddings of already-tokenized
+        sequences."""
+        return self._cached(
+            f"embed-{self.pooling}-l2", ids, None,
+            lambda: self.bert.embed(list(ids), pooling=self.pooling, normalize=True),
+        )
 
     def scores(self, ids: Sequence[np.ndarray], types: Sequence[np.ndarray]) -> np.ndarray:
         """Cross-encoder logits (one label) of composed pairs with their token types."""

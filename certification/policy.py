@@ -21,6 +21,7 @@ with `check_certificate` in strict mode; the Module applies strict/warn itself.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection
 
 import msgspec
@@ -85,7 +86,9 @@ def loosened(cert: Certificate) -> list[str]:
         base = getattr(table, name, None)
         if base is None:
             continue
-        if (name in _AT_LEAST and value < base) or (name in _AT_MOST and value > base):
+        if not math.isfinite(value) or (name in _AT_LEAST and value < base) or (
+            name in _AT_MOST and value > base
+        ):
             out.append(f"{name} {value:g} vs table {base:g}")
     return out
 

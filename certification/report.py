@@ -98,17 +98,21 @@ def _cosine_plot(cert: Certificate) -> str:
     m = cert.measurements
     if m.cosines:
         # 1 - cosine on a log scale: at 0.9999x a linear cosine axis shows nothing.
-        gaps = [math.log10(max(1.0 - c, 1e-12)) for c in m.cosines]
+        cosines, bad = _finite(m.cosines)
+        gaps = [math.log10(max(1.0 - c, 1e-12)) for c in cosines]
         limit = math.log10(max(1.0 - cert.thresholds.min_cosine, 1e-12))
         return svg.histogram(
-            "cosine", gaps, f"Per-item cosine vs the fp32 reference ({len(gaps)} items)",
+            "cosine", gaps,
+            f"Per-item cosine vs the fp32 reference ({len(gaps)} items{bad})",
             "log10(1 - cosine)   (left is better)", marker=limit,
             marker_label=f"min cosine {cert.thresholds.min_cosine:g}", y_label="items",
         )
-    errors = [math.log10(max(e, 1e-12)) for e in m.rerank_errors]
-    limit = math.log10(cert.thresholds.rerank_max_abs)
+    rerank, bad = _finite(m.rerank_errors)
+    errors = [math.log10(max(e, 1e-12)) for e in rerank]
+    limit = math.log10(max(cert.thresholds.rerank_max_abs, 1e-12))
     return svg.histogram(
-        "cosine", errors, f"Rerank |score error| vs the fp32 reference ({len(errors)} pairs)",
+        "cosine", errors,
+        f"Rerank |score error| vs the fp32 reference ({len(errors)} pairs{bad})",
         "log10 |lane - reference|", marker=limit,
         marker_label=f"max {cert.thresholds.rerank_max_abs:g}", y_label="pairs",
     )
@@ -150,3 +154,10 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.7g}"
     return str(value)
+
+
+def _finite(values: list[float | None]) -> tuple[list[float], str]:
+    """The plottable values, and a title note counting the others (NaN, read back as None)."""
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    left = len(values) - len(kept)
+    return kept, (f"; {left} not a number, failing" if left else "")

@@ -96,7 +96,8 @@ async def certify(
     )
     record = client.record
     ref_dir = options.reference_dir or str(reference_dir_for(record))
-    oracle = Oracle(ref_dir, store.root / "reference-cache")
+    oracle = Oracle(ref_dir, store.root / "reference-cache",
+                    pooling=record.manifest.pooling if record.kind == "embed" else "mean")
     tok = await client.tokenizer()
     texts = list(corpus())[:: options.sample_stride]
     measured = Measurements()

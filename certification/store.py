@@ -81,11 +81,16 @@ class CertificateStore:
         """Make `cert` its id's current record (see the rule in the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         dest = self.path(cert.id)
+        data = encode(cert)
+        try:  # a record that cannot be read back must not replace one that can
+            decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"certificate {cert.id} would not read back: {exc}") from None
         with FileLock(self.root / f".{cert.id}.lock"):
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(encode(cert))
+                    f.write(data)
                     f.flush()
                     full_fsync(f.fileno())
                 if dest.exists():

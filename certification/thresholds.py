@@ -14,6 +14,8 @@ weights cut to 4 mantissa bits: 0.978; a GGUF from 6-bit mantissas: 0.9988) fail
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -38,6 +40,8 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                              f"{', '.join(self.__struct_fields__)}")
         merged = msgspec.to_builtins(self)
         for name, value in overrides.items():
+            if not math.isfinite(float(value)):  # NaN passes no comparison: it would disable
+                raise ValueError(f"threshold {name!r}: {value!r} is not a finite number")
             if merged[name] is None:  # e.g. placement_share on the llama lane
                 raise ValueError(f"threshold {name!r} does not apply to this lane")
             if isinstance(merged[name], int) and not isinstance(merged[name], bool):

@@ -147,7 +147,8 @@ async def test_ane_lane_is_provisional_on_an_estimate(store_root, cert_store):
     assert placement.status == "provisional" and placement.value >= 0.9
     assert cert.status == "provisional" and cert.placement == "provisional"
     assert cert.key.engine == "coreml-ane" and cert.key.kernel_revision
-    assert cert.key.shapes == ("4x256p",)
+    assert cert.key.shapes == ("4x256p/16",)  # the segments the worker resolves
+    assert json.loads(cert.key.settings) == {"compute_units": "cpu_and_ne"}
 
 
 async def test_degraded_ane_graph_fails_quality(store_root, cert_store):

@@ -33,6 +33,14 @@ Backend = Literal["reference", "coreml"]
 ComputeUnits = Literal["cpu_and_ne", "cpu_only", "cpu_and_gpu", "all"]
 COMPUTE_UNITS: tuple[str, ...] = get_args(ComputeUnits)
 DEFAULT_COMPUTE_UNITS = "cpu_and_ne"
+MAX_SEGMENTS_DEFAULT_CAP = 64
+
+
+def default_max_segments(seq_len: int) -> int:
+    """A packed shape's segments when none are asked for: a few 16-token sentences per row,
+    the short-input case packing is for (also what certificates key an unnamed count by)."""
+    return min(MAX_SEGMENTS_DEFAULT_CAP, max(2, seq_len // 16))
+
 ENV_COMPUTE_UNITS = "SYNAPSE_COREML_COMPUTE_UNITS"
 
 

@@ -55,6 +55,7 @@ from workers.ane.compiler import CompiledShape, admit
 from workers.ane.config import (
     DEFAULT_SHAPES,
     AneRuntimeConfig,
+    default_max_segments,
     parse_runtime_config,
     resolve_compute_units,
 )
@@ -70,7 +71,6 @@ from workers.protocol import messages as m
 log = logging.getLogger("synapse.ane")
 
 ENGINE_NAME = "coreml-ane"
-MAX_SEGMENTS_DEFAULT_CAP = 64
 
 
 @dataclass
@@ -278,8 +278,7 @@ class AneEngine(Engine):
         if not packed and max_segments not in (None, 1):
             raise EngineError("invalid_request", "max_segments needs packed=true")
         if packed and max_segments is None:
-            # A few 16-token sentences per row by default: the short-input case packing is for.
-            max_segments = min(MAX_SEGMENTS_DEFAULT_CAP, max(2, seq_len // 16))
+            max_segments = default_max_segments(seq_len)
         over = []
         if rows > limits.max_rows:
             over.append(f"rows {rows} > max_rows {limits.max_rows}")
