@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from batch.errors import BatchUsageError
+from host.sanitize import is_utf8_encodable
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet",
            ".csv": "csv"}
@@ -148,7 +149,7 @@ def _row_from(line: int, text: object, rid: object, text_field: str, id_field: s
                    f"{id_field!r} is {type(rid).__name__}; ids are strings or integers")
     else:
         row_id = str(rid)
-        if not _encodable(row_id):
+        if not is_utf8_encodable(row_id):
             return Row(line, None, None, "invalid_id",
                        f"{id_field!r} is not valid Unicode (it holds a lone surrogate)")
     if text is _MISSING or text is None:
@@ -157,14 +158,6 @@ def _row_from(line: int, text: object, rid: object, text_field: str, id_field: s
         return Row(line, row_id, None, "not_a_string",
                    f"{text_field!r} is {type(text).__name__}, expected a string")
     return _check_text(line, row_id, text)
-
-
-def _encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_text(line: int, row_id: str, text: str) -> Row:

@@ -37,12 +37,12 @@ def sanitize(text: str | bytes) -> str:
         text = bytes(text).decode("utf-8", errors="replace")
     elif not isinstance(text, str):
         raise InvalidRequest(f"text must be a string, got {type(text).__name__}")
-    elif not _is_utf8_encodable(text):
+    elif not is_utf8_encodable(text):
         text = _fix_surrogates(text)
     return text.translate(_CONTROLS)
 
 
-def _is_utf8_encodable(text: str) -> bool:
+def is_utf8_encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
