@@ -222,12 +222,11 @@ def llama_identity(module: Module, model: str, settings: dict | None = None) -> 
 def default_ane_shapes(record: ModelRecord) -> list[dict]:
     """The shapes a Core ML LOAD admits when none are requested (the worker's defaults;
     seq_len 0 stands for the model's max_seq_length, the store's max_tokens)."""
-    from workers.ane.config import DEFAULT_SHAPES  # msgspec-only module: no coremltools
+    from workers.ane.config import default_shapes  # msgspec-only module: no coremltools
 
-    man = record.manifest  # clamped to the model's positions, as the worker does
-    seqs = dict.fromkeys((rows, min(seq or man.max_tokens, man.max_tokens_limit))
-                         for rows, seq in DEFAULT_SHAPES)
-    return [{"rows": rows, "seq_len": seq} for rows, seq in seqs]
+    man = record.manifest
+    return [{"rows": rows, "seq_len": seq}
+            for rows, seq in default_shapes(man.max_tokens, man.max_tokens_limit)]
 
 
 def _accepts(fn: object, name: str) -> bool:

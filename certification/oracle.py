@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from certification.reference.bert import BertReference
+from certification.reference.bert import POOLINGS, BertReference
 from host.tokenization import model_limits
 from ingest.errors import ArtifactInvalid
 from ingest.owned import hf_source_dir
@@ -35,9 +35,13 @@ def reference_dir_for(record: ModelRecord) -> Path:
         path = hf_source_dir(record)
     except ArtifactInvalid as exc:
         raise ValueError(f"{exc.msg}; pass --reference-dir") from None
+    _check_reference_dir(path)
+    return path
+
+
+def _check_reference_dir(path: Path) -> None:
     if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
         raise ValueError(f"reference dir {path} lacks model.safetensors/config.json")
-    return path
 
 
 class Oracle:
@@ -47,13 +51,10 @@ class Oracle:
         """`pooling`: how the lane pools (the artifact's manifest): the reference pools the
         same way, or a CLS-pooled model is judged against mean pooling and a model converted
         with the wrong pooling passes against it."""
-        if pooling not in ("mean", "cls"):
+        if pooling not in POOLINGS:  # refused before the run, not after the lane's half
             raise ValueError(f"pooling {pooling!r}: the reference computes 'mean' or 'cls'")
         self.dir = Path(model_dir)
-        if not (self.dir / "model.safetensors").is_file() or not (
-            self.dir / "config.json"
-        ).is_file():
-            raise ValueError(f"reference dir {self.dir} lacks model.safetensors/config.json")
+        _check_reference_dir(self.dir)  # --reference-dir too, not only the store's source
         self.pooling = pooling
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._bert: BertReference | None = None

@@ -248,9 +248,6 @@ class _Queue:
         except SynapseError as exc:
             _fail(batch, exc)
             return
-        except asyncio.CancelledError:
-            _fail(batch, LaneStopped("the server is shutting down"))
-            raise
         except Exception as exc:  # a bug must still answer every caller, typed
             log.exception("batch for %s failed", self.model)
             _fail(batch, SynapseError(f"internal error: {type(exc).__name__}: {exc}"))

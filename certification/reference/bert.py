@@ -131,6 +131,9 @@ def gelu(x: np.ndarray) -> np.ndarray:
 # -- model -----------------------------------------------------------------------------------
 
 
+POOLINGS = ("mean", "cls")  # what `embed` computes
+
+
 @dataclass(frozen=True)
 class BertConfig:
     hidden_size: int
@@ -263,7 +266,7 @@ class BertReference:
         normalize: bool = True,
     ) -> np.ndarray:
         """Pooled sentence embeddings, float32 (n, hidden). `pooling`: "mean" or "cls"."""
-        if pooling not in ("mean", "cls"):
+        if pooling not in POOLINGS:
             raise ValueError(f"pooling {pooling!r}: expected 'mean' or 'cls'")
         seqs = [self._check_ids(s) for s in sequences]
         out = np.zeros((len(seqs), self.config.hidden_size), dtype=np.float32)

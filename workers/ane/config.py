@@ -56,6 +56,15 @@ class ShapeSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((8, 128), (4, 0))
 
 
+def default_shapes(max_seq_length: int, max_positions: int) -> list[tuple[int, int]]:
+    """DEFAULT_SHAPES as (rows, seq_len) for one model: seq 0 is its `max_seq_length`, and
+    every seq_len is clamped to its positions (a small model still loads), duplicates that
+    the clamp makes dropped, order kept. The worker loads these; certificates key by them."""
+    return list(dict.fromkeys(
+        (rows, min(seq or max_seq_length, max_positions)) for rows, seq in DEFAULT_SHAPES
+    ))
+
+
 class AneRuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     model_ref: str | None = None
     backend: Backend | None = None

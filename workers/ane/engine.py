@@ -53,9 +53,9 @@ from workers.ane.backends import Backend, BackendUnavailable, default_backend, o
 from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import CompiledShape, admit
 from workers.ane.config import (
-    DEFAULT_SHAPES,
     AneRuntimeConfig,
     default_max_segments,
+    default_shapes,
     parse_runtime_config,
     resolve_compute_units,
 )
@@ -254,13 +254,9 @@ class AneEngine(Engine):
 
     def _initial_shapes(self, model: _Model) -> list[Shape]:
         if model.config.shapes is None:
-            # Clamped to the model's positions: a small model still loads with the defaults.
             cfg = model.manifest.config
-            shapes = dict.fromkeys(  # in order, without the duplicates clamping can make
-                (rows, min(s or cfg.max_seq_length, cfg.max_positions))
-                for rows, s in DEFAULT_SHAPES
-            )
-            return [self._shape(model, rows, s, False, None) for rows, s in shapes]
+            return [self._shape(model, rows, s, False, None)
+                    for rows, s in default_shapes(cfg.max_seq_length, cfg.max_positions)]
         return [self._shape(model, s.rows, s.seq_len, s.packed, s.max_segments)
                 for s in model.config.shapes]
 
