@@ -21,6 +21,25 @@ def short_runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """A temp dir for one module's shared artifacts, removed when the module ends: the suite
+    builds artifacts of 90-370 MB, and keeping every module's until the session ends needs GBs
+    of disk that a CI machine may not have."""
+    path = tmp_path_factory.mktemp("module")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def test_cross_encoder_dir(tmp_path_factory):
+    """The TEST cross-encoder (MiniLM + seeded head, seed 0), written once per session: for
+    numerical fidelity only, it ranks nothing."""
+    from certification.reference.cross_encoder import build_test_cross_encoder
+
+    return build_test_cross_encoder(tmp_path_factory.mktemp("xenc") / "test-xenc", seed=0)
+
+
 @pytest.fixture(scope="session")
 def synapse_cache_dir(tmp_path_factory):
     """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
@@ -51,7 +70,7 @@ def ray_session():
 # A test is marked `model` when it starts a model worker or builds/loads a real model, so
 # `pytest -m "not model"` (make test-fast) keeps protocol, supervision (with the faulty worker),
 # config, cache, layout and docs tests: the fast inner loop. `make test` runs everything.
-MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session"}
+MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_encoder_dir"}
 # Modules whose own fixtures build or load real models (no shared fixture to detect).
 MODEL_MODULES = {
     "test_ane_builder", "test_ane_compiler", "test_ane_compute_plan", "test_ane_coreml",

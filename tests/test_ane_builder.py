@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +16,11 @@ from workers.ane.builder import (
     LN_EPS_FLOOR,
     BuildOptions,
     build_program,
+    convert_and_save,
     truncate_mantissa,
 )
 from workers.ane.compiler import PACKAGE_NAME, AdmitTimings, cache_key, package_entry
-from workers.ane.ct_quiet import Program, types
+from workers.ane.ct_quiet import Function, Program, ct, mb, types
 from workers.ane.executor import load_package_program
 from workers.ane.shapes import Shape
 
@@ -148,6 +151,26 @@ def test_converted_package_is_static_and_keeps_the_form() -> None:
     assert {types.builtin_to_string(op.outputs[0].dtype) for op in convs} == {"fp16"}
     eps = {float(op.epsilon.val) for op in _ops(prog, "layer_norm")}
     assert eps == {float(np.float16(LN_EPS_FLOOR))}  # survived the fp16 cast, nonzero
+
+
+def test_conversion_writes_the_package_in_place_and_nothing_in_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # coremltools' default writes a temp package that only atexit removes: a worker the host
+    # SIGKILLs would leave one per build under /tmp.
+    tmp, build = tmp_path / "tmp", tmp_path / "build"
+    tmp.mkdir()
+    build.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with Function({"x": mb.placeholder(shape=(1, 4), dtype=types.fp32)},
+                  ct.target.macOS14) as func:
+        func.set_outputs([mb.relu(x=func.inputs["x"], name="y")])
+    prog = Program()
+    prog.add_function("main", func)
+    out = convert_and_save(prog, build)
+    assert out == build / "model.mlpackage"
+    assert (out / "Manifest.json").is_file()
+    assert list(tmp.iterdir()) == []
 
 
 def test_build_options_degrade_the_graph_on_purpose() -> None:

@@ -25,8 +25,8 @@ SHAPE = Shape(2, 16)
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("two-kinds")
+def cache_root(module_tmp) -> Path:
+    return module_tmp
 
 
 def _admit(root: Path, stages: list[str] | None = None, budget: int | None = None):

@@ -33,8 +33,8 @@ N_VOCAB = 30522
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("conv")
+def converted(module_tmp: Path) -> dict[str, Path]:
+    d = module_tmp
     out = {}
     for dtype in ("f32", "f16"):
         out[dtype] = d / f"minilm-{dtype}.gguf"
@@ -186,8 +186,8 @@ def test_converter_typed_errors(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
-    s = ArtifactStore(tmp_path_factory.mktemp("store") / "models")
+def store(module_tmp: Path) -> ArtifactStore:
+    s = ArtifactStore(module_tmp / "store" / "models")
     s.ingest_default()
     return s
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 
@@ -27,7 +28,9 @@ def runtime_dir():
     # Our workers' sockets live here, so psutil can find exactly our worker processes.
     path = tempfile.mkdtemp(prefix="synb-", dir="/tmp")
     yield path
-    assert not wait_gone(path, timeout_s=10), "a worker outlived its job"
+    left = wait_gone(path, timeout_s=10)
+    shutil.rmtree(path, ignore_errors=True)
+    assert not left, "a worker outlived its job"
 
 
 def test_bad_rows_are_recorded_and_the_output_reads_in_pyarrow_and_duckdb(

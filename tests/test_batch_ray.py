@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 
 import numpy as np
 import pytest
@@ -26,8 +25,8 @@ def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
 
 
 def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, tmp_path,
-                                                      monkeypatch):
-    runtime_dir = tempfile.mkdtemp(prefix="synr-", dir="/tmp")
+                                                      monkeypatch, short_runtime_dir):
+    runtime_dir = short_runtime_dir
     bad = ["not json", json.dumps({"id": "e", "text": ""})]
     write_jsonl(tmp_path / "c.jsonl", 90, seed=7, extra=bad)
     local = asyncio.run(run_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",

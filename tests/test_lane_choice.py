@@ -10,6 +10,8 @@ certificate's identity, quality checks and fingerprint stay the ones measured he
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import tempfile
 
 import msgspec
@@ -31,11 +33,16 @@ PACKED = [{"rows": 4, "seq_len": 256, "packed": True}]
 TEXTS = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stocks fell."]
 
 
-def module(store_root: str, policy=None) -> Module:
-    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+@contextlib.asynccontextmanager
+async def module(store_root: str, policy=None):
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")  # short: socket paths
     cfg = ModuleConfig(store_root=store_root,
                        host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
-    return Module(cfg, policy)
+    try:
+        async with Module(cfg, policy) as mod:
+            yield mod
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

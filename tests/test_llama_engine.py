@@ -22,7 +22,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from certification.reference.bert import BertReference
-from certification.reference.cross_encoder import build_test_cross_encoder
 from ingest import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks
@@ -53,10 +52,8 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
-    s = ArtifactStore(tmp_path_factory.mktemp("llama-store") / "models")
-    s.ingest_default()
-    return s
+def store(store_root: str) -> ArtifactStore:
+    return ArtifactStore(store_root)  # the session's installed defaults
 
 
 @pytest.fixture(scope="module")
@@ -470,9 +467,8 @@ def test_unload(engine, store) -> None:
 
 
 @pytest.fixture(scope="module")
-def cross_encoder(engine, tmp_path_factory) -> tuple[str, Path, Tokenizer]:
-    d = tmp_path_factory.mktemp("ce")
-    src = build_test_cross_encoder(d / "src", seed=0)
+def cross_encoder(engine, test_cross_encoder_dir, module_tmp) -> tuple[str, Path, Tokenizer]:
+    d, src = module_tmp, test_cross_encoder_dir
     convert_bert_dir(src, d / "ce.gguf", "f32")
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.no_padding()

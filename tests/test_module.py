@@ -227,11 +227,9 @@ async def test_deadline_on_module_calls(store_root, short_runtime_dir):
 
 
 @pytest.fixture(scope="session")
-def cross_encoder(store_root, tmp_path_factory) -> Path:
+def cross_encoder(store_root, test_cross_encoder_dir) -> Path:
     """The TEST cross-encoder (MiniLM + seeded head): numerical fidelity only, no relevance."""
-    from certification.reference.cross_encoder import build_test_cross_encoder
-
-    path = build_test_cross_encoder(tmp_path_factory.mktemp("xenc") / "test-xenc", seed=0)
+    path = test_cross_encoder_dir
     store = ArtifactStore(store_root)
     store.ingest_hf_dir(path, name="test-xenc-f16", dtype="f16")
     store.ingest_hf_dir(path, name="test-xenc-f32", dtype="f32")

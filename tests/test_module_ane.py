@@ -76,10 +76,8 @@ def _sample(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def cross_encoder_store(store_root, tmp_path_factory) -> Path:
-    from certification.reference.cross_encoder import build_test_cross_encoder
-
-    path = build_test_cross_encoder(tmp_path_factory.mktemp("xenc-ane") / "xenc", seed=0)
+def cross_encoder_store(store_root, test_cross_encoder_dir) -> Path:
+    path = test_cross_encoder_dir
     store = ArtifactStore(store_root)
     if "test-xenc-ane" not in {r.name for r in store.ls()}:
         store.ingest_hf_dir(path, name="test-xenc-ane", dtype="f32")

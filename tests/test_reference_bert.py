@@ -38,8 +38,8 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def cross_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_test_cross_encoder(tmp_path_factory.mktemp("ce"), seed=0)
+def cross_dir(test_cross_encoder_dir: Path) -> Path:
+    return test_cross_encoder_dir
 
 
 # -- erf / GELU --------------------------------------------------------------------------------

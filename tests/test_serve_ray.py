@@ -5,6 +5,7 @@ the driver that leaves no worker behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,8 +68,10 @@ def ray_serve(ray_session, store_root, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
+    left = wait_gone(runtime_dir, timeout_s=30)
+    shutil.rmtree(runtime_dir, ignore_errors=True)
     assert proc.returncode == 0 and "stopped; workers reaped" in out, out
-    assert not wait_gone(runtime_dir, timeout_s=30), "an engine worker outlived the shutdown"
+    assert not left, "an engine worker outlived the shutdown"
 
 
 def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker(ray_serve):

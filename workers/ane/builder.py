@@ -288,13 +288,16 @@ def convert_and_save(prog: Program, out_dir: str | os.PathLike[str]) -> Path:
     """Convert to an fp16 ML Program for macOS 14 and save `<out_dir>/model.mlpackage`."""
     out = Path(out_dir) / "model.mlpackage"
     with quiet_numpy_warnings():
-        model = ct.convert(
+        ct.convert(
             prog,
             convert_to="mlprogram",
             minimum_deployment_target=ct.target.macOS14,
             compute_precision=ct.precision.FLOAT16,
             # Linux cannot load the model; macOS loads it when the backend asks, not here.
             skip_model_load=True,
+            # Written in place. Without it coremltools writes a temp package under /tmp that only
+            # atexit removes: a long-lived worker kept one per build (44 MB for MiniLM), and a
+            # worker the host SIGKILLs left them behind for good.
+            package_dir=str(out),
         )
-    model.save(str(out))
     return out
