@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ import numpy as np
 
 from batch.checkpoint import Checkpoint
 from batch.embedder import LaneEmbedder
-from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
+from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted, StorageFull
 from batch.metadata import describe
 from batch.output import make_table, merge_parts, output_schema, publish_copy
 from batch.progress import JobProgress
@@ -32,6 +33,7 @@ from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
 from host.errors import SynapseError
 from host.module import Module, ModuleConfig
+from ingest.durable import ran_out_of_space
 
 log = logging.getLogger("synapse.batch")
 
@@ -103,7 +105,8 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
     t0 = loop.time()
     spec = validate(opts)
     output = Path(opts.output).absolute()
-    ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
+    with _full_disk_aborts(output.parent, "nothing was embedded: free some space and run again"):
+        ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
     base = opts.module or ModuleConfig()
     config = msgspec.structs.replace(base, planned_workers=opts.workers)
     modules = [Module(config) for _ in range(opts.workers)]
@@ -114,7 +117,8 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         ]
         await asyncio.gather(*(e.start() for e in embedders))
         meta = describe(embedders[0], opts.normalize)
-        ckpt.bind_artifact(meta["artifact_digest"])
+        with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
+            ckpt.bind_artifact(meta["artifact_digest"])
         if on_ready is not None:
             on_ready(embedders)
         start_line = ckpt.next_line
@@ -130,7 +134,8 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         await asyncio.gather(*(m.close() for m in modules), return_exceptions=True)
     _raise_if_over_max_errors(ckpt, opts)  # a resumed job whose last window broke it
     s = ckpt.state
-    errors_file = _publish(opts, ckpt, output, meta)
+    with _full_disk_aborts(output.parent, _resume_advice(ckpt)):
+        errors_file = _publish(opts, ckpt, output, meta)
     return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], loop.time() - t0, meta,
                       errors_file, start_line)
 
@@ -256,9 +261,29 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts) -> None:
     table = make_table([w.rows[i].id for i in keep], state.vectors[keep],
                        [len(w.ids[i]) for i in keep], [w.truncated[i] for i in keep], schema)
     tokens = sum(len(w.ids[i]) for i in keep)
-    ckpt.commit(table, errors, w.next_line, tokens)
+    with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
+        ckpt.commit(table, errors, w.next_line, tokens)
     progress.update(len(keep), tokens, len(errors))
     _raise_if_over_max_errors(ckpt, opts)
+
+
+@contextlib.contextmanager
+def _full_disk_aborts(where: Path, advice: str):
+    """A write under `where` that fails for want of space stops the job as `StorageFull`,
+    saying what to do; any other I/O failure stays what it is."""
+    try:
+        yield
+    except OSError as exc:
+        if not ran_out_of_space(exc, where):
+            raise
+        raise StorageFull(
+            f"no space left on the device of {where} ({exc.strerror or exc}); {advice}"
+        ) from exc
+
+
+def _resume_advice(ckpt: Checkpoint) -> str:
+    return (f"the checkpoint at {ckpt.root} keeps every committed row: free some space and "
+            f"rerun the same command with --resume")
 
 
 def _raise_if_over_max_errors(ckpt: Checkpoint, opts: JobOptions) -> None:

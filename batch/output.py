@@ -63,9 +63,13 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def write_part(path: Path, table: pa.Table) -> None:
     """One row group in its own file, published atomically (a checkpoint's unit)."""
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, row_group_size=max(1, table.num_rows))
-    fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp, row_group_size=max(1, table.num_rows))
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial part is no part (and a full disk wants it back)
+        raise
 
 
 def merge_parts(parts: list[Path], dest: Path, schema: pa.Schema) -> int:
@@ -92,10 +96,14 @@ def merge_parts(parts: list[Path], dest: Path, schema: pa.Schema) -> int:
 def publish_copy(src: Path, dest: Path) -> None:
     """Copy a finished side file (the errors) into place atomically."""
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        while chunk := fin.read(1 << 20):
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
-    os.replace(tmp, dest)
+    try:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while chunk := fin.read(1 << 20):
+                fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 

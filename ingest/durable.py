@@ -1,4 +1,8 @@
-"""Durable renames: a rename survives a power cut once the file and its directory are synced.
+"""Durable renames and full disks.
+
+A rename survives a power cut once the file and its directory are synced. A write that fails
+for want of space must be told apart from other I/O failures, so that the caller can say
+"free some space" rather than show a traceback.
 
 Shared by the artifact store and the batch job's output (the compile cache, which imports no
 other project package, has its own in compile_cache/fsutil.py).
@@ -7,8 +11,12 @@ other project package, has its own in compile_cache/fsutil.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from pathlib import Path
+
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def fsync_file(path: Path) -> None:
@@ -22,3 +30,23 @@ def fsync_file(path: Path) -> None:
 def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
         fsync_file(path)
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def ran_out_of_space(exc: BaseException, path: Path, need_bytes: int = 0) -> bool:
+    """Whether `exc`, raised while writing about `need_bytes` under `path`, means the disk was
+    full. ENOSPC and EDQUOT say so. A short write says nothing (numpy's `tofile` raises a bare
+    OSError "N requested and M written"), so then the free space decides: call this after the
+    partial files are removed, when what is free is what the write had."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in _FULL:
+        return True
+    return exc.errno is None and need_bytes > 0 and free_bytes(path) < need_bytes

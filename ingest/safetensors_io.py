@@ -27,6 +27,19 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one file as numpy arrays (float ones as f32/f16, BF16 widened to f32)."""
+    mm, entries = _entries(path)
+    out: dict[str, np.ndarray] = {}
+    for name, (kind, shape, begin, end) in entries.items():
+        arr = mm[begin:end].view(_DTYPES[kind]).reshape(shape)
+        if kind == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        out[name] = arr
+    return out
+
+
+def _entries(path: Path) -> tuple[np.memmap, dict[str, tuple[str, list[int], int, int]]]:
+    """The file's map and its tensors' (dtype, shape, begin, end), offsets into the map,
+    checked against the file; no tensor data is read."""
     try:
         mm = np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, ValueError) as e:
@@ -43,7 +56,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     if not isinstance(header, dict):
         raise ArtifactInvalid(f"{path}: header is not an object")
     base = 8 + hlen
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple[str, list[int], int, int]] = {}
     for name, spec in header.items():
         if name == "__metadata__":
             continue
@@ -56,28 +69,36 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         nbytes = math.prod(shape) * dt.itemsize
         if begin < 0 or end - begin != nbytes or base + end > mm.size:
             raise ArtifactInvalid(f"{path}: tensor {name!r} data out of bounds")
-        arr = mm[base + begin : base + end].view(dt).reshape(shape)
-        if spec["dtype"] == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        out[name] = arr
-    return out
+        out[name] = (spec["dtype"], shape, base + begin, base + end)
+    return mm, out
+
+
+def weight_elements(model_dir: Path) -> int:
+    """How many weight elements `model_dir`'s safetensors hold, from their headers alone (no
+    tensor data read): what sizes a conversion before it writes anything."""
+    return sum(math.prod(shape) for path in _weight_files(model_dir)
+               for _kind, shape, _b, _e in _entries(path)[1].values())
 
 
 def read_model_weights(model_dir: Path) -> dict[str, np.ndarray]:
     """model.safetensors, or the shards listed by model.safetensors.index.json."""
+    out: dict[str, np.ndarray] = {}
+    for path in _weight_files(model_dir):
+        out.update(read_safetensors(path))
+    return out
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return read_safetensors(single)
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, KeyError, json.JSONDecodeError) as e:
             raise ArtifactInvalid(f"{index}: {e}") from e
-        out: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            out.update(read_safetensors(model_dir / shard))
-        return out
+        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
     raise ArtifactInvalid(
         f"{model_dir} has no model.safetensors (pytorch .bin checkpoints are not read: no torch)"
     )

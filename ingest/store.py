@@ -19,17 +19,23 @@ second name for the same bytes (hard links: no second conversion, no extra disk)
 
 Mutations hold a file lock on `<root>/.lock` so two processes ingesting the defaults at once
 do the work once.
+
+A build the disk cannot hold is refused before it writes (`StorageFull`, with what it needs
+and what is free); one that fills the disk midway (another writer took the space) is a
+`StorageFull` too, and its staging dir is gone either way: a full disk costs the store
+nothing it had.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -43,19 +49,23 @@ from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 from ingest import gemma
 from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from ingest.digest import read_digest_file, sha256_file, write_digest_file
-from ingest.durable import fsync_dir, fsync_file
+from ingest.durable import free_bytes, fsync_dir, fsync_file, mib, ran_out_of_space
 from ingest.errors import (
     ArtifactExists,
     ArtifactInvalid,
     ArtifactNotFound,
     InvalidRequest,
+    StorageFull,
 )
 from ingest.precision import embed_precision
+from ingest.safetensors_io import weight_elements
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+# What a GGUF holds beside its tensors (metadata, vocabulary), over-estimated for BERTs.
+GGUF_OVERHEAD_BYTES = 4 << 20
 
 DEFAULT_EMBED = "minilm-l6-v2"
 DEFAULT_EMBED_F16 = "minilm-l6-v2-f16"
@@ -323,8 +333,33 @@ class ArtifactStore:
                 for leftover in entry.glob("*.tmp"):
                     leftover.unlink(missing_ok=True)
 
-    def _staging(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+    @contextlib.contextmanager
+    def _staging(self, name: str, need_bytes: int) -> Iterator[Path]:
+        """A staging dir for one build of `name`, removed unless the build published it.
+
+        `need_bytes` is what the build will write (0: unknown, or nothing new). A disk with
+        less free is refused before anything is written; a build that runs out of space
+        anyway is a `StorageFull` once its partial files are gone."""
+        free = free_bytes(self.root)
+        if need_bytes > free:
+            raise StorageFull(
+                f"{name!r} needs about {mib(need_bytes)} under {self.root}, and "
+                f"{mib(free)} are free; free some space and ingest again"
+            )
+        staging = None
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+            yield staging
+        except BaseException as exc:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            if ran_out_of_space(exc, self.root, need_bytes):
+                raise StorageFull(
+                    f"the disk under {self.root} filled up while building {name!r} "
+                    f"({getattr(exc, 'strerror', None) or exc}); nothing of it was kept, "
+                    f"{mib(free_bytes(self.root))} are free: free some space and ingest again"
+                ) from exc
+            raise
 
     def _publish(self, staging: Path, manifest: Manifest) -> ModelRecord:
         _write_manifest(staging, manifest)
@@ -338,8 +373,9 @@ class ArtifactStore:
 
     def _publish_second_name(self, rec: ModelRecord, name: str) -> ModelRecord:
         """Publish `rec`'s files under `name` too: hard links, a copy where links fail."""
-        staging = self._staging()
-        try:
+        # Hard links need no space; a copy (no links on this filesystem) that does not fit
+        # still fails as StorageFull.
+        with self._staging(name, 0) as staging:
             files = [ARTIFACT_FILE, ARTIFACT_FILE + ".sha256"]
             files += [rec.manifest.tokenizer] if rec.manifest.tokenizer else []
             for f in files:
@@ -349,9 +385,6 @@ class ArtifactStore:
                     shutil.copy2(rec.dir / f, staging / f)
             manifest = msgspec.structs.replace(rec.manifest, name=name, created_at=_now())
             return self._publish(staging, manifest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
 
     def _build_hf(
         self,
@@ -362,8 +395,7 @@ class ArtifactStore:
         source: str,
         model_name: str | None = None,
     ) -> ModelRecord:
-        staging = self._staging()
-        try:
+        with self._staging(name, _hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
             info = convert_bert_dir(path, artifact, dtype, pooling=pooling,
                                     name=model_name or name)
@@ -395,13 +427,9 @@ class ArtifactStore:
                 n_labels=info.n_labels or None,
             )
             return self._publish(staging, manifest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
 
     def _build_gemma(self, name: str, tokenizer_builder: TokenizerBuilder | None) -> ModelRecord:
-        staging = self._staging()
-        try:
+        with self._staging(name, gemma.assembled_size()) as staging:
             artifact = staging / ARTIFACT_FILE
             digest = gemma.assemble_gemma(artifact)
             write_digest_file(artifact, digest)
@@ -430,9 +458,6 @@ class ArtifactStore:
                 max_new_tokens=GEMMA_MAX_NEW_TOKENS,
             )
             return self._publish(staging, manifest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
 
     def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
@@ -442,6 +467,18 @@ class ArtifactStore:
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         _write_manifest(rec.dir, manifest)
         return ModelRecord(manifest=manifest, dir=rec.dir)
+
+
+def _hf_build_bytes(model_dir: Path, dtype: Dtype) -> int:
+    """About what converting `model_dir` at `dtype` writes (0 when its weights cannot be read:
+    the conversion then says why)."""
+    try:
+        elements = weight_elements(model_dir)
+    except ArtifactInvalid:
+        return 0
+    tokenizer = model_dir / "tokenizer.json"
+    tok_bytes = tokenizer.stat().st_size if tokenizer.is_file() else 0
+    return elements * (2 if dtype == "f16" else 4) + tok_bytes + GGUF_OVERHEAD_BYTES
 
 
 def _check_name(name: str) -> None:

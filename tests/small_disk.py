@@ -1,0 +1,51 @@
+"""A real small filesystem for disk-full tests.
+
+A tmpfs of a chosen size is mounted over a directory inside a private user + mount namespace
+(`unshare --user --map-root-user --mount`): no root needed, nothing outside the namespace sees
+it, and it goes away with the command. Writes past its size fail as on a full disk (ENOSPC).
+Linux only; where namespaces or mounts are not allowed, tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why a small disk cannot be had here, or None."""
+    if sys.platform != "linux":
+        return "needs Linux mount namespaces (unshare) for a small real filesystem"
+    if shutil.which("unshare") is None:
+        return "needs util-linux's unshare for a small real filesystem"
+    with tempfile.TemporaryDirectory() as d:
+        probe = run_on_small_disk(Path(d), "1M", "touch \"$DISK/x\"", timeout=30)
+    if probe.returncode != 0:
+        return f"cannot mount a private tmpfs here: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+def run_on_small_disk(
+    mount_point: Path, size: str, script: str, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run the bash `script` with a `size` tmpfs mounted on `mount_point` (as `$DISK`) and the
+    project's interpreter as `$PY`. The script may `remount SIZE` to grow or shrink it."""
+    prelude = (
+        f"set -e\nexport DISK={shlex.quote(str(mount_point))} PY={shlex.quote(sys.executable)}\n"
+        'remount() { mount -o "remount,size=$1" tmpfs "$DISK"; }\n'
+        f'mount -t tmpfs -o size={shlex.quote(size)} tmpfs "$DISK"\n'
+    )
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", prelude + script],
+        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )

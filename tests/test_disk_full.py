@@ -1,0 +1,235 @@
+"""Full disks, for real: a tmpfs of a few MB (tests/small_disk.py) under the artifact store and
+under a batch job's output.
+
+The rule under test: a write that does not fit is a typed `storage_full` error that says what
+to free, nothing the store or the checkpoint had is lost or corrupted, nothing partial is left
+taking space, and once space is freed the same command completes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import small_disk
+from tests.batch_support import batch_cli, read_output, write_jsonl
+
+pytestmark = pytest.mark.skipif(small_disk.unavailable() is not None,
+                                reason=str(small_disk.unavailable()))
+
+
+@pytest.fixture
+def disk():
+    """An empty mount point, short and outside pytest's tmp dirs (the tmpfs hides it)."""
+    with tempfile.TemporaryDirectory(prefix="disk-", dir="/tmp") as d:
+        yield Path(d)
+
+
+def _python(disk: Path, size: str, code: str, env: dict | None = None) -> dict:
+    """Run `code` on a `size` disk at `disk`; it prints one JSON object, returned."""
+    proc = small_disk.run_on_small_disk(disk, size, f"$PY - <<'PY'\n{code}\nPY\n", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_STORE_STATE = '''
+def state(store):
+    names = [r.name for r in store.ls()]
+    return {"ls": names, "entries": sorted(os.listdir(store.root)),
+            "verified": [store.verify(n).name for n in names]}
+'''
+
+
+def test_a_build_the_disk_cannot_hold_is_refused_before_it_writes(disk):
+    # 100 MB: the f16 MiniLM (~45 MB) fits, the f32 one (~87 MB) then does not.
+    out = _python(disk, "100M", f'''
+import json, os
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+{_STORE_STATE}
+store = ArtifactStore(os.environ["DISK"] + "/models")
+try:
+    store.ingest_default()
+    err = None
+except StorageFull as e:
+    err = {{"code": e.code, "msg": e.msg}}
+print(json.dumps({{"err": err, "free": __import__("shutil").disk_usage(store.root).free,
+                  **state(store)}}))
+''')
+    assert out["err"]["code"] == "storage_full"
+    assert "'minilm-l6-v2-f32' needs about 9" in out["err"]["msg"]
+    assert "MiB are free; free some space and ingest again" in out["err"]["msg"]
+    # What was published stays whole and verifiable; the refused build wrote nothing.
+    assert out["ls"] == out["verified"] == ["minilm-l6-v2-f16"]
+    assert out["entries"] == [".lock", "minilm-l6-v2-f16"]
+    assert out["free"] > 50 * 2**20
+
+
+def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_recovers(disk):
+    # Another writer takes the space once the build has started: the conversion's write then
+    # fails midway (numpy's short write carries no errno; the free space decides).
+    out = _python(disk, "100M", f'''
+import json, os, threading, time
+from pathlib import Path
+from certification.reference.cross_encoder import minilm_dir
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+{_STORE_STATE}
+store = ArtifactStore(os.environ["DISK"] + "/models")
+filler = os.environ["DISK"] + "/filler"
+
+def take_the_space():
+    while not any(p.name.startswith(".tmp-") for p in store.root.iterdir()):
+        time.sleep(0.001)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\\0" * (1 << 20))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+thread = threading.Thread(target=take_the_space)
+thread.start()
+try:
+    store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+    err = None
+except StorageFull as e:
+    err = {{"code": e.code, "msg": e.msg, "cause": repr(e.__cause__)}}
+thread.join()
+full = state(store)
+os.remove(filler)
+store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
+''')
+    assert out["err"] is not None, "the build fitted before the other writer took the space"
+    assert out["err"]["code"] == "storage_full", out["err"]
+    assert "filled up while building 'mini'" in out["err"]["msg"]
+    assert "nothing of it was kept" in out["err"]["msg"]
+    assert out["full"] == {"ls": [], "entries": [".lock"], "verified": []}
+    assert out["after"]["ls"] == out["after"]["verified"] == ["mini"]
+    assert out["after"]["entries"] == [".lock", "mini"]
+
+
+def test_a_short_write_without_errno_is_a_full_disk_only_when_space_is_short(disk):
+    # numpy's tofile (the GGUF writer's tensor writes) reports a full disk as a bare OSError
+    # "N requested and M written": no errno, so the free space has to decide.
+    out = _python(disk, "1M", """
+import errno, json, os
+from pathlib import Path
+import numpy as np
+from ingest.durable import ran_out_of_space
+d = Path(os.environ["DISK"])
+try:
+    with open(d / "big", "wb") as f:
+        np.zeros(1 << 20, np.float32).tofile(f)  # 4 MB onto 1 MB
+    exc = None
+except OSError as e:
+    exc = e
+(d / "big").unlink()
+print(json.dumps({"errno": exc.errno, "short": ran_out_of_space(exc, d, 4 << 20),
+                  "unknown_need": ran_out_of_space(exc, d, 0),
+                  "fits": ran_out_of_space(exc, d, 1024),
+                  "not_space": ran_out_of_space(PermissionError(errno.EACCES, "no"), d, 4 << 20),
+                  "enospc": ran_out_of_space(OSError(errno.ENOSPC, "full"), d)}))
+""")
+    assert out == {"errno": None, "short": True, "unknown_need": False, "fits": False,
+                   "not_space": False, "enospc": True}
+
+
+def test_a_core_ml_shape_that_does_not_fit_leaves_the_compile_cache_as_it_was(disk):
+    out = _python(disk, "30M", """
+import json, os
+from compile_cache import CompileCache
+from compile_cache.errors import BuildFailed
+from tests import test_ane_helpers as h
+from workers.ane.backends import ReferenceBackend
+from workers.ane.builder import BuildOptions
+from workers.ane.compiler import admit
+from workers.ane.shapes import Shape
+root = os.environ["DISK"] + "/cc"
+try:
+    with CompileCache(root) as cache:
+        admit(cache, h.minilm(), Shape(4, 64), ReferenceBackend(), BuildOptions(), None)
+    err = None
+except BuildFailed as e:
+    err = {"code": e.code, "msg": str(e)}
+with CompileCache(root) as cache:
+    entries = len(cache.ls())
+print(json.dumps({"err": err, "entries": entries, "objects": os.listdir(root + "/objects"),
+                  "tmp": os.listdir(root + "/tmp")}))
+""")
+    assert out["err"] is not None and out["err"]["code"] == "build_failed", out
+    assert out["entries"] == 0 and out["objects"] == [] and out["tmp"] == []
+
+
+def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
+    proc = small_disk.run_on_small_disk(
+        disk, "20M",
+        'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
+        'MODEL=$("$PY" -c "from certification.reference.cross_encoder import minilm_dir; '
+        'print(minilm_dir())")\n'
+        '"$PY" -m cli.main models ingest "$MODEL" --name mini --dtype f16 || echo "rc=$?"\n'
+        'ls -A "$SYNAPSE_CACHE_DIR/models"\n',
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rc=2" in proc.stdout
+    assert proc.stderr.startswith("error[storage_full]: 'mini' needs about 4"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.split("rc=2", 1)[1].split() == [".lock"]
+
+
+def test_a_batch_job_that_fills_its_disk_resumes_to_the_same_output(
+    disk, synapse_cache_dir, tmp_path
+):
+    # 700 rows in windows of 128: each part is ~200 KB, so a 512 KB disk takes two commits.
+    ids = write_jsonl(tmp_path / "in.jsonl", 700, seed=3)
+    reference = tmp_path / "reference.parquet"
+    done = batch_cli(synapse_cache_dir, str(tmp_path / "in.jsonl"), "-o", str(reference),
+                     "--window-rows", "128")
+    assert done.returncode == 0, done.stderr
+
+    job = f'"$PY" -m cli.main batch embed {tmp_path / "in.jsonl"} -o "$DISK/out.parquet" ' \
+          '--window-rows 128'
+    proc = small_disk.run_on_small_disk(
+        disk, "512K",
+        f'{job} 2>{tmp_path / "first.err"} || echo "first rc=$?"\n'
+        'echo "left: $(ls -A "$DISK/out.parquet.partial" | tr "\\n" " ")"\n'
+        'echo "state: $(cat "$DISK/out.parquet.partial/state.json")"\n'
+        'remount 8M\n'
+        f'{job} --resume >/dev/null || echo "second rc=$?"\n'
+        'echo "after: $(ls -A "$DISK" | tr "\\n" " ")"\n'
+        f'cp "$DISK/out.parquet" {tmp_path / "resumed.parquet"}\n',
+        env={"SYNAPSE_CACHE_DIR": str(synapse_cache_dir)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    first_err = (tmp_path / "first.err").read_text()
+    assert "first rc=1" in proc.stdout, (proc.stdout, first_err)
+    assert first_err.startswith("synapse batch: aborted: no space left on the device of "), \
+        first_err
+    assert "keeps every committed row" in first_err and "--resume" in first_err
+    assert "Traceback" not in first_err
+    assert "second rc" not in proc.stdout, proc.stdout
+
+    # The first run stopped at a commit boundary: only whole parts, no partial file.
+    state = json.loads(lines["state"])
+    assert state["parts"] >= 1 and state["rows"] == 128 * state["parts"] < len(ids)
+    assert sorted(lines["left"].split()) == sorted(
+        ["errors.jsonl", "state.json"] + [f"part-{i:06d}.parquet" for i in range(state["parts"])]
+    )
+    # The resumed run published the whole output and cleared its checkpoint.
+    assert lines["after"].split() == ["out.parquet"]
+    table, got_ids = read_output(tmp_path / "resumed.parquet")
+    ref_table, ref_ids = read_output(reference)
+    assert got_ids == ref_ids == ids
+    np.testing.assert_array_equal(_vectors(table), _vectors(ref_table))
+
+
+def _vectors(table) -> np.ndarray:
+    return np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
