@@ -9,7 +9,8 @@ to a temp file, the current one is hard-linked into history (it stays in place),
 does one rename replace it. A reader sees the old record or the new one, never none; a crash
 at any point leaves the old record current. Saves of one id are serialized by a file lock
 (two processes re-certifying at once), and history names carry a unique suffix, so records
-created within the same second never overwrite each other.
+created within the same second never overwrite each other. A save the disk cannot hold is a
+`CertificateStoreFull`, and the old record stays current.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from filelock import FileLock
 
 from certification.certificate import Certificate, decode, encode
 from compile_cache.fsutil import fsync_dir, full_fsync
+from host.errors import SynapseError
+from ingest.durable import ran_out_of_space
+
+
+class CertificateStoreFull(SynapseError):
+    """No space to save a certificate; the id's previous record (if any) stays current."""
+
+    code = "storage_full"
+    http_status = 507
 
 
 def default_root() -> Path:
@@ -86,7 +96,20 @@ class CertificateStore:
             decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"certificate {cert.id} would not read back: {exc}") from None
-        with FileLock(self.root / f".{cert.id}.lock"):
+        try:
+            self._replace(dest, cert.id, data)
+        except OSError as exc:
+            if not ran_out_of_space(exc, self.root, len(data)):
+                raise
+            raise CertificateStoreFull(
+                f"cannot save certificate {cert.id} under {self.root}: "
+                f"{exc.strerror or exc}; the previous record is unchanged. Free some space "
+                f"and certify again"
+            ) from exc
+        return dest
+
+    def _replace(self, dest: Path, cert_id: str, data: bytes) -> None:
+        with FileLock(self.root / f".{cert_id}.lock"):
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -94,7 +117,7 @@ class CertificateStore:
                     f.flush()
                     full_fsync(f.fileno())
                 if dest.exists():
-                    hist = self.root / "history" / cert.id
+                    hist = self.root / "history" / cert_id
                     hist.mkdir(parents=True, exist_ok=True)
                     kept = hist / f"{_stamp(dest)}-{uuid.uuid4().hex[:8]}.json"
                     try:
@@ -107,7 +130,6 @@ class CertificateStore:
                 Path(tmp).unlink(missing_ok=True)
                 raise
             fsync_dir(self.root)
-        return dest
 
     def _files(self) -> list[Path]:
         if not self.root.is_dir():

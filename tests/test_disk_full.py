@@ -168,6 +168,42 @@ print(json.dumps({"err": err, "entries": entries, "objects": os.listdir(root + "
     assert out["entries"] == 0 and out["objects"] == [] and out["tmp"] == []
 
 
+def test_a_certificate_that_does_not_fit_leaves_the_previous_record_current(disk):
+    out = _python(disk, "1M", """
+import json, os
+from pathlib import Path
+from certification.store import CertificateStore, CertificateStoreFull
+from tests.test_certification_store import make_cert
+store = CertificateStore(os.environ["DISK"] + "/certs")
+old, new = make_cert("2026-01-01T00:00:01Z"), make_cert("2026-01-01T00:00:02Z", "failed")
+store.save(old)
+filler = Path(os.environ["DISK"]) / "filler"
+fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, b"\\0" * 4096)
+except OSError:
+    os.close(fd)
+try:
+    store.save(new)
+    err = None
+except CertificateStoreFull as e:
+    err = {"code": e.code, "msg": e.message}
+current = store.get(old.id)
+leftovers = sorted(p.name for p in store.root.iterdir() if p.name.startswith(".tmp-"))
+filler.unlink()
+store.save(new)
+print(json.dumps({"err": err, "current": [current.created_at, current.status],
+                  "leftovers": leftovers, "after": store.get(old.id).status,
+                  "history": len(list((store.root / "history" / old.id).iterdir()))}))
+""")
+    assert out["err"]["code"] == "storage_full", out
+    assert "the previous record is unchanged" in out["err"]["msg"]
+    assert out["current"] == ["2026-01-01T00:00:01Z", "certified"]
+    assert out["leftovers"] == []
+    assert out["after"] == "failed" and out["history"] == 1
+
+
 def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
     proc = small_disk.run_on_small_disk(
         disk, "20M",
