@@ -269,3 +269,21 @@ def test_a_batch_job_that_fills_its_disk_resumes_to_the_same_output(
 
 def _vectors(table) -> np.ndarray:
     return np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+
+
+def test_serve_on_a_full_disk_says_why_it_cannot_start(disk):
+    proc = small_disk.run_on_small_disk(
+        disk, "20M",
+        'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
+        'printf \'port = 0\\n\' > "$DISK/serve.toml"\n'
+        '"$PY" -m cli.main serve --config "$DISK/serve.toml" || echo "rc=$?"\n'
+        'ls -A "$SYNAPSE_CACHE_DIR/models"\n',
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "listening" not in proc.stdout and "rc=2" in proc.stdout
+    assert proc.stderr.startswith(
+        "synapse serve: cannot install the default models: error[storage_full]: "
+        "'minilm-l6-v2-f16' needs about 4"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.split()[-1] == ".lock"
