@@ -27,15 +27,12 @@ from filelock import FileLock
 
 from certification.certificate import Certificate, decode, encode
 from compile_cache.fsutil import fsync_dir, full_fsync
-from host.errors import SynapseError
+from host.errors import StorageFull
 from ingest.durable import ran_out_of_space
 
 
-class CertificateStoreFull(SynapseError):
+class CertificateStoreFull(StorageFull):
     """No space to save a certificate; the id's previous record (if any) stays current."""
-
-    code = "storage_full"
-    http_status = 507
 
 
 def default_root() -> Path:

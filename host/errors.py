@@ -38,6 +38,14 @@ class ConfigInvalid(SynapseError):
     http_status = 500
 
 
+class StorageFull(SynapseError):
+    """Something had to be written (a lane's model build, a certificate) and the disk could
+    not hold it; what was written before is intact. Free space and retry."""
+
+    code = "storage_full"
+    http_status = 507
+
+
 class CertificateRequired(SynapseError):
     """`require_certificate="strict"`: the lane has no certified certificate for its exact
     identity. Raised by the lane policy (certification implements it); defined here so the

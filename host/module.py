@@ -34,6 +34,7 @@ from host.errors import (
     ConfigInvalid,
     InvalidRequest,
     ModelNotFound,
+    StorageFull,
     SynapseError,
 )
 from host.lane import Lane, LaneState
@@ -48,6 +49,7 @@ from host.lane_policy import (
 from host.permits import DevicePermits
 from host.tokenization import Tokenizer
 from ingest.errors import ArtifactError, ArtifactNotFound
+from ingest.errors import StorageFull as StoreFull
 from ingest.owned import ensure_owned
 from ingest.store import ArtifactStore, ModelRecord
 from workers.protocol import messages as m
@@ -203,6 +205,8 @@ class Module:
                     artifact, fmt = str(owned), "coreml-owned"
             except ArtifactNotFound as exc:
                 raise ModelNotFound(exc.msg, model=name) from None
+            except StoreFull as exc:
+                raise StorageFull(exc.msg, model=name) from None
             except ArtifactError as exc:
                 raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
             tokenizer = self._tokenizer(record)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ingest.errors import ArtifactInvalid
-from ingest.store import ArtifactStore, ModelRecord
+from ingest.durable import free_bytes, mib
+from ingest.errors import ArtifactInvalid, StorageFull
+from ingest.store import ArtifactStore, ModelRecord, hf_build_bytes
 
 _INGEST = (
     "import sys; from workers.ane.manifest import ingest_owned; "
@@ -50,11 +51,26 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
     # and finds the manifest (without the lock, its publish could lose the race and fail).
     with FileLock(str(out.parent / f".{out.name}.lock")):
         if not manifest.is_file():
+            src = hf_source_dir(record)
+            need = hf_build_bytes(src, "f32")  # owned weights are f32, beside the tokenizer
+            if need > free_bytes(out.parent):
+                raise StorageFull(
+                    f"the Core ML build of {record.name!r} needs about {mib(need)} under "
+                    f"{out.parent}, and {mib(free_bytes(out.parent))} are free; free some "
+                    f"space and load it again"
+                )
             proc = subprocess.run(
-                [sys.executable, "-c", _INGEST, str(hf_source_dir(record)), str(out)],
+                [sys.executable, "-c", _INGEST, str(src), str(out)],
                 capture_output=True, text=True, timeout=600,
             )
             if proc.returncode != 0:
+                # The ingest removed its temp dir: what is free now is what it had.
+                if free_bytes(out.parent) < need:
+                    raise StorageFull(
+                        f"the disk under {out.parent} filled up during the Core ML build of "
+                        f"{record.name!r}; nothing of it was kept, {mib(free_bytes(out.parent))}"
+                        f" are free: free some space and load it again"
+                    )
                 raise ArtifactInvalid(
                     f"{record.name}: Core ML ingest failed: {proc.stderr[-800:]}"
                 )

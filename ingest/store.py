@@ -395,7 +395,7 @@ class ArtifactStore:
         source: str,
         model_name: str | None = None,
     ) -> ModelRecord:
-        with self._staging(name, _hf_build_bytes(path, dtype)) as staging:
+        with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
             info = convert_bert_dir(path, artifact, dtype, pooling=pooling,
                                     name=model_name or name)
@@ -469,7 +469,7 @@ class ArtifactStore:
         return ModelRecord(manifest=manifest, dir=rec.dir)
 
 
-def _hf_build_bytes(model_dir: Path, dtype: Dtype) -> int:
+def hf_build_bytes(model_dir: Path, dtype: Dtype) -> int:
     """About what converting `model_dir` at `dtype` writes (0 when its weights cannot be read:
     the conversion then says why)."""
     try:

@@ -37,7 +37,7 @@ _STATUS_TEXT = {
     429: "Overloaded: retry after Retry-After seconds",
     503: "A lane is down, restarting, quarantined, or the server is draining",
     504: "No result within the request timeout",
-    507: "The engine ran out of memory",
+    507: "The engine ran out of memory, or a model build out of disk space",
 }
 _OK_TEXT = {503: "Not every lane serves (the same body, with each lane's state)"}
 _INFERENCE_ERRORS = (400, 404, 408, 413, 422, 429, 503, 504, 507)

@@ -204,6 +204,86 @@ print(json.dumps({"err": err, "current": [current.created_at, current.status],
     assert out["after"] == "failed" and out["history"] == 1
 
 
+def test_a_core_ml_lane_whose_model_build_does_not_fit_is_storage_full(disk):
+    # The store holds the f16 MiniLM (~45 MB) on 100 MB; the Core ML lane's owned build
+    # (f32 weights, ~88 MB) then does not fit, and the load says so with its own code.
+    out = _python(disk, "100M", """
+import asyncio, json, os
+from certification.reference.cross_encoder import minilm_dir
+from host.config import HostConfig
+from host.errors import StorageFull
+from host.module import Module, ModuleConfig
+from ingest import ArtifactStore
+d = os.environ["DISK"]
+ArtifactStore(d + "/models").ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+
+async def go():
+    config = ModuleConfig(store_root=d + "/models", host=HostConfig(runtime_dir=d + "/rt"))
+    async with Module(config) as mod:
+        try:
+            await mod.load("mini", lane="ane")
+            return None
+        except StorageFull as e:
+            return {"code": e.code, "status": e.http_status, "msg": e.message,
+                    "models": mod.models()}
+
+err = asyncio.run(go())
+print(json.dumps({"err": err, "owned": sorted(os.listdir(d + "/owned"))}))
+""")
+    assert out["err"] is not None, out
+    assert (out["err"]["code"], out["err"]["status"]) == ("storage_full", 507)
+    assert "the Core ML build of 'mini' needs about 9" in out["err"]["msg"]
+    assert out["err"]["models"] == []
+    assert [n for n in out["owned"] if not n.endswith(".lock")] == []
+
+
+def test_a_core_ml_build_that_the_disk_fills_during_keeps_nothing(disk):
+    out = _python(disk, "200M", """
+import json, os, threading, time
+from pathlib import Path
+from certification.reference.cross_encoder import minilm_dir
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+from ingest.owned import ensure_owned, owned_dir
+d = Path(os.environ["DISK"])
+store = ArtifactStore(d / "models")
+record = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+out = owned_dir(store, record)
+
+def take_the_space():  # once the worker-side ingest has its temp dir
+    while not any(p.is_dir() and p.name.startswith(f".{out.name}.")
+                  for p in out.parent.iterdir()):
+        time.sleep(0.001)
+    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * (1 << 20))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+out.parent.mkdir(parents=True, exist_ok=True)
+thread = threading.Thread(target=take_the_space)
+thread.start()
+try:
+    ensure_owned(store, record)
+    err = None
+except StorageFull as e:
+    err = {"code": e.code, "msg": e.msg}
+thread.join()
+left = sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock"))
+(d / "filler").unlink()
+built, digest = ensure_owned(store, record)
+print(json.dumps({"err": err, "left": left, "built": built.name, "digest": len(digest)}))
+""")
+    assert out["err"] is not None, "the build fitted before the other writer took the space"
+    assert out["err"]["code"] == "storage_full"
+    assert "filled up during the Core ML build of 'mini'" in out["err"]["msg"]
+    assert out["left"] == []
+    assert out["built"].startswith("mini-") and out["digest"] == 64
+
+
 def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
     proc = small_disk.run_on_small_disk(
         disk, "20M",
