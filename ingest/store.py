@@ -253,13 +253,8 @@ class ArtifactStore:
         with self._lock:
             self._sweep()
             rec = self.get(name)
-            tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
-            _clean_tokenizer(Path(tokenizer_json), tmp)
-            fsync_file(tmp)
-            os.replace(tmp, rec.dir / TOKENIZER_FILE)
-            manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
-            _write_manifest(rec.dir, manifest)
-            return ModelRecord(manifest=manifest, dir=rec.dir)
+            return self._replace_tokenizer(rec, lambda tmp: _clean_tokenizer(Path(tokenizer_json),
+                                                                              tmp))
 
     def ingest_default(
         self, tokenizer_builder: TokenizerBuilder | None = None, embed_dtype: Dtype | None = None
@@ -460,12 +455,31 @@ class ArtifactStore:
             return self._publish(staging, manifest)
 
     def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
+        return self._replace_tokenizer(rec, lambda tmp: builder(rec.artifact_path, tmp))
+
+    def _replace_tokenizer(self, rec: ModelRecord, write: Callable[[Path], None]) -> ModelRecord:
+        """`write` the new tokenizer.json beside the old one, then swap it in and rewrite the
+        manifest. A failure (a full disk: `StorageFull`) leaves the model as it was: writes
+        only go to temp files, and a manifest that already names tokenizer.json is not
+        rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores."""
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
-        builder(rec.artifact_path, tmp)
-        fsync_file(tmp)
-        os.replace(tmp, rec.dir / TOKENIZER_FILE)
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
-        _write_manifest(rec.dir, manifest)
+        try:
+            write(tmp)
+            fsync_file(tmp)
+            os.replace(tmp, rec.dir / TOKENIZER_FILE)
+            if manifest != rec.manifest:
+                _write_manifest(rec.dir, manifest)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            (rec.dir / (MANIFEST_FILE + ".tmp")).unlink(missing_ok=True)
+            if ran_out_of_space(exc, self.root):
+                raise StorageFull(
+                    f"no space left under {self.root} to write {rec.name!r}'s tokenizer "
+                    f"({getattr(exc, 'strerror', None) or exc}); the model is as it was: free "
+                    f"some space and try again"
+                ) from exc
+            raise
         return ModelRecord(manifest=manifest, dir=rec.dir)
 
 

@@ -116,6 +116,51 @@ print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
     assert out["after"]["entries"] == [".lock", "mini"]
 
 
+def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path):
+    from certification.reference.cross_encoder import minilm_dir
+
+    # A bigger tokenizer.json (the same tokenizer, indented), attached onto a full disk.
+    bigger = tmp_path / "tokenizer.json"
+    bigger.write_text(json.dumps(json.loads((minilm_dir() / "tokenizer.json").read_text()),
+                                 indent=4))
+    out = _python(disk, "60M", f'''
+import hashlib, json, os
+from pathlib import Path
+from certification.reference.cross_encoder import minilm_dir
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+{_STORE_STATE}
+d = Path(os.environ["DISK"])
+store = ArtifactStore(d / "models")
+rec = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+before = hashlib.sha256(rec.tokenizer_path.read_bytes()).hexdigest()
+bigger = Path({str(bigger)!r})
+fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, b"x" * 65536)
+except OSError:
+    os.close(fd)
+try:
+    store.attach_tokenizer("mini", bigger)
+    err = None
+except StorageFull as e:
+    err = {{"code": e.code, "msg": e.msg}}
+full = state(store)
+after = hashlib.sha256(store.get("mini").tokenizer_path.read_bytes()).hexdigest()
+leftovers = sorted(p.name for p in store.get("mini").dir.iterdir() if p.name.endswith(".tmp"))
+(d / "filler").unlink()
+store.attach_tokenizer("mini", bigger)
+print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers": leftovers,
+                  "attached": store.get("mini").tokenizer_path.stat().st_size}}))
+''')
+    assert out["err"]["code"] == "storage_full", out
+    assert "the model is as it was" in out["err"]["msg"]
+    assert out["full"]["ls"] == out["full"]["verified"] == ["mini"]
+    assert out["same"] and out["leftovers"] == []
+    assert out["attached"] > 0
+
+
 def test_a_short_write_without_errno_is_a_full_disk_only_when_space_is_short(disk):
     # numpy's tofile (the GGUF writer's tensor writes) reports a full disk as a bare OSError
     # "N requested and M written": no errno, so the free space has to decide.
