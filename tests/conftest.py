@@ -74,7 +74,7 @@ MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_
 # Modules whose own fixtures build or load real models (no shared fixture to detect).
 MODEL_MODULES = {
     "test_ane_builder", "test_ane_compiler", "test_ane_compute_plan", "test_ane_coreml",
-    "test_ane_engine", "test_ane_executor", "test_ane_packing", "test_artifacts",
+    "test_ane_engine", "test_ane_executor", "test_ane_packing", "test_artifacts", "test_disk_full",
     "test_llama_engine", "test_reference_bert", "test_worker_start",
 }
 
