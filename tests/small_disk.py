@@ -8,6 +8,7 @@ Linux only; where namespaces or mounts are not allowed, tests skip and say why.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shlex
@@ -15,6 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,3 +53,34 @@ def run_on_small_disk(
         ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", prelude + script],
         cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
+
+
+# ---- inside the scripts: another writer taking the space ------------------------------------
+
+
+def fill_disk(disk: str | Path) -> Path:
+    """Take every free byte of `disk` with one file, returned (unlink it to give them back)."""
+    path = Path(disk) / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * (1 << 16))  # short near the end; the next write is ENOSPC
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def fill_disk_when(disk: str | Path, ready: Callable[[], bool]) -> threading.Thread:
+    """A started thread that waits until `ready()` (say, a build made its temp dir), then
+    fills `disk`; join it before looking at the result."""
+    def run() -> None:
+        while not ready():
+            time.sleep(0.001)
+        fill_disk(disk)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

@@ -73,29 +73,15 @@ def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_reco
     # Another writer takes the space once the build has started: the conversion's write then
     # fails midway (numpy's short write carries no errno; the free space decides).
     out = _python(disk, "100M", f'''
-import json, os, threading, time
-from pathlib import Path
+import json, os
 from certification.reference.cross_encoder import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
+from tests.small_disk import fill_disk_when
 {_STORE_STATE}
 store = ArtifactStore(os.environ["DISK"] + "/models")
-filler = os.environ["DISK"] + "/filler"
-
-def take_the_space():
-    while not any(p.name.startswith(".tmp-") for p in store.root.iterdir()):
-        time.sleep(0.001)
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\\0" * (1 << 20))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-thread = threading.Thread(target=take_the_space)
-thread.start()
+thread = fill_disk_when(os.environ["DISK"], lambda: any(
+    p.name.startswith(".tmp-") for p in store.root.iterdir()))
 try:
     store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
     err = None
@@ -103,7 +89,7 @@ except StorageFull as e:
     err = {{"code": e.code, "msg": e.msg, "cause": repr(e.__cause__)}}
 thread.join()
 full = state(store)
-os.remove(filler)
+os.remove(os.environ["DISK"] + "/filler")
 store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
 ''')
@@ -129,18 +115,14 @@ from pathlib import Path
 from certification.reference.cross_encoder import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
+from tests.small_disk import fill_disk
 {_STORE_STATE}
 d = Path(os.environ["DISK"])
 store = ArtifactStore(d / "models")
 rec = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 before = hashlib.sha256(rec.tokenizer_path.read_bytes()).hexdigest()
 bigger = Path({str(bigger)!r})
-fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
-try:
-    while True:
-        os.write(fd, b"x" * 65536)
-except OSError:
-    os.close(fd)
+filler = fill_disk(d)
 try:
     store.attach_tokenizer("mini", bigger)
     err = None
@@ -149,7 +131,7 @@ except StorageFull as e:
 full = state(store)
 after = hashlib.sha256(store.get("mini").tokenizer_path.read_bytes()).hexdigest()
 leftovers = sorted(p.name for p in store.get("mini").dir.iterdir() if p.name.endswith(".tmp"))
-(d / "filler").unlink()
+filler.unlink()
 store.attach_tokenizer("mini", bigger)
 print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers": leftovers,
                   "attached": store.get("mini").tokenizer_path.stat().st_size}}))
@@ -218,17 +200,12 @@ def test_a_certificate_that_does_not_fit_leaves_the_previous_record_current(disk
 import json, os
 from pathlib import Path
 from certification.store import CertificateStore, CertificateStoreFull
+from tests.small_disk import fill_disk
 from tests.test_certification_store import make_cert
 store = CertificateStore(os.environ["DISK"] + "/certs")
 old, new = make_cert("2026-01-01T00:00:01Z"), make_cert("2026-01-01T00:00:02Z", "failed")
 store.save(old)
-filler = Path(os.environ["DISK"]) / "filler"
-fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-try:
-    while True:
-        os.write(fd, b"\\0" * 4096)
-except OSError:
-    os.close(fd)
+filler = fill_disk(os.environ["DISK"])
 try:
     store.save(new)
     err = None
@@ -284,33 +261,21 @@ print(json.dumps({"err": err, "owned": sorted(os.listdir(d + "/owned"))}))
 
 def test_a_core_ml_build_that_the_disk_fills_during_keeps_nothing(disk):
     out = _python(disk, "200M", """
-import json, os, threading, time
+import json, os
 from pathlib import Path
 from certification.reference.cross_encoder import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
 from ingest.owned import ensure_owned, owned_dir
+from tests.small_disk import fill_disk_when
 d = Path(os.environ["DISK"])
 store = ArtifactStore(d / "models")
 record = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 out = owned_dir(store, record)
 
-def take_the_space():  # once the worker-side ingest has its temp dir
-    while not any(p.is_dir() and p.name.startswith(f".{out.name}.")
-                  for p in out.parent.iterdir()):
-        time.sleep(0.001)
-    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"x" * (1 << 20))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 out.parent.mkdir(parents=True, exist_ok=True)
-thread = threading.Thread(target=take_the_space)
-thread.start()
+thread = fill_disk_when(d, lambda: any(  # once the worker-side ingest has its temp dir
+    p.is_dir() and p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()))
 try:
     ensure_owned(store, record)
     err = None
