@@ -35,7 +35,8 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--text-field", default="text")
     embed.add_argument("--id-field", default="id")
     embed.add_argument("--workers", type=_positive, default=None,
-                       help="lanes on this machine, threads split between them (default 2)")
+                       help="lanes on this machine, threads split between them (default: "
+                            "2, or the cores if fewer); with --ray, embedding actors (default 1)")
     embed.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint an interrupted run left")
     embed.add_argument("--max-errors", type=_non_negative, default=1000,
