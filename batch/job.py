@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import threading
@@ -33,7 +32,7 @@ from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
 from host.errors import SynapseError
 from host.module import Module, ModuleConfig
-from ingest.durable import ran_out_of_space
+from ingest.durable import full_disk_as
 
 log = logging.getLogger("synapse.batch")
 
@@ -267,18 +266,11 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts) -> None:
     _raise_if_over_max_errors(ckpt, opts)
 
 
-@contextlib.contextmanager
 def _full_disk_aborts(where: Path, advice: str):
     """A write under `where` that fails for want of space stops the job as `StorageFull`,
     saying what to do; any other I/O failure stays what it is."""
-    try:
-        yield
-    except OSError as exc:
-        if not ran_out_of_space(exc, where):
-            raise
-        raise StorageFull(
-            f"no space left on the device of {where} ({exc.strerror or exc}); {advice}"
-        ) from exc
+    return full_disk_as(lambda exc: StorageFull(
+        f"no space left on the device of {where} ({exc.strerror or exc}); {advice}"), where)
 
 
 def _resume_advice(ckpt: Checkpoint) -> str:

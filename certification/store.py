@@ -28,7 +28,7 @@ from filelock import FileLock
 from certification.certificate import Certificate, decode, encode
 from compile_cache.fsutil import fsync_dir, full_fsync
 from host.errors import StorageFull
-from ingest.durable import ran_out_of_space
+from ingest.durable import full_disk_as
 
 
 class CertificateStoreFull(StorageFull):
@@ -93,20 +93,11 @@ class CertificateStore:
             decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"certificate {cert.id} would not read back: {exc}") from None
-        try:
-            self._replace(dest, cert.id, data)
-        except OSError as exc:
-            if not ran_out_of_space(exc, self.root, len(data)):
-                raise
-            raise CertificateStoreFull(
-                f"cannot save certificate {cert.id} under {self.root}: "
-                f"{exc.strerror or exc}; the previous record is unchanged. Free some space "
-                f"and certify again"
-            ) from exc
-        return dest
-
-    def _replace(self, dest: Path, cert_id: str, data: bytes) -> None:
-        with FileLock(self.root / f".{cert_id}.lock"):
+        full = lambda exc: CertificateStoreFull(  # noqa: E731
+            f"cannot save certificate {cert.id} under {self.root}: {exc.strerror or exc}; the "
+            f"previous record is unchanged. Free some space and certify again"
+        )
+        with full_disk_as(full, self.root, len(data)), FileLock(self.root / f".{cert.id}.lock"):
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.root)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -114,7 +105,7 @@ class CertificateStore:
                     f.flush()
                     full_fsync(f.fileno())
                 if dest.exists():
-                    hist = self.root / "history" / cert_id
+                    hist = self.root / "history" / cert.id
                     hist.mkdir(parents=True, exist_ok=True)
                     kept = hist / f"{_stamp(dest)}-{uuid.uuid4().hex[:8]}.json"
                     try:
@@ -127,6 +118,7 @@ class CertificateStore:
                 Path(tmp).unlink(missing_ok=True)
                 raise
             fsync_dir(self.root)
+        return dest
 
     def _files(self) -> list[Path]:
         if not self.root.is_dir():

@@ -49,7 +49,7 @@ from host.lane_policy import (
 from host.permits import DevicePermits
 from host.tokenization import Tokenizer
 from ingest.errors import ArtifactError, ArtifactNotFound
-from ingest.errors import StorageFull as StoreFull
+from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
 from ingest.owned import ensure_owned
 from ingest.store import ArtifactStore, ModelRecord
 from workers.protocol import messages as m

@@ -14,7 +14,10 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ingest.errors import StorageFull
 
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -50,3 +53,26 @@ def ran_out_of_space(exc: BaseException, path: Path, need_bytes: int = 0) -> boo
     if exc.errno in _FULL:
         return True
     return exc.errno is None and need_bytes > 0 and free_bytes(path) < need_bytes
+
+
+def require_space(path: Path, need_bytes: int, what: str, retry: str) -> None:
+    """Refuse, before writing, a write of `need_bytes` under `path` that cannot fit."""
+    free = free_bytes(path)
+    if need_bytes > free:
+        raise StorageFull(f"{what} needs about {mib(need_bytes)} under {path}, and {mib(free)} "
+                          f"are free; free some space and {retry}")
+
+
+@contextlib.contextmanager
+def full_disk_as(
+    error: Callable[[OSError], Exception], path: Path, need_bytes: int = 0
+) -> Iterator[None]:
+    """Raise `error(exc)` for an OSError that `ran_out_of_space` calls a full disk; any other
+    exception passes as it is. Remove partial files inside the block: the free space is read
+    after them."""
+    try:
+        yield
+    except OSError as exc:
+        if not ran_out_of_space(exc, path, need_bytes):
+            raise
+        raise error(exc) from exc

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ingest.durable import free_bytes, mib
+from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
 from ingest.store import ArtifactStore, ModelRecord, hf_build_bytes
 
@@ -53,12 +53,8 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
         if not manifest.is_file():
             src = hf_source_dir(record)
             need = hf_build_bytes(src, "f32")  # owned weights are f32, beside the tokenizer
-            if need > free_bytes(out.parent):
-                raise StorageFull(
-                    f"the Core ML build of {record.name!r} needs about {mib(need)} under "
-                    f"{out.parent}, and {mib(free_bytes(out.parent))} are free; free some "
-                    f"space and load it again"
-                )
+            require_space(out.parent, need, f"the Core ML build of {record.name!r}",
+                          "load it again")
             proc = subprocess.run(
                 [sys.executable, "-c", _INGEST, str(src), str(out)],
                 capture_output=True, text=True, timeout=600,

@@ -49,7 +49,14 @@ from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 from ingest import gemma
 from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from ingest.digest import read_digest_file, sha256_file, write_digest_file
-from ingest.durable import free_bytes, fsync_dir, fsync_file, mib, ran_out_of_space
+from ingest.durable import (
+    free_bytes,
+    fsync_dir,
+    fsync_file,
+    full_disk_as,
+    mib,
+    require_space,
+)
 from ingest.errors import (
     ArtifactExists,
     ArtifactInvalid,
@@ -335,26 +342,19 @@ class ArtifactStore:
         `need_bytes` is what the build will write (0: unknown, or nothing new). A disk with
         less free is refused before anything is written; a build that runs out of space
         anyway is a `StorageFull` once its partial files are gone."""
-        free = free_bytes(self.root)
-        if need_bytes > free:
-            raise StorageFull(
-                f"{name!r} needs about {mib(need_bytes)} under {self.root}, and "
-                f"{mib(free)} are free; free some space and ingest again"
-            )
-        staging = None
-        try:
+        require_space(self.root, need_bytes, repr(name), "ingest again")
+        full = lambda exc: StorageFull(  # noqa: E731 - read when the build has failed
+            f"the disk under {self.root} filled up while building {name!r} "
+            f"({exc.strerror or exc}); nothing of it was kept, "
+            f"{mib(free_bytes(self.root))} are free: free some space and ingest again"
+        )
+        with full_disk_as(full, self.root, need_bytes):
             staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
-            yield staging
-        except BaseException as exc:
-            if staging is not None:
+            try:
+                yield staging
+            except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
-            if ran_out_of_space(exc, self.root, need_bytes):
-                raise StorageFull(
-                    f"the disk under {self.root} filled up while building {name!r} "
-                    f"({getattr(exc, 'strerror', None) or exc}); nothing of it was kept, "
-                    f"{mib(free_bytes(self.root))} are free: free some space and ingest again"
-                ) from exc
-            raise
+                raise
 
     def _publish(self, staging: Path, manifest: Manifest) -> ModelRecord:
         _write_manifest(staging, manifest)
@@ -464,22 +464,21 @@ class ArtifactStore:
         rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores."""
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
-        try:
-            write(tmp)
-            fsync_file(tmp)
-            os.replace(tmp, rec.dir / TOKENIZER_FILE)
-            if manifest != rec.manifest:
-                _write_manifest(rec.dir, manifest)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            (rec.dir / (MANIFEST_FILE + ".tmp")).unlink(missing_ok=True)
-            if ran_out_of_space(exc, self.root):
-                raise StorageFull(
-                    f"no space left under {self.root} to write {rec.name!r}'s tokenizer "
-                    f"({getattr(exc, 'strerror', None) or exc}); the model is as it was: free "
-                    f"some space and try again"
-                ) from exc
-            raise
+        full = lambda exc: StorageFull(  # noqa: E731
+            f"no space left under {self.root} to write {rec.name!r}'s tokenizer "
+            f"({exc.strerror or exc}); the model is as it was: free some space and try again"
+        )
+        with full_disk_as(full, self.root):
+            try:
+                write(tmp)
+                fsync_file(tmp)
+                os.replace(tmp, rec.dir / TOKENIZER_FILE)
+                if manifest != rec.manifest:
+                    _write_manifest(rec.dir, manifest)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                (rec.dir / (MANIFEST_FILE + ".tmp")).unlink(missing_ok=True)
+                raise
         return ModelRecord(manifest=manifest, dir=rec.dir)
 
 

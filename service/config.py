@@ -97,3 +97,15 @@ def load_config(path: str | Path | None) -> ServeConfig:
         return msgspec.toml.decode(data, type=ServeConfig)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ConfigInvalid(f"config {p}: {exc}") from None
+
+
+def install_defaults(config: ServeConfig) -> ServeConfig:
+    """Install the embedded default models once, before any app starts (not in every app's
+    lifespan or Ray replica); the config handed on no longer asks for it. Raises the store's
+    ArtifactError (a full disk: storage_full)."""
+    if not config.install_defaults:
+        return config
+    from ingest.defaults import ensure_defaults
+
+    ensure_defaults(config.module.store_root)
+    return msgspec.structs.replace(config, install_defaults=False)

@@ -26,7 +26,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.app import create_app
-from service.config import ServeConfig
+from service.config import ServeConfig, install_defaults
 
 # Ray reports usage statistics to its authors by default; ours never phones home (an
 # operator may still opt in by setting the variable).
@@ -95,11 +95,7 @@ def start(config: ServeConfig, address: str | None = None) -> str:
 
     from host.node_resources import node_resources
 
-    if config.install_defaults:  # once here, not racing in every replica
-        from ingest.defaults import ensure_defaults
-
-        ensure_defaults(config.module.store_root)
-        config = msgspec.structs.replace(config, install_defaults=False)
+    config = install_defaults(config)  # once here, not racing in every replica
     if not ray.is_initialized():
         if address is None:
             ray.init(resources=node_resources(), include_dashboard=False)

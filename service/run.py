@@ -15,14 +15,13 @@ import logging
 import socket
 import sys
 
-import msgspec
 import uvicorn
 
 from host.errors import SynapseError
 from host.eventloop import http_name, loop_name
 from service.app import create_app
 from service.auth import exposure_warning
-from service.config import ServeConfig
+from service.config import ServeConfig, install_defaults
 from service.state import ServerState
 
 log = logging.getLogger("synapse.serve")
@@ -61,19 +60,16 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
     def stopped(state: ServerState) -> None:
         print("synapse serve: stopped; workers reaped", flush=True)
 
-    if config.install_defaults:
-        # Here rather than in the app's lifespan: a failure (a full disk, a broken model
-        # package) is then one line and exit 2, not uvicorn's startup traceback.
-        from ingest.defaults import ensure_defaults
-        from ingest.errors import ArtifactError
+    # Before the app rather than in its lifespan: a failure (a full disk, a broken model
+    # package) is then one line and exit 2, not uvicorn's startup traceback.
+    from ingest.errors import ArtifactError
 
-        try:
-            ensure_defaults(config.module.store_root)
-        except ArtifactError as exc:
-            print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
-                  f"{exc.msg}", file=sys.stderr)
-            return 2
-        config = msgspec.structs.replace(config, install_defaults=False)
+    try:
+        config = install_defaults(config)
+    except ArtifactError as exc:
+        print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
+              f"{exc.msg}", file=sys.stderr)
+        return 2
     try:
         app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
     except SynapseError as exc:  # e.g. an unreadable API key file: never start open
