@@ -137,27 +137,39 @@ class Tokenizer:
         self, texts: Sequence[str | bytes], truncate: bool, max_tokens: int | None = None
     ) -> Encoded:
         limit = self._limit(max_tokens)
-        raw = self._encode_raw(_sanitize_all(texts))
+        clean = _sanitize_all(texts)
+        if not clean:
+            return Encoded(ids=[], n_tokens=[], truncated=[])
+        # One call with the template's special tokens: for an input that fits, that is the
+        # same ids as encoding bare and post-processing (the template adds a fixed
+        # n_special_single), and it is what almost every request is, so the serving path
+        # pays for one tokenizer call per text, not two. Only an input over the limit is
+        # encoded again bare, cut, and post-processed, so the template's tokens survive.
         ids, counts, cut = [], [], []
-        budget = limit - self.n_special_single
-        for i, enc in enumerate(raw):
-            over = len(enc.ids) > budget
+        with_specials = self._tok.encode_batch_fast(clean, add_special_tokens=True)
+        for i, enc in enumerate(with_specials):
+            tokens = enc.ids
+            over = len(tokens) > limit
             if over and not truncate:
                 raise InvalidRequest(
-                    f"input {i} has {len(enc.ids) + self.n_special_single} tokens, over the "
-                    f"limit of {limit}; shorten it or pass truncate=true",
+                    f"input {i} has {len(tokens)} tokens, over the limit of {limit}; "
+                    "shorten it or pass truncate=true",
                     index=i,
-                    n_tokens=len(enc.ids) + self.n_special_single,
+                    n_tokens=len(tokens),
                     max_tokens=limit,
                 )
             if over:
-                enc.truncate(budget)
-            final = self._tok.post_process(enc, None, add_special_tokens=True)
-            arr = np.asarray(final.ids, dtype=np.int32)
-            ids.append(arr)
-            counts.append(len(arr))
+                tokens = self._truncated(clean[i], limit - self.n_special_single)
+            ids.append(np.asarray(tokens, dtype=np.int32))
+            counts.append(len(tokens))
             cut.append(over)
         return Encoded(ids=ids, n_tokens=counts, truncated=cut)
+
+    def _truncated(self, text: str, budget: int) -> list[int]:
+        """`text`'s ids cut to `budget` before the template's special tokens are added."""
+        bare = self._encode_raw([text])[0]
+        bare.truncate(budget)
+        return self._tok.post_process(bare, None, add_special_tokens=True).ids
 
     # -- cross-encoder pairs ----------------------------------------------------------------
 

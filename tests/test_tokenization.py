@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from certification.reference.cross_encoder import minilm_dir
 from host.errors import ConfigInvalid, InvalidRequest
+from host.sanitize import sanitize
 from host.tokenization import Encoded, Tokenizer, model_limits
 
 CLS, SEP, PAD = 101, 102, 0
@@ -225,3 +226,19 @@ def _shared() -> Tokenizer:
     if not _SHARED:
         _SHARED.append(Tokenizer.from_model_dir(minilm_dir()))
     return _SHARED[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.text(max_size=200), min_size=1, max_size=4), st.integers(5, 80))
+def test_one_call_path_equals_encode_cut_then_add_specials(texts: list[str], limit: int) -> None:
+    # `encode` asks the library for the template's tokens in the same call and re-encodes
+    # only inputs over the limit; the ids must be those of the plain rule: encode bare, cut
+    # to the limit minus the template's tokens, then add them.
+    t = _shared()
+    hf = t._tok
+    enc = t.encode(texts, truncate=True, max_tokens=limit)
+    for text, ids, cut in zip(texts, enc.ids, enc.truncated, strict=True):
+        bare = hf.encode(sanitize(text), add_special_tokens=False)
+        assert cut == (len(bare.ids) + t.n_special_single > limit)
+        bare.truncate(limit - t.n_special_single)
+        assert ids.tolist() == hf.post_process(bare, None, add_special_tokens=True).ids
