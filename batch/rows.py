@@ -5,7 +5,10 @@ Formats (by the file's extension; `-` is JSONL on stdin):
   `id_field`, else the line number. Blank lines are not records (they still count as lines).
 - `.txt`: one text a line; the id is the line number.
 - `.parquet`, `.csv`: columns by name; the "line" is the 1-based row number (CSV: after the
-  header). A missing text column is a usage error for the whole file.
+  header; blank lines are not rows). A missing text column is a usage error for the whole
+  file. CSV is read with the standard library's reader, row by row: quoted fields may span
+  lines, a UTF-8 byte-order mark is dropped, and columns other than text and id are never
+  parsed, so nothing in them can fail the file.
 
 Row rules (a bad row is an error record, never the end of the job):
 - `invalid_json`: the line is not a JSON object;
@@ -13,7 +16,9 @@ Row rules (a bad row is an error record, never the end of the job):
 - `not_a_string`: the text is not a string;
 - `empty_text`: the text is empty or only whitespace;
 - `invalid_id`: the id is neither a string nor an integer, or a string that is not valid
-  Unicode (a lone surrogate from a JSON `\\ud800` escape: it could not be written out).
+  Unicode (a lone surrogate from a JSON `\\ud800` escape: it could not be written out);
+- `malformed_row`: a CSV row whose number of fields is not the header's (its fields cannot
+  be told apart, so neither its text nor its id is read).
 Invalid UTF-8 bytes in a text or an id (any format) become U+FFFD, the project's one
 sanitization rule (host/sanitize.py), so one bad byte never fails a file.
 Ids are always strings in the output (an integer id 7 becomes "7"), so one column type holds
@@ -22,6 +27,7 @@ every input.
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from collections.abc import Iterator
@@ -34,7 +40,7 @@ from host.sanitize import is_utf8_encodable
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet",
            ".csv": "csv"}
-_ARROW_BATCH = 4096  # rows per Arrow read batch (Parquet/CSV): bounded memory
+_ARROW_BATCH = 4096  # rows per Parquet read batch: bounded memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +114,10 @@ def read_rows(
         with open(spec.path, "rb") as f:
             yield from _lines(f, spec, fmt, start_line, limit_lines)
         return
-    yield from _arrow_rows(spec, fmt, start_line, limit_lines)
+    if fmt == "csv":
+        yield from _csv_rows(spec, start_line, limit_lines)
+        return
+    yield from _parquet_rows(spec, start_line, limit_lines)
 
 
 def _lines(
@@ -166,10 +175,49 @@ def _check_text(line: int, row_id: str, text: str) -> Row:
     return Row(line, row_id, text)
 
 
-def _arrow_rows(spec: InputSpec, fmt: str, start_line: int, limit: int | None) -> Iterator[Row]:
+def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[Row]:
+    # Any field length: an over-long text is the admission's to refuse, as a row error (the
+    # reader's default cap of 128 KiB would end the file there instead).
+    csv.field_size_limit(_CSV_FIELD_LIMIT)
+    try:
+        f = open(spec.path, encoding="utf-8-sig", errors="replace", newline="")  # noqa: SIM115
+    except OSError as exc:
+        raise BatchUsageError(f"{spec.path}: not a readable csv file: {exc.strerror}") from None
+    with f:
+        reader = csv.reader(f)
+        line = 0
+        try:
+            header = next(reader, None)
+            if header is None:
+                raise BatchUsageError(f"{spec.path}: not a readable csv file: no header row")
+            _require_column(spec, header)
+            if limit == 0:
+                return
+            text_at = header.index(spec.text_field)
+            id_at = header.index(spec.id_field) if spec.id_field in header else None
+            for fields in reader:
+                if not fields:
+                    continue  # a blank line is not a row
+                line += 1
+                if line < start_line:
+                    continue  # resuming: committed already
+                if len(fields) != len(header):
+                    yield Row(line, None, None, "malformed_row",
+                              f"row {line} has {len(fields)} fields, the header {len(header)}")
+                    continue
+                rid = fields[id_at] if id_at is not None else _MISSING
+                yield _row_from(line, fields[text_at], rid, spec.text_field, spec.id_field)
+        except csv.Error as exc:  # the reader is lenient: hardly anything gets here
+            raise BatchUsageError(f"{spec.path}: malformed csv after row {line}: {exc}") from None
+
+
+_CSV_FIELD_LIMIT = 2**31 - 1  # the largest the reader takes on every platform (a C long)
+
+
+def _parquet_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[Row]:
     import pyarrow as pa
 
-    batches = _arrow_batches(spec, fmt)
+    batches = _parquet_batches(spec)
     first = next(batches, None)
     if first is None or limit == 0:
         return
@@ -190,7 +238,7 @@ def _arrow_rows(spec: InputSpec, fmt: str, start_line: int, limit: int | None) -
 
 
 def _utf8(value: object) -> object:
-    """CSV columns are read as bytes (one invalid byte must not fail the whole block)."""
+    """A binary Parquet column (an id may be one) decodes by the sanitization rule."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
@@ -199,39 +247,25 @@ def _chain(first, rest):
     yield from rest
 
 
-def _arrow_batches(spec: InputSpec, fmt: str):
+def _parquet_batches(spec: InputSpec):
     """Record batches with the text (and, if present, id) columns; schema errors are usage
     errors raised before the first batch."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            pf = pq.ParquetFile(spec.path)
-            names = pf.schema_arrow.names
-            _require_column(spec, names)
-            _require_string(spec, pf.schema_arrow.field(spec.text_field).type)
-            cols = [spec.text_field] + ([spec.id_field] if spec.id_field in names else [])
-            batches = pf.iter_batches(batch_size=_ARROW_BATCH, columns=cols)
-        else:
-            import pyarrow.csv as pcsv
-
-            reader = pcsv.open_csv(
-                spec.path,
-                read_options=pcsv.ReadOptions(block_size=1 << 20),
-                convert_options=pcsv.ConvertOptions(  # bytes: decoded per row (`_utf8`)
-                    column_types={spec.text_field: pa.binary(), spec.id_field: pa.binary()}
-                ),
-            )
-            _require_column(spec, reader.schema.names)
-            batches = iter(reader)
+        pf = pq.ParquetFile(spec.path)
+        names = pf.schema_arrow.names
+        _require_column(spec, names)
+        _require_string(spec, pf.schema_arrow.field(spec.text_field).type)
+        cols = [spec.text_field] + ([spec.id_field] if spec.id_field in names else [])
+        batches = pf.iter_batches(batch_size=_ARROW_BATCH, columns=cols)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise BatchUsageError(f"{spec.path}: not a readable {fmt} file: {exc}") from None
+        raise BatchUsageError(f"{spec.path}: not a readable parquet file: {exc}") from None
     try:
         yield from batches
-    except pa.ArrowInvalid as exc:  # e.g. a CSV row with the wrong number of columns
-        raise BatchUsageError(f"{spec.path}: malformed {fmt}: {exc}") from None
+    except pa.ArrowInvalid as exc:  # e.g. a corrupt page
+        raise BatchUsageError(f"{spec.path}: malformed parquet: {exc}") from None
 
 
 def _require_column(spec: InputSpec, names: list[str]) -> None:

@@ -133,3 +133,44 @@ def test_an_invalid_utf8_byte_in_one_csv_row_follows_the_sanitization_rule(tmp_p
     rows = rows_of(tmp_path / "c.csv")
     assert len(rows) == 10_000 and all(r.ok for r in rows)
     assert rows[6_999].id == "r7000" and "\ufffd" in rows[6_999].text
+
+
+def test_a_csv_row_with_the_wrong_number_of_fields_is_one_error_record(tmp_path):
+    # Arrow's reader failed the whole file here; now the row is an error and the rest is read,
+    # numbered as if nothing had happened (blank lines are not rows; a quoted field may hold a
+    # newline; a byte-order mark is not part of the first column's name).
+    path = tmp_path / "c.csv"
+    path.write_bytes(
+        b"\xef\xbb\xbfid,text\n"
+        b"a,first\n"
+        b"b,second,extra\n"
+        b"\n"
+        b'c,"third, with a comma\nand a newline"\n'
+        b"d\n"
+        b"e,fifth\n"
+    )
+    rows = rows_of(path)
+    assert [(r.line, r.id, r.error_code) for r in rows] == [
+        (1, "a", None), (2, None, "malformed_row"), (3, "c", None), (4, None, "malformed_row"),
+        (5, "e", None)]
+    assert rows[1].error_message == "row 2 has 3 fields, the header 2"
+    assert rows[2].text == "third, with a comma\nand a newline"
+    assert [r.line for r in read_rows(InputSpec(str(path)), 3)] == [3, 4, 5]  # resuming
+
+
+def test_csv_columns_other_than_text_and_id_are_never_parsed(tmp_path):
+    # A column whose values change type deep in the file failed the job mid-way under Arrow's
+    # type inference ("CSV conversion error to int64"); a field past 128 KiB ended the file
+    # under the reader's default cap. Neither is the text's business.
+    lines = ["n,id,text"] + [f"{i},r{i},row {i}" for i in range(1, 100_001)]  # over 1 MiB
+    lines += ["abc,late,a late row", "1,big," + "word " * 300_000]
+    (tmp_path / "c.csv").write_text("\n".join(lines) + "\n")
+    rows = rows_of(tmp_path / "c.csv")
+    assert len(rows) == 100_002 and all(r.ok for r in rows)
+    assert rows[-2].id == "late" and len(rows[-1].text) == 1_500_000
+
+
+def test_an_empty_csv_file_is_a_usage_error(tmp_path):
+    (tmp_path / "c.csv").write_bytes(b"")
+    with pytest.raises(BatchUsageError, match="not a readable csv file: no header row"):
+        InputSpec(str(tmp_path / "c.csv")).check()
