@@ -120,6 +120,7 @@ class EmbedActor:
         from host.module import Module, ModuleConfig
 
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+        self._closed = False
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
@@ -154,9 +155,19 @@ class EmbedActor:
                     vectors[i] = result.vectors[j]
         return _result_table(window, vectors, crashed, emb.dims, self.meta)
 
+    def close(self) -> None:
+        """Every worker stopped and reaped, and the actor's loop ended; once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.module.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
     def __del__(self) -> None:
         try:
-            self._run(self.module.close())  # every worker stopped and reaped
+            self.close()
         except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
             pass
 
@@ -240,19 +251,47 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
             )
         resources = {"ane": 1}
     cores = os.cpu_count() or 1
+    actor_kwargs = _actor_kwargs(opts, workers, cores)
     try:
         try:
-            _execute(spec, opts, scratch, workers, resources, cores)
+            _execute(spec, opts, scratch, workers, resources, actor_kwargs)
+            metas = _metas(scratch)
+            if not metas:  # no row at all: describe the lane where the actors would run
+                metas = {ray.get(_describe.options(num_cpus=_ACTOR_CPUS,
+                                                   resources=resources or None)
+                                 .remote(actor_kwargs))}
         except (ray.exceptions.RayError, RuntimeError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise JobAborted(f"the Ray job failed: {first}") from exc
-        summary = _merge(opts, scratch, output, t0, timings)
+        summary = _merge(opts, scratch, output, t0, timings, metas)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return summary
 
 
-def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: int) -> None:
+def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
+    return {
+        "model": opts.model, "lane": opts.lane, "normalize": opts.normalize,
+        "truncate": opts.truncate,
+        "module_config": msgspec.json.encode(opts.module or ModuleConfig()),
+        "planned_workers": max(1, min(workers, cores)),
+        "runtime_config": opts.runtime_config,
+    }
+
+
+@ray.remote
+def _describe(actor_kwargs: dict) -> str:
+    """The provenance an actor writes on its rows, for an input that has none: one actor's
+    lane is started, described and stopped, so an empty output says what a full one would."""
+    actor = EmbedActor(**actor_kwargs)
+    try:
+        return actor.meta
+    finally:
+        actor.close()
+
+
+def _execute(spec, opts, scratch: Path, workers: int, resources: dict,
+             actor_kwargs: dict) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # rows come out in input order
     rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
@@ -265,23 +304,27 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict, cores: in
         concurrency=workers,
         num_cpus=_ACTOR_CPUS,
         resources=resources or None,
-        fn_constructor_kwargs={
-            "model": opts.model, "lane": opts.lane, "normalize": opts.normalize,
-            "truncate": opts.truncate,
-            "module_config": msgspec.json.encode(opts.module or ModuleConfig()),
-            "planned_workers": max(1, min(workers, cores)),
-            "runtime_config": opts.runtime_config,
-        },
+        fn_constructor_kwargs=actor_kwargs,
     )
     # At most one actor batch a file: files then sort by their first line into input order.
     ds.write_parquet(str(scratch), max_rows_per_file=rows,
                      ray_remote_args={"num_cpus": _IO_CPUS})
 
 
+def _metas(scratch: Path) -> set[str]:
+    """The provenance every written row carries (more than one: the nodes disagreed)."""
+    metas: set[str] = set()
+    for f in scratch.rglob("*.parquet"):
+        if pq.ParquetFile(f).metadata.num_rows:  # an empty block's file may have no columns
+            metas.update(pq.read_table(f, columns=["_meta"]).column("_meta").unique().to_pylist())
+    return metas
+
+
 def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
-           timings: dict | None) -> JobSummary:
+           timings: dict | None, metas: set[str]) -> JobSummary:
+    if len(metas) > 1:
+        raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
     files = sorted(scratch.rglob("*.parquet"), key=_first_line)
-    metas = set()
     errors_tmp = scratch / "errors.jsonl"
     parts_dir = scratch / "merged"
     parts_dir.mkdir()
@@ -293,7 +336,6 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
             table = pq.read_table(f).sort_by("line")
             if table.num_rows == 0:
                 continue
-            metas.update(table.column("_meta").unique().to_pylist())
             done = min(table.column("_done_at").to_pylist())
             first_done = done if first_done is None else min(first_done, done)
             bad = table.filter(pa.compute.is_valid(table.column("error_code")))
@@ -310,8 +352,6 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
                 parts.append(part)
                 rows += good.num_rows
                 tokens += int(pa.compute.sum(good.column("n_tokens")).as_py() or 0)
-    if len(metas) > 1:
-        raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
     if timings is not None and first_done is not None:
         timings["first_row_s"] = first_done - t0
     errors_dest = opts.errors_output().absolute()
@@ -322,8 +362,6 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
     if errors > opts.max_errors:
         raise JobAborted(f"{errors} rows failed, more than --max-errors {opts.max_errors}; "
                          f"see {errors_dest}")
-    if not metas:
-        raise JobAborted("no row could be read from the input")
     meta = json.loads(metas.pop())
     merge_parts(parts, output, output_schema(int(meta["dims"]), meta))
     return JobSummary(str(output), rows, errors, tokens, time.time() - t0, meta,

@@ -60,3 +60,22 @@ def test_the_ane_lane_needs_a_node_that_offers_the_ane(ray_session, store_root, 
     with pytest.raises(BatchUsageError, match="no Ray node offers the 'ane' resource"):
         run_ray_job(options(store_root, "/tmp", tmp_path / "c.jsonl", tmp_path / "o.parquet",
                             lane="ane"), address=None)
+
+
+def test_an_empty_input_writes_an_empty_output_like_the_local_job(
+    ray_session, store_root, tmp_path, short_runtime_dir
+):
+    # No row reaches an actor, so the provenance metadata is described by a task that loads
+    # the lane where the actors would have run; the local job writes the same empty file.
+    (tmp_path / "c.jsonl").write_text("\n\n")  # blank lines are not records
+    local = asyncio.run(run_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl",
+                                        tmp_path / "local.parquet")))
+    remote = run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl",
+                                 tmp_path / "ray.parquet"), address=None, workers=1)
+    assert (remote.rows, remote.errors) == (local.rows, local.errors) == (0, 0)
+    (rt, rids), (lt, _) = read_output(tmp_path / "ray.parquet"), read_output(
+        tmp_path / "local.parquet")
+    assert rids == [] and rt.schema == lt.schema
+    assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
+    assert not (tmp_path / "ray.parquet.errors.jsonl").exists()
+    assert not wait_gone(short_runtime_dir, timeout_s=30), "the describing worker outlived it"
