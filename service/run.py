@@ -19,9 +19,10 @@ import uvicorn
 
 from host.errors import SynapseError
 from host.eventloop import http_name, loop_name
+from ingest.errors import ArtifactError
 from service.app import create_app
 from service.auth import exposure_warning
-from service.config import ServeConfig, install_defaults
+from service.config import ServeConfig, defaults_failure, install_defaults
 from service.state import ServerState
 
 log = logging.getLogger("synapse.serve")
@@ -62,13 +63,10 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
 
     # Before the app rather than in its lifespan: a failure (a full disk, a broken model
     # package) is then one line and exit 2, not uvicorn's startup traceback.
-    from ingest.errors import ArtifactError
-
     try:
         config = install_defaults(config)
     except ArtifactError as exc:
-        print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
-              f"{exc.msg}", file=sys.stderr)
+        print(defaults_failure(exc), file=sys.stderr)
         return 2
     try:
         app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)

@@ -361,12 +361,15 @@ def _vectors(table) -> np.ndarray:
     return np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
 
 
-def test_serve_on_a_full_disk_says_why_it_cannot_start(disk):
+@pytest.mark.parametrize("ray", [False, True], ids=["local", "ray"])
+def test_serve_on_a_full_disk_says_why_it_cannot_start(disk, ray):
+    # --ray too: the defaults are installed before Ray starts, with the same line and code.
     proc = small_disk.run_on_small_disk(
         disk, "20M",
         'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
         'printf \'port = 0\\n\' > "$DISK/serve.toml"\n'
-        '"$PY" -m cli.main serve --config "$DISK/serve.toml" || echo "rc=$?"\n'
+        f'"$PY" -m cli.main serve --config "$DISK/serve.toml" {"--ray" if ray else ""}'
+        ' || echo "rc=$?"\n'
         'ls -A "$SYNAPSE_CACHE_DIR/models"\n',
         timeout=120,
     )
