@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -283,9 +284,12 @@ def _raw_request(url: str, text: str, encoding_format: str) -> bytes:
 
 
 async def _slice(
-    url: str, texts: list[str], concurrency: int, n: int, max_s: float, encoding_format: str
+    url: str, texts: list[str], concurrency: int, n: int, max_s: float, encoding_format: str,
+    mark: Callable[[], None] | None = None,
 ) -> tuple[list[float], int, float]:
-    """Latencies of `n` requests at `concurrency` (one connection each), errors, wall time."""
+    """Latencies of `n` requests at `concurrency` (one connection each), errors, wall time.
+    `mark()` runs right before and right after the timed requests (after the untimed warm-up
+    round), so what it measures covers exactly the requests counted."""
     raws = [_raw_request(url, t, encoding_format) for t in texts]
     conns = [await _Conn.open(url) for _ in range(concurrency)]
     latencies: list[float] = []
@@ -293,6 +297,8 @@ async def _slice(
     try:
         await asyncio.gather(*(c.request(raws[i % len(raws)]) for i, c in enumerate(conns)))
         issued = 0
+        if mark is not None:
+            mark()
         start = time.perf_counter()
         deadline = start + max_s
 
@@ -310,6 +316,8 @@ async def _slice(
 
         await asyncio.gather(*(worker(c) for c in conns))
         wall = time.perf_counter() - start
+        if mark is not None:
+            mark()
     finally:
         for c in conns:
             c.close()
@@ -349,13 +357,14 @@ async def _measure(
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             ours = name == names[0]
-            before = meter.sample() if meter is not None and ours else None
+            samples: list[dict[str, float]] = []
+            mark = (lambda s=samples: s.append(meter.sample())) if meter and ours else None
             lat, err, wall = await _slice(
-                urls[name], texts, conc, per_slice, args.max_seconds, args.encoding_format
+                urls[name], texts, conc, per_slice, args.max_seconds, args.encoding_format, mark
             )
-            if before is not None:
-                for key, seconds in meter.sample().items():
-                    cpu[key] = cpu.get(key, 0.0) + seconds - before[key]
+            if len(samples) == 2:  # the timed requests only, not the warm-up round
+                for key, seconds in samples[1].items():
+                    cpu[key] = cpu.get(key, 0.0) + seconds - samples[0][key]
             a = acc[name]
             acc[name] = (a[0] + lat, a[1] + err, a[2] + wall)
             if engine is not None and ours:
