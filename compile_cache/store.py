@@ -13,6 +13,7 @@ Invariants (each protects against a crash at any instruction):
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -82,6 +83,23 @@ _key_decoder = msgspec.json.Decoder(dict)
 
 
 @functools.lru_cache(maxsize=4096)
+def _disk_full(exc: BaseException) -> bool:
+    """A failure the full disk caused: ENOSPC/EDQUOT anywhere in its chain of causes."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _object_paths(objects: Path, digest: str) -> tuple[Path, Path]:
     # Path objects are immutable; caching them takes pathlib parsing off the hit path.
     obj = objects / digest
@@ -187,7 +205,14 @@ class CompileCache:
             entry = self._lookup(digest, touch=True)
             built = entry is None
             if entry is None:
-                entry = self._build_and_publish(digest, key_json, build)
+                try:
+                    entry = self._build_and_publish(digest, key_json, build)
+                except BuildFailed as exc:
+                    # The disk filled, not the budget: make room as the budget's gc would
+                    # (least recently used, unleased, never this key) and build once more.
+                    if not (_disk_full(exc) and self._make_room(keep={digest})):
+                        raise
+                    entry = self._build_and_publish(digest, key_json, build)
         finally:
             lock.release()
         if built and self.budget_bytes is not None:
@@ -528,6 +553,23 @@ class CompileCache:
                     evicted.append(row.digest)
                 total -= row.size
         return EvictionReport(evicted, before - total, skipped, before, total, limit)
+
+    def _make_room(self, keep: set[str]) -> bool:
+        """After a build the full disk stopped (its partial tree already removed): evict
+        least-recently-used unleased entries (not `keep`) until twice the free space that was
+        not enough is free, and at least the largest entry's size. True when anything was
+        evicted; the caller then builds once more."""
+        with FileLock(self._layout.gc_lock, poll_interval=self._poll):
+            rows = self._index.rows_lru()
+            need = max(2 * _free_bytes(self._layout.objects),
+                       max((r.size for r in rows), default=0))
+            evicted = False
+            for row in rows:
+                if _free_bytes(self._layout.objects) >= need:
+                    break
+                if row.digest not in keep and self._evict_object(row.digest) == "evicted":
+                    evicted = True
+        return evicted
 
     def clear(self) -> EvictionReport:
         """Evict every unleased entry and remove leftovers of dead builds."""

@@ -25,6 +25,12 @@ def expected_sha256() -> str:
     return g.EXPECTED_SHA256
 
 
+# What the tokenizer.json derived from this GGUF's vocabulary (ingest.gguf_vocab) takes, in
+# bytes: measured, and pinned by tests/test_gguf_vocab.py. Part of the size check an install
+# makes before it writes anything.
+DERIVED_TOKENIZER_BYTES = 33_352_826
+
+
 def assembled_size() -> int:
     """The assembled GGUF's size in bytes (0 when the part packages are missing: assembling
     then says which)."""

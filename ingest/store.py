@@ -300,7 +300,8 @@ class ArtifactStore:
                 self._discard(DEFAULT_GENERATE)
                 rec = self._build_gemma(DEFAULT_GENERATE, tokenizer_builder)
             elif rec.manifest.tokenizer is None and tokenizer_builder is not None:
-                rec = self._derive_tokenizer(rec, tokenizer_builder)
+                rec = self._derive_tokenizer(rec, tokenizer_builder,
+                                             gemma.DERIVED_TOKENIZER_BYTES)
             out[DEFAULT_GENERATE] = rec
         return out
 
@@ -424,7 +425,8 @@ class ArtifactStore:
             return self._publish(staging, manifest)
 
     def _build_gemma(self, name: str, tokenizer_builder: TokenizerBuilder | None) -> ModelRecord:
-        with self._staging(name, gemma.assembled_size()) as staging:
+        tokenizer_bytes = gemma.DERIVED_TOKENIZER_BYTES if tokenizer_builder is not None else 0
+        with self._staging(name, gemma.assembled_size() + tokenizer_bytes) as staging:
             artifact = staging / ARTIFACT_FILE
             digest = gemma.assemble_gemma(artifact)
             write_digest_file(artifact, digest)
@@ -454,14 +456,23 @@ class ArtifactStore:
             )
             return self._publish(staging, manifest)
 
-    def _derive_tokenizer(self, rec: ModelRecord, builder: TokenizerBuilder) -> ModelRecord:
-        return self._replace_tokenizer(rec, lambda tmp: builder(rec.artifact_path, tmp))
+    def _derive_tokenizer(
+        self, rec: ModelRecord, builder: TokenizerBuilder, need_bytes: int = 0
+    ) -> ModelRecord:
+        return self._replace_tokenizer(
+            rec, lambda tmp: builder(rec.artifact_path, tmp), need_bytes
+        )
 
-    def _replace_tokenizer(self, rec: ModelRecord, write: Callable[[Path], None]) -> ModelRecord:
+    def _replace_tokenizer(
+        self, rec: ModelRecord, write: Callable[[Path], None], need_bytes: int = 0
+    ) -> ModelRecord:
         """`write` the new tokenizer.json beside the old one, then swap it in and rewrite the
         manifest. A failure (a full disk: `StorageFull`) leaves the model as it was: writes
         only go to temp files, and a manifest that already names tokenizer.json is not
-        rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores."""
+        rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores.
+        `need_bytes` (0: unknown) is checked against the free space before anything is
+        written."""
+        require_space(self.root, need_bytes, f"{rec.name!r}'s tokenizer", "try again")
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         full = lambda exc: StorageFull(  # noqa: E731

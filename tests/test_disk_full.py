@@ -69,6 +69,28 @@ print(json.dumps({{"err": err, "free": __import__("shutil").disk_usage(store.roo
     assert out["free"] > 50 * 2**20
 
 
+def test_gemma_with_its_derived_tokenizer_is_sized_as_a_whole(disk):
+    # 400 MB: MiniLM (~134 MiB) fits and leaves ~266 MiB, room for Gemma's GGUF (241 MiB) but
+    # not for it and the tokenizer derived from it (+32 MiB): refused before either is written.
+    out = _python(disk, "400M", f'''
+import json, os
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+from ingest.gguf_vocab import write_tokenizer_json
+{_STORE_STATE}
+store = ArtifactStore(os.environ["DISK"] + "/models")
+try:
+    store.ingest_default(tokenizer_builder=write_tokenizer_json)
+    err = None
+except StorageFull as e:
+    err = {{"code": e.code, "msg": e.msg}}
+print(json.dumps({{"err": err, **state(store)}}))
+''')
+    assert out["err"]["code"] == "storage_full", out
+    assert "'gemma3-270m' needs about 273" in out["err"]["msg"], out
+    assert out["entries"] == [".lock", "minilm-l6-v2", "minilm-l6-v2-f16", "minilm-l6-v2-f32"]
+
+
 def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_recovers(disk):
     # Another writer takes the space once the build has started: the conversion's write then
     # fails midway (numpy's short write carries no errno; the free space decides).
@@ -193,6 +215,44 @@ print(json.dumps({"err": err, "entries": entries, "objects": os.listdir(root + "
 """)
     assert out["err"] is not None and out["err"]["code"] == "build_failed", out
     assert out["entries"] == 0 and out["objects"] == [] and out["tmp"] == []
+
+
+def test_a_build_the_full_disk_stops_is_retried_after_evicting_the_oldest_entries(disk):
+    # A 3 MiB disk holds three 700 KiB entries; a 1200 KiB build then hits ENOSPC with about
+    # 890 KiB free. The cache evicts least-recently-used unleased entries until twice that is
+    # free, and builds again. With nothing it may evict, the build fails typed, as before.
+    out = _python(disk, "3M", """
+import json, os
+from compile_cache import CompileCache
+from compile_cache.errors import BuildFailed
+root = os.environ["DISK"] + "/cc"
+
+def blob(kib):
+    return lambda d: (d / "blob").write_bytes(b"x" * (kib << 10))
+
+def names(cache):
+    return sorted(e.key["k"] for e in cache.ls())
+
+with CompileCache(root) as cache:
+    for name in ("a", "b", "c"):
+        cache.get_or_build({"k": name}, blob(700))
+    with cache.lease({"k": "a"}):  # the least recently used, but leased: never evicted
+        cache.get_or_build({"k": "d"}, blob(1200))
+        after_room = names(cache)
+        with cache.lease({"k": "d"}):
+            try:
+                cache.get_or_build({"k": "e"}, blob(1500))  # all leased: nothing to evict
+                err = None
+            except BuildFailed as e:
+                err = e.code
+        after_refusal = names(cache)
+    tmp = os.listdir(root + "/tmp")
+print(json.dumps({"after_room": after_room, "err": err, "after_refusal": after_refusal,
+                  "tmp": tmp}))
+""")
+    assert out["after_room"] == ["a", "d"], out
+    assert out["err"] == "build_failed" and out["after_refusal"] == ["a", "d"], out
+    assert out["tmp"] == [], out
 
 
 def test_a_certificate_that_does_not_fit_leaves_the_previous_record_current(disk):

@@ -21,6 +21,7 @@ import tokenizers
 
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
+from ingest import gemma
 from ingest.gguf_vocab import (
     TYPE_CONTROL,
     TYPE_USER_DEFINED,
@@ -238,6 +239,12 @@ def test_roundtrip(derived: tokenizers.Tokenizer, llama: list[dict]) -> None:
             assert back == text.replace("\u2581", " ")
         else:
             assert back == text
+
+
+def test_the_install_sizes_the_derived_tokenizer_right(derived_json: Path) -> None:
+    # The size check before Gemma's install counts this constant for the tokenizer.
+    size = derived_json.stat().st_size
+    assert abs(size - gemma.DERIVED_TOKENIZER_BYTES) <= 0.02 * size, size
 
 
 def test_host_tokenizer_over_the_derived_file(derived_json: Path, llama: list[dict]) -> None:
