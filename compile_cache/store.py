@@ -82,7 +82,6 @@ _files_decoder = msgspec.json.Decoder(dict[str, str])
 _key_decoder = msgspec.json.Decoder(dict)
 
 
-@functools.lru_cache(maxsize=4096)
 def _disk_full(exc: BaseException) -> bool:
     """A failure the full disk caused: ENOSPC/EDQUOT anywhere in its chain of causes."""
     seen: set[int] = set()
@@ -100,6 +99,7 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+@functools.lru_cache(maxsize=4096)
 def _object_paths(objects: Path, digest: str) -> tuple[Path, Path]:
     # Path objects are immutable; caching them takes pathlib parsing off the hit path.
     obj = objects / digest
