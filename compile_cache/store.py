@@ -17,6 +17,7 @@ import errno
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -92,11 +93,6 @@ def _disk_full(exc: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 @functools.lru_cache(maxsize=4096)
@@ -555,21 +551,14 @@ class CompileCache:
         return EvictionReport(evicted, before - total, skipped, before, total, limit)
 
     def _make_room(self, keep: set[str]) -> bool:
-        """After a build the full disk stopped (its partial tree already removed): evict
-        least-recently-used unleased entries (not `keep`) until twice the free space that was
-        not enough is free, and at least the largest entry's size. True when anything was
-        evicted; the caller then builds once more."""
-        with FileLock(self._layout.gc_lock, poll_interval=self._poll):
-            rows = self._index.rows_lru()
-            need = max(2 * _free_bytes(self._layout.objects),
-                       max((r.size for r in rows), default=0))
-            evicted = False
-            for row in rows:
-                if _free_bytes(self._layout.objects) >= need:
-                    break
-                if row.digest not in keep and self._evict_object(row.digest) == "evicted":
-                    evicted = True
-        return evicted
+        """After a build the full disk stopped (its partial tree already removed): `gc` down
+        to a budget that frees twice the space that was not enough, and at least the largest
+        entry's size. True when anything was evicted; the caller then builds once more."""
+        rows = self._index.rows_lru()
+        total = sum(r.size for r in rows)
+        free = shutil.disk_usage(self._layout.objects).free
+        shortfall = max(2 * free, max((r.size for r in rows), default=0)) - free
+        return bool(self.gc(max(0, total - shortfall), keep=keep).evicted)
 
     def clear(self) -> EvictionReport:
         """Evict every unleased entry and remove leftovers of dead builds."""
