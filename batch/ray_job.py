@@ -24,6 +24,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -252,21 +253,28 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
         resources = {"ane": 1}
     cores = os.cpu_count() or 1
     actor_kwargs = _actor_kwargs(opts, workers, cores)
+
+    def describe() -> str:  # no row at all: the lane where the actors would have run
+        try:
+            return ray.get(_describe.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
+                           .remote(actor_kwargs))
+        except ray.exceptions.RayError as exc:
+            raise _ray_failed(exc) from exc
+
     try:
         try:
             _execute(spec, opts, scratch, workers, resources, actor_kwargs)
-            metas = _metas(scratch)
-            if not metas:  # no row at all: describe the lane where the actors would run
-                metas = {ray.get(_describe.options(num_cpus=_ACTOR_CPUS,
-                                                   resources=resources or None)
-                                 .remote(actor_kwargs))}
         except (ray.exceptions.RayError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise JobAborted(f"the Ray job failed: {first}") from exc
-        summary = _merge(opts, scratch, output, t0, timings, metas)
+            raise _ray_failed(exc) from exc
+        summary = _merge(opts, scratch, output, t0, timings, describe)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return summary
+
+
+def _ray_failed(exc: BaseException) -> JobAborted:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return JobAborted(f"the Ray job failed: {first}")
 
 
 def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
@@ -311,20 +319,12 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict,
                      ray_remote_args={"num_cpus": _IO_CPUS})
 
 
-def _metas(scratch: Path) -> set[str]:
-    """The provenance every written row carries (more than one: the nodes disagreed)."""
-    metas: set[str] = set()
-    for f in scratch.rglob("*.parquet"):
-        if pq.ParquetFile(f).metadata.num_rows:  # an empty block's file may have no columns
-            metas.update(pq.read_table(f, columns=["_meta"]).column("_meta").unique().to_pylist())
-    return metas
-
-
 def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
-           timings: dict | None, metas: set[str]) -> JobSummary:
-    if len(metas) > 1:
-        raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
+           timings: dict | None, describe: Callable[[], str]) -> JobSummary:
+    """The files into OUTPUT and the error rows into OUTPUT.errors.jsonl; `describe()` gives
+    the provenance when no row at all was written (an empty input)."""
     files = sorted(scratch.rglob("*.parquet"), key=_first_line)
+    metas = set()
     errors_tmp = scratch / "errors.jsonl"
     parts_dir = scratch / "merged"
     parts_dir.mkdir()
@@ -336,6 +336,7 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
             table = pq.read_table(f).sort_by("line")
             if table.num_rows == 0:
                 continue
+            metas.update(table.column("_meta").unique().to_pylist())
             done = min(table.column("_done_at").to_pylist())
             first_done = done if first_done is None else min(first_done, done)
             bad = table.filter(pa.compute.is_valid(table.column("error_code")))
@@ -352,6 +353,8 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
                 parts.append(part)
                 rows += good.num_rows
                 tokens += int(pa.compute.sum(good.column("n_tokens")).as_py() or 0)
+    if len(metas) > 1:
+        raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
     if timings is not None and first_done is not None:
         timings["first_row_s"] = first_done - t0
     errors_dest = opts.errors_output().absolute()
@@ -362,7 +365,7 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
     if errors > opts.max_errors:
         raise JobAborted(f"{errors} rows failed, more than --max-errors {opts.max_errors}; "
                          f"see {errors_dest}")
-    meta = json.loads(metas.pop())
+    meta = json.loads(metas.pop() if metas else describe())
     merge_parts(parts, output, output_schema(int(meta["dims"]), meta))
     return JobSummary(str(output), rows, errors, tokens, time.time() - t0, meta,
                       str(errors_dest) if errors else None)
