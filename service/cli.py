@@ -31,7 +31,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import msgspec
 
     from host.errors import SynapseError
-    from service.config import load_config
+    from ingest.errors import ArtifactError
+    from service.config import install_defaults, load_config
     from service.run import serve
 
     try:
@@ -44,6 +45,14 @@ def run_serve(args: argparse.Namespace) -> int:
             config.__post_init__()
     except SynapseError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2
+    # Before any server (uvicorn's lifespan, Ray, every replica): a failure such as a full
+    # disk is one line and exit 2, not a startup traceback.
+    try:
+        config = install_defaults(config)
+    except ArtifactError as exc:
+        print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
+              f"{exc.msg}", file=sys.stderr)
         return 2
     if getattr(args, "ray", None) is not None:
         from service.ray_deployment import serve_on_ray

@@ -14,7 +14,6 @@ import msgspec
 
 from host.errors import ConfigInvalid
 from host.module import DEFAULT_EMBED, ModuleConfig
-from ingest.errors import ArtifactError
 from service.ray_settings import RaySettings
 from service.scheduler import SchedulerConfig
 
@@ -110,9 +109,3 @@ def install_defaults(config: ServeConfig) -> ServeConfig:
 
     ensure_defaults(config.module.store_root)
     return msgspec.structs.replace(config, install_defaults=False)
-
-
-def defaults_failure(exc: ArtifactError) -> str:
-    """What `synapse serve` (local or --ray) prints, before any server starts, when the
-    default models cannot be installed (then it exits 2)."""
-    return f"synapse serve: cannot install the default models: error[{exc.code}]: {exc.msg}"

@@ -25,9 +25,8 @@ import msgspec
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingest.errors import ArtifactError
 from service.app import create_app
-from service.config import ServeConfig, defaults_failure, install_defaults
+from service.config import ServeConfig, install_defaults
 
 # Ray reports usage statistics to its authors by default; ours never phones home (an
 # operator may still opt in by setting the variable).
@@ -116,11 +115,6 @@ def stop() -> None:
 def serve_on_ray(config: ServeConfig, address: str | None) -> int:
     import ray
 
-    try:  # before Ray starts, as `synapse serve` does it: one line, exit 2
-        config = install_defaults(config)
-    except ArtifactError as exc:
-        print(defaults_failure(exc), file=sys.stderr)
-        return 2
     try:
         url = start(config, address)
     except Exception as exc:  # noqa: BLE001 - one line, not a Ray traceback

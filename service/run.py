@@ -19,10 +19,9 @@ import uvicorn
 
 from host.errors import SynapseError
 from host.eventloop import http_name, loop_name
-from ingest.errors import ArtifactError
 from service.app import create_app
 from service.auth import exposure_warning
-from service.config import ServeConfig, defaults_failure, install_defaults
+from service.config import ServeConfig
 from service.state import ServerState
 
 log = logging.getLogger("synapse.serve")
@@ -61,13 +60,6 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
     def stopped(state: ServerState) -> None:
         print("synapse serve: stopped; workers reaped", flush=True)
 
-    # Before the app rather than in its lifespan: a failure (a full disk, a broken model
-    # package) is then one line and exit 2, not uvicorn's startup traceback.
-    try:
-        config = install_defaults(config)
-    except ArtifactError as exc:
-        print(defaults_failure(exc), file=sys.stderr)
-        return 2
     try:
         app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
     except SynapseError as exc:  # e.g. an unreadable API key file: never start open
