@@ -1,11 +1,13 @@
 """Dynamic batching of embedding requests from concurrent callers.
 
 Each request is tokenized module-side, admitted against the module's token budget, and queued
-per (model, normalize). One batcher task per queue takes every request waiting when a batch
-slot is free (packing whole requests up to `max_batch_items` / `max_batch_tokens`), calls
-`Module.embed_token_ids` once, and splits the vectors back per request. Requests that arrive
-while the lane computes form the next batch, so load itself grows the batches. With
-`batches_in_flight` = 2 (default 1) that next batch is sent at once and waits at the lane.
+per (model, normalize). Requests that arrive while a batch is being gathered are tokenized
+together when it is formed (service/coalesce.py); at other times, once per loop turn. One
+batcher task per queue takes every request waiting when a batch slot is free (packing whole
+requests up to `max_batch_items` / `max_batch_tokens`), calls `Module.embed_token_ids` once,
+and splits the vectors back per request. Requests that arrive while the lane computes form
+the next batch, so load itself grows the batches. With `batches_in_flight` = 2 (default 1)
+that next batch is sent at once and waits at the lane.
 
 Waiting is adaptive: when a batch has just been answered, its callers send their next
 requests a few milliseconds apart. If recent batches held more requests than are queued now,
@@ -43,12 +45,15 @@ from host.errors import (
     WorkerError,
 )
 from host.module import DEFAULT_EMBED, Module
+from host.tokenization import Encoded, Tokenizer
+from service.coalesce import Coalescer
 
 log = logging.getLogger("synapse.scheduler")
 
 T = TypeVar("T")
 
-# Inputs larger than this are tokenized in a thread so one big request cannot stall the loop.
+# Inputs larger than this are tokenized in a thread so one big request cannot stall the loop;
+# the loop tokenizes at most this much text at once when it tokenizes requests together.
 _THREAD_TOKENIZE_BYTES = 64 * 1024
 
 
@@ -125,18 +130,47 @@ class _Queue:
         self.wake = asyncio.Event()
         self.in_flight = asyncio.Semaphore(sched.config.batches_in_flight)
         self.running: dict[asyncio.Task, list[_Pending]] = {}  # batch tasks and their batches
+        self.coalescer: Coalescer | None = None  # texts waiting to be tokenized
+        # Between taking a batch slot and forming the batch, arrivals wait for the batch to be
+        # formed and are tokenized with it; at other times, once per loop turn.
+        self.gathering = False
+        self._flush_soon: asyncio.Handle | None = None
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
 
-    def put(self, pending: _Pending) -> None:
+    def tokenize(
+        self, tokenizer: Tokenizer, texts: Sequence[str | bytes], truncate: bool, size: int
+    ) -> asyncio.Future:
+        """The future `Encoded` of a request's texts, tokenized with the other arrivals."""
+        self._check_room(len(texts))
+        if self.coalescer is None:
+            self.coalescer = Coalescer(tokenizer, _THREAD_TOKENIZE_BYTES)
+        future = self.coalescer.add(texts, truncate, size)
+        if self.gathering:
+            self.wake.set()
+        elif self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._flush_soon = None
+        if self.coalescer is not None:
+            self.coalescer.flush()
+
+    def _check_room(self, n: int) -> None:
+        """Over the queue bound, refuse at once (texts still being tokenized count too)."""
         cfg = self.sched.config
-        n = len(pending.ids)
-        if self.queued_items + n > cfg.max_queue_items:
+        waiting = self.queued_items + (self.coalescer.items if self.coalescer else 0)
+        if waiting + n > cfg.max_queue_items:
             self.sched.rejected += 1
             raise Overloaded(
-                f"{self.queued_items} inputs queued for {self.model!r}; {n} more would exceed "
+                f"{waiting} inputs queued for {self.model!r}; {n} more would exceed "
                 f"{cfg.max_queue_items}",
                 retry_after_s=self.sched.retry_after(self.queued_tokens),
             )
+
+    def put(self, pending: _Pending) -> None:
+        n = len(pending.ids)
+        self._check_room(n)
         self.items.append(pending)
         pending.queued = True
         self.queued_items += n
@@ -185,7 +219,8 @@ class _Queue:
         )
 
     def _expect_more(self) -> bool:
-        return not self._full() and len(self.items) < self.expected - 0.5
+        arriving = len(self.coalescer) if self.coalescer else 0
+        return not self._full() and len(self.items) + arriving < self.expected - 0.5
 
     async def _run(self) -> None:
         wait_s = self.sched.config.max_wait_ms / 1000
@@ -209,15 +244,23 @@ class _Queue:
         self.running.pop(task, None)
 
     async def _next_batch(self, wait_s: float) -> list[_Pending]:
-        await self.wake.wait()
-        # One loop turn lets requests parsed in the same tick join this batch.
-        await asyncio.sleep(0)
-        if wait_s > 0 and self._expect_more():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    while self._expect_more():
-                        self.wake.clear()
-                        await self.wake.wait()
+        self.gathering = True
+        try:
+            await self.wake.wait()
+            # One loop turn lets requests parsed in the same tick join this batch.
+            await asyncio.sleep(0)
+            if wait_s > 0 and self._expect_more():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        while self._expect_more():
+                            self.wake.clear()
+                            await self.wake.wait()
+        finally:
+            self.gathering = False
+        if self.coalescer is not None and len(self.coalescer):
+            self.coalescer.flush()
+            # One loop turn: the tokenized callers are admitted and queued before the take.
+            await asyncio.sleep(0)
         batch = self._take()
         if self.items:  # more than one batch waiting: run again without a new put
             self.wake.set()
@@ -310,10 +353,12 @@ class Scheduler:
             raise
         tokenizer = await self.module.tokenizer(name)
         size = sum(len(t) for t in texts)
+        encoded: Encoded
         if size > _THREAD_TOKENIZE_BYTES:
             encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
         else:
-            encoded = tokenizer.encode(texts, truncate)
+            self._raise_if_closed()
+            encoded = await self._queue(name, normalize).tokenize(tokenizer, texts, truncate, size)
         vectors = await self._submit(name, normalize, encoded.ids, encoded.total_tokens)
         return Embedded(vectors, encoded.n_tokens, encoded.truncated, name)
 
@@ -427,6 +472,9 @@ class Scheduler:
         stopped = LaneStopped("the server is shutting down")
         for batch in [*batches, *(list(q.items) for q in queues)]:
             _fail(batch, stopped)
+        for q in queues:
+            if q.coalescer is not None:
+                q.coalescer.fail(stopped)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -447,16 +495,12 @@ class Scheduler:
     async def _submit(
         self, model: str, normalize: bool, ids: list[np.ndarray], tokens: int
     ) -> np.ndarray:
-        if self._closed:
-            raise LaneStopped("the server is shutting down")
+        self._raise_if_closed()
         self._raise_if_quarantined(model)
         with self.module.admission.reserve(tokens):
             loop = asyncio.get_running_loop()
             pending = _Pending(ids, tokens, loop.create_future())
-            key = (model, normalize)
-            queue = self._queues.get(key)
-            if queue is None:
-                queue = self._queues[key] = _Queue(self, model, normalize)
+            queue = self._queue(model, normalize)
             queue.put(pending)
             # The deadline fails the future itself, and a cancelled caller cancels it: either
             # way the batcher then skips it (not yet taken) or drops its rows (running). One
@@ -469,6 +513,17 @@ class Scheduler:
             finally:
                 timer.cancel()
                 queue.withdraw(pending)
+
+    def _queue(self, model: str, normalize: bool) -> _Queue:
+        key = (model, normalize)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue(self, model, normalize)
+        return queue
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise LaneStopped("the server is shutting down")
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.

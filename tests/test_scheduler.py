@@ -280,6 +280,7 @@ async def test_close_during_the_one_by_one_retry_answers_every_caller_of_the_bat
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
         await _until(lambda: _busy(mod))
         good = [asyncio.create_task(sched.embed_texts([LONG] * 4)) for _ in range(3)]
+        await _until(lambda: sched.queue_depth()[MODEL] == 12)  # queued in this order
         bad_ids = [np.array([101, 10**6, 102], np.int32)]  # refused by the worker: a retry
         bad = asyncio.create_task(sched._submit(MODEL, True, bad_ids, 3))
         await _until(lambda: sched.queue_depth()[MODEL] == 13)
@@ -292,3 +293,48 @@ async def test_close_during_the_one_by_one_retry_answers_every_caller_of_the_bat
     assert not isinstance(outcomes[0], BaseException)
     for out in outcomes[1:]:
         assert isinstance(out, LaneStopped), out
+
+
+async def test_requests_arriving_together_are_tokenized_in_one_call(store_root):
+    texts = [f"together {i}: a short text" for i in range(6)]
+    async with running(store_root) as (mod, sched, batches):
+        reference = (await mod.embed(texts)).vectors
+        tok = await mod.tokenizer(MODEL)
+        calls: list[int] = []
+        real = tok.encode
+
+        def counting(texts, truncate, max_tokens=None):  # the real tokenizer, calls counted
+            calls.append(len(texts))
+            return real(texts, truncate, max_tokens)
+
+        tok.encode = counting
+        try:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(sched.embed_texts([t]) for t in texts),
+                sched.embed_texts(["fits", LONG], truncate=False),  # its own 400, nobody else's
+                return_exceptions=True,
+            ), 120)
+        finally:
+            del tok.encode
+    assert calls == [8, 2]  # all eight texts at once, then the refused request alone
+    refused = results[-1]
+    assert isinstance(refused, InvalidRequest) and refused.details["index"] == 1
+    assert [r.n_tokens for r in results[:-1]] == [[n] for n in tok.encode(texts, True).n_tokens]
+    np.testing.assert_allclose(np.concatenate([r.vectors for r in results[:-1]]), reference,
+                               atol=1e-5)
+    assert sum(b.requests for b in batches) == 6
+
+
+async def test_close_answers_a_request_still_waiting_to_be_tokenized(store_root):
+    # A long adaptive wait: after a batch of 8, one lone arrival waits for more to join it.
+    cfg = SchedulerConfig(max_wait_ms=60_000)
+    async with running(store_root, cfg) as (mod, sched, batches):
+        await asyncio.wait_for(
+            asyncio.gather(*(sched.embed_texts([f"warm {i}"]) for i in range(8))), 120
+        )
+        lone = asyncio.create_task(sched.embed_texts(["lone"]))
+        queue = next(iter(sched._queues.values()))
+        await _until(lambda: queue.coalescer is not None and len(queue.coalescer) == 1)
+        await sched.close()
+        outcome = await asyncio.wait_for(asyncio.gather(lone, return_exceptions=True), 10)
+    assert isinstance(outcome[0], LaneStopped), outcome

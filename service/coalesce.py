@@ -1,0 +1,105 @@
+"""Tokenizing the texts of many requests in one tokenizer call.
+
+Why: at small inputs the host's event loop is on the serving path's critical path. At
+concurrency 32 the engine waits while the loop answers one batch's callers and takes in their
+next requests, and tokenizing them one request at a time was a third of that work: every
+call starts with the tokenizer's tables cold (the engine's batch has just streamed its weights
+through the caches), 49 µs per 16-token text in the server against 28 µs warm. The texts that
+arrive while a batch is being gathered are tokenized together when the batch is formed: one
+call, tables warm after the first text, spread by the tokenizer over its own threads on the
+cores the waiting engine leaves idle.
+
+Rule: each request gets exactly what `Tokenizer.encode(its texts, its truncate)` would give
+it alone: the same ids (texts are encoded independently), and the same `InvalidRequest` when
+a text is over the limit and the request asked not to truncate. A request's error never
+reaches the requests tokenized with it.
+
+Bound: the loop tokenizes at most `max_bytes` of text in one go (what one request may have
+tokenized on the loop before); a larger request is tokenized in a thread by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from host.errors import InvalidRequest
+from host.tokenization import Encoded, Tokenizer
+
+
+class _Arrival:
+    __slots__ = ("texts", "truncate", "future")
+
+    def __init__(self, texts: Sequence[str | bytes], truncate: bool, future: asyncio.Future):
+        self.texts, self.truncate, self.future = texts, truncate, future
+
+
+class Coalescer:
+    """The requests of one model waiting to be tokenized; `flush()` answers all of them."""
+
+    def __init__(self, tokenizer: Tokenizer, max_bytes: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_bytes = max_bytes
+        self.arrivals: list[_Arrival] = []
+        self.items = 0  # texts waiting
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.arrivals)
+
+    def add(self, texts: Sequence[str | bytes], truncate: bool, size: int) -> asyncio.Future:
+        """Queue a request's texts (`size` bytes in all); the future gets its `Encoded`."""
+        if self._bytes + size > self.max_bytes:
+            self.flush()  # keep one flush within the loop's bound
+        future = asyncio.get_running_loop().create_future()
+        self.arrivals.append(_Arrival(texts, truncate, future))
+        self.items += len(texts)
+        self._bytes += size
+        return future
+
+    def flush(self) -> None:
+        """Tokenize every waiting request's texts in one call and answer each. Never raises."""
+        arrivals = [a for a in self.arrivals if not a.future.done()]  # skip cancelled callers
+        self.arrivals, self.items, self._bytes = [], 0, 0
+        if not arrivals:
+            return
+        try:
+            encoded = self.tokenizer.encode([t for a in arrivals for t in a.texts], True)
+        except Exception:  # noqa: BLE001 - some text broke the tokenizer: find whose it is
+            for a in arrivals:
+                self._alone(a)
+            return
+        start = 0
+        for a in arrivals:
+            end = start + len(a.texts)
+            part = Encoded(
+                encoded.ids[start:end], encoded.n_tokens[start:end], encoded.truncated[start:end]
+            )
+            start = end
+            if not a.truncate and any(part.truncated):
+                a.future.set_exception(self._refusal(a.texts))
+            else:
+                a.future.set_result(part)
+
+    def fail(self, exc: BaseException, arrivals: list[_Arrival] | None = None) -> None:
+        """Answer waiting requests (all by default) with `exc`."""
+        if arrivals is None:
+            arrivals, self.arrivals, self.items, self._bytes = self.arrivals, [], 0, 0
+        for a in arrivals:
+            if not a.future.done():
+                a.future.set_exception(exc)
+
+    def _refusal(self, texts: Sequence[str | bytes]) -> BaseException:
+        """The error `encode(texts, truncate=False)` raises, with its own index and counts
+        (rare: the request's texts are encoded again, alone)."""
+        try:
+            self.tokenizer.encode(texts, False)
+        except Exception as exc:  # noqa: BLE001 - InvalidRequest, or whatever encode raised
+            return exc
+        return InvalidRequest("an input is over the token limit; pass truncate=true")
+
+    def _alone(self, a: _Arrival) -> None:
+        try:
+            a.future.set_result(self.tokenizer.encode(a.texts, a.truncate))
+        except Exception as exc:  # noqa: BLE001 - this request's own error, typed or not
+            a.future.set_exception(exc)
