@@ -142,7 +142,9 @@ class _Queue:
     ) -> asyncio.Future:
         """The future `Encoded` of a request's texts, tokenized with the other arrivals."""
         self._check_room(len(texts))
-        if self.coalescer is None:
+        if self.coalescer is None or self.coalescer.tokenizer is not tokenizer:
+            if self.coalescer is not None:  # the model was replaced: each keeps its tokenizer
+                self.coalescer.flush()
             self.coalescer = Coalescer(tokenizer, _THREAD_TOKENIZE_BYTES)
         future = self.coalescer.add(texts, truncate, size)
         if self.gathering:

@@ -26,6 +26,7 @@ from host.errors import (
     WorkerError,
 )
 from host.module import Module, ModuleConfig
+from host.tokenization import Tokenizer
 from service.scheduler import BatchStats, Scheduler, SchedulerConfig
 
 MODEL = "minilm-l6-v2"
@@ -338,3 +339,13 @@ async def test_close_answers_a_request_still_waiting_to_be_tokenized(store_root)
         await sched.close()
         outcome = await asyncio.wait_for(asyncio.gather(lone, return_exceptions=True), 10)
     assert isinstance(outcome[0], LaneStopped), outcome
+
+
+async def test_a_replaced_tokenizer_never_tokenizes_the_requests_of_the_old_one(store_root):
+    async with running(store_root) as (mod, sched, batches):
+        old = await mod.tokenizer(MODEL)
+        new = Tokenizer(old._tok, max_tokens=8, hard_limit=old.hard_limit)  # tells them apart
+        queue = sched._queue(MODEL, True)
+        futures = [queue.tokenize(t, [LONG], True, len(LONG)) for t in (old, new, old)]
+        got = await asyncio.wait_for(asyncio.gather(*futures), 10)
+    assert [g.n_tokens for g in got] == [[256], [8], [256]]
