@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from host.errors import InvalidRequest
 from host.tokenization import Encoded, Tokenizer
 
 
@@ -77,28 +76,19 @@ class Coalescer:
             )
             start = end
             if not a.truncate and any(part.truncated):
-                a.future.set_exception(self._refusal(a.texts))
+                self._alone(a)  # its 400, with its own index and counts (rare)
             else:
                 a.future.set_result(part)
 
-    def fail(self, exc: BaseException, arrivals: list[_Arrival] | None = None) -> None:
-        """Answer waiting requests (all by default) with `exc`."""
-        if arrivals is None:
-            arrivals, self.arrivals, self.items, self._bytes = self.arrivals, [], 0, 0
+    def fail(self, exc: BaseException) -> None:
+        """Answer every waiting request with `exc`."""
+        arrivals, self.arrivals, self.items, self._bytes = self.arrivals, [], 0, 0
         for a in arrivals:
             if not a.future.done():
                 a.future.set_exception(exc)
 
-    def _refusal(self, texts: Sequence[str | bytes]) -> BaseException:
-        """The error `encode(texts, truncate=False)` raises, with its own index and counts
-        (rare: the request's texts are encoded again, alone)."""
-        try:
-            self.tokenizer.encode(texts, False)
-        except Exception as exc:  # noqa: BLE001 - InvalidRequest, or whatever encode raised
-            return exc
-        return InvalidRequest("an input is over the token limit; pass truncate=true")
-
     def _alone(self, a: _Arrival) -> None:
+        """Tokenize one request by itself: its result, or its own error."""
         try:
             a.future.set_result(self.tokenizer.encode(a.texts, a.truncate))
         except Exception as exc:  # noqa: BLE001 - this request's own error, typed or not
