@@ -30,6 +30,9 @@ point also says where its CPU went per request (`cpu_ms_per_request`: host proce
 workers, this load client, all on the same cores) and `engine_share_of_cpu`, the workers'
 part of it: however the work is scheduled, the share of the ceiling stays near or below that
 (above it only as far as the served engine happened to run faster than the in-process one).
+`engine_cores` compares the cores the served engine kept busy with those the in-process engine
+did between the slices: unlike the share, it does not move with the machine's speed, so it
+tells a change in the serving path from drift.
 """
 
 from __future__ import annotations
@@ -352,6 +355,8 @@ async def _measure(
     acc = {name: ([], 0, 0.0) for name in names}
     ceiling = [0, 0.0]
     cpu: dict[str, float] = {}
+    walls = {"served": 0.0, "in_process": 0.0}  # seconds the CPU figures cover
+    in_process_cpu = 0.0
     per_slice = max(conc, args.requests // args.rounds)
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
@@ -365,11 +370,17 @@ async def _measure(
             if len(samples) == 2:  # the timed requests only, not the warm-up round
                 for key, seconds in samples[1].items():
                     cpu[key] = cpu.get(key, 0.0) + seconds - samples[0][key]
+                walls["served"] += wall
             a = acc[name]
             acc[name] = (a[0] + lat, a[1] + err, a[2] + wall)
             if engine is not None and ours:
+                cpu_before = _cpu_seconds(meter.client) if meter else 0.0
+                wall_before = time.perf_counter()  # rate()'s warm-up batch too, like the CPU
                 done, seconds = engine.rate(n_tokens, 32, wall)
                 ceiling = [ceiling[0] + done, ceiling[1] + seconds]
+                if meter:  # this process runs nothing else meanwhile
+                    in_process_cpu += _cpu_seconds(meter.client) - cpu_before
+                    walls["in_process"] += time.perf_counter() - wall_before
     rate = round(ceiling[0] / ceiling[1], 1) if ceiling[1] else None
     summaries = {name: _summary(*acc[name]) for name in names}
     served = len(acc[names[0]][0])
@@ -382,6 +393,14 @@ async def _measure(
         summaries[names[0]]["engine_share_of_cpu"] = round(
             cpu["engine_workers"] / max(sum(cpu.values()), 1e-9), 3
         )
+    if cpu and walls["served"] and walls["in_process"]:
+        served_cores = cpu["engine_workers"] / walls["served"]
+        in_process_cores = in_process_cpu / walls["in_process"]
+        summaries[names[0]]["engine_cores"] = {
+            "served": round(served_cores, 3),
+            "in_process": round(in_process_cores, 3),
+            "ratio": round(served_cores / max(in_process_cores, 1e-9), 3),
+        }
     return summaries, rate
 
 
