@@ -157,7 +157,12 @@ def _pkg_source(pkg: str) -> str:
 
 
 def _clean_tokenizer(src: Path, dst: Path) -> None:
-    """Copy a tokenizer.json without its padding/truncation settings.
+    """Copy a tokenizer.json without its padding/truncation settings."""
+    dst.write_bytes(_cleaned_tokenizer(src))
+
+
+def _cleaned_tokenizer(src: Path) -> bytes:
+    """A tokenizer.json's bytes without its padding/truncation settings.
 
     Hub tokenizers often carry e.g. `padding: Fixed(128)`; the host never pads (no padding on
     the wire) and truncation is an explicit per-request policy, so neither may hide in here.
@@ -168,7 +173,7 @@ def _clean_tokenizer(src: Path, dst: Path) -> None:
         raise ArtifactInvalid(f"unreadable {src}: {e}") from e
     data["padding"] = None
     data["truncation"] = None
-    dst.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return json.dumps(data, ensure_ascii=False).encode("utf-8")
 
 
 class ArtifactStore:
@@ -256,12 +261,14 @@ class ArtifactStore:
             return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}")
 
     def attach_tokenizer(self, name: str, tokenizer_json: str | Path) -> ModelRecord:
-        """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab)."""
+        """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab).
+        Cleaned in memory first, so a disk it does not fit is refused before anything is
+        written."""
         with self._lock:
             self._sweep()
             rec = self.get(name)
-            return self._replace_tokenizer(rec, lambda tmp: _clean_tokenizer(Path(tokenizer_json),
-                                                                              tmp))
+            data = _cleaned_tokenizer(Path(tokenizer_json))
+            return self._replace_tokenizer(rec, lambda tmp: tmp.write_bytes(data), len(data))
 
     def ingest_default(
         self, tokenizer_builder: TokenizerBuilder | None = None, embed_dtype: Dtype | None = None
@@ -472,7 +479,8 @@ class ArtifactStore:
         rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores.
         `need_bytes` (0: unknown) is checked against the free space before anything is
         written."""
-        require_space(self.root, need_bytes, f"{rec.name!r}'s tokenizer", "try again")
+        require_space(self.root, need_bytes, f"{rec.name!r}'s tokenizer",
+                      "try again (the model is as it was)")
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         full = lambda exc: StorageFull(  # noqa: E731

@@ -159,10 +159,50 @@ print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers
                   "attached": store.get("mini").tokenizer_path.stat().st_size}}))
 ''')
     assert out["err"]["code"] == "storage_full", out
+    assert "needs about" in out["err"]["msg"]  # refused before it wrote
     assert "the model is as it was" in out["err"]["msg"]
     assert out["full"]["ls"] == out["full"]["verified"] == ["mini"]
     assert out["same"] and out["leftovers"] == []
     assert out["attached"] > 0
+
+
+def test_a_tokenizer_write_the_disk_fills_during_leaves_the_model_as_it_was(disk):
+    # The space was there when the write began; another writer takes it midway.
+    out = _python(disk, "60M", f'''
+import hashlib, json, os
+from pathlib import Path
+from certification.reference.cross_encoder import minilm_dir
+from ingest import ArtifactStore
+from ingest.errors import StorageFull
+from tests.small_disk import fill_disk
+{_STORE_STATE}
+d = Path(os.environ["DISK"])
+store = ArtifactStore(d / "models")
+rec = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
+before = hashlib.sha256(rec.tokenizer_path.read_bytes()).hexdigest()
+fillers = []
+def write(tmp):
+    with open(tmp, "wb") as f:
+        f.write(b"{{" + b" " * 4096)
+        f.flush()
+        fillers.append(fill_disk(d))
+        f.write(b" " * (1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+try:
+    store._replace_tokenizer(store.get("mini"), write, need_bytes=1 << 20)
+    err = None
+except StorageFull as e:
+    err = {{"code": e.code, "msg": e.msg}}
+full = state(store)
+after = hashlib.sha256(store.get("mini").tokenizer_path.read_bytes()).hexdigest()
+leftovers = sorted(p.name for p in store.get("mini").dir.iterdir() if p.name.endswith(".tmp"))
+print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers": leftovers}}))
+''')
+    assert out["err"]["code"] == "storage_full", out
+    assert "no space left" in out["err"]["msg"] and "the model is as it was" in out["err"]["msg"]
+    assert out["full"]["ls"] == out["full"]["verified"] == ["mini"]
+    assert out["same"] and out["leftovers"] == []
 
 
 def test_a_short_write_without_errno_is_a_full_disk_only_when_space_is_short(disk):
