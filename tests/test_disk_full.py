@@ -124,14 +124,9 @@ print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
     assert out["after"]["entries"] == [".lock", "mini"]
 
 
-def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path):
-    from certification.reference.cross_encoder import minilm_dir
-
-    # A bigger tokenizer.json (the same tokenizer, indented), attached onto a full disk.
-    bigger = tmp_path / "tokenizer.json"
-    bigger.write_text(json.dumps(json.loads((minilm_dir() / "tokenizer.json").read_text()),
-                                 indent=4))
-    out = _python(disk, "60M", f'''
+# A script prefix: MiniLM installed as "mini" on the small disk, and `attempt(attach)`, which
+# runs attach() and returns its StorageFull and the model's state after it.
+_MINI_TOKENIZER = f'''
 import hashlib, json, os
 from pathlib import Path
 from certification.reference.cross_encoder import minilm_dir
@@ -143,20 +138,34 @@ d = Path(os.environ["DISK"])
 store = ArtifactStore(d / "models")
 rec = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 before = hashlib.sha256(rec.tokenizer_path.read_bytes()).hexdigest()
+def attempt(attach):
+    try:
+        attach()
+        err = None
+    except StorageFull as e:
+        err = {{"code": e.code, "msg": e.msg}}
+    mini = store.get("mini")
+    after = hashlib.sha256(mini.tokenizer_path.read_bytes()).hexdigest()
+    leftovers = sorted(p.name for p in mini.dir.iterdir() if p.name.endswith(".tmp"))
+    return {{"err": err, "full": state(store), "same": before == after, "leftovers": leftovers}}
+'''
+
+
+def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path):
+    from certification.reference.cross_encoder import minilm_dir
+
+    # A bigger tokenizer.json (the same tokenizer, indented), attached onto a full disk.
+    bigger = tmp_path / "tokenizer.json"
+    bigger.write_text(json.dumps(json.loads((minilm_dir() / "tokenizer.json").read_text()),
+                                 indent=4))
+    out = _python(disk, "60M", _MINI_TOKENIZER + f'''
 bigger = Path({str(bigger)!r})
 filler = fill_disk(d)
-try:
-    store.attach_tokenizer("mini", bigger)
-    err = None
-except StorageFull as e:
-    err = {{"code": e.code, "msg": e.msg}}
-full = state(store)
-after = hashlib.sha256(store.get("mini").tokenizer_path.read_bytes()).hexdigest()
-leftovers = sorted(p.name for p in store.get("mini").dir.iterdir() if p.name.endswith(".tmp"))
+out = attempt(lambda: store.attach_tokenizer("mini", bigger))
 filler.unlink()
 store.attach_tokenizer("mini", bigger)
-print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers": leftovers,
-                  "attached": store.get("mini").tokenizer_path.stat().st_size}}))
+out["attached"] = store.get("mini").tokenizer_path.stat().st_size
+print(json.dumps(out))
 ''')
     assert out["err"]["code"] == "storage_full", out
     assert "needs about" in out["err"]["msg"]  # refused before it wrote
@@ -168,36 +177,17 @@ print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers
 
 def test_a_tokenizer_write_the_disk_fills_during_leaves_the_model_as_it_was(disk):
     # The space was there when the write began; another writer takes it midway.
-    out = _python(disk, "60M", f'''
-import hashlib, json, os
-from pathlib import Path
-from certification.reference.cross_encoder import minilm_dir
-from ingest import ArtifactStore
-from ingest.errors import StorageFull
-from tests.small_disk import fill_disk
-{_STORE_STATE}
-d = Path(os.environ["DISK"])
-store = ArtifactStore(d / "models")
-rec = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
-before = hashlib.sha256(rec.tokenizer_path.read_bytes()).hexdigest()
-fillers = []
+    out = _python(disk, "60M", _MINI_TOKENIZER + '''
 def write(tmp):
     with open(tmp, "wb") as f:
-        f.write(b"{{" + b" " * 4096)
+        f.write(b"{" + b" " * 4096)
         f.flush()
-        fillers.append(fill_disk(d))
+        fill_disk(d)
         f.write(b" " * (1 << 20))
         f.flush()
         os.fsync(f.fileno())
-try:
-    store._replace_tokenizer(store.get("mini"), write, need_bytes=1 << 20)
-    err = None
-except StorageFull as e:
-    err = {{"code": e.code, "msg": e.msg}}
-full = state(store)
-after = hashlib.sha256(store.get("mini").tokenizer_path.read_bytes()).hexdigest()
-leftovers = sorted(p.name for p in store.get("mini").dir.iterdir() if p.name.endswith(".tmp"))
-print(json.dumps({{"err": err, "full": full, "same": before == after, "leftovers": leftovers}}))
+mini = store.get("mini")
+print(json.dumps(attempt(lambda: store._replace_tokenizer(mini, write, need_bytes=1 << 20))))
 ''')
     assert out["err"]["code"] == "storage_full", out
     assert "no space left" in out["err"]["msg"] and "the model is as it was" in out["err"]["msg"]
