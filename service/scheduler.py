@@ -308,9 +308,37 @@ class _Queue:
             row += n
 
 
-def _expire(future: asyncio.Future, timeout_s: float) -> None:
-    if not future.done():
-        future.set_exception(DeadlineExceeded(f"no result within {timeout_s:g} s"))
+class _Deadline:
+    """One timer for a request's whole wait (`request_timeout_s`): it fails the future the
+    request awaits at the time, first its tokenization, then its place in a batch. The
+    deadline fails the future itself, and a cancelled caller cancels it: either way the
+    batcher then skips it (not yet taken) or drops its rows (running). One timer handle per
+    request, not an asyncio.timeout scope: this runs for every request while the engine
+    waits for the next batch."""
+
+    __slots__ = ("future", "expired", "timeout_s", "timer")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.future: asyncio.Future | None = None
+        self.expired = False
+        self.timeout_s = timeout_s
+        self.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    def watch(self, future: asyncio.Future) -> asyncio.Future:
+        self.future = future
+        if self.expired:  # it passed between two futures: fail the new one at once
+            self._expire()
+        return future
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self.future is not None and not self.future.done():
+            self.future.set_exception(
+                DeadlineExceeded(f"no result within {self.timeout_s:g} s")
+            )
 
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:
@@ -355,13 +383,20 @@ class Scheduler:
             raise
         tokenizer = await self.module.tokenizer(name)
         size = sum(len(t) for t in texts)
-        encoded: Encoded
-        if size > _THREAD_TOKENIZE_BYTES:
-            encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
-        else:
-            self._raise_if_closed()
-            encoded = await self._queue(name, normalize).tokenize(tokenizer, texts, truncate, size)
-        vectors = await self._submit(name, normalize, encoded.ids, encoded.total_tokens)
+        self._raise_if_closed()
+        deadline = _Deadline(self.config.request_timeout_s)
+        try:
+            encoded: Encoded
+            if size > _THREAD_TOKENIZE_BYTES:
+                encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
+            else:
+                queue = self._queue(name, normalize)
+                encoded = await deadline.watch(queue.tokenize(tokenizer, texts, truncate, size))
+            vectors = await self._submit(
+                name, normalize, encoded.ids, encoded.total_tokens, deadline
+            )
+        finally:
+            deadline.cancel()
         return Embedded(vectors, encoded.n_tokens, encoded.truncated, name)
 
     async def embed_ids(
@@ -495,25 +530,29 @@ class Scheduler:
         return name
 
     async def _submit(
-        self, model: str, normalize: bool, ids: list[np.ndarray], tokens: int
+        self,
+        model: str,
+        normalize: bool,
+        ids: list[np.ndarray],
+        tokens: int,
+        deadline: _Deadline | None = None,
     ) -> np.ndarray:
+        """Queue `ids` and wait for their rows, within `deadline` (the request's, started
+        before it was tokenized; else one of its own from now)."""
         self._raise_if_closed()
         self._raise_if_quarantined(model)
+        own = deadline is None
         with self.module.admission.reserve(tokens):
-            loop = asyncio.get_running_loop()
-            pending = _Pending(ids, tokens, loop.create_future())
+            pending = _Pending(ids, tokens, asyncio.get_running_loop().create_future())
             queue = self._queue(model, normalize)
             queue.put(pending)
-            # The deadline fails the future itself, and a cancelled caller cancels it: either
-            # way the batcher then skips it (not yet taken) or drops its rows (running). One
-            # timer handle per request, not an asyncio.timeout scope: this runs for every
-            # request while the engine waits for the next batch.
-            timeout_s = self.config.request_timeout_s
-            timer = loop.call_later(timeout_s, _expire, pending.future, timeout_s)
+            if deadline is None:
+                deadline = _Deadline(self.config.request_timeout_s)
             try:
-                return await pending.future
+                return await deadline.watch(pending.future)
             finally:
-                timer.cancel()
+                if own:
+                    deadline.cancel()
                 queue.withdraw(pending)
 
     def _queue(self, model: str, normalize: bool) -> _Queue:

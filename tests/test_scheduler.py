@@ -349,3 +349,19 @@ async def test_a_replaced_tokenizer_never_tokenizes_the_requests_of_the_old_one(
         futures = [queue.tokenize(t, [LONG], True, len(LONG)) for t in (old, new, old)]
         got = await asyncio.wait_for(asyncio.gather(*futures), 10)
     assert [g.n_tokens for g in got] == [[256], [8], [256]]
+
+
+async def test_the_request_deadline_covers_the_wait_to_be_tokenized(store_root):
+    # After a batch of 8, a lone arrival waits (up to a minute here) for more to join it; its
+    # deadline runs from the moment it arrived, not from when it is tokenized and queued.
+    cfg = SchedulerConfig(max_wait_ms=60_000, request_timeout_s=1.0)
+    async with running(store_root, cfg) as (mod, sched, batches):
+        await asyncio.wait_for(
+            asyncio.gather(*(sched.embed_texts([f"warm {i}"]) for i in range(8))), 60
+        )
+        start = time.monotonic()
+        outcome = await asyncio.wait_for(
+            asyncio.gather(sched.embed_texts(["lone"]), return_exceptions=True), 10
+        )
+    assert isinstance(outcome[0], DeadlineExceeded), outcome
+    assert time.monotonic() - start < 5
