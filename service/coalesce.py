@@ -46,6 +46,11 @@ class Coalescer:
     def __len__(self) -> int:
         return len(self.arrivals)
 
+    def live_items(self) -> int:
+        """Texts waiting whose caller still waits (`items` also counts the ones that ended,
+        a deadline or a hang-up, until the next flush)."""
+        return sum(len(a.texts) for a in self.arrivals if not a.future.done())
+
     def add(self, texts: Sequence[str | bytes], truncate: bool, size: int) -> asyncio.Future:
         """Queue a request's texts (`size` bytes in all); the future gets its `Encoded`."""
         if self._bytes + size > self.max_bytes:

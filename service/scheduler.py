@@ -159,9 +159,12 @@ class _Queue:
             self.coalescer.flush()
 
     def _check_room(self, n: int) -> None:
-        """Over the queue bound, refuse at once (texts still being tokenized count too)."""
+        """Over the queue bound, refuse at once (texts still being tokenized count too; only
+        those of callers still waiting, so a dead request never causes a 429)."""
         cfg = self.sched.config
         waiting = self.queued_items + (self.coalescer.items if self.coalescer else 0)
+        if waiting + n > cfg.max_queue_items and self.coalescer is not None:
+            waiting = self.queued_items + self.coalescer.live_items()  # rare: recount
         if waiting + n > cfg.max_queue_items:
             self.sched.rejected += 1
             raise Overloaded(

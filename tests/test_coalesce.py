@@ -107,6 +107,7 @@ def test_cancelled_callers_are_skipped_and_fail_answers_everyone_waiting(tok):
         coalescer = Coalescer(counting, 1 << 20)
         gone, kept = coalescer.add(["gone"], True, 4), coalescer.add(["kept"], True, 4)
         gone.cancel()
+        assert (coalescer.items, coalescer.live_items()) == (2, 1)
         coalescer.flush()
         assert counting.calls == [1] and kept.result().n_tokens == [3]
         waiting = [coalescer.add([f"w{i}"], True, 2) for i in range(3)]

@@ -365,3 +365,27 @@ async def test_the_request_deadline_covers_the_wait_to_be_tokenized(store_root):
         )
     assert isinstance(outcome[0], DeadlineExceeded), outcome
     assert time.monotonic() - start < 5
+
+
+async def test_a_caller_gone_while_waiting_to_be_tokenized_does_not_count_toward_the_bound(
+    store_root,
+):
+    cfg = SchedulerConfig(max_wait_ms=60_000, max_queue_items=3)
+    async with running(store_root, cfg) as (mod, sched, batches):
+        for r in range(3):  # batches of 3: a lone arrival then waits for company
+            await asyncio.wait_for(
+                asyncio.gather(*(sched.embed_texts([f"warm {r} {i}"]) for i in range(3))), 60
+            )
+        queue = sched._queue(MODEL, True)
+        gone = asyncio.create_task(sched.embed_texts(["gone"]))
+        await _until(lambda: queue.coalescer is not None and len(queue.coalescer) == 1)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        # Three live texts fit the bound of 3; the dead one must not make the third a 429.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(sched.embed_texts([f"live {i}"]) for i in range(3)),
+                           return_exceptions=True),
+            60,
+        )
+    for r in results:
+        assert not isinstance(r, BaseException), r
