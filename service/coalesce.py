@@ -46,10 +46,15 @@ class Coalescer:
     def __len__(self) -> int:
         return len(self.arrivals)
 
-    def live_items(self) -> int:
-        """Texts waiting whose caller still waits (`items` also counts the ones that ended,
-        a deadline or a hang-up, until the next flush)."""
-        return sum(len(a.texts) for a in self.arrivals if not a.future.done())
+    def withdraw(self, future: asyncio.Future) -> None:
+        """Take out a request whose wait ended before it was tokenized (deadline, hang-up):
+        what is waiting counts only live requests, as the batch queue does."""
+        for i, a in enumerate(self.arrivals):
+            if a.future is future:
+                del self.arrivals[i]
+                self.items -= len(a.texts)
+                self._bytes -= sum(len(t) for t in a.texts)
+                return
 
     def add(self, texts: Sequence[str | bytes], truncate: bool, size: int) -> asyncio.Future:
         """Queue a request's texts (`size` bytes in all); the future gets its `Encoded`."""

@@ -153,18 +153,22 @@ class _Queue:
             self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
         return future
 
+    def untokenized(self, future: asyncio.Future) -> None:
+        """A caller's wait for `tokenize` ended without its result: if its texts still wait
+        (deadline, hang-up), they leave, so a dead request never counts toward the bound or
+        the batch (as `withdraw` does for the queue)."""
+        if self.coalescer is not None:
+            self.coalescer.withdraw(future)
+
     def _flush(self) -> None:
         self._flush_soon = None
         if self.coalescer is not None:
             self.coalescer.flush()
 
     def _check_room(self, n: int) -> None:
-        """Over the queue bound, refuse at once (texts still being tokenized count too; only
-        those of callers still waiting, so a dead request never causes a 429)."""
+        """Over the queue bound, refuse at once (texts still being tokenized count too)."""
         cfg = self.sched.config
         waiting = self.queued_items + (self.coalescer.items if self.coalescer else 0)
-        if waiting + n > cfg.max_queue_items and self.coalescer is not None:
-            waiting = self.queued_items + self.coalescer.live_items()  # rare: recount
         if waiting + n > cfg.max_queue_items:
             self.sched.rejected += 1
             raise Overloaded(
@@ -394,7 +398,12 @@ class Scheduler:
                 encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
             else:
                 queue = self._queue(name, normalize)
-                encoded = await deadline.watch(queue.tokenize(tokenizer, texts, truncate, size))
+                tokenized = queue.tokenize(tokenizer, texts, truncate, size)
+                try:
+                    encoded = await deadline.watch(tokenized)
+                except BaseException:
+                    queue.untokenized(tokenized)
+                    raise
             vectors = await self._submit(
                 name, normalize, encoded.ids, encoded.total_tokens, deadline
             )

@@ -101,14 +101,17 @@ def test_the_loop_tokenizes_at_most_max_bytes_at_once(tok):
     asyncio.run(go())
 
 
-def test_cancelled_callers_are_skipped_and_fail_answers_everyone_waiting(tok):
+def test_withdrawn_and_cancelled_callers_are_not_tokenized_and_fail_answers_the_rest(tok):
     async def go():
         counting = _Counting(tok)
         coalescer = Coalescer(counting, 1 << 20)
         gone, kept = coalescer.add(["gone"], True, 4), coalescer.add(["kept"], True, 4)
+        left = coalescer.add(["left"], True, 4)
         gone.cancel()
-        assert (coalescer.items, coalescer.live_items()) == (2, 1)
-        coalescer.flush()
+        left.cancel()
+        coalescer.withdraw(left)  # what its caller does when its wait ends
+        assert (len(coalescer), coalescer.items) == (2, 2)
+        coalescer.flush()  # `gone`, cancelled but not withdrawn, is skipped all the same
         assert counting.calls == [1] and kept.result().n_tokens == [3]
         waiting = [coalescer.add([f"w{i}"], True, 2) for i in range(3)]
         assert (len(coalescer), coalescer.items) == (3, 3)
