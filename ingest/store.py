@@ -464,21 +464,21 @@ class ArtifactStore:
             return self._publish(staging, manifest)
 
     def _derive_tokenizer(
-        self, rec: ModelRecord, builder: TokenizerBuilder, need_bytes: int = 0
+        self, rec: ModelRecord, builder: TokenizerBuilder, need_bytes: int
     ) -> ModelRecord:
         return self._replace_tokenizer(
             rec, lambda tmp: builder(rec.artifact_path, tmp), need_bytes
         )
 
     def _replace_tokenizer(
-        self, rec: ModelRecord, write: Callable[[Path], None], need_bytes: int = 0
+        self, rec: ModelRecord, write: Callable[[Path], None], need_bytes: int
     ) -> ModelRecord:
         """`write` the new tokenizer.json beside the old one, then swap it in and rewrite the
         manifest. A failure (a full disk: `StorageFull`) leaves the model as it was: writes
         only go to temp files, and a manifest that already names tokenizer.json is not
         rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores.
-        `need_bytes` (0: unknown) is checked against the free space before anything is
-        written."""
+        `need_bytes`, what `write` writes, is checked against the free space before anything
+        is written."""
         require_space(self.root, need_bytes, f"{rec.name!r}'s tokenizer",
                       "try again (the model is as it was)")
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")

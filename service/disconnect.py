@@ -50,10 +50,9 @@ class _Watch:
         self.watcher: asyncio.Future | None = None
         self.timer = asyncio.get_running_loop().call_later(after_s, self._start)
 
-    def _start(self) -> None:
-        if self.active:
-            self.watcher = asyncio.ensure_future(_until_disconnect(self.receive))
-            self.watcher.add_done_callback(self._on_done)
+    def _start(self) -> None:  # never after stop(): it cancels the timer
+        self.watcher = asyncio.ensure_future(_until_disconnect(self.receive))
+        self.watcher.add_done_callback(self._on_done)
 
     def stop(self) -> None:
         self.active = False
