@@ -27,10 +27,12 @@ from host.tokenization import Encoded, Tokenizer
 
 
 class _Arrival:
-    __slots__ = ("texts", "truncate", "future")
+    __slots__ = ("texts", "truncate", "size", "future")
 
-    def __init__(self, texts: Sequence[str | bytes], truncate: bool, future: asyncio.Future):
-        self.texts, self.truncate, self.future = texts, truncate, future
+    def __init__(
+        self, texts: Sequence[str | bytes], truncate: bool, size: int, future: asyncio.Future
+    ) -> None:
+        self.texts, self.truncate, self.size, self.future = texts, truncate, size, future
 
 
 class Coalescer:
@@ -53,7 +55,7 @@ class Coalescer:
             if a.future is future:
                 del self.arrivals[i]
                 self.items -= len(a.texts)
-                self._bytes -= sum(len(t) for t in a.texts)
+                self._bytes -= a.size
                 return
 
     def add(self, texts: Sequence[str | bytes], truncate: bool, size: int) -> asyncio.Future:
@@ -61,7 +63,7 @@ class Coalescer:
         if self._bytes + size > self.max_bytes:
             self.flush()  # keep one flush within the loop's bound
         future = asyncio.get_running_loop().create_future()
-        self.arrivals.append(_Arrival(texts, truncate, future))
+        self.arrivals.append(_Arrival(texts, truncate, size, future))
         self.items += len(texts)
         self._bytes += size
         return future
