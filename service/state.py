@@ -29,6 +29,7 @@ class ServerState:
     draining: bool = False
     metrics: Metrics = field(init=False)
     keys: ApiKeys = field(init=False)
+    disconnects: disconnect.Watches = field(default_factory=disconnect.Watches)
     _known: set[str] = field(default_factory=set)
     _openapi: tuple[bool, bytes] | None = None  # (auth enabled, encoded document)
 
@@ -43,7 +44,7 @@ class ServerState:
         on, the client closing its connection cancels the request (service/disconnect.py)."""
         cfg = self.config
         body = await read_json(request, type_, cfg.max_body_bytes, cfg.body_timeout_s)
-        disconnect.watch(request)
+        self.disconnects.watch(request)
         return body
 
     def resolve(self, name: str | None, default: str) -> str:

@@ -1,5 +1,6 @@
 """service.disconnect: a client gone while its request waits cancels it; a request answered
-within `after_s` is never watched (a timer, no task, no receive). Real asyncio, fake ASGI
+within `after_s` is never watched (no task, no receive), and one loop timer serves every
+request's delay. Real asyncio, fake ASGI
 receive (the live server's case is tests/test_serve_faults.py)."""
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ def _request(receive: _Receive) -> Request:
 async def test_a_request_answered_before_the_delay_is_never_watched():
     receive = _Receive()
     request = _request(receive)
-    disconnect.watch(request, after_s=30)
+    watches = disconnect.Watches(after_s=30)
+    watches.watch(request)
     watch = request.scope[disconnect._KEY]
-    assert watch.timer.when() - asyncio.get_running_loop().time() > 29
+    assert watches._timer.when() - asyncio.get_running_loop().time() > 29
     receive.gone.set()  # even a client already gone: nothing looks before the delay
     for _ in range(5):
         await asyncio.sleep(0)
     assert disconnect.stop(request) is False
-    assert watch.watcher is None and watch.timer.cancelled() and receive.calls == 0
+    assert watch.watcher is None and len(watches) == 0 and receive.calls == 0
 
 
 async def test_a_client_gone_while_the_request_waits_cancels_it():
@@ -50,7 +52,7 @@ async def test_a_client_gone_while_the_request_waits_cancels_it():
     waiting = asyncio.get_running_loop().create_future()  # e.g. a queued batch slot
 
     async def handler() -> None:
-        disconnect.watch(request, after_s=0.01)
+        disconnect.Watches(after_s=0.01).watch(request)
         await waiting
 
     task = asyncio.create_task(handler())
@@ -67,7 +69,7 @@ async def test_a_disconnect_after_stop_cancels_nothing():
     done = asyncio.Event()
 
     async def handler() -> None:
-        disconnect.watch(request, after_s=0.01)
+        disconnect.Watches(after_s=0.01).watch(request)
         await receive.called.wait()
         assert disconnect.stop(request) is False  # the answer is being sent
         receive.gone.set()
@@ -77,3 +79,37 @@ async def test_a_disconnect_after_stop_cancels_nothing():
 
     await asyncio.wait_for(handler(), 5)
     assert done.is_set()
+
+
+async def test_one_timer_starts_each_watch_at_its_own_time_in_order():
+    loop = asyncio.get_running_loop()
+    watches = disconnect.Watches(after_s=0.05)
+    receives = [_Receive() for _ in range(3)]
+    requests = [_request(r) for r in receives]
+    started: list[float] = []
+    parked = loop.create_future()
+
+    async def handler(i: int) -> None:
+        watches.watch(requests[i])
+        await parked
+
+    tasks = [asyncio.create_task(handler(0)), asyncio.create_task(handler(1))]
+    await asyncio.sleep(0)
+    timer = watches._timer
+    assert timer is not None and len(watches) == 2
+    disconnect.stop(requests[0])  # answered in time: leaves the registry, the timer stays
+    assert watches._timer is timer and len(watches) == 1
+    await asyncio.sleep(0.02)  # the third falls due 20 ms after the second
+    registered = loop.time()
+    tasks.append(asyncio.create_task(handler(2)))
+    await asyncio.sleep(0)
+    for i in (1, 2):
+        await asyncio.wait_for(receives[i].called.wait(), 5)
+        started.append(loop.time())
+    assert receives[0].calls == 0  # never watched
+    assert started[1] - registered >= 0.05 - 1e-3  # not before its own delay
+    assert len(watches) == 0 and watches._timer is None  # nothing left: no timer either
+    for r in requests[1:]:
+        assert disconnect.stop(r) is False
+    parked.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
