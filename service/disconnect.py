@@ -18,8 +18,8 @@ while finishing a request whose client left within the first quarter second cost
 its share of one batch. A client gone later is noticed within the same quarter second.
 Every request waits the same delay, so they fall due in the order they were registered: one
 loop timer serves them all, and a request answered in time leaves with a dict deletion (a
-loop timer of its own, armed and cancelled, measured about 5 us of the loop's CPU per
-request in the server).
+loop timer of its own, armed and cancelled, costs 1.4 us on uvloop in a micro-benchmark,
+more in the server, where each request's turn starts with the caches cold).
 """
 
 from __future__ import annotations
