@@ -285,7 +285,10 @@ def _require_string(spec: InputSpec, typ) -> None:
 
 def count_records(spec: InputSpec) -> int | None:
     """How many records the input holds (for the ETA), or None when it cannot tell cheaply
-    (stdin). Lines are counted in 1 MiB reads; Parquet reads its footer."""
+    (stdin) or at all (a CSV the reader stops on: reading it says why). Parquet reads its
+    footer. JSONL and text count newlines in 1 MiB reads (JSON escapes its own). CSV is counted
+    by the reader the job reads it with, as the job skips blank lines: a quoted field may span
+    lines, so its newlines are no count (measured ~290 MB/s, against ~2 GB/s for newlines)."""
     if spec.path == "-":
         return None
     fmt = spec.format
@@ -293,6 +296,8 @@ def count_records(spec: InputSpec) -> int | None:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(spec.path).metadata.num_rows
+    if fmt == "csv":
+        return _count_csv_records(spec)
     n = 0
     last = b"\n"
     with open(spec.path, "rb") as f:
@@ -300,4 +305,14 @@ def count_records(spec: InputSpec) -> int | None:
             n += chunk.count(b"\n")
             last = chunk[-1:]
     n += last != b"\n"  # a last line without its newline
-    return n - 1 if fmt == "csv" else n
+    return n
+
+
+def _count_csv_records(spec: InputSpec) -> int | None:
+    csv.field_size_limit(_CSV_FIELD_LIMIT)
+    try:
+        with open(spec.path, encoding="utf-8-sig", errors="replace", newline="") as f:
+            records = sum(1 for fields in csv.reader(f) if fields)
+    except (OSError, csv.Error):
+        return None
+    return max(0, records - 1)  # the header is no record

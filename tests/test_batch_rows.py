@@ -174,3 +174,20 @@ def test_an_empty_csv_file_is_a_usage_error(tmp_path):
     (tmp_path / "c.csv").write_bytes(b"")
     with pytest.raises(BatchUsageError, match="not a readable csv file: no header row"):
         InputSpec(str(tmp_path / "c.csv")).check()
+
+
+def test_csv_count_is_the_readers_record_count_not_its_lines(tmp_path):
+    # Quoted fields spanning lines, an escaped quote, a literal quote in an unquoted field
+    # and blank lines: the ETA's count is what the job will read, not the newlines.
+    path = tmp_path / "m.csv"
+    path.write_bytes(
+        b'id,text\r\n1,"first line\nsecond line"\r\n\r\n2,"say ""hi""\n\nbye"\r\n'
+        b'3,5" tall\r\n4,"last\nfield without newline"'
+    )
+    rows = rows_of(path)
+    assert [(r.id, r.error_code) for r in rows] == [("1", None), ("2", None), ("3", None),
+                                                     ("4", None)]
+    assert rows[1].text == 'say "hi"\n\nbye' and rows[2].text == '5" tall'
+    assert count_records(InputSpec(str(path))) == len(rows) == 4
+    path.write_bytes(b"id,text\n")
+    assert count_records(InputSpec(str(path))) == 0
