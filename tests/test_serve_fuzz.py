@@ -246,6 +246,28 @@ def test_a_declared_oversize_body_that_stalls_gets_413_not_408(server):
     assert b"connection: close" in reply.lower()
 
 
+def test_a_streamed_body_over_the_limit_is_read_to_its_end_then_refused(server):
+    """A chunked body has no size to refuse up front: the server reads it to the limit, then
+    drains the rest before its 413, so a client still sending sees the answer, not a reset."""
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    piece = b"a" * 65536
+    chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=REPLY_BOUND_S) as sock:
+        sock.sendall(head + b'b\r\n{"input": "\r\n')
+        for _ in range(4 * 1024 * 1024 // len(piece)):  # 64 x the limit, in 64 KiB chunks
+            sock.sendall(chunk)
+        sock.sendall(b'2\r\n"}\r\n0\r\n\r\n')
+        reply = b""
+        while part := sock.recv(65536):
+            reply += part
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:300]
+    assert b'"code":"request_too_large"' in reply
+
+
 def test_after_all_of_it_the_server_is_healthy_and_no_worker_restarted(server):
     health = server.health()
     assert health["status"] == "ok", health
