@@ -156,11 +156,6 @@ def _pkg_source(pkg: str) -> str:
         return pkg
 
 
-def _clean_tokenizer(src: Path, dst: Path) -> None:
-    """Copy a tokenizer.json without its padding/truncation settings."""
-    dst.write_bytes(_cleaned_tokenizer(src))
-
-
 def _cleaned_tokenizer(src: Path) -> bytes:
     """A tokenizer.json's bytes without its padding/truncation settings.
 
@@ -405,7 +400,7 @@ class ArtifactStore:
             tok_src = path / "tokenizer.json"
             tokenizer = None
             if tok_src.is_file():
-                _clean_tokenizer(tok_src, staging / TOKENIZER_FILE)
+                (staging / TOKENIZER_FILE).write_bytes(_cleaned_tokenizer(tok_src))
                 tokenizer = TOKENIZER_FILE
             digest = sha256_file(artifact)
             write_digest_file(artifact, digest)

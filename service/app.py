@@ -125,14 +125,19 @@ class _RequestMetrics:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.state.metrics.in_flight.dec()
-            path = scope["path"]
-            endpoint = (
-                path
-                if path in ENDPOINTS
-                else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
-            )
-            self.state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
+            _answered(self.state, scope["path"], status, start)
+
+
+def _answered(state: ServerState, path: str, status: int, start: float) -> None:
+    """A request's end in the metrics (both paths in: the middleware and `SynapseApp._post`):
+    out of the in-flight gauge, counted and timed under a bounded endpoint label."""
+    state.metrics.in_flight.dec()
+    endpoint = (
+        path
+        if path in ENDPOINTS
+        else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
+    )
+    state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
 
 
 class _Authenticate:
@@ -233,11 +238,10 @@ class SynapseApp:
 
     async def _post(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         """A POST API route: what the middleware stack does (authentication inside the request
-        metrics), inline. Its path is one of `ENDPOINTS`, so it is its own metrics label."""
-        metrics = self.state.metrics
+        metrics), inline."""
         start = time.perf_counter()
         status = 500
-        metrics.in_flight.inc()
+        self.state.metrics.in_flight.inc()
         try:
             response = _refusal(self.state, scope, self._open_paths)
             if response is None:  # never raises: `_endpoint` answers every error typed
@@ -249,8 +253,7 @@ class SynapseApp:
             )
             await send({"type": "http.response.body", "body": response.body})
         finally:
-            metrics.in_flight.dec()
-            metrics.observe_request(scope["path"], status, time.perf_counter() - start)
+            _answered(self.state, scope["path"], status, start)
 
 
 def create_app(
