@@ -18,21 +18,21 @@ At concurrency 32, use `--requests 1280` or more: the default leaves 60 requests
 under two batches, and the slices' start and end then dominate the figure.
 
 Prints ONE JSON object: embeddings/s and p50/p99 latency per point and server, and the ratios
-`throughput_ratio` (ours / theirs; target >= 2 at concurrency 8 and 32) and `p99_ratio`
-(ours / theirs; target <= 1.2 at concurrency 1). `engine_in_process_ceiling` is the engine's
-own batch-32 vs batch-1 throughput, in-process: the most any batching server can gain over a
-one-request-at-a-time server with the same engine on this machine.
-`synapse_share_of_ceiling` divides our throughput at concurrency >= 8 by the engine's
-in-process batch-32 rate measured right after each of our slices, for as long as the slice
-ran (this machine's speed drifts 10-35% within minutes; a ceiling taken only at the end
-compared a different machine). The end-of-run figure is reported beside it. Our side of each
-point also says where its CPU went per request (`cpu_ms_per_request`: host process, engine
-workers, this load client, all on the same cores) and `engine_share_of_cpu`, the workers'
-part of it: however the work is scheduled, the share of the ceiling stays near or below that
-(above it only as far as the served engine happened to run faster than the in-process one).
-`engine_cores` compares the cores the served engine kept busy with those the in-process engine
-did between the slices: unlike the share, it does not move with the machine's speed, so it
-tells a change in the serving path from drift.
+`throughput_ratio` (ours / theirs; target >= 2 at concurrency 8 and 32) and `p99_ratio` (ours /
+theirs; target <= 1, no worse, at concurrency 1); `targets` says which are met.
+`engine_in_process_ceiling` is the engine's own batch-32 vs batch-1 throughput, in-process: the
+most any batching server can gain over a one-request-at-a-time server with the same engine on
+this machine. `synapse_share_of_ceiling` (target >= 0.9 at 16 tokens, concurrency 32) divides
+our throughput at concurrency >= 8 by the engine's in-process batch-32 rate measured right
+after each of our slices, for as long as the slice ran (this machine's speed drifts 10-35%
+within minutes; a ceiling taken only at the end compared a different machine). The end-of-run
+figure is reported beside it. Our side of each point also says where its CPU went per request
+(`cpu_ms_per_request`: host process, engine workers, this load client, all on the same cores)
+and `engine_share_of_cpu`, the workers' part of it: however the work is scheduled, the share of
+the ceiling stays near or below that (above it only as far as the served engine happened to run
+faster than the in-process one). `engine_cores` compares the cores the served engine kept busy
+with those the in-process engine did between the slices: unlike the share, it does not move
+with the machine's speed, so it tells a change in the serving path from drift.
 """
 
 from __future__ import annotations
@@ -595,9 +595,12 @@ async def _run(args) -> dict:
         "targets": {
             "throughput_ratio_at_concurrency_8_and_32": ">= 2",
             "synapse_share_of_ceiling_16_tokens_concurrency_32": ">= 0.9",
-            "p99_ratio_at_concurrency_1": "<= 1.2",
+            "p99_ratio_at_concurrency_1": "<= 1",
             "throughput_met": all(p["throughput_ratio"] >= 2 for p in high),
-            "p99_met": all(p["p99_ratio"] is not None and p["p99_ratio"] <= 1.2 for p in single),
+            "share_met": of_ceiling["16_tokens_concurrency_32"] >= 0.9
+            if "16_tokens_concurrency_32" in of_ceiling
+            else None,
+            "p99_met": all(p["p99_ratio"] is not None and p["p99_ratio"] <= 1 for p in single),
         },
     }
 
