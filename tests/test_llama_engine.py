@@ -152,7 +152,9 @@ def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
 
 def test_encode_streams_split_decodes_without_changing_vectors(engine, store, tokenizer) -> None:
     # Two single-threaded contexts share the weights and take decodes off one queue. With the
-    # 60-token context the packing is the same either way, so the vectors are exactly equal.
+    # 60-token context the packing is the same either way, so the vectors agree to float
+    # rounding: exactly on some CPUs, within 7.2e-5 on an AVX-512 AMD EPYC, whose BLAS
+    # kernels sum in another order when a matmul is split over two threads.
     path = store.get("minilm-l6-v2-f32").artifact_path
     small = {"n_batch": 60, "n_ubatch": 60, "n_seq_max": 3}  # many decodes
     one = _load(engine, path, "mini-1stream", encode_streams=1, **small).model_ref
@@ -170,7 +172,7 @@ def test_encode_streams_split_decodes_without_changing_vectors(engine, store, to
         alone = _embed(engine, one, seqs)
         split = _embed(engine, two, seqs, progress=progress)
         assert progress.completed == len(plan_decodes([len(s) for s in seqs], 60, 3)) > 4
-        np.testing.assert_array_equal(split, alone)
+        np.testing.assert_allclose(split, alone, atol=2e-4)
     finally:
         for ref in (one, two):
             engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
