@@ -29,11 +29,13 @@ from workers.llama.engine import (
     ENC_DECODE_TOKENS,
     ENC_DECODE_TOKENS_BLAS,
     UNSAFE_ENV,
+    WIDE_DECODE_MIN_TOKENS,
     LlamaEngine,
     pack,
     plan_decodes,
     registered_backends,
     sha256_file,
+    wide_decode,
 )
 from workers.protocol import messages as m
 
@@ -199,6 +201,52 @@ def test_a_decode_failing_in_one_stream_fails_the_request_typed(
         np.testing.assert_array_equal(_embed(engine, ref, seqs), good)
     finally:
         engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
+
+
+def test_a_lone_long_decode_runs_with_every_thread_then_gives_them_back(
+    engine, store, tokenizer, monkeypatch
+) -> None:
+    # A request that is one decode would leave the second stream idle: from
+    # WIDE_DECODE_MIN_TOKENS tokens on it runs with both threads on the first context, which
+    # gets its one thread back afterwards, also when the decode fails. Shorter ones, and
+    # requests of several decodes, keep one thread per context.
+    path = store.get("minilm-l6-v2-f32").artifact_path
+    one = _load(engine, path, "mini-wide-1stream", encode_streams=1).model_ref
+    two = _load(engine, path, "mini-wide-2streams").model_ref
+    mdl = engine._models[two]
+    threads_seen: list[int] = []
+    decode = engine._decode
+
+    def watched(slot) -> None:  # the real decode, with the threads it was given noted
+        threads_seen.append(llama_cpp.llama_n_threads(slot.ctx))
+        decode(slot)
+
+    monkeypatch.setattr(engine, "_decode", watched)
+    long = tokenizer.encode(" ".join(SENTENCES * 4)).ids
+    short = tokenizer.encode("hello there").ids
+    assert len(long) >= WIDE_DECODE_MIN_TOKENS > len(short)
+    try:
+        assert wide_decode(mdl, [len(long)]) and not wide_decode(mdl, [len(short)])
+        assert not wide_decode(engine._models[one], [len(long)])  # one context: nothing idles
+        wide = _embed(engine, two, [long])
+        assert threads_seen == [THREADS]
+        threads_seen.clear()
+        _embed(engine, two, [short])
+        _embed(engine, two, [long, long])  # two decodes, one per stream
+        assert threads_seen == [1, 1, 1]
+        assert llama_cpp.llama_n_threads(mdl.slots[0].ctx) == 1
+        # The same vector to float rounding (see the test above).
+        np.testing.assert_allclose(wide, _embed(engine, one, [long]), atol=2e-4)
+        bad = list(long)
+        bad[1] = 10**6  # past the vocabulary: llama.cpp refuses the decode (validation off)
+        monkeypatch.setenv(UNSAFE_ENV, "1")
+        with pytest.raises(EngineError):
+            _embed(engine, two, [bad])
+        assert llama_cpp.llama_n_threads(mdl.slots[0].ctx) == 1
+        assert llama_cpp.llama_n_threads_batch(mdl.slots[0].ctx) == 1
+    finally:
+        for ref in (one, two):
+            engine.unload(m.UNLOAD(req_id=9, model_ref=ref), NullProgress())
 
 
 def test_encode_streams_apply_to_encoders_only(engine, store) -> None:

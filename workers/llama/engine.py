@@ -81,6 +81,12 @@ ENC_DECODE_TOKENS = 128
 # loses: MiniLM f32, 2 single-threaded streams, OpenBLAS, same sentences: 128 -> 64-69,
 # 256 -> 79.5, 384 -> 80.6, 512 -> 67-77 sentences/s (not measured on a Mac).
 ENC_DECODE_TOKENS_BLAS = 256
+# A request that is one decode (a lone input, at concurrency 1) would leave every stream but one
+# idle, so it runs with all the threads when it is long enough to gain from them. Measured on
+# MiniLM f32, 2 cores, one decode in-process, 2 threads against 1: 8 tokens 1.77x the time,
+# 16 1.38-1.49x (a barrier per op costs more than it splits), 32 0.75-0.84x, 64 0.70x,
+# 128 0.66x, 256 0.64x, 510 0.62-0.71x.
+WIDE_DECODE_MIN_TOKENS = 32
 # Small decodes come fast: report PROGRESS (the watchdog's heartbeat, one host wakeup each) at
 # most this often rather than per decode, so the host does not steal the cores per decode.
 _PROGRESS_EVERY_S = 0.25
@@ -169,6 +175,9 @@ class _Model:
     arch: str
     device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
+    # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
+    stream_threads: tuple[int, int] = (1, 1)
+    all_threads: tuple[int, int] = (1, 1)
 
     @property
     def item_limit(self) -> int:
@@ -223,6 +232,17 @@ def plan_decodes(
         budget = min(budget, -(-total // decodes) + max(lengths) - 1)
     groups = pack([lengths[i] for i in order], budget, max_seqs)
     return [[order[j] for j in group] for group in groups]
+
+
+def wide_decode(mdl: _Model, lengths: list[int]) -> bool:
+    """Whether a request that is this one decode runs with all the model's threads on its first
+    slot: only when the other slots would idle and it has enough tokens to gain (see
+    WIDE_DECODE_MIN_TOKENS)."""
+    return (
+        len(mdl.slots) > 1
+        and mdl.all_threads != mdl.stream_threads
+        and sum(lengths) >= WIDE_DECODE_MIN_TOKENS
+    )
 
 
 def pack(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
@@ -610,6 +630,8 @@ class LlamaEngine(Engine):
             pool=ThreadPoolExecutor(streams, thread_name_prefix=f"encode-{ref}")
             if streams > 1
             else None,
+            stream_threads=(cparams.n_threads, cparams.n_threads_batch),
+            all_threads=(threads, cfg.n_threads_batch or threads),
         )
 
     @staticmethod
@@ -671,7 +693,8 @@ class LlamaEngine(Engine):
         With several slots, each slot's thread takes the next decode off a shared queue
         (llama_decode releases the GIL), so one request's decodes run on every core; the
         calling thread only reports PROGRESS and collects failures. Which slot runs a decode
-        does not change its numbers (only how sequences are packed can, by float rounding).
+        does not change its numbers; how sequences are packed can, by float rounding, and so
+        can a request of one decode, which runs with every thread (`wide_decode`).
         """
         width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
         out = np.empty((len(seqs), width), dtype=np.float32)
@@ -680,11 +703,19 @@ class LlamaEngine(Engine):
             [len(s) for s in seqs], budget, mdl.n_seq_max, self._decode_tokens, len(mdl.slots)
         )
         if mdl.pool is None or len(groups) == 1:
-            reporter = _ProgressThrottle(progress)
-            for group in groups:
-                self._encode_group(mdl, mdl.slots[0], seqs, group, out)
-                reporter.done(1)
-            reporter.flush()
+            slot = mdl.slots[0]
+            wide = wide_decode(mdl, [len(seqs[i]) for i in groups[0]]) if groups else False
+            if wide:
+                llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
+            try:
+                reporter = _ProgressThrottle(progress)
+                for group in groups:
+                    self._encode_group(mdl, slot, seqs, group, out)
+                    reporter.done(1)
+                reporter.flush()
+            finally:
+                if wide:
+                    llama_cpp.llama_set_n_threads(slot.ctx, *mdl.stream_threads)
             return out
         todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         for group in groups:
