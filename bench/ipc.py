@@ -147,7 +147,10 @@ async def _measure(lane: Lane, raw: RawEcho, pings: int, repeats: int) -> dict:
         assert np.array_equal(back.view(np.int32).reshape(-1), ids), "echo corrupted the payload"
         raw.roundtrip_payload(payload)
         lane_t, raw_t, fresh_t = [], [], []
-        for _ in range(max(repeats, 64 // mib)):  # small payloads: more samples, less noise
+        # Small payloads: more samples. 16 MiB as well: on a VM a lone round trip there can
+        # stall 5-10x on fresh pages (3.6 ms steady, 26-39 ms seen), and 5 samples let two
+        # such stalls set the median.
+        for _ in range(max(repeats, 256 // mib)):
             t = time.perf_counter()
             await lane.request(req, ids)
             lane_t.append(time.perf_counter() - t)
