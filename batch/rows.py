@@ -176,11 +176,8 @@ def _check_text(line: int, row_id: str, text: str) -> Row:
 
 
 def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[Row]:
-    # Any field length: an over-long text is the admission's to refuse, as a row error (the
-    # reader's default cap of 128 KiB would end the file there instead).
-    csv.field_size_limit(_CSV_FIELD_LIMIT)
     try:
-        f = open(spec.path, encoding="utf-8-sig", errors="replace", newline="")  # noqa: SIM115
+        f = _open_csv(spec.path)
     except OSError as exc:
         raise BatchUsageError(f"{spec.path}: not a readable csv file: {exc.strerror}") from None
     with f:
@@ -212,6 +209,15 @@ def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[R
 
 
 _CSV_FIELD_LIMIT = 2**31 - 1  # the largest the reader takes on every platform (a C long)
+
+
+def _open_csv(path: str):
+    """A CSV file opened as the job reads it (and counts it): BOM dropped, undecodable bytes
+    replaced, newlines left to the reader. Any field length: an over-long text is the
+    admission's to refuse, as a row error (the reader's default cap of 128 KiB would end the
+    file there instead)."""
+    csv.field_size_limit(_CSV_FIELD_LIMIT)
+    return open(path, encoding="utf-8-sig", errors="replace", newline="")  # noqa: SIM115
 
 
 def _parquet_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[Row]:
@@ -309,9 +315,8 @@ def count_records(spec: InputSpec) -> int | None:
 
 
 def _count_csv_records(spec: InputSpec) -> int | None:
-    csv.field_size_limit(_CSV_FIELD_LIMIT)
     try:
-        with open(spec.path, encoding="utf-8-sig", errors="replace", newline="") as f:
+        with _open_csv(spec.path) as f:
             records = sum(1 for fields in csv.reader(f) if fields)
     except (OSError, csv.Error):
         return None
