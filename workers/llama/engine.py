@@ -238,11 +238,7 @@ def wide_decode(mdl: _Model, lengths: list[int]) -> bool:
     """Whether a request that is this one decode runs with all the model's threads on its first
     slot: only when the other slots would idle and it has enough tokens to gain (see
     WIDE_DECODE_MIN_TOKENS)."""
-    return (
-        len(mdl.slots) > 1
-        and mdl.all_threads != mdl.stream_threads
-        and sum(lengths) >= WIDE_DECODE_MIN_TOKENS
-    )
+    return len(mdl.slots) > 1 and sum(lengths) >= WIDE_DECODE_MIN_TOKENS
 
 
 def pack(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
@@ -704,7 +700,7 @@ class LlamaEngine(Engine):
         )
         if mdl.pool is None or len(groups) == 1:
             slot = mdl.slots[0]
-            wide = wide_decode(mdl, [len(seqs[i]) for i in groups[0]]) if groups else False
+            wide = bool(groups) and wide_decode(mdl, [len(seqs[i]) for i in groups[0]])
             if wide:
                 llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
             try:
