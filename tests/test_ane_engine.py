@@ -440,3 +440,25 @@ def test_a_model_with_fewer_positions_loads_with_the_default_shapes(tmp_path: Pa
         assert sorted(engine.loaded_shapes()) == ["4x64", "8x64"]
     finally:
         engine.close()
+
+
+def test_a_compiled_form_the_runtime_cannot_open_is_a_typed_compile_failure(monkeypatch) -> None:
+    # Core ML's native loader raises bare RuntimeErrors (this one is macOS 14's answer to a
+    # function name): admission answers compile_failed and the engine keeps serving.
+    engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED])
+
+    def native_open_fails(self, compiled_dir):
+        raise RuntimeError("The 'functionName' property can only be set on macOS >= 15.0")
+
+    monkeypatch.setattr(ReferenceBackend, "open", native_open_fails)
+    try:
+        with pytest.raises(EngineError) as e:
+            engine.admit_shape(m.ADMIT_SHAPE(req_id=14, model_ref="minilm", rows=1, seq_len=16),
+                               NullProgress())
+        assert e.value.code == "compile_failed"
+        assert "opening the compiled form failed" in e.value.msg
+        assert "RuntimeError: The 'functionName' property" in e.value.msg
+        assert engine.loaded_shapes() == ["4x256"]
+        assert _embed(engine, [h.encode("still serving")]).shape == (1, 384)
+    finally:
+        engine.close()

@@ -8,8 +8,9 @@ is opened. The compiled form is the second kind of compile-cache entry (`compile
   `CompiledMLModel(compute_units=...)`; placement from Core ML's `MLComputePlan`.
 
 A backend: `name`, `compiled_kind`, `warms_up` (whether admission runs one prediction after
-opening: Core ML compiles for the Neural Engine on the first one; numpy has nothing to
-compile, so the reference backend skips it), `compiled_key_fields()` (what the compiled form
+opening: Core ML compiles for the Neural Engine while it opens the model, and the first
+prediction still allocates and finishes lazy set-up; numpy has neither, so the reference
+backend skips it), `compiled_key_fields()` (what the compiled form
 depends on beyond the package), `compile(package, out_dir)`, `open(compiled_dir)`.
 """
 
@@ -30,6 +31,11 @@ BACKENDS = ("reference", "coreml")
 
 class BackendUnavailable(Exception):
     """The backend cannot run on this platform."""
+
+
+class BackendOpenFailed(Exception):
+    """A compiled form could not be opened or warmed up (Core ML's native errors arrive as
+    bare Exception/RuntimeError): the engine answers `compile_failed` and keeps serving."""
 
 
 class ShapeRunner(Protocol):

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from compile_cache import CompileCache, Entry, EntryEvicted, Lease, make_key
-from workers.ane.backends import Backend, ShapeRunner
+from workers.ane.backends import Backend, BackendOpenFailed, ShapeRunner
+from workers.ane.executor import UnsupportedOp
 from workers.ane.identity import (
     DEPLOYMENT_TARGET,
     KERNEL_REVISION,
@@ -37,6 +38,7 @@ from workers.ane.identity import (
     coremltools_version,
 )
 from workers.ane.manifest import Manifest
+from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
 
 PACKAGE_NAME = "model.mlpackage"
@@ -70,7 +72,7 @@ class AdmitTimings:
     build_ms: float = 0.0  # graph + convert + save of the package (0 when it was cached)
     compile_ms: float = 0.0  # package -> compiled form (0 on a compiled hit)
     load_ms: float = 0.0  # opening the compiled form
-    warmup_ms: float = 0.0  # the first prediction (where the Neural Engine compiles)
+    warmup_ms: float = 0.0  # the first prediction (buffers, lazy set-up; Core ML compiles at load)
 
 
 @dataclass
@@ -171,10 +173,16 @@ def admit(
                 runner.run(warmup_feeds)
                 timings.warmup_ms = (time.perf_counter() - start) * 1e3
                 stage("warmed")
-        except BaseException:
+        except BaseException as e:
             if "runner" in locals():
                 runner.close()
             lease.release()
+            if isinstance(e, Exception) and not isinstance(
+                    e, (BackendOpenFailed, ProgramFormatError, UnsupportedOp, OSError)):
+                # Whatever a native runtime raises while opening or warming up is a typed
+                # failure of this shape, never an untyped crash of the exchange.
+                raise BackendOpenFailed(f"{backend.name} backend, shape {shape.id}: "
+                                        f"{type(e).__name__}: {e}") from e
             raise
         return CompiledShape(shape=shape, entry=entry, lease=lease, runner=runner,
                              cache_hit=not package_hit,

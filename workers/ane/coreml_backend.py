@@ -2,7 +2,9 @@
 Core ML's compute plan where it runs.
 
     compile: coremltools.models.utils.compile_model(<.mlpackage>) -> <.mlmodelc>
-    open:    ct.models.CompiledMLModel(<.mlmodelc>, compute_units=...)   (no recompilation)
+    open:    ct.models.CompiledMLModel(<.mlmodelc>, **coreml_args.compiled_model_arguments(...))
+             (no recompilation; a function name only for multifunction packages: see
+             coreml_args, since Core ML takes one only on macOS >= 15)
     placement: MLComputePlan.load_from_path(<.mlmodelc>) -> compute_plan.share (macOS >= 14.4;
              older systems report the static estimate, labelled "estimate")
 
@@ -12,12 +14,14 @@ Import this module only on macOS (`backends.open_backend` does): coremltools' na
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from workers.ane import apple_device, compute_plan, placement, program_ir
+from workers.ane import apple_device, compute_plan, coreml_args, placement, program_ir
+from workers.ane.backends import BackendOpenFailed
 from workers.ane.ct_quiet import ct
 
 if sys.platform != "darwin":  # fail at import, not halfway through a request
@@ -29,51 +33,63 @@ from coremltools.models.compute_device import (  # noqa: E402
 )
 from coremltools.models.compute_plan import MLComputePlan  # noqa: E402
 
-COMPUTE_UNITS = {
-    "cpu_and_ne": ct.ComputeUnit.CPU_AND_NE,
-    "cpu_only": ct.ComputeUnit.CPU_ONLY,
-    "cpu_and_gpu": ct.ComputeUnit.CPU_AND_GPU,
-    "all": ct.ComputeUnit.ALL,
-}
+COMPUTE_UNITS = {ours: getattr(ct.ComputeUnit, member)
+                 for ours, member in coreml_args.COMPUTE_UNIT_MEMBERS.items()}
 COMPUTE_PLAN_MIN_MACOS = (14, 4)
 COMPILED_NAME = "model.mlmodelc"
 # The op list (no weights) of the package, kept beside the compiled model: the static
 # estimate's input on systems without MLComputePlan.
 OPS_NAME = "ops"
+# The package's function names, recorded at compile time: whether opening needs a name.
+FUNCTIONS_NAME = "functions.json"
 
 
 class CoreMLBackend:
     name = "coreml"
     compiled_kind = "mlmodelc"
-    warms_up = True  # the first prediction is where the Neural Engine compiles
+    # Core ML compiles for the Neural Engine while it loads the model (load_ms); the first
+    # prediction still allocates its buffers and finishes lazy set-up, which one warm-up
+    # prediction at admission keeps off the first caller (warmup_ms).
+    warms_up = True
 
     def __init__(self, compute_units: str) -> None:
         self.compute_units = compute_units
 
     def compiled_key_fields(self) -> dict[str, str]:
-        # A compiled model belongs to one OS build (the Core ML compiler ships with macOS).
-        return {"macos_build": apple_device.macos_build() or "unknown"}
+        # A compiled model belongs to one OS build (the Core ML compiler ships with macOS);
+        # "layout" 2 entries carry the function list beside the compiled model.
+        return {"macos_build": apple_device.macos_build() or "unknown", "layout": "2"}
 
     def compile(self, package: Path, out_dir: Path) -> None:
         from workers.ane.executor import load_package_program
 
         ct.models.utils.compile_model(str(package), destination_path=str(out_dir / COMPILED_NAME))
-        program_ir.save(program_ir.from_mil(load_package_program(package)), out_dir / OPS_NAME,
-                        weights=False)
+        prog = load_package_program(package)
+        program_ir.save(program_ir.from_mil(prog), out_dir / OPS_NAME, weights=False)
+        (out_dir / FUNCTIONS_NAME).write_text(json.dumps(list(prog.functions)))
 
     def open(self, compiled_dir: Path) -> CoreMLRunner:
         return CoreMLRunner(compiled_dir, self.compute_units)
 
 
 class CoreMLRunner:
-    def __init__(self, compiled_dir: Path, compute_units: str, function_name: str = "main"):
+    def __init__(self, compiled_dir: Path, compute_units: str, function_name: str | None = None):
         self.path = compiled_dir / COMPILED_NAME
         self.ops_dir = compiled_dir / OPS_NAME
         self.compute_units = compute_units
-        self.function_name = function_name
-        self.model = ct.models.CompiledMLModel(
-            str(self.path), compute_units=COMPUTE_UNITS[compute_units],
-            function_name=function_name)
+        try:
+            functions = json.loads((compiled_dir / FUNCTIONS_NAME).read_text())
+            args = coreml_args.compiled_model_arguments(
+                compute_units, functions, function_name, apple_device.macos_version())
+        except (OSError, ValueError) as e:
+            raise BackendOpenFailed(f"{compiled_dir}: {e}") from e
+        self.function_name = args.get("function_name", functions[0])
+        try:
+            self.model = ct.models.CompiledMLModel(
+                str(self.path),
+                compute_units=getattr(ct.ComputeUnit, args.pop("compute_units")), **args)
+        except Exception as e:  # coremltools raises bare Exception/RuntimeError from native code
+            raise BackendOpenFailed(f"Core ML could not open {self.path}: {e}") from e
         self._placement: tuple[float, str] | None = None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
