@@ -51,7 +51,7 @@ from host.errors import (
     WorkerDied,
     WorkerError,
 )
-from host.permits import DevicePermits
+from host.permits import DevicePermits, Permit
 from host.worker import WorkerHandle, spawn_worker
 from workers.protocol import messages as m
 from workers.protocol import payloads
@@ -87,7 +87,7 @@ class _Held:
 
     __slots__ = ("stream", "permit")
 
-    def __init__(self, stream: asyncio.Lock, permit: asyncio.Semaphore | None) -> None:
+    def __init__(self, stream: asyncio.Lock, permit: Permit | None) -> None:
         self.stream, self.permit = stream, permit
 
     def release(self) -> None:
@@ -246,7 +246,7 @@ class Lane:
         worker: WorkerHandle,
         message: object,
         raw: memoryview | None,
-        permit: asyncio.Semaphore | None,
+        permit: Permit | None,
     ):
         """The fast path (see the module docstring): the caller's task does the exchange.
         None: the lane changed while this task waited for the stream (a woken waiter ran

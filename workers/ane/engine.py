@@ -29,8 +29,9 @@ PONG carries the worker's compile-cache hits, misses and the cache's total bytes
 Error mapping: manifest problems -> `artifact_invalid` (or `unsupported` for a model the builder
 does not implement); bad runtime_config -> `config_invalid`; a shape over the configured
 limits or no loaded shape that fits an item -> `shape_unsupported`; a failed conversion, or an
-op the backend cannot execute (`UnsupportedOp`) -> `compile_failed` naming it. After any of
-these the engine keeps serving.
+op the backend cannot execute (`UnsupportedOp`), or a compiled form the backend cannot open
+or warm up (`BackendOpenFailed`: Core ML's native errors) -> `compile_failed` naming it. After
+any of these the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ import numpy as np
 
 from compile_cache import CompileCache, CompileCacheError, default_root
 from compile_cache.paths import default_budget
-from workers.ane.backends import Backend, BackendUnavailable, default_backend, open_backend
+from workers.ane.backends import (
+    Backend,
+    BackendOpenFailed,
+    BackendUnavailable,
+    default_backend,
+    open_backend,
+)
 from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import CompiledShape, admit
 from workers.ane.config import (
@@ -59,6 +66,7 @@ from workers.ane.config import (
     parse_runtime_config,
     resolve_compute_units,
 )
+from workers.ane.coreml_args import lane_device
 from workers.ane.executor import PackageError, UnsupportedOp
 from workers.ane.identity import KERNEL_REVISION, coremltools_version
 from workers.ane.manifest import FORMAT, Manifest, ManifestError, load_manifest
@@ -81,6 +89,7 @@ class _Model:
     backend: Backend
     cache: CompileCache
     shapes: OrderedDict[str, CompiledShape]  # least recently used first
+    device: str = "ane"  # what LOADED names: "ane+gpu" when Core ML may use the GPU too
 
 
 @dataclass
@@ -210,7 +219,7 @@ class AneEngine(Engine):
         if self._model is not None:
             if self._model.ref == ref and self._model.manifest.digest == manifest.digest:
                 return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
-                                cold_load_ms=0.0)
+                                cold_load_ms=0.0, device=self._model.device)
             raise EngineError("invalid_request",
                               f"one model per Core ML worker: unload {self._model.ref!r} first")
         phases = _Forward(progress, ("setup", "control"))
@@ -225,7 +234,8 @@ class AneEngine(Engine):
             cache = CompileCache(root, budget_bytes=default_budget() if budget is None else budget)
         except (CompileCacheError, OSError) as e:
             raise EngineError("config_invalid", f"compile cache at {root}: {e}") from None
-        model = _Model(ref, manifest, config, backend, cache, OrderedDict())
+        model = _Model(ref, manifest, config, backend, cache, OrderedDict(),
+                       lane_device(compute_units))
         self._model = model
         try:
             for shape in self._initial_shapes(model):
@@ -234,7 +244,7 @@ class AneEngine(Engine):
             self._drop_model()
             raise
         return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
-                        cold_load_ms=(time.perf_counter() - start) * 1e3)
+                        cold_load_ms=(time.perf_counter() - start) * 1e3, device=model.device)
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
         self._require(req.model_ref)
@@ -327,6 +337,9 @@ class AneEngine(Engine):
             raise EngineError("compile_failed", f"shape {shape.id}: the {name} backend "
                               f"cannot execute op {e.op_type}"
                               + (f" ({e.detail})" if e.detail else "")) from None
+        except BackendOpenFailed as e:
+            raise EngineError("compile_failed", f"shape {shape.id}: opening the compiled form "
+                              f"failed: {e}") from None
         except (PackageError, ProgramFormatError, BackendUnavailable, OSError) as e:
             raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
         stats = self.cache_stats
