@@ -18,15 +18,17 @@ from certification.lane_client import llama_identity
 from host.config import HostConfig
 from host.errors import WorkerError
 from host.module import Module, ModuleConfig, permit_for
-from workers.cpus import usable_cpu_count
+from workers.cpus import performance_cores, usable_cpu_count
 from workers.llama.device import (
     ALL_LAYERS,
     GPU_LAYERS_ENV,
+    backends,
     describe_build,
     offload_device,
     parse_gpu_layers,
     resolve_gpu_layers,
 )
+from workers.llama.engine import context_params, model_params
 
 MODEL = "minilm-l6-v2"
 BUILD_OFFLOADS = bool(llama_cpp.llama_supports_gpu_offload())
@@ -70,8 +72,36 @@ def test_offload_device_is_named_from_the_backend_list():
     assert offload_device("MTL : EMBED_LIBRARY = 1 | CPU : NEON = 1 | ", True) == "metal"
     assert offload_device("BLAS : ACCELERATE = 1 | Metal : EMBED_LIBRARY = 1 | ", True) == "metal"
     assert offload_device("CUDA : ARCHS = 890 | CPU : AVX2 = 1 | ", True) == "cuda"
-    assert offload_device(SYSTEM_INFO, True) == "gpu"  # a CPU list: offload to an unnamed GPU
-    assert describe_build("0.3.36", SYSTEM_INFO) == "llama-cpp-python 0.3.36, backends: CPU"
+    assert offload_device("CPU : AVX2 = 1 | ", True) == "gpu"  # offloads to an unnamed GPU
+    # This build's own list: "CPU" here; "MTL, CPU" (Metal) with llama-cpp-python on a Mac,
+    # where it forces GGML_METAL. Expectations follow the backends actually present.
+    present = backends(SYSTEM_INFO)
+    assert "CPU" in present
+    gpus = [b for b in present if b.lower() not in ("cpu", "blas", "amx", "rpc")]
+    assert offload_device(SYSTEM_INFO, True) == (
+        {"mtl": "metal", "metal": "metal"}.get(gpus[0].lower(), gpus[0].lower()) if gpus
+        else "gpu")
+    if sys.platform == "darwin":
+        assert gpus and gpus[0].lower() in ("mtl", "metal"), present
+    assert describe_build("0.3.36", SYSTEM_INFO) == (
+        f"llama-cpp-python 0.3.36, backends: {', '.join(present)}")
+    assert describe_build("0.3.36", "CPU : AVX2 = 1 | ") == "llama-cpp-python 0.3.36, backends: CPU"
+
+
+def test_a_cpu_lane_lists_no_gpu_device_and_offloads_no_op():
+    # llama.cpp keeps every GPU in model->devices unless split_mode is NONE and main_gpu < 0,
+    # and op_offload hands large host-weight matmuls to a GPU: a CPU lane must say all three.
+    cpu = model_params(0)
+    assert (cpu.n_gpu_layers, cpu.split_mode, cpu.main_gpu) == (0, llama_cpp.LLAMA_SPLIT_MODE_NONE,
+                                                               -1)
+    assert context_params(offloaded=False).op_offload is False
+    gpu = model_params(ALL_LAYERS)
+    default = llama_cpp.llama_model_default_params()
+    assert gpu.n_gpu_layers == ALL_LAYERS
+    assert (gpu.split_mode, gpu.main_gpu) == (default.split_mode, default.main_gpu)
+    assert context_params(offloaded=True).op_offload is True  # llama.cpp's default, kept
+    assert model_params(0, use_mmap=False).load_mode == llama_cpp.LLAMA_LOAD_MODE_NONE
+    assert model_params(0).load_mode == llama_cpp.LLAMA_LOAD_MODE_MMAP
 
 
 def test_permit_kind_follows_the_device():
@@ -85,7 +115,22 @@ def test_thread_count_falls_back_where_there_is_no_affinity(monkeypatch):
     if hasattr(os, "sched_getaffinity"):
         assert usable_cpu_count() == len(os.sched_getaffinity(0))
         monkeypatch.delattr(os, "sched_getaffinity")  # as on macOS
-    assert usable_cpu_count() == (os.cpu_count() or 1)
+    if sys.platform == "darwin":  # Apple silicon: the performance cores, where it says
+        import subprocess
+
+        perf = subprocess.run(["sysctl", "-n", "hw.perflevel0.physicalcpu"],
+                              capture_output=True, text=True).stdout.strip()
+        assert usable_cpu_count() == (int(perf) if perf.isdigit() else os.cpu_count())
+        assert usable_cpu_count() <= (os.cpu_count() or 1)
+    else:
+        assert usable_cpu_count() == (os.cpu_count() or 1)
+
+
+def test_performance_cores_are_read_from_sysctl_or_not_at_all():
+    assert performance_cores("8\n") == 8 and performance_cores("4") == 4
+    # Intel Macs and older macOS have no perflevel keys: the core count is used instead.
+    for missing in ("", None, "0", "sysctl: unknown oid 'hw.perflevel0.physicalcpu'"):
+        assert performance_cores(missing) is None
 
 
 # ---- through real workers ---------------------------------------------------------------------
@@ -161,7 +206,7 @@ async def test_identity_differs_by_device(store_root, short_runtime_dir):
     assert LaneIdentity.from_mapping(MODEL, "llama", {"device": "metal"}).device == "metal"
 
 
-# ---- macOS: Metal really used (the macos-14 CI job; never faked here) -------------------------
+# ---- macOS: Metal really used (on a Mac with a usable GPU; never faked here) ----------------
 
 
 async def test_metal_offload_is_used_and_agrees_with_the_cpu(store_root, short_runtime_dir):

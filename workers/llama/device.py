@@ -52,6 +52,30 @@ def describe_build(version: str, system_info: str) -> str:
     return f"llama-cpp-python {version}, backends: {', '.join(backends(system_info)) or '?'}"
 
 
+# llama.cpp's LLAMA_SPLIT_MODE_NONE (llama.h); device.py stays free of llama_cpp imports.
+SPLIT_MODE_NONE = 0
+
+
+def model_param_fields(gpu_layers: int) -> dict[str, int]:
+    """What `llama_model_params` must say for a lane of `gpu_layers` layers.
+
+    n_gpu_layers = 0 alone does not keep llama.cpp off the GPU: it still lists every GPU
+    device in `model->devices` unless split_mode is NONE and main_gpu < 0 (llama.cpp's
+    llama_model_load), and each context then opens a backend per device. A CPU lane (0
+    layers) therefore clears the device list; an offloaded lane keeps llama.cpp's defaults.
+    """
+    if gpu_layers == 0:
+        return {"n_gpu_layers": 0, "split_mode": SPLIT_MODE_NONE, "main_gpu": -1}
+    return {"n_gpu_layers": gpu_layers}
+
+
+def context_param_fields(offloaded: bool) -> dict[str, bool]:
+    """What `llama_context_params` must say: with op_offload (llama.cpp's default) the
+    scheduler hands a matmul of >= 32 rows whose weights sit in host memory to a GPU backend
+    (Metal's f32 matmul runs with half operands), so a CPU lane turns it off."""
+    return {} if offloaded else {"op_offload": False}
+
+
 def parse_gpu_layers(text: str) -> GpuLayers:
     """`SYNAPSE_LLAMA_GPU_LAYERS`: "auto" or an integer >= 0; anything else is ValueError."""
     value = text.strip().lower()

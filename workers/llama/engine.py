@@ -42,8 +42,10 @@ from workers.engine import Engine, EngineError, Generation, Progress
 from workers.llama import cpu_quirks
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.device import (
+    context_param_fields,
     describe_build,
     env_gpu_layers,
+    model_param_fields,
     offload_device,
     resolve_gpu_layers,
 )
@@ -190,6 +192,27 @@ class _Model:
         for slot in self.slots:
             slot.free()
         llama_cpp.llama_model_free(self.model)
+
+
+def model_params(gpu_layers: int, use_mmap: bool = True) -> llama_cpp.llama_model_params:
+    """The model params a lane of `gpu_layers` layers loads with: the extra-buffer-type policy
+    (AMX: see workers/llama/cpu_quirks.py), the device fields (a CPU lane lists no GPU
+    device: see workers/llama/device.py) and the load mode."""
+    params = cpu_quirks.model_params()
+    for name, value in model_param_fields(gpu_layers).items():
+        setattr(params, name, value)
+    params.load_mode = (
+        llama_cpp.LLAMA_LOAD_MODE_MMAP if use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
+    )
+    return params
+
+
+def context_params(offloaded: bool) -> llama_cpp.llama_context_params:
+    """llama.cpp's default context params with the device fields (a CPU lane offloads no op)."""
+    params = llama_cpp.llama_context_default_params()
+    for name, value in context_param_fields(offloaded).items():
+        setattr(params, name, value)
+    return params
 
 
 def _batch_views(b: llama_cpp.llama_batch, n: int) -> tuple[np.ndarray, ...]:
@@ -502,13 +525,9 @@ class LlamaEngine(Engine):
 
     def _load_model(self, path: str, cfg: RuntimeConfig, gpu_layers: int) -> ctypes.c_void_p:
         try:
-            mparams = cpu_quirks.model_params()  # AMX: see workers/llama/cpu_quirks.py
+            mparams = model_params(gpu_layers, cfg.use_mmap)
         except ValueError as e:
             raise EngineError("config_invalid", str(e)) from e
-        mparams.n_gpu_layers = gpu_layers
-        mparams.load_mode = (
-            llama_cpp.LLAMA_LOAD_MODE_MMAP if cfg.use_mmap else llama_cpp.LLAMA_LOAD_MODE_NONE
-        )
         model = llama_cpp.llama_model_load_from_file(path.encode("utf-8"), mparams)
         if not model:
             raise EngineError("artifact_invalid", f"llama.cpp could not load {path} (see log)")
@@ -572,7 +591,7 @@ class LlamaEngine(Engine):
 
         threads = cfg.n_threads or usable_cpu_count()
         streams = _encode_streams(cfg, encoder, offloaded, threads)
-        cparams = llama_cpp.llama_context_default_params()
+        cparams = context_params(offloaded)
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_ubatch
