@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 
 from host.errors import ConfigInvalid
+from workers.cpus import usable_cpu_count
 from workers.protocol.messages import DEFAULT_MAX_FRAME
 
 _LANE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
@@ -56,7 +57,7 @@ class HostConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def permits(self) -> dict[str, int]:
         # The ANE runs one inference at a time, and so does the GPU (on Apple silicon one
         # device shared by every offloaded llama.cpp lane); CPU permits match the cores.
-        return {"ane": 1, "gpu": 1, "cpu": os.cpu_count() or 1, **self.device_permits}
+        return {"ane": 1, "gpu": 1, "cpu": usable_cpu_count(), **self.device_permits}
 
 
 class LaneConfig(msgspec.Struct, kw_only=True):

@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "compile_cache": set(),
     "workers": {"formats", "compile_cache"},
     "ingest": {"formats"},
-    "host": {"workers.protocol", "ingest", "formats"},
+    # workers.cpus: the standard-library CPU count both sides plan threads with.
+    "host": {"workers.protocol", "workers.cpus", "ingest", "formats"},
     "certification": {"host", "ingest", "workers", "compile_cache", "formats"},
     "service": {"host", "ingest", "certification", "compile_cache", "workers.protocol"},
     "batch": {"host", "ingest", "certification", "workers.protocol"},
@@ -72,3 +73,4 @@ def test_the_checker_catches_a_reverse_import(tmp_path):
     assert not _allowed("host", "service.app")
     assert _allowed("host", "workers.protocol.messages")
     assert not _allowed("host", "workers.llama.engine")
+    assert _allowed("host", "workers.cpus") and not _allowed("host", "workers.cpus_extra")
