@@ -18,9 +18,6 @@ import sys
 
 import psutil
 
-# Apple does not expose the Neural Engine's core count; every M-series chip so far has 16.
-_ANE_CORES_BY_CHIP_PREFIX = {"Apple M1": 16, "Apple M2": 16, "Apple M3": 16, "Apple M4": 16}
-
 
 def _version(dist: str) -> str | None:
     try:
@@ -82,11 +79,6 @@ def _coreml() -> dict:
         info.update(runtime=False, reason=f"coremltools has no native runtime: {exc}")
         return info
     info["runtime"] = True
-    chip = _sysctl("machdep.cpu.brand_string") or ""
-    info["chip"] = chip
-    info["ane_cores"] = next(
-        (n for prefix, n in _ANE_CORES_BY_CHIP_PREFIX.items() if chip.startswith(prefix)), None
-    )
     return info
 
 
@@ -118,13 +110,15 @@ def macos_version() -> str | None:
     return (platform.mac_ver()[0] or None) if sys.platform == "darwin" else None
 
 
-def neural_engine_present() -> bool | None:
-    """None off macOS (no Neural Engine to ask about); on macOS the Core ML adapter answers
-    (an MLNeuralEngineComputeDevice among MLComputeDevice.get_all_compute_devices())."""
+def neural_engine() -> dict:
+    """Presence and core count as Core ML lists them (None off macOS, with the source)."""
     # Late: the host imports nothing from workers at import time (only the wire contract).
     from workers.ane import apple_device
 
-    return apple_device.neural_engine_present()
+    present, cores = apple_device.neural_engine()
+    return {"present": present, "cores": cores,
+            "source": "not macOS" if sys.platform != "darwin"
+            else "MLComputeDevice.get_all_compute_devices"}
 
 
 def lane_choices(lane_policy, llama_device: str | None) -> dict[str, dict]:
@@ -153,11 +147,7 @@ def report(lane_policy=None) -> dict:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "llama_cpp": llama,
         "coreml": coreml,
-        "neural_engine": {
-            "present": neural_engine_present(),
-            "source": "not macOS" if sys.platform != "darwin"
-            else "MLComputeDevice.get_all_compute_devices",
-        },
+        "neural_engine": neural_engine(),
         "ane_backends": backends,
         # chip, macOS version/build, Neural Engine presence: None off macOS, with the reason.
         "apple": apple_device.describe(),
@@ -192,25 +182,17 @@ def main(as_json: bool, lane_policy=None) -> int:
             + (f" (SYNAPSE_LLAMA_GPU_LAYERS: {llama['gpu_layers_env']})"
                if llama["gpu_layers_env"] is not None else ""),
         )
-    ne = data["neural_engine"]
-    present = {True: "yes", False: "no", None: "unknown"}[ne["present"]]
-    table.add_row("Neural Engine", f"{present} ({ne['source']})")
-    cm = data["coreml"]
-    table.add_row(
-        "Core ML runtime",
-        f"yes ({cm.get('chip')}, ANE cores {cm.get('ane_cores')})"
-        if cm.get("runtime")
-        else f"no — {cm['reason']}",
-    )
+    ne, apple, cm = data["neural_engine"], data["apple"], data["coreml"]
+    if ne["present"] is None:
+        ne_text = f"unknown — {apple['reason'] or ne['source']}"
+    else:
+        cores = f", {ne['cores']} cores" if ne["cores"] is not None else ""
+        ne_text = (f"{'present' if ne['present'] else 'absent'}{cores} ({apple['chip']}, macOS "
+                   f"{apple['macos']} {apple['macos_build']}; {ne['source']})")
+    table.add_row("Neural Engine", ne_text)
+    table.add_row("Core ML runtime", "yes" if cm.get("runtime") else f"no — {cm['reason']}")
     table.add_row("coremltools", str(cm["coremltools"]))
     table.add_row("ANE lane backends", ", ".join(data["ane_backends"]))
-    apple = data["apple"]
-    table.add_row(
-        "Neural Engine",
-        f"{'present' if apple['neural_engine'] else 'absent'} ({apple['chip']}, macOS "
-        f"{apple['macos']} {apple['macos_build']})" if apple["reason"] is None
-        else f"unknown — {apple['reason']}",
-    )
     table.add_row("Core ML compute units", data["coreml_compute_units"])
     for name, choice in data["lanes"].items():
         table.add_row(f"lane for {name}", choice["reason"])

@@ -40,7 +40,7 @@ def test_doctor_json_reports_devices_and_lanes(synapse_cache_dir):
     minilm = lanes["minilm-l6-v2"]
     if sys.platform != "darwin":
         assert data["macos_version"] is None
-        assert data["neural_engine"] == {"present": None, "source": "not macOS"}
+        assert data["neural_engine"] == {"present": None, "cores": None, "source": "not macOS"}
         assert not llama["gpu_offload"]  # this Linux build has no GPU backend
         # No certificate can be certified here (placement needs Core ML's compute plan).
         assert minilm["lane"] == "llama" and minilm["reason"].startswith("llama/cpu: ")
@@ -52,7 +52,9 @@ def test_doctor_table_names_the_lane_of_each_model(synapse_cache_dir):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "llama.cpp GPU offload" in out and "lane for minilm-l6-v2" in out
-    assert "Neural Engine" in out and "chip / macOS" in out
+    assert "chip / macOS" in out
+    # One Neural Engine row (presence and cores together), never two that could disagree.
+    assert sum(line.lstrip("│ ").startswith("Neural Engine") for line in out.splitlines()) == 1
 
 
 def test_doctor_reports_a_bad_env_override(synapse_cache_dir):
@@ -66,3 +68,6 @@ def test_doctor_reports_a_bad_env_override(synapse_cache_dir):
 def test_doctor_on_a_mac(synapse_cache_dir):
     data = json.loads(doctor(synapse_cache_dir, "--json").stdout)
     assert data["macos_version"] and data["chip"].startswith("Apple")
+    ne = data["neural_engine"]
+    if ne["present"]:  # a real Mac: Core ML's own count (macOS >= 14), never a guess
+        assert ne["cores"] is None or ne["cores"] > 0

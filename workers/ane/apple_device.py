@@ -54,12 +54,26 @@ def version_at_least(version: str | None, wanted: tuple[int, ...]) -> bool:
     return tuple(parts) >= wanted
 
 
+def summarize_devices(devices: list[object], is_neural_engine) -> tuple[bool, int | None]:
+    """(a Neural Engine is listed, its core count) from Core ML's device list. The count is
+    `MLNeuralEngineComputeDevice.total_core_count` (macOS >= 14), None when it cannot be read;
+    never guessed from the chip's name."""
+    engines = [d for d in devices if is_neural_engine(d)]
+    if not engines:
+        return False, None
+    try:
+        cores = int(engines[0].total_core_count)  # type: ignore[attr-defined]
+    except Exception:  # the native call is missing or fails: say unknown
+        cores = None
+    return True, cores
+
+
 @functools.cache
-def neural_engine_present() -> bool | None:
-    """True when Core ML lists an MLNeuralEngineComputeDevice; None off macOS (or when
-    coremltools has no native runtime to ask)."""
+def neural_engine() -> tuple[bool | None, int | None]:
+    """(present, total cores) as Core ML lists it; (None, None) off macOS or when coremltools
+    has no native runtime to ask."""
     if not is_macos():
-        return None
+        return None, None
     try:
         from coremltools.models.compute_device import (
             MLComputeDevice,
@@ -68,14 +82,21 @@ def neural_engine_present() -> bool | None:
 
         devices = MLComputeDevice.get_all_compute_devices()
     except Exception:  # no libcoremlpython, or an OS without the API (< 14.0)
-        return None
-    return any(isinstance(d, MLNeuralEngineComputeDevice) for d in devices)
+        return None, None
+    return summarize_devices(devices, lambda d: isinstance(d, MLNeuralEngineComputeDevice))
+
+
+def neural_engine_present() -> bool | None:
+    """True when Core ML lists an MLNeuralEngineComputeDevice; None off macOS (or when
+    coremltools has no native runtime to ask)."""
+    return neural_engine()[0]
 
 
 def describe() -> dict:
     """What doctor and certification print: None everywhere off macOS, with the reason."""
     if not is_macos():
         return {"chip": None, "macos": None, "macos_build": None, "neural_engine": None,
-                "reason": NOT_MACOS}
+                "neural_engine_cores": None, "reason": NOT_MACOS}
+    present, cores = neural_engine()
     return {"chip": chip(), "macos": macos_version(), "macos_build": macos_build(),
-            "neural_engine": neural_engine_present(), "reason": None}
+            "neural_engine": present, "neural_engine_cores": cores, "reason": None}
