@@ -1,4 +1,5 @@
-"""The default embedder's precision by platform (ingest.precision): pure rules."""
+"""The default embedder's precision by the llama.cpp lane's device (ingest.precision): f32 on
+every CPU lane (BLAS converts non-f32 weights per matmul), f16 on a GPU lane."""
 
 from __future__ import annotations
 
@@ -6,32 +7,37 @@ import platform
 
 import pytest
 
-from ingest.precision import embed_precision, lane_precisions
+from ingest.precision import GPU_LAYERS_ENV, embed_precision, lane_device, lane_precisions
 
 
 @pytest.mark.parametrize(
-    ("machine", "system", "flags", "dtype"),
+    ("machine", "system", "env", "device"),
     [
-        ("x86_64", "Linux", {"avx2", "f16c"}, "f32"),  # AMD EPYC: measured 1.74x in f32
-        ("x86_64", "Linux", {"avx512f", "avx512_fp16"}, "f32"),  # ggml has no fp16 math here
-        ("AMD64", "Windows", set(), "f32"),
-        ("x86_64", "Darwin", set(), "f32"),  # Intel Macs: the x86 rule
-        ("arm64", "Darwin", set(), "f16"),  # Apple silicon: Metal and CPU compute in f16
-        ("aarch64", "Linux", {"fp", "asimd", "asimdhp"}, "f16"),
-        ("aarch64", "Linux", {"fp", "asimd"}, "f32"),  # e.g. Cortex-A72: no fp16 arithmetic
-        ("riscv64", "Linux", set(), "f32"),
+        ("x86_64", "Linux", {}, "cpu"),
+        ("aarch64", "Linux", {}, "cpu"),  # our Linux wheel: CPU + OpenBLAS
+        ("x86_64", "Darwin", {}, "cpu"),  # Intel Macs: no Metal lane
+        ("arm64", "Darwin", {}, "metal"),  # llama-cpp-python always builds Metal there
+        ("arm64", "Darwin", {GPU_LAYERS_ENV: "0"}, "cpu"),  # the operator keeps it on the CPU
+        ("arm64", "Darwin", {GPU_LAYERS_ENV: "auto"}, "metal"),
     ],
 )
-def test_embed_precision_by_platform(machine, system, flags, dtype) -> None:
-    choice = embed_precision(machine, system, frozenset(flags))
-    assert choice.dtype == dtype
-    assert choice.reason  # every choice says why
+def test_the_lane_device_by_machine_and_override(machine, system, env, device) -> None:
+    assert lane_device(machine, system, env) == device
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "f32"), ("metal", "f16"),
+                                               ("cuda", "f16")])
+def test_precision_follows_the_device_not_the_platform(device, dtype) -> None:
+    choice = embed_precision(device)
+    assert choice.dtype == dtype and choice.reason  # every choice says why
+    if device == "cpu":
+        assert "converts f16 weights" in choice.reason
 
 
 def test_this_machine_gets_a_choice() -> None:
     choice = embed_precision()
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        assert choice.dtype == "f32" and "converts f16" in choice.reason
+    if platform.system() != "Darwin":
+        assert choice.dtype == "f32"
 
 
 def test_lane_precisions() -> None:
