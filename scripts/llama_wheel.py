@@ -16,11 +16,21 @@ Flavours:
   `sudo -n`).
 - otherwise, or with SYNAPSE_LLAMA_BLAS=0: "cpu" — llama.cpp's own kernels only (slower
   embedding on x86, same results within float rounding).
+The CPU: llama.cpp builds with GGML_NATIVE by default (-march=native on x86, -mcpu=native on
+ARM), so a wheel built on one CPU can die with SIGILL on another (a CI cache restored onto a
+runner of another generation). The wheel directory is therefore also named after the CPU's
+feature flags (`cpu_tag`: a digest of /proc/cpuinfo's flags, or of macOS's `hw.optional`
+keys): another CPU builds its own wheel instead of reusing one it may not execute. We keep
+the native build rather than a portable one because the encoder's speed on these 2-core
+machines is the product (AVX-512 and the BLAS kernels are measured in workers/llama/engine.py).
+`python scripts/llama_wheel.py --cpu-tag` prints the tag (the CI cache key includes it).
+
 Standard library only: it runs before the project is installed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -82,13 +92,50 @@ def install_openblas() -> bool:
     return False
 
 
-def wheel_dir(version: str, name: str) -> Path:
+def cpu_features(system: str | None = None) -> str:
+    """The CPU's feature flags as one sorted, space-separated string ("" when unreadable)."""
+    system = system or platform.system()
+    if system == "Linux":
+        try:
+            text = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return ""
+        return features_from_cpuinfo(text)
+    if system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "hw.optional", "machdep.cpu.brand_string"],
+                                 capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return " ".join(sorted(line.strip() for line in out.splitlines() if line.strip()))
+    return platform.processor()
+
+
+def features_from_cpuinfo(text: str) -> str:
+    """x86 `flags` / ARM `Features` of the first CPU listed, sorted."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return " ".join(sorted(set(value.split())))
+    return ""
+
+
+def cpu_tag(features: str) -> str:
+    """12 hex digits naming the CPU features a native build may use."""
+    return hashlib.sha256(features.encode()).hexdigest()[:12]
+
+
+def wheel_dir(version: str, name: str, cpu: str | None = None) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}-{platform.machine()}"
+    cpu = cpu if cpu is not None else cpu_tag(cpu_features())
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}-{platform.machine()}-{cpu}"
     return cache / "synapse" / "wheels" / f"llama-cpp-python-{version}-{name}-{tag}"
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--cpu-tag"]:
+        print(cpu_tag(cpu_features()))
+        return 0
     version = pinned_version()
     system = platform.system()
     blas_env = os.environ.get(BLAS_ENV)

@@ -46,3 +46,29 @@ def test_wheel_dir_names_version_flavour_python_and_machine(monkeypatch, tmp_pat
     b = llama_wheel.wheel_dir("0.3.36", "cpu")
     assert a != b and a.parent == b.parent == tmp_path / "synapse" / "wheels"
     assert "0.3.36-openblas-cp3" in a.name
+
+
+def test_the_wheel_dir_names_the_cpu_it_was_built_for(monkeypatch, tmp_path) -> None:
+    # A native build (GGML_NATIVE) may use every instruction its CPU has: another CPU must
+    # get its own wheel, never one that can die with SIGILL there.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    epyc = llama_wheel.cpu_tag(llama_wheel.features_from_cpuinfo(
+        "processor : 0\nflags : fpu sse2 avx2 avx512f\nprocessor : 1\nflags : fpu"))
+    haswell = llama_wheel.cpu_tag(llama_wheel.features_from_cpuinfo("flags\t: avx2 sse2 fpu"))
+    assert epyc != haswell and len(epyc) == 12
+    assert llama_wheel.wheel_dir("0.3.36", "openblas", epyc) != \
+        llama_wheel.wheel_dir("0.3.36", "openblas", haswell)
+    assert llama_wheel.wheel_dir("0.3.36", "openblas", epyc).name.endswith("-" + epyc)
+    # Order and repeats of the flags do not matter; ARM's "Features" line counts the same.
+    assert llama_wheel.features_from_cpuinfo("flags : b a a") == "a b"
+    assert llama_wheel.features_from_cpuinfo("Features\t: fp asimd") == "asimd fp"
+    assert llama_wheel.cpu_features("Linux") == llama_wheel.cpu_features("Linux")  # stable
+
+
+def test_cpu_tag_command_prints_this_machines_tag() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "llama_wheel.py"), "--cpu-tag"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == llama_wheel.cpu_tag(llama_wheel.cpu_features())
