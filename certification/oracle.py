@@ -64,10 +64,12 @@ class Oracle:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
         self.weights_digest = h.hexdigest()
+        config = json.loads((self.dir / "config.json").read_text())
         self.is_cross_encoder = bool(
-            json.loads((self.dir / "config.json").read_text()).get("architectures", [""])[0]
-            == "BertForSequenceClassification"
+            config.get("architectures", [""])[0] == "BertForSequenceClassification"
         )
+        # BERT's default; a pair's document half has type 1 only where there are two.
+        self.n_token_types = int(config.get("type_vocab_size", 2))
 
     @property
     def bert(self) -> BertReference:

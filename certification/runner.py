@@ -256,7 +256,7 @@ async def _judge_rerank(
     groups: dict[int, list[str]] = {}
     for j, text in enumerate(texts):
         groups.setdefault(j % len(qs), []).append(text)
-    composer = _pair_composer(client.lane, tok)
+    composer = _pair_composer(client.lane, tok, oracle.n_token_types)
     progress.start("lane", f"{client.lane} lane: rerank pairs", len(texts))
     progress.start("reference", "fp32 reference forward", len(texts))
     lane_scores, ref_scores = [], []
@@ -273,8 +273,7 @@ async def _judge_rerank(
     errors = np.abs(np.concatenate(lane_scores).astype(np.float64)
                     - np.concatenate(ref_scores).astype(np.float64))
     measured.rerank_errors = [float(e) for e in errors]
-    note = ("reference with token types 0: llama.cpp's BERT ignores them"
-            if client.lane == "llama" else "reference with real token types")
+    note = "reference with the model's own token types (1 on the document half)"
     progress.start("probe", "probe set (fingerprint)", 1)
     probe, _ = await client.rerank(qs[0], probe_set())
     progress.advance("probe")
@@ -282,14 +281,15 @@ async def _judge_rerank(
 
 
 def _pair_composer(
-    lane: str, tok: Tokenizer
+    lane: str, tok: Tokenizer, n_types: int
 ) -> Callable[[str, list[str]], tuple[list[np.ndarray], list[np.ndarray]]]:
-    """Reference inputs for exactly the pairs the lane scores.
+    """Reference inputs for exactly the pairs the lane scores, as the model was trained.
 
     llama: the host sends query and documents without specials (`rerank_segments`) and the
-    worker composes `[CLS] q [SEP] d [SEP]`; llama.cpp's BERT ignores token types, so the
-    reference gets type 0 throughout (a lane that needed types would fail the 2e-3 gate).
-    Core ML: composed pairs from the pair template with real token types (`encode_pairs`).
+    worker composes `[CLS] q [SEP] d [SEP]`, type 1 on `d [SEP]` for a model with token types
+    (the worker feeds them as input embeddings). Core ML: composed pairs from the pair
+    template with real token types (`encode_pairs`). Every lane is judged against the same
+    typed forward, so a lane that dropped the types fails the gate.
     """
     probe = tok.encode_pairs("a", ["b"], truncate=True)
     cls_id, sep_id = int(probe.ids[0][0]), int(probe.ids[0][-1])
@@ -298,7 +298,10 @@ def _pair_composer(
         seg = tok.rerank_segments(query, docs, truncate=True)
         ids = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]).astype(np.int32)
                for d in seg.docs]
-        return ids, [np.zeros(len(x), np.int32) for x in ids]
+        first = len(seg.query) + 2
+        types = [np.where(np.arange(len(x)) < first, 0, 1 if n_types > 1 else 0)
+                 .astype(np.int32) for x in ids]
+        return ids, types
 
     def ane(query: str, docs: list[str]):
         enc = tok.encode_pairs(query, docs, truncate=True)

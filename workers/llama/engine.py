@@ -50,6 +50,7 @@ from workers.llama.device import (
     resolve_gpu_layers,
 )
 from workers.llama.gbnf import GrammarError, validate_gbnf
+from workers.llama.typed_pairs import TypedPairs, pair_types
 from workers.protocol import messages as m
 
 UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
@@ -151,9 +152,33 @@ class _Slot:
     nsid: np.ndarray = field(repr=False)
     out: np.ndarray = field(repr=False)
 
+    # Input-embedding batch for typed BERT pairs (see workers/llama/typed_pairs.py).
+    typed: _EmbdBatch | None = None
+
     def free(self) -> None:
+        if self.typed is not None:
+            llama_cpp.llama_batch_free(self.typed.batch)
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
+
+
+@dataclass
+class _EmbdBatch:
+    """A llama_batch of input embeddings (`embd`, n_embd floats a token) and its views."""
+
+    batch: llama_cpp.llama_batch
+    embd: np.ndarray = field(repr=False)  # (capacity, n_embd) float32
+    pos: np.ndarray = field(repr=False)
+    nsid: np.ndarray = field(repr=False)
+    out: np.ndarray = field(repr=False)
+
+    @classmethod
+    def create(cls, capacity: int, n_embd: int) -> _EmbdBatch:
+        b = llama_cpp.llama_batch_init(capacity, n_embd, 1)
+        embd = np.ctypeslib.as_array(ctypes.cast(b.embd, ctypes.POINTER(ctypes.c_float)),
+                                     shape=(capacity, n_embd))
+        _, pos, nsid, out = _batch_views(b, capacity, with_tokens=False)
+        return cls(b, embd, pos, nsid, out)
 
 
 @dataclass
@@ -176,6 +201,8 @@ class _Model:
     n_cls_out: int
     arch: str
     device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
+    # A BERT cross-encoder's token types, fed as input embeddings (None: ids are faithful).
+    typed: TypedPairs | None = None
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
     # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
     stream_threads: tuple[int, int] = (1, 1)
@@ -215,12 +242,14 @@ def context_params(offloaded: bool) -> llama_cpp.llama_context_params:
     return params
 
 
-def _batch_views(b: llama_cpp.llama_batch, n: int) -> tuple[np.ndarray, ...]:
+def _batch_views(
+    b: llama_cpp.llama_batch, n: int, with_tokens: bool = True
+) -> tuple[np.ndarray | None, ...]:
     def view(ptr: object, ctype: type) -> np.ndarray:
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
 
     return (
-        view(b.token, ctypes.c_int32),
+        view(b.token, ctypes.c_int32) if with_tokens else None,
         view(b.pos, ctypes.c_int32),
         view(b.n_seq_id, ctypes.c_int32),
         view(b.logits, ctypes.c_int8),
@@ -463,7 +492,9 @@ class LlamaEngine(Engine):
         converter writes BOS=[CLS], EOS=SEP=[SEP], add_bos=add_eos=1, add_sep=0, giving
         `[CLS] q [SEP] d [SEP]`. The pair length (query + candidate + specials) must fit
         min(n_ctx, n_ubatch, n_ctx_train). Returns the raw classifier logit per candidate
-        (float32). llama.cpp feeds token type 0 to every position (segment B is not marked).
+        (float32). A BERT cross-encoder gets its token types (1 on `d [SEP]`), fed as input
+        embeddings, since llama.cpp's BERT graph would give every position type 0 (see
+        workers/llama/typed_pairs.py).
         """
         mdl = self._get(req.model_ref, "rerank")
         lengths = [req.query_n_tokens] + [c.n_tokens for c in req.candidates]
@@ -483,7 +514,11 @@ class LlamaEngine(Engine):
                     f"candidate {too_long[0]}: pair of {len(pairs[too_long[0]])} tokens exceeds "
                     f"the limit of {mdl.item_limit}",
                 )
-        scores = self._encode(mdl, pairs, progress)
+        types = None
+        if mdl.typed is not None:  # BERT cross-encoder: segment B has token type 1
+            n_first = len(pre) + len(parts[0]) + len(mid)
+            types = [pair_types(n_first, len(p)) for p in pairs]
+        scores = self._encode(mdl, pairs, progress, types)
         return np.ascontiguousarray(scores[:, 0], dtype=np.float32)
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
@@ -609,10 +644,18 @@ class LlamaEngine(Engine):
         # Encoders keep no KV cache; a unified layout stops llama.cpp from rounding n_ctx up
         # to n_seq_max * 256 (it sizes per-sequence contexts otherwise).
         cparams.kv_unified = encoder
+        typed = None
+        if kind == "rerank" and hdr.architecture == "bert":
+            try:
+                typed = TypedPairs.from_gguf(path)
+            except (OSError, ValueError, KeyError, NotImplementedError) as e:
+                raise EngineError("artifact_invalid", f"{path}: token-type tensors: {e}") from e
         slots: list[_Slot] = []
         try:
             for _ in range(streams):
                 slots.append(self._make_slot(model, cparams))
+                if typed is not None:
+                    slots[-1].typed = _EmbdBatch.create(slots[-1].capacity, typed.n_embd)
             ctx = slots[0].ctx
             got_pooling = _POOLING_NAMES.get(int(llama_cpp.llama_pooling_type(ctx)), "none")
             if encoder and got_pooling != pooling:
@@ -647,6 +690,7 @@ class LlamaEngine(Engine):
             else None,
             stream_threads=(cparams.n_threads, cparams.n_threads_batch),
             all_threads=(threads, cfg.n_threads_batch or threads),
+            typed=typed,
         )
 
     @staticmethod
@@ -702,7 +746,13 @@ class LlamaEngine(Engine):
             raise EngineError("invalid_request", "empty prompt")
         return ids
 
-    def _encode(self, mdl: _Model, seqs: list[np.ndarray], progress: Progress) -> np.ndarray:
+    def _encode(
+        self,
+        mdl: _Model,
+        seqs: list[np.ndarray],
+        progress: Progress,
+        types: list[np.ndarray] | None = None,
+    ) -> np.ndarray:
         """Pooled output (n_embd per seq, or n_cls_out for rank) for each sequence.
 
         With several slots, each slot's thread takes the next decode off a shared queue
@@ -710,6 +760,7 @@ class LlamaEngine(Engine):
         calling thread only reports PROGRESS and collects failures. Which slot runs a decode
         does not change its numbers; how sequences are packed can, by float rounding, and so
         can a request of one decode, which runs with every thread (`wide_decode`).
+        `types`: per-sequence token types, fed as input embeddings (`mdl.typed` models).
         """
         width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
         out = np.empty((len(seqs), width), dtype=np.float32)
@@ -725,7 +776,7 @@ class LlamaEngine(Engine):
             try:
                 reporter = _ProgressThrottle(progress)
                 for group in groups:
-                    self._encode_group(mdl, slot, seqs, group, out)
+                    self._encode_group(mdl, slot, seqs, group, out, types)
                     reporter.done(1)
                 reporter.flush()
             finally:
@@ -745,7 +796,7 @@ class LlamaEngine(Engine):
                 except queue.Empty:
                     return
                 try:
-                    self._encode_group(mdl, slot, seqs, group, out)
+                    self._encode_group(mdl, slot, seqs, group, out, types)
                 except BaseException:
                     failed.set()  # the other slots stop after their current decode
                     raise
@@ -766,28 +817,44 @@ class LlamaEngine(Engine):
         return out
 
     def _encode_group(
-        self, mdl: _Model, slot: _Slot, seqs: list[np.ndarray], group: list[int], out: np.ndarray
+        self,
+        mdl: _Model,
+        slot: _Slot,
+        seqs: list[np.ndarray],
+        group: list[int],
+        out: np.ndarray,
+        types: list[np.ndarray] | None = None,
     ) -> None:
-        """One decode of `group`'s sequences on `slot`, pooled rows written to `out`."""
+        """One decode of `group`'s sequences on `slot`, pooled rows written to `out`; with
+        `types`, as input embeddings that carry each token's type (see typed_pairs)."""
         mem = llama_cpp.llama_get_memory(slot.ctx)
         if mem:  # decoder-as-embedder: drop the previous decode's cache
             llama_cpp.llama_memory_clear(mem, True)
+        typed = slot.typed if types is not None else None
+        if types is not None and (typed is None or mdl.typed is None):
+            raise RuntimeError("token types given for a model without typed input")
+        batch = typed.batch if typed is not None else slot.batch
+        pos, nsid, outs = (typed.pos, typed.nsid, typed.out) if typed else (
+            slot.pos, slot.nsid, slot.out)
         n = 0
-        sid = slot.batch.seq_id
+        sid = batch.seq_id
         for seq_id, idx in enumerate(group):
             s = seqs[idx]
             k = len(s)
             if n + k > slot.capacity:  # unsafe mode only: never write past the batch
                 k = slot.capacity - n
-            slot.tok[n : n + k] = s[:k]
-            slot.pos[n : n + k] = np.arange(k, dtype=np.int32)
-            slot.nsid[n : n + k] = 1
-            slot.out[n : n + k] = 1  # pooled embeddings need every token as an output
+            if typed is not None:
+                typed.embd[n : n + k] = mdl.typed.embeddings(s[:k], types[idx][:k])
+            else:
+                slot.tok[n : n + k] = s[:k]
+            pos[n : n + k] = np.arange(k, dtype=np.int32)
+            nsid[n : n + k] = 1
+            outs[n : n + k] = 1  # pooled embeddings need every token as an output
             for j in range(n, n + k):
                 sid[j][0] = seq_id
             n += k
-        slot.batch.n_tokens = n
-        self._decode(slot)
+        batch.n_tokens = n
+        self._decode(slot, batch)
         width = out.shape[1]
         for seq_id, idx in enumerate(group):
             ptr = llama_cpp.llama_get_embeddings_seq(slot.ctx, seq_id)
@@ -795,8 +862,8 @@ class LlamaEngine(Engine):
                 raise RuntimeError(f"llama.cpp returned no pooled output for seq {seq_id}")
             out[idx] = np.ctypeslib.as_array(ptr, shape=(width,))
 
-    def _decode(self, slot: _Slot) -> None:
-        ret = int(llama_cpp.llama_decode(slot.ctx, slot.batch))
+    def _decode(self, slot: _Slot, batch: llama_cpp.llama_batch | None = None) -> None:
+        ret = int(llama_cpp.llama_decode(slot.ctx, slot.batch if batch is None else batch))
         if ret == 0:
             return
         if ret == 1 or ret == -2:
