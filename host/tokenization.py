@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from formats.st_layout import LayoutError, read_layout
 from host.errors import ConfigInvalid, InvalidRequest
 from host.sanitize import sanitize
 
@@ -297,7 +298,8 @@ def model_limits(model_dir: str | Path) -> tuple[int, int]:
     """(hard_limit, default max_tokens) from a HF / sentence-transformers model directory.
 
     hard: `max_position_embeddings` (minus RoBERTa's padding offset), capped by the tokenizer's
-    `model_max_length`; default: sentence-transformers' `max_seq_length` when present.
+    `model_max_length`; default: sentence-transformers' `max_seq_length` when present (either
+    layout: see formats/st_layout.py).
     """
     d = Path(model_dir)
     cfg = _read_json(d / "config.json")
@@ -308,8 +310,10 @@ def model_limits(model_dir: str | Path) -> tuple[int, int]:
     model_max = tok_cfg.get("model_max_length")
     if isinstance(model_max, int) and 0 < model_max < hard:
         hard = model_max
-    st_cfg = _read_json(d / "sentence_bert_config.json")
-    default = int(st_cfg.get("max_seq_length", hard))
+    try:
+        default = read_layout(d).max_seq_length or hard
+    except LayoutError as e:
+        raise ConfigInvalid(f"{d}: {e}") from None
     return hard, min(default, hard)
 
 

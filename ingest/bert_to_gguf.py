@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
+from formats.st_layout import Layout, LayoutError, read_layout
 from ingest.errors import ArtifactInvalid, InvalidRequest
 from ingest.safetensors_io import read_model_weights
 
@@ -135,27 +136,29 @@ def _check_config(config: dict) -> None:
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
 
 
+# sentence-transformers' pooling modes -> llama.cpp's (the ones it computes).
+_ST_TO_LLAMA_POOLING: dict[str, PoolingName] = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+
+
+def _st_layout(model_dir: Path) -> Layout:
+    try:
+        return read_layout(model_dir)
+    except LayoutError as e:
+        raise ArtifactInvalid(str(e)) from e
+
+
 def _st_pooling(model_dir: Path) -> PoolingName | None:
-    """Pooling declared by a sentence-transformers Pooling module, if the dir has one."""
-    modules_path = model_dir / "modules.json"
-    pooling_dir = None
-    if modules_path.is_file():
-        for mod in _load_json(modules_path):
-            if mod.get("type") == "sentence_transformers.models.Pooling":
-                pooling_dir = model_dir / mod.get("path", "")
-                break
-    elif (model_dir / "1_Pooling" / "config.json").is_file():
-        pooling_dir = model_dir / "1_Pooling"
-    if pooling_dir is None:
+    """Pooling declared by a sentence-transformers Pooling module (either layout), if any."""
+    try:
+        mode = _st_layout(model_dir).pooling
+    except LayoutError as e:
+        raise ArtifactInvalid(str(e)) from e
+    if mode is None:
         return None
-    cfg = _load_json(pooling_dir / "config.json")
-    if cfg.get("pooling_mode_mean_tokens"):
-        return "mean"
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    if cfg.get("pooling_mode_lasttoken"):
-        return "last"
-    raise ArtifactInvalid(f"unsupported sentence-transformers pooling {cfg} (mean/cls/last only)")
+    if mode not in _ST_TO_LLAMA_POOLING:
+        raise ArtifactInvalid(f"unsupported sentence-transformers pooling {mode!r} "
+                              "(mean/cls/lasttoken only)")
+    return _ST_TO_LLAMA_POOLING[mode]
 
 
 def _phantom(token: str, control: bool) -> str:
@@ -325,8 +328,7 @@ def convert_bert_dir(
     tokens, toktypes, vocab = _vocab(model_dir, config["vocab_size"])
     special = _special_ids(model_dir, vocab)
 
-    st_cfg_path = model_dir / "sentence_bert_config.json"
-    max_seq = _load_json(st_cfg_path).get("max_seq_length") if st_cfg_path.is_file() else None
+    max_seq = _st_layout(model_dir).max_seq_length
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".gguf", dir=out_path.parent)

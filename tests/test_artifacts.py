@@ -445,3 +445,43 @@ def test_hosts_building_one_core_ml_model_at_once_all_get_it(tmp_path: Path) -> 
     assert [p.exitcode for p in procs] == [0, 0, 0]
     digests = {results.get(timeout=10) for _ in procs}
     assert len(digests) == 1  # one build, the same manifest for everyone
+
+
+def _as_sentence_transformers_6(src: Path, dst: Path) -> Path:
+    """MiniLM re-saved in sentence-transformers 6's native layout: module types under
+    `sentence_transformers.base` / `.sentence_transformer.modules`, `pooling_mode`, and the
+    limit in the tokenizer instead of sentence_bert_config.json."""
+    d = _copy_minilm(dst)
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "",
+         "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.base.modules.normalize.Normalize"},
+    ]))
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": True}))
+    (d / "sentence_bert_config.json").write_text(json.dumps(
+        {"transformer_task": "feature-extraction", "modality_config": {"text": {}}}))
+    tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "model_max_length": 256}))
+    return d
+
+
+def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_path: Path) -> None:
+    from host.tokenization import model_limits
+    from workers.ane.manifest import _config_from_hf, _head_from_hf
+
+    native = _as_sentence_transformers_6(MINILM, tmp_path / "st6")
+    s = ArtifactStore(tmp_path / "models")
+    legacy_rec = s.ingest_hf_dir(MINILM, name="legacy", dtype="f32")
+    native_rec = s.ingest_hf_dir(native, name="native", dtype="f32")
+    a, b = legacy_rec.manifest, native_rec.manifest
+    assert (b.pooling, b.max_tokens, b.max_tokens_limit, b.dims) == (
+        a.pooling, a.max_tokens, a.max_tokens_limit, a.dims) == ("mean", 256, 512, 384)
+    assert b.size_bytes == a.size_bytes  # the same tensors (general.name: the entry's name)
+    # The default truncation agrees; version 6 stores it as the tokenizer's own limit.
+    assert model_limits(native)[1] == model_limits(MINILM)[1] == 256
+    config = _config_from_hf(native)  # the Core ML lane reads the same facts
+    assert config.max_seq_length == 256 and _head_from_hf(native, config).normalize

@@ -29,6 +29,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from formats.st_layout import Layout, LayoutError, read_layout
+
 FORMAT = "coreml-owned"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -205,8 +207,7 @@ def _config_from_hf(src: Path) -> ModelConfig:
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModel("only absolute position embeddings are implemented")
     max_pos = int(cfg.get("max_position_embeddings", 512))
-    st_cfg = src / "sentence_bert_config.json"
-    max_seq = int(_read_json(st_cfg).get("max_seq_length", max_pos)) if st_cfg.exists() else max_pos
+    max_seq = _layout(src).max_seq_length or max_pos
     config = ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -234,18 +235,18 @@ def _head_from_hf(src: Path, config: ModelConfig) -> Head:
         cfg = _read_json(src / "config.json")
         labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {"0": "LABEL_0"}))
         return Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
-    pooling_cfg = src / "1_Pooling" / "config.json"
-    if pooling_cfg.exists():
-        p = _read_json(pooling_cfg)
-        other = [k for k, v in p.items() if k.startswith("pooling_mode_") and v
-                 and k != "pooling_mode_mean_tokens"]
-        if not p.get("pooling_mode_mean_tokens") or other:
-            raise UnsupportedModel(f"pooling {other or 'none'}: only mean pooling is built")
-    modules = src / "modules.json"
-    normalize = modules.exists() and any(
-        str(mod.get("type", "")).endswith(".Normalize") for mod in _read_json(modules)
-    )
-    return Head(type="embed_mean", pooling="mean", normalize=normalize, num_labels=0)
+    layout = _layout(src)
+    if layout.pooling_modes not in ((), ("mean",)):
+        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: only mean pooling is built")
+    return Head(type="embed_mean", pooling="mean", normalize=layout.normalize, num_labels=0)
+
+
+def _layout(src: Path) -> Layout:
+    """The sentence-transformers facts of `src` (either layout: formats/st_layout.py)."""
+    try:
+        return read_layout(src)
+    except LayoutError as e:  # unreadable or impossible sentence-transformers files
+        raise ManifestError(f"{src}: {e}") from e
 
 
 def sha256_file(path: Path) -> str:
