@@ -26,8 +26,9 @@ def test_importing_every_host_module_pulls_in_no_engine():
     assert out.returncode == 0, out.stderr
     loaded = eval(out.stdout.strip().splitlines()[-1])  # a printed list of module names
     assert not [m for m in loaded if m.startswith("llama_cpp")]
-    # The host may use the wire contract, and nothing else from workers.
-    assert all(m == "workers" or m.startswith("workers.protocol") for m in loaded), loaded
+    # The host may use the wire contract and the standard-library CPU count, nothing else.
+    assert all(m in ("workers", "workers.cpus") or m.startswith("workers.protocol")
+               for m in loaded), loaded
 
 
 def test_serving_imports_no_certification_until_a_policy_is_built():

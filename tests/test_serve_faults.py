@@ -30,6 +30,9 @@ def server(store_root):
         module={"budgets": {"max_inputs": 256}},
         scheduler={"max_queue_items": 256},
         preload=["minilm-l6-v2"],
+        # The drain test's 8 requests take ~30 s of compute on a busy 2-core machine: the
+        # window is configuration, set far above the work so only a drain that never ends fails.
+        graceful_timeout_s=300.0,
     )
     srv = ServerProcess(cfg)
     yield srv

@@ -854,7 +854,10 @@ class LlamaEngine(Engine):
                 sid[j][0] = seq_id
             n += k
         batch.n_tokens = n
-        self._decode(slot, batch)
+        if typed is not None:
+            self._decode(slot, typed.batch)
+        else:
+            self._decode(slot)
         width = out.shape[1]
         for seq_id, idx in enumerate(group):
             ptr = llama_cpp.llama_get_embeddings_seq(slot.ctx, seq_id)
@@ -1038,7 +1041,10 @@ def _decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     arch = hdr.architecture
     gguf_pool = hdr.arch_get("pooling_type")
     gguf_pooling = _POOLING_NAMES.get(gguf_pool) if isinstance(gguf_pool, int) else None
-    is_rank = gguf_pooling == "rank"
+    # llama.cpp's converter writes no pooling type for rerankers: a classifier head is one.
+    has_head = any(t.name in ("cls.weight", "cls.output.weight") for t in hdr.tensors)
+    is_rank = gguf_pooling == "rank" or (
+        cfg.kind == "rerank" and gguf_pooling in (None, "none") and has_head)
     if is_rank and arch.startswith("qwen3"):
         raise EngineError(
             "unsupported",
