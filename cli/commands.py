@@ -21,6 +21,7 @@ from host.module import Module, ModuleConfig
 from host.run_command import err_console, run_command
 from ingest.defaults import ensure_defaults
 from ingest.errors import ArtifactError
+from ingest.errors import InvalidRequest as IngestInvalidRequest
 from ingest.precision import embed_precision, lane_precisions
 from ingest.store import DEFAULT_EMBED, ArtifactStore
 
@@ -40,12 +41,20 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     ls = models_sub.add_parser("ls", help="list installed models")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_models_ls)
-    ingest = models_sub.add_parser("ingest", help="convert a Hugging Face BERT dir to GGUF")
-    ingest.add_argument("path", nargs="?", help="model dir; omit to install the defaults")
+    ingest = models_sub.add_parser(
+        "ingest", help="add a model: a Hugging Face BERT dir (converted to GGUF) or a GGUF file")
+    ingest.add_argument("path", nargs="?",
+                        help="model dir or .gguf file; omit to install the defaults")
     ingest.add_argument("--name")
     ingest.add_argument(
         "--dtype", choices=["f16", "f32"], help="default: this platform's (see `models ls`)"
     )
+    ingest.add_argument("--kind", choices=["embed", "rerank"],
+                        help="GGUF only: default from its metadata (a classifier head reranks)")
+    ingest.add_argument("--pooling", choices=["mean", "cls", "last"],
+                        help="GGUF only: an embedder's pooling, when its metadata does not say")
+    ingest.add_argument("--max-tokens", type=int,
+                        help="GGUF only: default truncation (default: the model's limit)")
     ingest.set_defaults(func=_models_ingest)
     rm = models_sub.add_parser("rm", help="remove a model")
     rm.add_argument("name")
@@ -124,7 +133,21 @@ def _models_ingest(args: argparse.Namespace) -> int:
     try:
         if args.path is None:
             ensure_defaults()
+        elif Path(args.path).is_file():
+            if args.dtype is not None:
+                raise IngestInvalidRequest("--dtype converts a Hugging Face directory; a GGUF "
+                                           "keeps its own precision")
+            from certification.tokenizer_proof import prove_gguf_tokenizer  # spawns llama.cpp
+
+            rec = _store().ingest_gguf(args.path, name=args.name, kind=args.kind,
+                                       pooling=args.pooling, max_tokens=args.max_tokens,
+                                       prove=prove_gguf_tokenizer)
+            console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
+                          f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)")
         else:
+            if args.kind or args.pooling or args.max_tokens:
+                raise IngestInvalidRequest("--kind, --pooling and --max-tokens apply to GGUF "
+                                           "files; a directory says its own")
             rec = _store().ingest_hf_dir(args.path, name=args.name, dtype=args.dtype)
             console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     except ArtifactError as exc:

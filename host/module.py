@@ -145,6 +145,14 @@ def permit_for(lane: str, device: str) -> str:
     return "cpu" if device == "cpu" else "gpu"
 
 
+def _kind_and_pooling(record: ModelRecord) -> dict[str, str]:
+    man = record.manifest
+    out = {"kind": man.kind}
+    if man.kind != "generate" and man.pooling:
+        out["pooling"] = man.pooling
+    return out
+
+
 def hello_device(build_flags: str | None) -> str | None:
     """The `device=` a llama.cpp worker's HELLO names (what gpu_layers "auto" uses there)."""
     for part in (build_flags or "").split("|"):
@@ -225,6 +233,9 @@ class Module:
                     "n_ctx": record.manifest.n_ctx,
                     "n_threads": threads,
                     "n_threads_batch": threads,
+                    # What ingest established (a GGUF may not say its pooling, or that it
+                    # reranks): the worker serves the model as the manifest describes it.
+                    **_kind_and_pooling(record),
                     **extra,
                 }
             lane_obj = Lane(

@@ -40,3 +40,8 @@ class StorageFull(ArtifactError):
     filled up during the build (nothing of the build is kept either way)."""
 
     code = "storage_full"
+
+
+class TokenizerMismatch(ArtifactInvalid):
+    """The module-side tokenizer derived from a GGUF does not reproduce llama.cpp's own
+    tokenization: a different tokenization is a different model, so it is refused."""

@@ -43,7 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from formats.gguf_header import GGUFFormatError, read_gguf_header
 
@@ -75,6 +84,11 @@ class GGUFVocab:
     add_eos: bool
     add_space_prefix: bool
     name: str = ""  # general.name: llama.cpp keys a few per-model token attributes on it
+    # WordPiece ("bert") vocabularies: the separator llama.cpp appends, and BertNormalizer's
+    # options (llama.cpp's defaults: lowercase, and strip accents when lowercasing).
+    sep_id: int | None = None
+    lowercase: bool = True
+    strip_accents: bool = True
 
     @classmethod
     def read(cls, gguf_path: str | Path) -> GGUFVocab:
@@ -106,6 +120,10 @@ class GGUFVocab:
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
             name=str(get("general.name", "")),
+            sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
+            lowercase=bool(get("tokenizer.ggml.normalizer.lowercase", True)),
+            strip_accents=bool(get("tokenizer.ggml.normalizer.strip_accents",
+                                   get("tokenizer.ggml.normalizer.lowercase", True))),
         )
 
 
@@ -195,11 +213,19 @@ def effective_types(vocab: GGUFVocab) -> list[int]:
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
-    if vocab.model != "llama":
-        raise UnsupportedVocab(
-            f"tokenizer.ggml.model={vocab.model!r}: only SentencePiece-style 'llama' vocabularies "
-            "are derived; refusing rather than tokenizing differently from llama.cpp"
-        )
+    if vocab.model == "llama":
+        return _build_spm(vocab)
+    if vocab.model == "bert":
+        return _build_wpm(vocab)
+    raise UnsupportedVocab(
+        f"tokenizer.ggml.model={vocab.model!r}: only SentencePiece ('llama') and WordPiece "
+        "('bert') vocabularies are derived; BPE ('gpt2') and Unigram ('t5') are not yet, so the "
+        "model is refused rather than tokenized differently from llama.cpp (ingest its Hugging "
+        "Face directory instead, whose tokenizer.json is kept)"
+    )
+
+
+def _build_spm(vocab: GGUFVocab) -> Tokenizer:
     if any(n in vocab.name.lower() for n in _REFUSED_NAMES):
         raise UnsupportedVocab(f"{vocab.name!r}: llama.cpp strips spaces around its special "
                                "tokens by model name; not reproduced, so refused")
@@ -241,6 +267,87 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
 
     tok.post_processor = _template(vocab)
     tok.decoder = _decoder(vocab)
+    return tok
+
+
+# llama.cpp's WPM pre-tokenizer (llm_tokenizer_wpm_session::preprocess) isolates punctuation
+# (\p{P}), ASCII symbols and CJK ideographs (its is_chinese_char ranges, 0x2B920 quirk kept).
+_WPM_ISOLATED = (
+    r"[\p{P}\x{21}-\x{2F}\x{3A}-\x{40}\x{5B}-\x{60}\x{7B}-\x{7E}"
+    r"\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{20000}-\x{2A6DF}\x{2A700}-\x{2B73F}"
+    r"\x{2B740}-\x{2B81F}\x{2B920}-\x{2CEAF}\x{F900}-\x{FAFF}\x{2F800}-\x{2FA1F}]"
+)
+# ... drops U+0000, U+FFFD and \p{C} that is not whitespace (its whitespace set is Unicode's
+# White_Space, which the split below uses too) ...
+_WPM_DROPPED = r"[\x{0}\x{FFFD}]|(?![\t\n\v\f\r\x{85}])\p{C}"
+# ... and, when stripping accents, maps each code point to the FIRST code point of its NFD
+# (unicode_cpts_normalize_nfd is a 1:1 table) and drops every \p{M}. For all but the Hangul
+# syllables that equals NFD then dropping \p{M} (checked over every code point); a syllable
+# keeps only its initial consonant, which the per-block replacements below reproduce.
+_HANGUL_FIRST, _HANGUL_PER_INITIAL, _HANGUL_INITIALS = 0xAC00, 21 * 28, 19
+
+
+def _hangul_initials() -> list[normalizers.Normalizer]:
+    out = []
+    for lead in range(_HANGUL_INITIALS):
+        lo = _HANGUL_FIRST + lead * _HANGUL_PER_INITIAL
+        hi = lo + _HANGUL_PER_INITIAL - 1
+        out.append(normalizers.Replace(Regex(f"[\\x{{{lo:X}}}-\\x{{{hi:X}}}]"),
+                                       chr(0x1100 + lead)))
+    return out
+
+
+def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
+    """llama.cpp's WordPiece: a word is "▁" + word matched greedily longest-first, the GGUF
+    storing word-initial pieces with "▁" and continuations bare (HF's "##"); a word with no
+    full match becomes [UNK]; [CLS] ... [SEP] around (add_special)."""
+    if vocab.bos_id is None or vocab.sep_id is None or vocab.unk_id is None:
+        raise UnsupportedVocab("a WordPiece vocabulary needs bos ([CLS]), separator and unknown "
+                               "token ids")
+    kinds = effective_types(vocab)
+    wordpiece: dict[str, int] = {}
+    special, plain = [], []
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
+            special.append(text)
+            key = text
+        elif kind == TYPE_USER_DEFINED:
+            plain.append(text)
+            key = text
+        elif text.startswith(SPACE_ESCAPE):
+            key = text[len(SPACE_ESCAPE):]
+            if not key:  # a bare "▁" piece: llama.cpp may match it where HF cannot
+                raise UnsupportedVocab("a bare word-start piece (\u2581) is not reproduced")
+        else:
+            key = "##" + text
+        if key in wordpiece:
+            raise UnsupportedVocab(f"two GGUF tokens map to the WordPiece piece {key!r}")
+        wordpiece[key] = i
+    tok = Tokenizer(models.WordPiece(
+        vocab=wordpiece, unk_token=vocab.tokens[vocab.unk_id], continuing_subword_prefix="##",
+        max_input_chars_per_word=1 << 30))  # llama.cpp has no per-word length limit
+    steps: list[normalizers.Normalizer] = []
+    if vocab.strip_accents:
+        steps += [*_hangul_initials(), normalizers.NFD()]
+    if vocab.lowercase:
+        # Before the mark removal: NFD+lowercase then dropping \p{M} equals llama.cpp's
+        # per-code-point simple lowercase of the base letter (e.g. U+0130).
+        steps.append(normalizers.Lowercase())
+    if vocab.strip_accents:
+        steps.append(normalizers.Replace(Regex(r"\p{M}"), ""))
+    steps.append(normalizers.Replace(Regex(_WPM_DROPPED), ""))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(_WPM_ISOLATED), behavior="isolated"),
+    ])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    cls_text, sep_text = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.sep_id]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls_text} $A {sep_text}", pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
+        special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)])
+    tok.decoder = decoders.WordPiece(prefix="##")
     return tok
 
 

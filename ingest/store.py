@@ -64,6 +64,8 @@ from ingest.errors import (
     InvalidRequest,
     StorageFull,
 )
+from ingest.gguf_model import inspect_gguf
+from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.precision import embed_precision
 from ingest.safetensors_io import weight_elements
 
@@ -89,6 +91,9 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # fullmatch: `$` would let a "
 
 # A tokenizer.json builder for GGUF vocabularies: (gguf_path, out_tokenizer_json) -> anything.
 TokenizerBuilder = Callable[[Path, Path], Any]
+# A proof that a derived tokenizer equals llama.cpp's: (gguf, tokenizer_json) -> anything,
+# raising TokenizerMismatch (ingest cannot run llama.cpp itself: the host never imports it).
+TokenizerProof = Callable[[Path, Path], Any]
 
 
 class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -254,6 +259,64 @@ class ArtifactStore:
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
             return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}")
+
+    def ingest_gguf(
+        self,
+        path: str | Path,
+        name: str | None = None,
+        *,
+        prove: TokenizerProof,
+        kind: Literal["embed", "rerank"] | None = None,
+        pooling: str | None = None,
+        max_tokens: int | None = None,
+        source: str | None = None,
+    ) -> ModelRecord:
+        """Publish an embedding or rerank GGUF as `name`, with a module-side tokenizer derived
+        from its own vocabulary and proven equal to llama.cpp's by `prove(gguf, tokenizer)`
+        (which raises `TokenizerMismatch`; `certification.tokenizer_proof` is the real one).
+        What the GGUF is comes from its metadata (`ingest.gguf_model`); `kind` / `pooling`
+        say what it does not, `max_tokens` lowers the default truncation."""
+        path = Path(path)
+        info = inspect_gguf(path, kind, pooling)
+        if max_tokens is not None and not 1 <= max_tokens <= info.item_limit:
+            raise InvalidRequest(f"max_tokens must be between 1 and {info.item_limit}")
+        if name is None:
+            name = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower()).strip("-.") or "model"
+        _check_name(name)
+        with self._lock:
+            self._sweep()
+            if (self.root / name).exists():
+                raise ArtifactExists(f"a model named {name!r} already exists")
+            size = path.stat().st_size
+            with self._staging(name, size + GGUF_OVERHEAD_BYTES) as staging:
+                artifact = staging / ARTIFACT_FILE
+                shutil.copyfile(path, artifact)
+                digest = sha256_file(artifact)
+                write_digest_file(artifact, digest)
+                try:
+                    write_tokenizer_json(artifact, staging / TOKENIZER_FILE)
+                except UnsupportedVocab as e:
+                    raise ArtifactInvalid(f"{path.name}: {e}") from None
+                prove(artifact, staging / TOKENIZER_FILE)
+                manifest = Manifest(
+                    name=name,
+                    format="gguf",
+                    kind=info.kind,
+                    digest=digest,
+                    size_bytes=artifact.stat().st_size,
+                    dims=info.dims,
+                    n_ctx=info.item_limit,
+                    n_ctx_train=info.n_ctx_train,
+                    max_tokens=max_tokens or info.item_limit,
+                    max_tokens_limit=info.item_limit,
+                    source=source or f"gguf:{path}",
+                    created_at=_now(),
+                    tokenizer=TOKENIZER_FILE,
+                    pooling=info.pooling,
+                    dtype=info.dtype,
+                    n_labels=info.n_labels,
+                )
+                return self._publish(staging, manifest)
 
     def attach_tokenizer(self, name: str, tokenizer_json: str | Path) -> ModelRecord:
         """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab).

