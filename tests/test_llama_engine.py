@@ -552,13 +552,19 @@ def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> No
         typed = float(bert.score(pair, [0] * (len(query) + 2) + [1] * (len(d) + 1)))
         assert s == pytest.approx(typed, rel=3e-3)
         assert abs(s - typed) * 10 < abs(s - type0), (s, typed, type0)
-    # Validation: an empty candidate and an over-long pair are refused, nothing breaks.
-    for cands, ids in (([0], query), ([600], query + [1000] * 600)):
-        with pytest.raises(EngineError) as e:
-            engine.rerank(m.RERANK(req_id=4, model_ref=ref, query_n_tokens=len(query),
-                                   candidates=[m.RerankCandidate(n_tokens=n) for n in cands]),
-                          np.asarray(ids, np.int32), NullProgress())
-        assert e.value.code == "invalid_request"
+    # A candidate of no tokens (a text of only spaces) is scored as "[CLS] q [SEP] [SEP]",
+    # as the reference scores it; an over-long pair is refused, nothing breaks.
+    empty = engine.rerank(m.RERANK(req_id=4, model_ref=ref, query_n_tokens=len(query),
+                                   candidates=[m.RerankCandidate(n_tokens=0)]),
+                          np.asarray(query, np.int32), NullProgress())
+    pair = [101, *query, 102, 102]
+    assert empty[0] == pytest.approx(float(bert.score(pair, [0] * (len(query) + 2) + [1])),
+                                     rel=3e-3)
+    with pytest.raises(EngineError) as e:
+        engine.rerank(m.RERANK(req_id=5, model_ref=ref, query_n_tokens=len(query),
+                               candidates=[m.RerankCandidate(n_tokens=600)]),
+                      np.asarray(query + [1000] * 600, np.int32), NullProgress())
+    assert e.value.code == "invalid_request"
     again = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), NullProgress())
     np.testing.assert_array_equal(again, scores)
 

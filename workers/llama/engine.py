@@ -505,8 +505,11 @@ class LlamaEngine(Engine):
         pre, mid, post = _pair_template(mdl)
         pairs = [np.concatenate([pre, parts[0], mid, d, post]).astype(np.int32) for d in parts[1:]]
         if not _unsafe():
-            if req.query_n_tokens == 0 or any(len(d) == 0 for d in parts[1:]):
-                raise EngineError("invalid_request", "query and candidates need >= 1 token each")
+            # A text that tokenizes to nothing (" ", "\xa0") is still a pair to score, as a
+            # cross-encoder scores "[CLS] q [SEP] [SEP]"; only a pair of no tokens at all (a
+            # vocabulary without special tokens) is nothing llama.cpp can decode.
+            if any(len(p) == 0 for p in pairs):
+                raise EngineError("invalid_request", "a pair without any token cannot be scored")
             too_long = [i for i, p in enumerate(pairs) if len(p) > mdl.item_limit]
             if too_long:
                 raise EngineError(
