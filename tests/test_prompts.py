@@ -1,0 +1,91 @@
+"""Per-model prompts end to end: a sentence-transformers directory with e5-style prompts,
+ingested into the session's store, embedded through a real Module and llama.cpp worker, through
+the CLI and the bulk job; and Matryoshka widths from the manifest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from host.config import HostConfig
+from host.errors import InvalidRequest
+from host.module import Module, ModuleConfig
+
+LONG = "word " * 1000
+
+
+def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
+    return ModuleConfig(store_root=store_root,
+                        host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+
+
+def _gap(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
+
+
+async def test_a_named_prompt_is_the_literal_text_prepended(
+    store_root, short_runtime_dir, prompted_model
+):
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        named = await mod.embed(["a cat"], model=prompted_model, prompt_name="passage")
+        literal = await mod.embed(["passage: a cat"], model=prompted_model, prompt="")
+        bare = await mod.embed(["a cat"], model=prompted_model, prompt="")
+        given = await mod.embed(["a cat"], model=prompted_model, prompt="passage: ")
+    assert named.prompt == "passage: " and literal.prompt == bare.prompt == ""
+    assert _gap(named.vectors, literal.vectors) <= 1e-6
+    assert _gap(named.vectors, given.vectors) <= 1e-6
+    assert _gap(named.vectors, bare.vectors) > 1e-2  # the prompt changes the vector
+    # "passage", ":" are the prompt's two tokens, counted per item.
+    assert named.usage.total_tokens == literal.usage.total_tokens == bare.usage.total_tokens + 2
+
+
+async def test_the_default_prompt_applies_when_a_call_names_none(
+    store_root, short_runtime_dir, prompted_model
+):
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        default = await mod.embed(["a cat", "a dog"], model=prompted_model)
+        query = await mod.embed(["a cat", "a dog"], model=prompted_model, prompt_name="query")
+        bare = await mod.embed(["a cat", "a dog"], model=prompted_model, prompt="")
+    assert default.prompt == "query: "
+    assert _gap(default.vectors, query.vectors) <= 1e-6
+    assert _gap(default.vectors, bare.vectors) > 1e-2
+    assert default.usage.prompt_tokens == bare.usage.prompt_tokens + 2 * 2
+
+
+async def test_prompt_mistakes_are_typed_and_name_the_prompts(
+    store_root, short_runtime_dir, prompted_model
+):
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        with pytest.raises(InvalidRequest) as info:
+            await mod.embed(["x"], model=prompted_model, prompt_name="document")
+        assert "'passage', 'query'" in info.value.message
+        assert info.value.details["prompts"] == ["passage", "query"]
+        assert info.value.details["param"] == "prompt_name"
+        with pytest.raises(InvalidRequest, match="not both"):
+            await mod.embed(["x"], model=prompted_model, prompt_name="query", prompt="q: ")
+        with pytest.raises(InvalidRequest, match="its prompts: none"):
+            await mod.embed(["x"], model="minilm-l6-v2", prompt_name="query")
+        # The default embedder declares no prompt: nothing is prepended.
+        plain = await mod.embed(["a cat"], model="minilm-l6-v2")
+        assert plain.prompt == "" and plain.usage.total_tokens == 4
+        assert mod.prompt(prompted_model) == "query: " and mod.prompt() == ""
+
+
+async def test_a_prompted_input_is_cut_as_a_whole_at_the_limit(
+    store_root, short_runtime_dir, prompted_model
+):
+    async with Module(module_config(store_root, short_runtime_dir)) as mod:
+        cut = await mod.embed([LONG], model=prompted_model, prompt_name="passage")
+        literal = await mod.embed(["passage: " + LONG], model=prompted_model, prompt="")
+        tokenizer = await mod.tokenizer(prompted_model)
+        # 253 words + [CLS] [SEP] fit the 256-token limit alone, not after a 2-token prompt.
+        fits = "word " * 253
+        assert (await mod.embed([fits], model=prompted_model, prompt="", truncate=False)
+                ).usage.total_tokens == 255
+        with pytest.raises(InvalidRequest, match="257 tokens, over the limit of 256"):
+            await mod.embed([fits], model=prompted_model, prompt_name="passage", truncate=False)
+    assert cut.truncated == [True] and cut.usage.total_tokens == 256
+    assert _gap(cut.vectors, literal.vectors) <= 1e-6
+    ids = tokenizer.encode([LONG], truncate=True, prompt="passage: ").ids[0]
+    assert len(ids) == 256 and tokenizer.decode(ids[:4]) == "passage : word"  # prompt kept
+    assert tokenizer.decode(ids[-1:], skip_special_tokens=False) == "[SEP]"
