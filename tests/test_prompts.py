@@ -4,12 +4,17 @@ the CLI and the bulk job; and Matryoshka widths from the manifest."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from batch.job import JobOptions, run_job
+from batch.output import read_metadata
 from host.config import HostConfig
 from host.errors import InvalidRequest
 from host.module import Module, ModuleConfig
+from tests.batch_support import read_output
 
 LONG = "word " * 1000
 
@@ -89,3 +94,25 @@ async def test_a_prompted_input_is_cut_as_a_whole_at_the_limit(
     ids = tokenizer.encode([LONG], truncate=True, prompt="passage: ").ids[0]
     assert len(ids) == 256 and tokenizer.decode(ids[:4]) == "passage : word"  # prompt kept
     assert tokenizer.decode(ids[-1:], skip_special_tokens=False) == "[SEP]"
+
+
+async def test_the_bulk_job_prepends_the_prompt_and_records_it(
+    store_root, short_runtime_dir, prompted_model, tmp_path
+):
+    texts = ["a cat sat on the mat", "stock markets fell", LONG]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n"
+                           for i, t in enumerate(texts)))
+    out = tmp_path / "o.parquet"
+    cfg = module_config(store_root, short_runtime_dir)
+    summary = await run_job(JobOptions(input=str(src), output=str(out), model=prompted_model,
+                                       prompt_name="passage", module=cfg))
+    table, ids = read_output(out)
+    assert ids == ["r0", "r1", "r2"]
+    got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    async with Module(cfg) as mod:
+        want = await mod.embed(texts, model=prompted_model, prompt_name="passage")
+    assert np.abs(got - want.vectors).max() < 5e-4  # batch composition moves f16 last bits
+    assert table.column("n_tokens").to_pylist()[2] == 256
+    assert summary.tokens == want.usage.total_tokens
+    assert read_metadata(out)["prompt"] == "passage: "
