@@ -15,6 +15,8 @@ from host.config import HostConfig
 from host.errors import InvalidRequest
 from host.module import Module, ModuleConfig
 from tests.batch_support import read_output
+from tests.conftest import PROMPTS
+from tests.test_commands import synapse
 
 LONG = "word " * 1000
 
@@ -116,3 +118,68 @@ async def test_the_bulk_job_prepends_the_prompt_and_records_it(
     assert table.column("n_tokens").to_pylist()[2] == 256
     assert summary.tokens == want.usage.total_tokens
     assert read_metadata(out)["prompt"] == "passage: "
+
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def test_embed_prompt_flags(synapse_cache_dir, prompted_model):
+    def run(*flags: str) -> dict:
+        proc = synapse(synapse_cache_dir, "embed", "--json", "--model", prompted_model,
+                       *flags, "a cat")
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    default, passage, literal = run(), run("--prompt-name", "passage"), run("--prompt", "")
+    assert default["prompt"] == "query: " and passage["prompt"] == "passage: "
+    assert literal["prompt"] == ""
+    assert passage["usage"]["total_tokens"] == literal["usage"]["total_tokens"] + 2
+    proc = synapse(synapse_cache_dir, "embed", "--model", prompted_model,
+                   "--prompt-name", "nope", "x")
+    assert proc.returncode == 2 and "error[invalid_request]" in proc.stderr
+    assert "'passage', 'query'" in " ".join(proc.stderr.split())
+    both = synapse(synapse_cache_dir, "embed", "--prompt-name", "q", "--prompt", "", "x")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_models_ls_shows_prompts_and_matryoshka_dims(synapse_cache_dir, prompted_model):
+    proc = synapse(synapse_cache_dir, "models", "ls", "--json")
+    assert proc.returncode == 0, proc.stderr
+    models = {m["name"]: m for m in json.loads(proc.stdout)}
+    got = models[prompted_model]
+    assert got["prompts"] == PROMPTS and got["default_prompt_name"] == "query"
+    assert got["matryoshka_dims"] == [256, 128]
+    plain = models["minilm-l6-v2"]  # the fields are there on every model, empty or not
+    assert (plain["prompts"], plain["default_prompt_name"], plain["matryoshka_dims"]) \
+        == ({}, None, [])
+    table = " ".join(synapse(synapse_cache_dir, "models", "ls").stdout.split())
+    assert f"{prompted_model}: prompts passage, query (default); Matryoshka dims 256,128" \
+        in table
+
+
+def test_models_ingest_prompt_flags(tmp_path):
+    from tests.conftest import write_prompted_dir
+
+    src = write_prompted_dir(tmp_path / "e5-style")
+    cache = tmp_path / "cache"
+    proc = synapse(cache, "models", "ingest", str(src), "--name", "e5", "--dtype", "f16",
+                   "--prompt", "query=search_query: ", "--prompt", "document=",
+                   "--default-prompt", "document", "--matryoshka-dims", "128,256")
+    assert proc.returncode == 0, proc.stderr
+    man = json.loads((cache / "models" / "e5" / "manifest.json").read_text())
+    assert man["prompts"] == {"query": "search_query: ", "passage": "passage: ", "document": ""}
+    assert man["default_prompt_name"] == "document" and man["matryoshka_dims"] == [256, 128]
+    for flags, says in [
+        (["--default-prompt", "nope"], "default prompt 'nope' is not one of"),
+        (["--matryoshka-dims", "512"], "Matryoshka dims [512] exceed the model's 384 dims"),
+        (["--matryoshka-dims", "256,256"], "Matryoshka dims [256, 256] name a width twice"),
+    ]:
+        bad = synapse(cache, "models", "ingest", str(src), "--name", "bad", "--dtype", "f16",
+                      *flags)
+        assert bad.returncode == 2, bad.stderr
+        assert f"error[invalid_request]: {says}" in " ".join(bad.stderr.split())
+    for flags in (["--prompt", "no-equals"], ["--matryoshka-dims", "a,b"]):
+        usage = synapse(cache, "models", "ingest", str(src), *flags)
+        assert usage.returncode == 2 and "expected" in usage.stderr
+    assert sorted(p.name for p in (cache / "models").iterdir() if p.name[0] != ".") == ["e5"]
