@@ -14,6 +14,9 @@ from batch.output import read_metadata
 from host.config import HostConfig
 from host.errors import InvalidRequest
 from host.module import Module, ModuleConfig
+from service.config import ServeConfig
+from service.embeddings import is_matryoshka
+from service.state import ServerState
 from tests.batch_support import read_output
 from tests.conftest import PROMPTS
 from tests.test_commands import synapse
@@ -119,6 +122,19 @@ async def test_the_bulk_job_prepends_the_prompt_and_records_it(
     assert summary.tokens == want.usage.total_tokens
     assert read_metadata(out)["prompt"] == "passage: "
 
+
+def test_models_ingested_with_matryoshka_dims_are_matryoshka_to_the_service(
+    store_root, prompted_model
+):
+    state = ServerState(ServeConfig(install_defaults=False))
+    state.module = Module(ModuleConfig(store_root=store_root))
+    assert state.module.record(prompted_model).manifest.matryoshka_dims == [256, 128]
+    assert is_matryoshka(state, prompted_model)
+    assert not is_matryoshka(state, "minilm-l6-v2")  # no widths in its manifest
+    listed = ServerState(ServeConfig(install_defaults=False,
+                                     matryoshka_models=["minilm-l6-v2"]))
+    listed.module = state.module
+    assert is_matryoshka(listed, "minilm-l6-v2")  # the config still adds models
 
 
 # ---- the command line ------------------------------------------------------------------------
