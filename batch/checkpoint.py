@@ -3,7 +3,7 @@
 Contents: `part-NNNNNN.parquet` (one committed window each, in input order), `errors.jsonl`
 (the committed error records) and `state.json`, the commit record:
     {"job": {...what the command asked...}, "next_line": N, "parts": P, "rows": R,
-     "tokens": T, "errors": E, "errors_bytes": B, "artifact_digest": D}
+     "tokens": T, "errors": E, "errors_bytes": B, "artifact_digest": D, "prompt": TEXT}
 A window commits in three atomic steps: its part file (tmp + fsync + rename), its error
 records (appended + fsync), then `state.json` (tmp + fsync + rename). `state.json` is the
 truth: on resume, a part numbered >= P or error bytes past B come from a commit that never
@@ -85,17 +85,27 @@ class Checkpoint:
     def parts(self) -> list[Path]:
         return [self._part(i) for i in range(self.state["parts"])]
 
-    def bind_artifact(self, digest: str) -> None:
-        """The model must be the very artifact the checkpoint's rows were embedded with."""
-        known = self.state.get("artifact_digest")
-        if known is not None and known != digest:
+    def bind_artifact(self, digest: str, prompt: str = "") -> None:
+        """The model must be the very artifact the checkpoint's rows were embedded with, and
+        the rows must get the same prompt (a model ingested again may declare another)."""
+        s = self.state
+        known = s.get("artifact_digest")
+        if known is None:
+            s["artifact_digest"], s["prompt"] = digest, prompt
+            self._write_state()
+            return
+        if known != digest:
             raise BatchUsageError(
                 f"the checkpoint at {self.root} was embedded with artifact {known[:12]}, the "
                 f"model is now {digest[:12]}: delete the checkpoint to start over"
             )
-        if known is None:
-            self.state["artifact_digest"] = digest
-            self._write_state()
+        # A checkpoint from before prompts were recorded embedded its rows without one.
+        if s.get("prompt", "") != prompt:
+            raise BatchUsageError(
+                f"the checkpoint at {self.root} was embedded with the prompt "
+                f"{s.get('prompt', '')!r}, the rows would now get {prompt!r}: delete the "
+                f"checkpoint to start over"
+            )
 
     # ---- committing -------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--no-truncate", action="store_true",
                        help="a text over the model's limit is a row error, not cut")
     embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--prompt-name", metavar="NAME",
+                       help="prepend the model's prompt NAME to every text (default: the "
+                            "model's default prompt, if it has one)")
     embed.add_argument("--window-rows", type=_positive, default=4096,
                        help="rows per commit and per output row group (default 4096)")
     embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -103,6 +106,7 @@ def _options(args: argparse.Namespace):
         workers=args.workers or default_workers(), resume=args.resume,
         max_errors=args.max_errors, normalize=not args.no_normalize,
         truncate=not args.no_truncate, window_rows=args.window_rows,
+        prompt_name=args.prompt_name,
     )
 
 

@@ -41,9 +41,12 @@ class LaneEmbedder:
         normalize: bool = True,
         runtime_config: dict | None = None,
         crash_budget: int = 8,
+        prompt_name: str | None = None,
     ) -> None:
         self.module = module
         self.model = model or DEFAULT_EMBED
+        self.prompt_name = prompt_name  # None: the model's default prompt, if it has one
+        self.prompt = ""  # the text prepended to every row, known once started
         self.requested_lane = lane  # None: the module's own default/auto choice
         self.normalize = normalize
         self.runtime_config = runtime_config
@@ -64,6 +67,7 @@ class LaneEmbedder:
                 self.model, self.requested_lane or "llama", self.runtime_config
             )
         self.tokenizer = await self.module.tokenizer(self.model, **self._lane_kw())
+        self.prompt = self.module.prompt(self.model, self.prompt_name)
         key = next(k for k in self.module.models() if k.split("@")[0] == self.model)
         self.lane = key.split("@")[1] if "@" in key else "llama"
         self.dims = self.module.dims(self.model, self.lane)

@@ -51,6 +51,7 @@ class JobOptions:
     normalize: bool = True
     truncate: bool = True
     window_rows: int = 4096
+    prompt_name: str | None = None  # None: the model's default prompt, if it has one
     ahead: int = 2  # windows read and tokenized ahead of the committer
     module: ModuleConfig | None = None  # store, host windows; planned_workers is set here
     runtime_config: dict | None = None  # LOAD extras for the lane (tests shrink n_ubatch)
@@ -63,7 +64,8 @@ class JobOptions:
         """What must match for `--resume` to continue a checkpoint."""
         return {"input": spec.identity(), "format": spec.format, "text_field": self.text_field,
                 "id_field": self.id_field, "model": self.model, "lane": self.lane,
-                "normalize": self.normalize, "truncate": self.truncate}
+                "normalize": self.normalize, "truncate": self.truncate,
+                "prompt_name": self.prompt_name}
 
 
 @dataclass
@@ -111,13 +113,14 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
     modules = [Module(config) for _ in range(opts.workers)]
     try:
         embedders = [
-            LaneEmbedder(mod, opts.model, opts.lane, opts.normalize, opts.runtime_config)
+            LaneEmbedder(mod, opts.model, opts.lane, opts.normalize, opts.runtime_config,
+                         prompt_name=opts.prompt_name)
             for mod in modules
         ]
         await asyncio.gather(*(e.start() for e in embedders))
         meta = describe(embedders[0], opts.normalize)
         with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
-            ckpt.bind_artifact(meta["artifact_digest"])
+            ckpt.bind_artifact(meta["artifact_digest"], meta["prompt"])
         if on_ready is not None:
             on_ready(embedders)
         start_line = ckpt.next_line
@@ -164,7 +167,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress) -> 
         try:
             source = windows(spec, ckpt.next_line, opts.window_rows, embedders[0].tokenizer,
                              opts.truncate, cfg.max_batch_tokens, cfg.max_batch_items,
-                             ckpt.state["parts"])
+                             ckpt.state["parts"], embedders[0].prompt)
             for window in source:
                 if stop_reader.is_set():
                     return

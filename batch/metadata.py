@@ -18,6 +18,7 @@ def describe(emb: LaneEmbedder, normalize: bool) -> dict[str, str]:
         "certificate": certificate_for(emb, identity),
         "normalize": "true" if normalize else "false",
         "dims": str(emb.dims),
+        "prompt": emb.prompt,  # "" when none: the rows' text was embedded as it is
     }
 
 

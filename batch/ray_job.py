@@ -113,7 +113,7 @@ class EmbedActor:
     """One engine per actor: a `Module` whose supervised worker runs on the actor's node."""
 
     def __init__(self, model, lane, normalize, truncate, module_config: bytes,
-                 planned_workers, runtime_config=None) -> None:
+                 planned_workers, runtime_config=None, prompt_name=None) -> None:
         import msgspec
 
         from batch.embedder import LaneEmbedder
@@ -127,7 +127,8 @@ class EmbedActor:
         config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
         config = msgspec.structs.replace(config, planned_workers=planned_workers)
         self.module = Module(config)
-        self.embedder = LaneEmbedder(self.module, model, lane, normalize, runtime_config)
+        self.embedder = LaneEmbedder(self.module, model, lane, normalize, runtime_config,
+                                     prompt_name=prompt_name)
         self._run(self.embedder.start())
         self.truncate = truncate
         self.meta = json.dumps(describe(self.embedder, normalize), sort_keys=True)
@@ -144,7 +145,7 @@ class EmbedActor:
         cfg = self.module.config
         emb = self.embedder
         window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
-                                 cfg.max_batch_tokens, cfg.max_batch_items)
+                                 cfg.max_batch_tokens, cfg.max_batch_items, emb.prompt)
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)
         crashed: dict[int, str] = {}
         for group in window.batches:
@@ -284,6 +285,7 @@ def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
         "module_config": msgspec.json.encode(opts.module or ModuleConfig()),
         "planned_workers": max(1, min(workers, cores)),
         "runtime_config": opts.runtime_config,
+        "prompt_name": opts.prompt_name,
     }
 
 

@@ -58,11 +58,12 @@ def plan_batches(lengths: list[int], max_tokens: int, max_items: int) -> list[li
 
 def tokenize_window(
     index: int, rows: list[Row], next_line: int, tokenizer: Tokenizer, truncate: bool,
-    max_tokens: int, max_items: int,
+    max_tokens: int, max_items: int, prompt: str = "",
 ) -> Window:
+    """`prompt` is prepended to every row's text (tokens and limit as `Tokenizer.encode`)."""
     good = [r for r in rows if r.ok]
     errors = [error_record(r) for r in rows if not r.ok]
-    enc = tokenizer.encode([r.text for r in good], truncate=True) if good else None
+    enc = tokenizer.encode([r.text for r in good], truncate=True, prompt=prompt) if good else None
     ids = enc.ids if enc else []
     cut = enc.truncated if enc else []
     if not truncate and any(cut):
@@ -84,7 +85,7 @@ def tokenize_window(
 
 def windows(
     spec: InputSpec, start_line: int, window_rows: int, tokenizer: Tokenizer, truncate: bool,
-    max_tokens: int, max_items: int, first_index: int = 0,
+    max_tokens: int, max_items: int, first_index: int = 0, prompt: str = "",
 ) -> Iterator[Window]:
     buf: list[Row] = []
     index = first_index
@@ -92,8 +93,8 @@ def windows(
         buf.append(row)
         if len(buf) >= window_rows:
             yield tokenize_window(index, buf, row.line + 1, tokenizer, truncate, max_tokens,
-                                  max_items)
+                                  max_items, prompt)
             buf, index = [], index + 1
     if buf:
         yield tokenize_window(index, buf, buf[-1].line + 1, tokenizer, truncate, max_tokens,
-                              max_items)
+                              max_items, prompt)

@@ -107,8 +107,10 @@ class LaneClient:
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
         """Normalized embeddings through Module.embed, and the request's latency in ms."""
         start = time.perf_counter()
+        # No model prompt: the reference embeds the corpus's own ids, and fidelity is judged
+        # on the same input.
         result = await self.module.embed(
-            texts, model=self.model, normalize=True, truncate=True, **self._kw
+            texts, model=self.model, normalize=True, truncate=True, prompt="", **self._kw
         )
         return result.vectors, (time.perf_counter() - start) * 1e3
 

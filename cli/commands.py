@@ -21,7 +21,7 @@ from host.module import Module, ModuleConfig
 from host.run_command import err_console, run_command
 from ingest.defaults import ensure_defaults
 from ingest.errors import ArtifactError
-from ingest.errors import InvalidRequest as IngestInvalidRequest
+from ingest.errors import InvalidRequest as InvalidIngest
 from ingest.precision import embed_precision, lane_precisions
 from ingest.store import DEFAULT_EMBED, ArtifactStore
 
@@ -55,6 +55,17 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
                         help="GGUF only: an embedder's pooling, when its metadata does not say")
     ingest.add_argument("--max-tokens", type=int,
                         help="GGUF only: default truncation (default: the model's limit)")
+    ingest.add_argument(
+        "--prompt", action="append", type=_named_prompt, metavar="NAME=TEXT",
+        help="a prompt prepended to inputs embedded with --prompt-name NAME; adds to or "
+             "replaces the model's own (repeatable)",
+    )
+    ingest.add_argument("--default-prompt", metavar="NAME",
+                        help="the prompt applied when a call names none")
+    ingest.add_argument(
+        "--matryoshka-dims", type=_widths, metavar="D1,D2,...",
+        help="widths the model was trained to be cut to (Matryoshka), e.g. 512,256,128",
+    )
     ingest.set_defaults(func=_models_ingest)
     rm = models_sub.add_parser("rm", help="remove a model")
     rm.add_argument("name")
@@ -66,6 +77,11 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--no-truncate", action="store_true")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    prompt = embed.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-name", metavar="NAME",
+                        help="prepend the model's prompt NAME (default: its default prompt)")
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help="prepend TEXT to every input instead ('' for none)")
     embed.set_defaults(func=_embed)
 
     rerank = sub.add_parser("rerank", help="rank documents against a query")
@@ -85,6 +101,21 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 
     quick = sub.add_parser("quickstart", help="install the default models and embed a few texts")
     quick.set_defaults(func=_quickstart)
+
+
+def _named_prompt(text: str) -> tuple[str, str]:
+    name, sep, prompt = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=TEXT")
+    return name, prompt
+
+
+def _widths(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated widths, e.g. 512,256,128") from None
 
 
 def _module(args: argparse.Namespace) -> Module:
@@ -117,38 +148,63 @@ def _models_ls(args: argparse.Namespace) -> int:
             man.digest[:12],
         )
     console.print(table)
+    # Below the table, which has no room left in 80 columns.
+    for r in records:
+        if r.manifest.prompts or r.manifest.matryoshka_dims:
+            console.print(escape(f"{r.name}: {_encode_options_line(r.manifest)}"))
     choice = embed_precision()
     console.print(f"[dim]{DEFAULT_EMBED} is {choice.dtype} on this machine: {choice.reason}[/]")
     return 0
+
+
+def _encode_options_line(man) -> str:
+    names = [f"{n} (default)" if n == man.default_prompt_name else n for n in sorted(man.prompts)]
+    parts = [f"prompts {', '.join(names)}"] if names else []
+    if man.matryoshka_dims:
+        parts.append(f"Matryoshka dims {','.join(map(str, man.matryoshka_dims))}")
+    return "; ".join(parts)
 
 
 def _manifest_dict(record) -> dict:
     import msgspec
 
     man = record.manifest
-    return {**msgspec.to_builtins(man), "precision": lane_precisions(man.kind, man.dtype)}
+    # The manifest omits empty fields; a script reading the list finds them on every model.
+    return {**msgspec.to_builtins(man), "prompts": man.prompts,
+            "default_prompt_name": man.default_prompt_name,
+            "matryoshka_dims": man.matryoshka_dims,
+            "precision": lane_precisions(man.kind, man.dtype)}
 
 
 def _models_ingest(args: argparse.Namespace) -> int:
     try:
         if args.path is None:
+            if args.prompt or args.default_prompt or args.matryoshka_dims:
+                raise InvalidIngest("--prompt, --default-prompt and --matryoshka-dims need "
+                                    "a model PATH")
             ensure_defaults()
         elif Path(args.path).is_file():
             if args.dtype is not None:
-                raise IngestInvalidRequest("--dtype converts a Hugging Face directory; a GGUF "
-                                           "keeps its own precision")
+                raise InvalidIngest("--dtype converts a Hugging Face directory; a GGUF "
+                                    "keeps its own precision")
             from certification.tokenizer_proof import prove_gguf_tokenizer  # spawns llama.cpp
 
-            rec = _store().ingest_gguf(args.path, name=args.name, kind=args.kind,
-                                       pooling=args.pooling, max_tokens=args.max_tokens,
-                                       prove=prove_gguf_tokenizer)
+            rec = _store().ingest_gguf(
+                args.path, name=args.name, kind=args.kind, pooling=args.pooling,
+                max_tokens=args.max_tokens, prove=prove_gguf_tokenizer,
+                prompts=dict(args.prompt) if args.prompt else None,
+                default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims)
             console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
                           f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)")
         else:
             if args.kind or args.pooling or args.max_tokens:
-                raise IngestInvalidRequest("--kind, --pooling and --max-tokens apply to GGUF "
-                                           "files; a directory says its own")
-            rec = _store().ingest_hf_dir(args.path, name=args.name, dtype=args.dtype)
+                raise InvalidIngest("--kind, --pooling and --max-tokens apply to GGUF "
+                                    "files; a directory says its own")
+            rec = _store().ingest_hf_dir(
+                args.path, name=args.name, dtype=args.dtype,
+                prompts=dict(args.prompt) if args.prompt else None,
+                default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims,
+            )
             console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     except ArtifactError as exc:
         err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
@@ -174,12 +230,15 @@ def _embed(args: argparse.Namespace) -> int:
                 args.model,
                 normalize=not args.no_normalize,
                 truncate=not args.no_truncate,
+                prompt_name=getattr(args, "prompt_name", None),
+                prompt=getattr(args, "prompt", None),
             )
         if args.json:
             print(
                 json.dumps(
                     {
                         "model": result.model,
+                        "prompt": result.prompt,
                         "usage": {
                             "prompt_tokens": result.usage.prompt_tokens,
                             "total_tokens": result.usage.total_tokens,
@@ -201,6 +260,8 @@ def _print_embeddings(texts: list[str], result) -> None:
         f"model [bold]{result.model}[/]: {v.shape[0]} vectors x {v.shape[1]} dims, "
         f"{result.usage.total_tokens} tokens"
     )
+    if result.prompt:
+        console.print(f"  each input prefixed with the prompt {escape(repr(result.prompt))}")
     for text, row, cut in zip(texts, v, result.truncated, strict=True):
         head = ", ".join(f"{x:+.3f}" for x in row[:4])
         note = " (truncated)" if cut else ""

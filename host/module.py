@@ -98,6 +98,7 @@ class EmbedResult:
     usage: Usage
     model: str
     truncated: list[bool]
+    prompt: str = ""  # the text prepended to every input (the model's default, if it has one)
 
 
 @dataclass(frozen=True)
@@ -434,15 +435,40 @@ class Module:
         truncate: bool = True,
         deadline_s: float | None = None,
         lane: str | None = None,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> EmbedResult:
+        """Embed `texts` with a prompt prepended to each, as sentence-transformers'
+        `encode(prompt_name=..., prompt=...)` does: `prompt` as given (`""`: none), else the
+        model's prompt named `prompt_name`, else its default prompt, else none. The prompt's
+        tokens count against the limit and in `usage`."""
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
+        _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._get(model, DEFAULT_EMBED, "embed", lane)
-        encoded = served.tokenizer.encode(batch, truncate=truncate)
+        text_prompt = resolve_prompt(served.record, prompt_name, prompt)
+        encoded = served.tokenizer.encode(batch, truncate=truncate, prompt=text_prompt)
         with self.admission.reserve(encoded.total_tokens):
             vectors = await self._embed_ids(served, encoded.ids, normalize, deadline_s)
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
-        return EmbedResult(vectors, usage, served.record.name, encoded.truncated)
+        return EmbedResult(vectors, usage, served.record.name, encoded.truncated, text_prompt)
+
+    def prompt(
+        self, model: str | None = None, prompt_name: str | None = None, prompt: str | None = None
+    ) -> str:
+        """The text `embed` prepends for these arguments (for callers that tokenize
+        themselves, such as bulk jobs); reads the manifest, never starts a worker."""
+        _check_prompt_args(prompt_name, prompt)
+        return resolve_prompt(self.record(model or DEFAULT_EMBED), prompt_name, prompt)
+
+    def record(self, name: str) -> ModelRecord:
+        """The manifest `name` is served with: the loaded one, else the store's."""
+        for lane in LANES:
+            served = self._served.get(served_key(name, lane))
+            if served is not None:
+                return served.record
+        return self._record(name)
 
     async def tokenizer(self, model: str | None = None, lane: str | None = None) -> Tokenizer:
         """The module-side tokenizer of `model` (loading it if needed)."""
@@ -650,6 +676,37 @@ class Module:
         return GenerateResult(
             reply.text, reply.n_prompt, reply.n_gen, reply.finish_reason, served.record.name
         )
+
+
+def _check_prompt_args(prompt_name: str | None, prompt: str | None) -> None:
+    if prompt_name is not None and prompt is not None:
+        raise InvalidRequest("pass prompt_name or prompt, not both", param="prompt")
+    if prompt_name is not None and not isinstance(prompt_name, str):
+        raise InvalidRequest(f"prompt_name must be a string, got {type(prompt_name).__name__}",
+                             param="prompt_name")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
+                             param="prompt")
+
+
+def resolve_prompt(record: ModelRecord, prompt_name: str | None, prompt: str | None) -> str:
+    """The text prepended to every input: `prompt`, else the model's prompt `prompt_name`,
+    else its default prompt, else ""."""
+    if prompt is not None:
+        return prompt
+    man = record.manifest
+    name = man.default_prompt_name if prompt_name is None else prompt_name
+    if name is None:
+        return ""
+    if name not in man.prompts:
+        known = ", ".join(repr(n) for n in sorted(man.prompts)) or "none"
+        raise InvalidRequest(
+            f"model {record.name!r} has no prompt named {name!r}; its prompts: {known}",
+            param="prompt_name",
+            model=record.name,
+            prompts=sorted(man.prompts),
+        )
+    return man.prompts[name]
 
 
 def _check_lane(lane: str) -> str:

@@ -8,7 +8,8 @@ MiniLM's pads to 128): nothing is padded on the wire, and length is decided here
   survives; a GGUF vocab with an EOS keeps it);
 - `truncate=False`: any sequence over the limit is an `InvalidRequest` naming the item.
 
-Every text goes through `host.sanitize.sanitize` first (the single documented rule). Special
+Every text goes through `host.sanitize.sanitize` first (the single documented rule), and a
+model's prompt (`encode(prompt=...)`), sanitized too, is prepended to it. Special
 tokens written in user text (`"[SEP]"`, `"<start_of_turn>"`) are by default tokenized as plain
 text (`parse_special=False`, llama.cpp's `special=False`): caller text is data, not control.
 
@@ -135,12 +136,21 @@ class Tokenizer:
     # -- single sequences -------------------------------------------------------------------
 
     def encode(
-        self, texts: Sequence[str | bytes], truncate: bool, max_tokens: int | None = None
+        self,
+        texts: Sequence[str | bytes],
+        truncate: bool,
+        max_tokens: int | None = None,
+        prompt: str = "",
     ) -> Encoded:
+        """`prompt` is prepended to every text before it is tokenized, as sentence-transformers
+        does: its tokens count against the limit, and an input over it is cut as a whole."""
         limit = self._limit(max_tokens)
         clean = _sanitize_all(texts)
         if not clean:
             return Encoded(ids=[], n_tokens=[], truncated=[])
+        if prompt:
+            head = sanitize(prompt)
+            clean = [head + text for text in clean]
         # One call with the template's special tokens: for an input that fits, that is the
         # same ids as encoding bare and post-processing (the template adds a fixed
         # n_special_single), and it is what almost every request is, so the serving path

@@ -4,7 +4,8 @@ Layout of `<root>/<name>/`:
     model.gguf            the artifact
     model.gguf.sha256     its sha256 (sha256sum format), computed ONCE at ingest
     tokenizer.json        module-side tokenizer (optional for generation models until derived)
-    manifest.json         `Manifest` (name, format, kind, dims, pooling, limits, digest, source)
+    manifest.json         `Manifest` (name, format, kind, dims, pooling, limits, digest, source,
+                          prompts and Matryoshka widths: ingest.encode_options)
 
 Publishing is atomic: a model is built in `<root>/.tmp-*` and renamed into place, so a reader
 sees either no model or a complete one. It is also durable: every file and the staging dir
@@ -57,6 +58,7 @@ from ingest.durable import (
     mib,
     require_space,
 )
+from ingest.encode_options import EncodeOptions, encode_options, fitted, given_options
 from ingest.errors import (
     ArtifactExists,
     ArtifactInvalid,
@@ -115,6 +117,11 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     dtype: str | None = None  # f32|f16|q4_k_m
     max_new_tokens: int | None = None  # generation default cap
     n_labels: int | None = None  # classifier outputs (rerank)
+    # sentence-transformers' prompts (name -> text prepended to every input), and the one a
+    # call that names none gets.
+    prompts: dict[str, str] = {}
+    default_prompt_name: str | None = None
+    matryoshka_dims: list[int] = []  # widths the vectors may be cut to, widest first
 
 
 class ModelRecord(msgspec.Struct, frozen=True):
@@ -241,13 +248,20 @@ class ArtifactStore:
         *,
         pooling: PoolingName | None = None,
         source: str | None = None,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        matryoshka_dims: list[int] | None = None,
     ) -> ModelRecord:
         """Convert a Hugging Face BERT-family directory to GGUF and publish it as `name`.
 
         `dtype` None: this platform's embedding precision (`embed_precision`). A default name
-        gets a `-f32` suffix only when f32 was asked for explicitly.
+        gets a `-f32` suffix only when f32 was asked for explicitly. The manifest records the
+        directory's sentence-transformers prompts; `prompts` adds to or replaces them by name,
+        `default_prompt_name` names the one applied when a call names none, and
+        `matryoshka_dims` the widths the vectors may be cut to (see ingest.encode_options).
         """
         path = Path(path)
+        options = encode_options(path, prompts, default_prompt_name, matryoshka_dims)
         if name is None:
             name = re.sub(r"[^a-z0-9._-]+", "-", path.name.lower()).strip("-.") or "model"
             if dtype == "f32":
@@ -258,7 +272,8 @@ class ArtifactStore:
             self._sweep()
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
-            return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}")
+            return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}",
+                                  options=options)
 
     def ingest_gguf(
         self,
@@ -270,14 +285,21 @@ class ArtifactStore:
         pooling: str | None = None,
         max_tokens: int | None = None,
         source: str | None = None,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        matryoshka_dims: list[int] | None = None,
     ) -> ModelRecord:
         """Publish an embedding or rerank GGUF as `name`, with a module-side tokenizer derived
         from its own vocabulary and proven equal to llama.cpp's by `prove(gguf, tokenizer)`
         (which raises `TokenizerMismatch`; `certification.tokenizer_proof` is the real one).
         What the GGUF is comes from its metadata (`ingest.gguf_model`); `kind` / `pooling`
-        say what it does not, `max_tokens` lowers the default truncation."""
+        say what it does not, `max_tokens` lowers the default truncation. A GGUF holds no
+        sentence-transformers prompts: `prompts` / `default_prompt_name` / `matryoshka_dims`
+        give them (see ingest.encode_options)."""
         path = Path(path)
         info = inspect_gguf(path, kind, pooling)
+        options = fitted(given_options(prompts, default_prompt_name, matryoshka_dims),
+                         info.kind, info.dims)
         if max_tokens is not None and not 1 <= max_tokens <= info.item_limit:
             raise InvalidRequest(f"max_tokens must be between 1 and {info.item_limit}")
         if name is None:
@@ -315,6 +337,9 @@ class ArtifactStore:
                     pooling=info.pooling,
                     dtype=info.dtype,
                     n_labels=info.n_labels,
+                    prompts=options.prompts,
+                    default_prompt_name=options.default_prompt_name,
+                    matryoshka_dims=options.matryoshka_dims,
                 )
                 return self._publish(staging, manifest)
 
@@ -455,11 +480,14 @@ class ArtifactStore:
         pooling: PoolingName | None,
         source: str,
         model_name: str | None = None,
+        options: EncodeOptions | None = None,
     ) -> ModelRecord:
+        options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
             info = convert_bert_dir(path, artifact, dtype, pooling=pooling,
                                     name=model_name or name)
+            options = fitted(options, info.kind, info.dims)
             tok_src = path / "tokenizer.json"
             tokenizer = None
             if tok_src.is_file():
@@ -486,6 +514,9 @@ class ArtifactStore:
                 pooling=info.pooling,
                 dtype=info.dtype,
                 n_labels=info.n_labels or None,
+                prompts=options.prompts,
+                default_prompt_name=options.default_prompt_name,
+                matryoshka_dims=options.matryoshka_dims,
             )
             return self._publish(staging, manifest)
 

@@ -25,8 +25,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_EMBED])
     install_defaults: bool = True  # ingest the embedded default models at start (idempotent)
-    # Models whose embeddings may be truncated with `dimensions` (Matryoshka-trained). MiniLM
-    # is not: truncating it loses quality silently, so it is refused unless listed here.
+    # Models whose embeddings may be truncated with `dimensions` (Matryoshka-trained), beside
+    # those whose manifest has `matryoshka_dims`. MiniLM is neither: truncating it loses
+    # quality silently, so it is refused unless listed here.
     matryoshka_models: list[str] = []
     max_body_bytes: int = 4 << 20  # -> 413 above this
     graceful_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may drain

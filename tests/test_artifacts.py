@@ -220,6 +220,9 @@ def test_ingest_default_installs_both_precisions_and_names_the_default(store) ->
     tok = Tokenizer.from_file(str(mini.tokenizer_path))
     assert tok.padding is None and tok.truncation is None
     assert tok.encode("hello world").ids == [101, 7592, 2088, 102]
+    # MiniLM declares no prompts and no Matryoshka widths, and its manifest says nothing of them.
+    assert (m.prompts, m.default_prompt_name, m.matryoshka_dims) == ({}, None, [])
+    assert not {"prompts", "default_prompt_name", "matryoshka_dims"} & set(on_disk)
 
 
 def test_gemma_assembled_with_published_sha256(store: ArtifactStore) -> None:
@@ -485,3 +488,65 @@ def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_pat
     assert model_limits(native)[1] == model_limits(MINILM)[1] == 256
     config = _config_from_hf(native)  # the Core ML lane reads the same facts
     assert config.max_seq_length == 256 and _head_from_hf(native, config).normalize
+
+
+def test_prompts_and_matryoshka_dims_round_trip_through_the_manifest(tmp_path: Path) -> None:
+    from tests.conftest import PROMPTS, write_prompted_dir
+
+    s = ArtifactStore(tmp_path / "models")
+    src = write_prompted_dir(tmp_path / "e5-style")
+    plain = s.ingest_hf_dir(src, name="as-declared", dtype="f16")
+    assert (plain.manifest.prompts, plain.manifest.default_prompt_name) == (PROMPTS, "query")
+    assert plain.manifest.matryoshka_dims == []
+    rec = s.ingest_hf_dir(src, name="given", dtype="f16", prompts={"query": "q: ", "doc": ""},
+                          default_prompt_name="doc", matryoshka_dims=[128, 384, 256])
+    m = rec.manifest
+    assert m.prompts == {"query": "q: ", "passage": "passage: ", "doc": ""}  # given wins by name
+    assert m.default_prompt_name == "doc" and m.matryoshka_dims == [384, 256, 128]
+    assert s.get("given").manifest == m
+    on_disk = json.loads((rec.dir / "manifest.json").read_text())
+    assert on_disk["prompts"] == m.prompts and on_disk["matryoshka_dims"] == [384, 256, 128]
+    # A manifest written before these fields existed still reads, with none of them.
+    old = {k: v for k, v in on_disk.items()
+           if k not in ("prompts", "default_prompt_name", "matryoshka_dims")}
+    (rec.dir / "manifest.json").write_text(json.dumps(old))
+    assert s.get("given").manifest.prompts == {}
+    # sentence-transformers 6's layout keeps its prompts in the same file.
+    native = _as_sentence_transformers_6(MINILM, tmp_path / "st6")
+    (native / "config_sentence_transformers.json").write_text(json.dumps(
+        {"model_type": "SentenceTransformer", "prompts": {"query": "Query: ", "document": ""},
+         "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+    st6 = s.ingest_hf_dir(native, name="st6", dtype="f16").manifest
+    assert (st6.prompts, st6.default_prompt_name) == ({"query": "Query: ", "document": ""}, None)
+
+
+def test_bad_prompts_and_matryoshka_dims_are_refused_and_nothing_is_kept(tmp_path: Path) -> None:
+    from tests.conftest import write_prompted_dir
+
+    s = ArtifactStore(tmp_path / "models")
+    src = write_prompted_dir(tmp_path / "e5-style")
+    cases = [
+        ({"default_prompt_name": "document"}, "default prompt 'document' is not one of the "
+                                              "model's prompts \\(passage, query\\)"),
+        ({"prompts": {"": "x"}}, "prompt name '': expected a non-empty name"),
+        ({"prompts": {"q": 3}}, "prompt 'q': expected text, got int"),
+        ({"prompts": ["q"]}, "prompts must map"),
+        ({"matryoshka_dims": [256, 0]}, "positive integers, not 0"),
+        ({"matryoshka_dims": [True]}, "positive integers, not True"),
+        ({"matryoshka_dims": [128, 128]}, "name a width twice"),
+        ({"matryoshka_dims": "256"}, "a list of widths"),
+        ({"matryoshka_dims": [512, 256]}, "\\[512\\] exceed the model's 384 dims"),
+    ]
+    for kwargs, says in cases:
+        with pytest.raises(InvalidRequest, match=says):
+            s.ingest_hf_dir(src, name="bad", dtype="f16", **kwargs)
+    with pytest.raises(InvalidRequest, match="default prompt 'query' is not one of .*it has none"):
+        s.ingest_hf_dir(MINILM, name="bad", dtype="f16", default_prompt_name="query")
+    (src / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "q: "}, "default_prompt_name": "passage"}))
+    with pytest.raises(ArtifactInvalid, match="default_prompt_name 'passage'"):
+        s.ingest_hf_dir(src, name="bad", dtype="f16")
+    ce = build_test_cross_encoder(tmp_path / "ce", seed=0)
+    with pytest.raises(InvalidRequest, match="for embedding models; this is a rerank model"):
+        s.ingest_hf_dir(ce, name="bad", dtype="f16", matryoshka_dims=[128])
+    assert s.ls() == [] and [p.name for p in s.root.iterdir()] == [".lock"]

@@ -126,6 +126,17 @@ async def test_degraded_llama_artifact_fails_quality(store_root, cert_store, tmp
     assert check(cert, "quality.tokenizer_agreement").status == "pass"
 
 
+async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
+    store_root, cert_store, prompted_model
+):
+    """The reference embeds the corpus's own ids: the lane must not prepend the model's
+    default prompt to them (the prompted model is MiniLM's weights)."""
+    cert = await run(store_root, cert_store, RunOptions(
+        model=prompted_model, sample_stride=STRIDE, reference_dir=str(minilm_dir())))
+    assert cert.quality == "pass", cert.failing
+    assert check(cert, "quality.min_cosine").value >= 0.9999
+
+
 async def test_llama_cross_encoder_rerank_error_is_gated(store_root, cert_store, tmp_path):
     xenc = build_test_cross_encoder(tmp_path / "xenc", seed=0)
     ArtifactStore(store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")

@@ -160,3 +160,19 @@ def test_the_cli_ingests_a_gguf_and_refuses_flags_that_do_not_apply(ggufs, tmp_p
     assert bad.returncode == 2 and "keeps its own precision" in " ".join(bad.stderr.split())
     bad = synapse("ingest", str(MINILM), "--pooling", "cls")
     assert bad.returncode == 2 and "apply to GGUF files" in " ".join(bad.stderr.split())
+
+
+def test_a_gguf_gets_its_prompts_and_matryoshka_widths_at_ingest(ggufs, module_tmp):
+    s = ArtifactStore(module_tmp / "with-prompts")
+    rec = s.ingest_gguf(ggufs["minilm"], "p", prove=prove_gguf_tokenizer,
+                        prompts={"query": "query: ", "passage": "passage: "},
+                        default_prompt_name="query", matryoshka_dims=[256, 384])
+    man = rec.manifest
+    assert man.prompts == {"query": "query: ", "passage": "passage: "}
+    assert man.default_prompt_name == "query" and man.matryoshka_dims == [384, 256]
+    with pytest.raises(InvalidRequest, match="not one of the model's prompts"):
+        s.ingest_gguf(ggufs["minilm"], "p2", prove=prove_gguf_tokenizer,
+                      default_prompt_name="query")
+    with pytest.raises(InvalidRequest, match="for embedding models"):
+        s.ingest_gguf(ggufs["xenc"], "x", prove=prove_gguf_tokenizer, prompts={"q": "q: "})
+    assert [r.name for r in s.ls()] == ["p"]
