@@ -2,12 +2,14 @@
 
 The host tokenizes module-side and must never import llama_cpp, so for GGUF models the
 tokenizer is rebuilt at ingest from the vocabulary stored in the GGUF itself and saved as a
-plain `tokenizer.json` (HF `tokenizers`). `tests/test_gguf_vocab.py` proves it equal to
-llama.cpp's own tokenization on a corpus.
+plain `tokenizer.json` (HF `tokenizers`). Ingest proves every derived tokenizer equal to
+llama.cpp's own tokenization (`certification/tokenizer_proof.py`); `tests/test_gguf_vocab.py`
+and `tests/test_gguf_ingest.py` do so on the corpus.
 
-Supported: `tokenizer.ggml.model == "llama"` (SentencePiece-style vocab with scores and token
-types: Llama 1/2, Mistral, Gemma 1-3). How llama.cpp tokenizes such a vocab, and how each step
-is reproduced here:
+Supported: `tokenizer.ggml.model` "bert" (WordPiece: `_build_wpm`), "t5" (Unigram:
+`_build_ugm`), and "llama" (SentencePiece-style vocab with scores and token types: Llama 1/2,
+Mistral, Gemma 1-3). How llama.cpp tokenizes a "llama" vocab, and how each step is reproduced
+here:
 
 1. Special-token partition on the RAW text (before any escaping). USER_DEFINED tokens (Gemma:
    runs of spaces/newlines/tabs, HTML tags) are always split out; CONTROL/UNKNOWN tokens only
@@ -89,6 +91,10 @@ class GGUFVocab:
     sep_id: int | None = None
     lowercase: bool = True
     strip_accents: bool = True
+    # Unigram ("t5") vocabularies: SentencePiece's normalizer (its precompiled character map)
+    # and whitespace options.
+    charsmap: bytes = b""
+    remove_extra_whitespaces: bool = False
 
     @classmethod
     def read(cls, gguf_path: str | Path) -> GGUFVocab:
@@ -115,21 +121,24 @@ class GGUFVocab:
             bos_id=opt_id("tokenizer.ggml.bos_token_id"),
             eos_id=opt_id("tokenizer.ggml.eos_token_id"),
             unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
-            # llama.cpp's defaults for an SPM vocab when the keys are absent.
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),
-            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+            # llama.cpp's defaults when the keys are absent: SPM adds BOS and a space prefix,
+            # Unigram (t5) adds EOS only and no prefix.
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", model != "t5")),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", model == "t5")),
+            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", model != "t5")),
             name=str(get("general.name", "")),
             sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
+            charsmap=bytes(np.asarray(get("tokenizer.ggml.precompiled_charsmap", []),
+                                      dtype=np.uint8)),
+            remove_extra_whitespaces=bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
             lowercase=bool(get("tokenizer.ggml.normalizer.lowercase", True)),
             strip_accents=bool(get("tokenizer.ggml.normalizer.strip_accents",
                                    get("tokenizer.ggml.normalizer.lowercase", True))),
         )
 
 
-_VOCAB_ARRAYS = frozenset(
-    {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
-)
+_VOCAB_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                           "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap"})
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:
@@ -217,11 +226,12 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         return _build_spm(vocab)
     if vocab.model == "bert":
         return _build_wpm(vocab)
+    if vocab.model == "t5":
+        return _build_ugm(vocab)
     raise UnsupportedVocab(
-        f"tokenizer.ggml.model={vocab.model!r}: only SentencePiece ('llama') and WordPiece "
-        "('bert') vocabularies are derived; BPE ('gpt2') and Unigram ('t5') are not yet, so the "
-        "model is refused rather than tokenized differently from llama.cpp (ingest its Hugging "
-        "Face directory instead, whose tokenizer.json is kept)"
+        f"tokenizer.ggml.model={vocab.model!r}: SentencePiece ('llama'), WordPiece ('bert') and "
+        "Unigram ('t5') vocabularies are derived; BPE ('gpt2') is not yet, so the model is "
+        "refused rather than tokenized differently from llama.cpp"
     )
 
 
@@ -348,6 +358,61 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
         single=f"{cls_text} $A {sep_text}", pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
         special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)])
     tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+# A control piece's text in the Unigram model, made unreachable: llama.cpp's Viterbi never
+# matches control or unknown tokens against text (they are not in its token trie), HF's would.
+# U+0000 never reaches a tokenizer (the host's sanitizer turns it into a space).
+_UNREACHABLE = "\x00{}\x00"
+
+
+def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
+    """llama.cpp's Unigram (llm_tokenizer_ugm): SentencePiece's precompiled normalizer, its
+    whitespace handling, then one Viterbi over each fragment with the pieces' log
+    probabilities (unknown code points: min normal score - 10, runs merged into one unknown);
+    BOS/EOS as the vocabulary says (llama.cpp's defaults for t5: EOS only)."""
+    if vocab.unk_id is None:
+        raise UnsupportedVocab("a Unigram vocabulary needs an unknown token id")
+    kinds = effective_types(vocab)
+    if len(set(vocab.tokens)) != len(vocab.tokens):
+        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
+    pieces, special, plain = [], [], []
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        score = float(vocab.scores[i])
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE):
+            pieces.append((_UNREACHABLE.format(i), 0.0))
+            special.append((i, text))
+        else:
+            pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else score))
+            if kind == TYPE_USER_DEFINED:
+                plain.append(text)
+    normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
+    if normal and min(normal) > min(score for _, score in pieces):
+        raise UnsupportedVocab("a non-normal piece scores below every normal one: the unknown "
+                               "penalty would differ from llama.cpp's")
+    tok = Tokenizer(models.Unigram(pieces, unk_id=vocab.unk_id, byte_fallback=False))
+    steps: list[normalizers.Normalizer] = []
+    if vocab.charsmap:
+        steps.append(normalizers.Precompiled(vocab.charsmap))
+    if vocab.remove_extra_whitespaces:  # one space per run, none at the ends
+        steps += [normalizers.Replace(Regex(" {2,}"), " "),
+                  normalizers.Replace(Regex("^ | $"), "")]
+    if vocab.add_space_prefix or vocab.remove_extra_whitespaces:
+        steps.append(normalizers.Prepend(" "))
+    steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = None  # one Viterbi over the whole fragment, as llama.cpp runs it
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    prefix = [(vocab.tokens[vocab.bos_id], vocab.bos_id)] if (
+        vocab.add_bos and vocab.bos_id is not None) else []
+    suffix = [(vocab.tokens[vocab.eos_id], vocab.eos_id)] if (
+        vocab.add_eos and vocab.eos_id is not None) else []
+    head, tail = [t for t, _ in prefix], [t for t, _ in suffix]
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join([*head, "$A", *tail]), pair=" ".join([*head, "$A", "$B:1", *tail]),
+        special_tokens=list(dict(prefix + suffix).items()))
+    tok.decoder = decoders.Metaspace(replacement=SPACE_ESCAPE, prepend_scheme="always")
     return tok
 
 

@@ -23,8 +23,8 @@ def rewrite_gguf(src: Path, dst: Path, *, set_kv: dict | None = None, drop_kv: t
         new_name = arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(new_name, field.contents(), field.types[0], sub)
-    for name, (value, vtype) in (set_kv or {}).items():
-        writer.add_key_value(name, value, vtype)
+    for name, (value, vtype, *sub) in (set_kv or {}).items():  # (value, type[, item type])
+        writer.add_key_value(name, value, vtype, sub[0] if sub else None)
     for t in reader.tensors:
         if t.name not in drop_tensors:
             writer.add_tensor(t.name, t.data)

@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import tokenizers
 
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
@@ -87,6 +88,52 @@ def test_refusals_name_the_reason(ggufs, store, store_root):
     with pytest.raises(InvalidRequest, match="ingest it as a reranker"):
         inspect_gguf(ggufs["xenc"], kind="embed")
     assert "g-xenc" in {r.name for r in store.ls()}
+
+
+def unigram_gguf(src: Path, out: Path) -> Path:
+    """`src` with an XLM-RoBERTa-style vocabulary: a SentencePiece Unigram model (nmt_nfkc
+    normalizer: a real precompiled character map, extra whitespace removed, dummy prefix)
+    trained here on the corpus, written as llama.cpp stores it (tokenizer.ggml.model "t5")."""
+    import io
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(corpus()) * 3), model_writer=buf, vocab_size=800,
+        model_type="unigram", character_coverage=0.9995, num_threads=1, minloglevel=2)
+    proto = pb.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    ns, ts, V = proto.normalizer_spec, proto.trainer_spec, gguf.GGUFValueType
+    assert ns.name == "nmt_nfkc" and len(ns.precompiled_charsmap) > 1000
+    kv = {
+        "tokenizer.ggml.model": ("t5", V.STRING), "tokenizer.ggml.pre": ("default", V.STRING),
+        "tokenizer.ggml.tokens": ([p.piece for p in proto.pieces], V.ARRAY),
+        "tokenizer.ggml.scores": ([p.score for p in proto.pieces], V.ARRAY),
+        "tokenizer.ggml.token_type": ([int(p.type) for p in proto.pieces], V.ARRAY),
+        "tokenizer.ggml.precompiled_charsmap": (list(ns.precompiled_charsmap), V.ARRAY,
+                                                V.UINT8),
+        "tokenizer.ggml.unknown_token_id": (ts.unk_id, V.UINT32),
+        "tokenizer.ggml.bos_token_id": (ts.bos_id, V.UINT32),
+        "tokenizer.ggml.eos_token_id": (ts.eos_id, V.UINT32),
+        "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+        "tokenizer.ggml.add_eos_token": (True, V.BOOL),
+        "tokenizer.ggml.add_space_prefix": (ns.add_dummy_prefix, V.BOOL),
+        "tokenizer.ggml.remove_extra_whitespaces": (ns.remove_extra_whitespaces, V.BOOL),
+    }
+    old = tuple(k for k in gguf.GGUFReader(str(src)).fields if k.startswith("tokenizer."))
+    return rewrite_gguf(src, out, drop_kv=old, set_kv=kv)
+
+
+def test_a_unigram_vocabulary_is_derived_and_proven(ggufs, module_tmp):
+    from ingest.gguf_vocab import write_tokenizer_json
+
+    ugm = unigram_gguf(ggufs["minilm"], module_tmp / "ugm.gguf")
+    tok = write_tokenizer_json(ugm, module_tmp / "ugm-tokenizer.json")
+    assert prove_gguf_tokenizer(ugm, tok) > 300  # every text, with and without <s> ... </s>
+    enc = tokenizers.Tokenizer.from_file(str(tok)).encode("ﬁne  ＡＢＣ")
+    assert enc.tokens[-1] == "</s>" and enc.ids[0] == 1  # <s> ... </s>, NFKC-folded inside
 
 
 def test_a_vocabulary_we_cannot_derive_is_refused(ggufs, module_tmp):
