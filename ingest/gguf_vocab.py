@@ -7,7 +7,7 @@ llama.cpp's own tokenization (`certification/tokenizer_proof.py`); `tests/test_g
 and `tests/test_gguf_ingest.py` do so on the corpus.
 
 Supported: `tokenizer.ggml.model` "bert" (WordPiece: `_build_wpm`), "t5" (Unigram:
-`_build_ugm`), and "llama" (SentencePiece-style vocab with scores and token types: Llama 1/2,
+`_build_ugm`), "gpt2" with a pre-tokenizer of `BPE_PRE_TOKENIZERS` (`_build_bpe`), and "llama" (SentencePiece-style vocab with scores and token types: Llama 1/2,
 Mistral, Gemma 1-3). How llama.cpp tokenizes a "llama" vocab, and how each step is reproduced
 here:
 
@@ -95,6 +95,9 @@ class GGUFVocab:
     # and whitespace options.
     charsmap: bytes = b""
     remove_extra_whitespaces: bool = False
+    # Byte-level BPE ("gpt2") vocabularies: the merges and the pre-tokenizer's name.
+    merges: tuple[str, ...] = ()
+    pre: str = ""
 
     @classmethod
     def read(cls, gguf_path: str | Path) -> GGUFVocab:
@@ -122,15 +125,18 @@ class GGUFVocab:
             eos_id=opt_id("tokenizer.ggml.eos_token_id"),
             unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
             # llama.cpp's defaults when the keys are absent: SPM adds BOS and a space prefix,
-            # Unigram (t5) adds EOS only and no prefix.
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", model != "t5")),
+            # Unigram (t5) adds EOS only and no prefix, byte-level BPE (gpt2) neither.
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", model not in ("t5", "gpt2"))),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", model == "t5")),
-            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", model != "t5")),
+            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix",
+                                      model not in ("t5", "gpt2"))),
             name=str(get("general.name", "")),
             sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
             charsmap=bytes(np.asarray(get("tokenizer.ggml.precompiled_charsmap", []),
                                       dtype=np.uint8)),
             remove_extra_whitespaces=bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
+            merges=tuple(get("tokenizer.ggml.merges", ())),  # type: ignore[arg-type]
+            pre=str(get("tokenizer.ggml.pre", "")),
             lowercase=bool(get("tokenizer.ggml.normalizer.lowercase", True)),
             strip_accents=bool(get("tokenizer.ggml.normalizer.strip_accents",
                                    get("tokenizer.ggml.normalizer.lowercase", True))),
@@ -138,7 +144,8 @@ class GGUFVocab:
 
 
 _VOCAB_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                           "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap"})
+                           "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap",
+                           "tokenizer.ggml.merges"})
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:
@@ -228,10 +235,15 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         return _build_wpm(vocab)
     if vocab.model == "t5":
         return _build_ugm(vocab)
+    if vocab.model == "gpt2" and vocab.pre in BPE_PRE_TOKENIZERS:
+        return _build_bpe(vocab)
+    what = (f"tokenizer.ggml.model={vocab.model!r}" if vocab.model != "gpt2"
+            else f"byte-level BPE with pre-tokenizer {vocab.pre!r}")
     raise UnsupportedVocab(
-        f"tokenizer.ggml.model={vocab.model!r}: SentencePiece ('llama'), WordPiece ('bert') and "
-        "Unigram ('t5') vocabularies are derived; BPE ('gpt2') is not yet, so the model is "
-        "refused rather than tokenized differently from llama.cpp"
+        f"{what}: derived are SentencePiece ('llama'), WordPiece ('bert'), Unigram ('t5') and "
+        f"byte-level BPE with the {', '.join(sorted(BPE_PRE_TOKENIZERS))} pre-tokenizers; "
+        "this one is not yet, so the model is refused rather than tokenized differently from "
+        "llama.cpp"
     )
 
 
@@ -413,6 +425,47 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
         single=" ".join([*head, "$A", *tail]), pair=" ".join([*head, "$A", "$B:1", *tail]),
         special_tokens=list(dict(prefix + suffix).items()))
     tok.decoder = decoders.Metaspace(replacement=SPACE_ESCAPE, prepend_scheme="always")
+    return tok
+
+
+# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp), written for
+# Oniguruma: the ones reproduced so far. Qwen2's is Qwen2/2.5/3's (Qwen3-Embedding).
+BPE_PRE_TOKENIZERS = {
+    "qwen2": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
+             r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def _build_bpe(vocab: GGUFVocab) -> Tokenizer:
+    """llama.cpp's byte-level BPE: split by the pre-tokenizer's regex, map bytes to GPT-2's
+    printable alphabet, merge by the merges' rank; BOS/EOS as the vocabulary says."""
+    if not vocab.merges:
+        raise UnsupportedVocab("a byte-level BPE vocabulary without merges")
+    if len(set(vocab.tokens)) != len(vocab.tokens):
+        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
+    merges = []
+    for m in vocab.merges:
+        left, sep, right = m.partition(" ")
+        if not sep or not left or not right:
+            raise UnsupportedVocab(f"unreadable merge {m!r}")
+        merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges,
+                               ignore_merges=False, byte_fallback=False))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZERS[vocab.pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    special, plain = [], []
+    for text, kind in zip(vocab.tokens, effective_types(vocab), strict=True):
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
+            special.append(text)
+        elif kind == TYPE_USER_DEFINED:
+            plain.append(text)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    tok.post_processor = _template(vocab)
+    tok.decoder = decoders.ByteLevel()
     return tok
 
 

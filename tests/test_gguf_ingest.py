@@ -136,12 +136,55 @@ def test_a_unigram_vocabulary_is_derived_and_proven(ggufs, module_tmp):
     assert enc.tokens[-1] == "</s>" and enc.ids[0] == 1  # <s> ... </s>, NFKC-folded inside
 
 
+def bpe_gguf(src: Path, out: Path) -> Path:
+    """`src` with a Qwen-style vocabulary: byte-level BPE trained here on the corpus with the
+    qwen2 pre-tokenizer, EOS appended to every input as Qwen3-Embedding's tokenizer does."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from ingest.gguf_vocab import BPE_PRE_TOKENIZERS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZERS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.train_from_iterator(list(corpus()), trainers.BpeTrainer(
+        vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"], show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    V = gguf.GGUFValueType
+    kv = {
+        "tokenizer.ggml.model": ("gpt2", V.STRING), "tokenizer.ggml.pre": ("qwen2", V.STRING),
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY),
+        "tokenizer.ggml.token_type": ([3 if t == "<|endoftext|>" else 1 for t in tokens],
+                                      V.ARRAY),
+        "tokenizer.ggml.merges": ([" ".join(m) for m in model["merges"]], V.ARRAY),
+        "tokenizer.ggml.eos_token_id": (model["vocab"]["<|endoftext|>"], V.UINT32),
+        "tokenizer.ggml.add_bos_token": (False, V.BOOL),
+        "tokenizer.ggml.add_eos_token": (True, V.BOOL),
+    }
+    old = tuple(k for k in gguf.GGUFReader(str(src)).fields if k.startswith("tokenizer."))
+    return rewrite_gguf(src, out, drop_kv=old, set_kv=kv)
+
+
+def test_a_byte_level_bpe_vocabulary_is_derived_and_proven(ggufs, module_tmp):
+    from ingest.gguf_vocab import write_tokenizer_json
+
+    bpe = bpe_gguf(ggufs["minilm"], module_tmp / "bpe.gguf")
+    tok = write_tokenizer_json(bpe, module_tmp / "bpe-tokenizer.json")
+    assert prove_gguf_tokenizer(bpe, tok) > 300
+    enc = tokenizers.Tokenizer.from_file(str(tok)).encode("The cat sat.")
+    assert enc.tokens[-1] == "<|endoftext|>"  # the last token, which last-token pooling reads
+
+
 def test_a_vocabulary_we_cannot_derive_is_refused(ggufs, module_tmp):
     bpe = rewrite_gguf(ggufs["minilm"], module_tmp / "bpe.gguf", arch="qwen3",
                        set_kv={"tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
                                "qwen3.pooling_type": (3, gguf.GGUFValueType.UINT32)})
     s = ArtifactStore(module_tmp / "refusals")
-    with pytest.raises(ArtifactInvalid, match="'gpt2'.*not yet"):
+    with pytest.raises(ArtifactInvalid, match="pre-tokenizer 'default'.*not yet"):
         s.ingest_gguf(bpe, "bpe", prove=prove_gguf_tokenizer)
     assert s.ls() == []  # nothing published, no staging left
     assert not [p for p in s.root.iterdir() if p.name.startswith(".tmp-")]
