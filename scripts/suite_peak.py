@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/suite_peak.py -- make test
 
-Memory: the summed RSS of the command's whole process tree (pytest, every worker, every
-server it starts), sampled every 0.25 s; RSS counts shared pages (the GGUF weights several
-workers map) once per process, so it over-states what the machine needs. Disk: growth of the
+Memory: the command's whole process tree (pytest, every worker, every server it starts),
+sampled every 0.25 s, as summed PSS (each shared page, such as the GGUF weights several
+workers map, split among the processes that map it: what the tree really holds) and summed
+RSS (which counts a shared page once per process, so it over-states). Disk: growth of the
 used bytes on the filesystems holding the temp dir and the working directory (sampled the
 same way; other writers on the machine count too, so run it on an idle machine). For sizing
 a CI runner (a hosted macOS runner has 7 GB of memory and 14 GB of disk).
@@ -23,18 +24,22 @@ import time
 import psutil
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(summed PSS, summed RSS) of `proc` and its descendants; PSS falls back to RSS where
+    the OS does not report it."""
+    pss = rss = 0
     try:
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
-        return 0
+        return 0, 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            info = p.memory_full_info()
         except psutil.Error:
-            pass
-    return total
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return pss, rss
 
 
 def main(argv: list[str]) -> int:
@@ -47,10 +52,11 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     child = subprocess.Popen(argv[1:])
     proc = psutil.Process(child.pid)
-    peak_rss = peak_disk = 0
+    peak_pss = peak_rss = peak_disk = 0
     peak_procs = 0
     while child.poll() is None:
-        peak_rss = max(peak_rss, tree_rss(proc))
+        pss, rss = tree_memory(proc)
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
         try:
             peak_procs = max(peak_procs, 1 + len(proc.children(recursive=True)))
         except psutil.Error:
@@ -61,6 +67,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps({
         "command": argv[1:], "returncode": child.returncode,
         "seconds": round(time.monotonic() - start, 1),
+        "peak_tree_pss_mib": round(peak_pss / 2**20),
         "peak_tree_rss_mib": round(peak_rss / 2**20), "peak_processes": peak_procs,
         "peak_disk_growth_mib": round(peak_disk / 2**20),
         "disk_watched": sorted(devices.values()),
