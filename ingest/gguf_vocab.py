@@ -7,9 +7,9 @@ llama.cpp's own tokenization (`certification/tokenizer_proof.py`); `tests/test_g
 and `tests/test_gguf_ingest.py` do so on the corpus.
 
 Supported: `tokenizer.ggml.model` "bert" (WordPiece: `_build_wpm`), "t5" (Unigram:
-`_build_ugm`), "gpt2" with a pre-tokenizer of `BPE_PRE_TOKENIZERS` (`_build_bpe`), and "llama" (SentencePiece-style vocab with scores and token types: Llama 1/2,
-Mistral, Gemma 1-3). How llama.cpp tokenizes a "llama" vocab, and how each step is reproduced
-here:
+`_build_ugm`), "gpt2" with a pre-tokenizer of `BPE_PRE_TOKENIZERS` (`_build_bpe`), and
+"llama" (SentencePiece-style vocab with scores and token types: Llama 1/2, Mistral, Gemma
+1-3). How llama.cpp tokenizes a "llama" vocab, and how each step is reproduced here:
 
 1. Special-token partition on the RAW text (before any escaping). USER_DEFINED tokens (Gemma:
    runs of spaces/newlines/tabs, HTML tags) are always split out; CONTROL/UNKNOWN tokens only
