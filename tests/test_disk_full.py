@@ -403,8 +403,9 @@ def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
 def test_a_batch_job_that_fills_its_disk_resumes_to_the_same_output(
     disk, synapse_cache_dir, tmp_path
 ):
-    # 700 rows in windows of 128: each part is ~200 KB, so a 512 KB disk takes two commits.
-    ids = write_jsonl(tmp_path / "in.jsonl", 700, seed=3)
+    # 400 rows in windows of 128: each part is ~200 KB, so a 512 KB disk takes two commits
+    # and the third window, still short of the end, finds it full.
+    ids = write_jsonl(tmp_path / "in.jsonl", 400, seed=3)
     reference = tmp_path / "reference.parquet"
     done = batch_cli(synapse_cache_dir, str(tmp_path / "in.jsonl"), "-o", str(reference),
                      "--window-rows", "128")

@@ -30,8 +30,9 @@ def server(store_root):
         module={"budgets": {"max_inputs": 256}},
         scheduler={"max_queue_items": 256},
         preload=["minilm-l6-v2"],
-        # The drain test's 8 requests take ~30 s of compute on a busy 2-core machine: the
-        # window is configuration, set far above the work so only a drain that never ends fails.
+        # The drain test's 8 requests take seconds of compute, more on a busy 2-core machine:
+        # the window is configuration, set far above the work so only a drain that never ends
+        # fails.
         graceful_timeout_s=300.0,
     )
     srv = ServerProcess(cfg)
@@ -225,8 +226,9 @@ async def _lane_busy(ac: httpx.AsyncClient) -> bool:
 
 async def test_sigterm_drains_in_flight_requests_then_stops_and_reaps_workers(server):
     pid = server.worker_pid()
-    # Long enough (16 x 256 tokens each) that all 8 are still inside when SIGTERM comes.
-    payload = {"input": [f"drain {i} " + "text " * 300 for i in range(16)]}
+    # Each is 4 x 256 tokens: they queue behind each other, so all 8 are still inside when
+    # SIGTERM comes (the wait below makes sure of it) and the drain has seconds of work.
+    payload = {"input": [f"drain {i} " + "text " * 300 for i in range(4)]}
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
         in_flight = [asyncio.create_task(ac.post("/v1/embeddings", json=payload)) for _ in range(8)]
 
