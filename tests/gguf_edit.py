@@ -12,7 +12,8 @@ _INTERNAL = ("GGUF.", "general.architecture")
 
 
 def rewrite_gguf(src: Path, dst: Path, *, set_kv: dict | None = None, drop_kv: tuple = (),
-                 drop_tensors: tuple = (), arch: str | None = None) -> Path:
+                 drop_tensors: tuple = (), arch: str | None = None,
+                 replace_tensors: dict | None = None) -> Path:
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
     arch = arch or old_arch
@@ -27,7 +28,7 @@ def rewrite_gguf(src: Path, dst: Path, *, set_kv: dict | None = None, drop_kv: t
         writer.add_key_value(name, value, vtype, sub[0] if sub else None)
     for t in reader.tensors:
         if t.name not in drop_tensors:
-            writer.add_tensor(t.name, t.data)
+            writer.add_tensor(t.name, (replace_tensors or {}).get(t.name, t.data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

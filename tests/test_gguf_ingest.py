@@ -6,6 +6,7 @@ served through real workers, judged against the numpy BERT reference. The GGUFs 
 from __future__ import annotations
 
 import importlib.resources
+import json
 import os
 import subprocess
 import sys
@@ -122,8 +123,13 @@ def unigram_gguf(src: Path, out: Path) -> Path:
         "tokenizer.ggml.add_space_prefix": (ns.add_dummy_prefix, V.BOOL),
         "tokenizer.ggml.remove_extra_whitespaces": (ns.remove_extra_whitespaces, V.BOOL),
     }
-    old = tuple(k for k in gguf.GGUFReader(str(src)).fields if k.startswith("tokenizer."))
-    return rewrite_gguf(src, out, drop_kv=old, set_kv=kv)
+    return rewrite_gguf(src, out, drop_kv=_vocabulary_keys(src), set_kv=kv)
+
+
+def _vocabulary_keys(src: Path) -> tuple[str, ...]:
+    """The tokenizer keys a new vocabulary replaces (BERT's token-type count is the model's)."""
+    return tuple(k for k in gguf.GGUFReader(str(src)).fields
+                 if k.startswith("tokenizer.") and k != "tokenizer.ggml.token_type_count")
 
 
 def test_a_unigram_vocabulary_is_derived_and_proven(ggufs, module_tmp):
@@ -134,6 +140,39 @@ def test_a_unigram_vocabulary_is_derived_and_proven(ggufs, module_tmp):
     assert prove_gguf_tokenizer(ugm, tok) > 300  # every text, with and without <s> ... </s>
     enc = tokenizers.Tokenizer.from_file(str(tok)).encode("ﬁne  ＡＢＣ")
     assert enc.tokens[-1] == "</s>" and enc.ids[0] == 1  # <s> ... </s>, NFKC-folded inside
+
+
+async def test_an_xlm_roberta_style_gguf_serves_like_the_reference(ggufs, module_tmp,
+                                                                   short_runtime_dir):
+    # XLM-RoBERTa is stored as `bert` with a Unigram vocabulary: here MiniLM's encoder with the
+    # Unigram vocabulary above, its embedding table cut to that vocabulary's 800 rows.
+    from safetensors.numpy import load_file
+
+    from certification.reference.bert import BertConfig
+
+    ugm = unigram_gguf(ggufs["minilm"], module_tmp / "xlmr-vocab.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(ugm)).tensors}
+    rows, types = tensors["token_embd.weight"], tensors["token_types.weight"]
+    xlmr = rewrite_gguf(  # and one token type, as XLM-RoBERTa has
+        ugm, module_tmp / "xlmr.gguf",
+        set_kv={"tokenizer.ggml.token_type_count": (1, gguf.GGUFValueType.UINT32)},
+        replace_tensors={"token_embd.weight": np.array(rows.data[:800]),
+                         "token_types.weight": np.array(types.data[:1])})
+    s = ArtifactStore(module_tmp / "xlmr-store")
+    rec = s.ingest_gguf(xlmr, "xlmr", prove=prove_gguf_tokenizer)
+    assert (rec.manifest.pooling, rec.manifest.dims) == ("mean", 384)
+    async with module(s, short_runtime_dir) as mod:
+        result = await mod.embed(TEXTS, model="xlmr")
+        ids = (await mod.tokenizer("xlmr")).encode(TEXTS, truncate=True).ids
+    assert all(x[0] == 1 and x[-1] == 2 for x in ids)  # <s> ... </s>
+    weights = load_file(str(MINILM / "model.safetensors"))
+    weights["embeddings.word_embeddings.weight"] = np.asarray(rows.data[:800], np.float32)
+    weights["embeddings.token_type_embeddings.weight"] = np.asarray(types.data[:1], np.float32)
+    config = json.loads((MINILM / "config.json").read_text()) | {"vocab_size": 800,
+                                                                  "type_vocab_size": 1}
+    ref = BertReference(BertConfig.from_dict(config), weights).embed(ids, pooling="mean")
+    cos = np.sum(result.vectors * ref, axis=1)
+    assert cos.min() >= 0.9999, float(cos.min())
 
 
 def bpe_gguf(src: Path, out: Path) -> Path:
@@ -165,8 +204,7 @@ def bpe_gguf(src: Path, out: Path) -> Path:
         "tokenizer.ggml.add_bos_token": (False, V.BOOL),
         "tokenizer.ggml.add_eos_token": (True, V.BOOL),
     }
-    old = tuple(k for k in gguf.GGUFReader(str(src)).fields if k.startswith("tokenizer."))
-    return rewrite_gguf(src, out, drop_kv=old, set_kv=kv)
+    return rewrite_gguf(src, out, drop_kv=_vocabulary_keys(src), set_kv=kv)
 
 
 def test_a_byte_level_bpe_vocabulary_is_derived_and_proven(ggufs, module_tmp):
