@@ -132,17 +132,21 @@ def _vocabulary_keys(src: Path) -> tuple[str, ...]:
                  if k.startswith("tokenizer.") and k != "tokenizer.ggml.token_type_count")
 
 
-def test_a_unigram_vocabulary_is_derived_and_proven(ggufs, module_tmp):
+@pytest.fixture(scope="module")
+def ugm(ggufs, module_tmp) -> Path:
+    return unigram_gguf(ggufs["minilm"], module_tmp / "ugm.gguf")
+
+
+def test_a_unigram_vocabulary_is_derived_and_proven(ugm, module_tmp):
     from ingest.gguf_vocab import write_tokenizer_json
 
-    ugm = unigram_gguf(ggufs["minilm"], module_tmp / "ugm.gguf")
     tok = write_tokenizer_json(ugm, module_tmp / "ugm-tokenizer.json")
     assert prove_gguf_tokenizer(ugm, tok) > 300  # every text, with and without <s> ... </s>
     enc = tokenizers.Tokenizer.from_file(str(tok)).encode("ﬁne  ＡＢＣ")
     assert enc.tokens[-1] == "</s>" and enc.ids[0] == 1  # <s> ... </s>, NFKC-folded inside
 
 
-async def test_an_xlm_roberta_style_gguf_serves_like_the_reference(ggufs, module_tmp,
+async def test_an_xlm_roberta_style_gguf_serves_like_the_reference(ugm, module_tmp,
                                                                    short_runtime_dir):
     # XLM-RoBERTa is stored as `bert` with a Unigram vocabulary: here MiniLM's encoder with the
     # Unigram vocabulary above, its embedding table cut to that vocabulary's 800 rows.
@@ -150,7 +154,6 @@ async def test_an_xlm_roberta_style_gguf_serves_like_the_reference(ggufs, module
 
     from certification.reference.bert import BertConfig
 
-    ugm = unigram_gguf(ggufs["minilm"], module_tmp / "xlmr-vocab.gguf")
     tensors = {t.name: t for t in gguf.GGUFReader(str(ugm)).tensors}
     rows, types = tensors["token_embd.weight"], tensors["token_types.weight"]
     xlmr = rewrite_gguf(  # and one token type, as XLM-RoBERTa has
@@ -159,11 +162,12 @@ async def test_an_xlm_roberta_style_gguf_serves_like_the_reference(ggufs, module
         replace_tensors={"token_embd.weight": np.array(rows.data[:800]),
                          "token_types.weight": np.array(types.data[:1])})
     s = ArtifactStore(module_tmp / "xlmr-store")
-    rec = s.ingest_gguf(xlmr, "xlmr", prove=prove_gguf_tokenizer)
-    assert (rec.manifest.pooling, rec.manifest.dims) == ("mean", 384)
+    rec = s.ingest_gguf(xlmr, "xlmr", prove=prove_gguf_tokenizer, max_tokens=128)
+    assert (rec.manifest.pooling, rec.manifest.dims, rec.manifest.max_tokens) == ("mean", 384, 128)
+    texts = TEXTS[::2]  # every script still; cut at 128 tokens, long inputs are tested above
     async with module(s, short_runtime_dir) as mod:
-        result = await mod.embed(TEXTS, model="xlmr")
-        ids = (await mod.tokenizer("xlmr")).encode(TEXTS, truncate=True).ids
+        result = await mod.embed(texts, model="xlmr")
+        ids = (await mod.tokenizer("xlmr")).encode(texts, truncate=True).ids
     assert all(x[0] == 1 and x[-1] == 2 for x in ids)  # <s> ... </s>
     weights = load_file(str(MINILM / "model.safetensors"))
     weights["embeddings.word_embeddings.weight"] = np.asarray(rows.data[:800], np.float32)
