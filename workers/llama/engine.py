@@ -650,8 +650,8 @@ class LlamaEngine(Engine):
         typed = None
         if kind == "rerank" and hdr.architecture == "bert":
             try:
-                typed = TypedPairs.from_gguf(path)
-            except (OSError, ValueError, KeyError, NotImplementedError) as e:
+                typed = TypedPairs.from_gguf(path, hdr)
+            except (OSError, ValueError, GGUFFormatError, NotImplementedError) as e:
                 raise EngineError("artifact_invalid", f"{path}: token-type tensors: {e}") from e
         slots: list[_Slot] = []
         try:

@@ -22,34 +22,43 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from formats.gguf_header import GGUFHeader, read_gguf_header
+
 TOKEN_EMBD = "token_embd.weight"
 TOKEN_TYPES = "token_types.weight"
 
 
 class TypedPairs:
-    """The two tensors a typed pair needs, read from the GGUF (mapped, rows gathered on use)."""
+    """The two tensors a typed pair needs, mapped from the GGUF (rows gathered on use)."""
 
-    def __init__(self, token_rows: object, qtype: gguf.GGMLQuantizationType,
+    def __init__(self, token_rows: np.ndarray, qtype: gguf.GGMLQuantizationType,
                  type_rows: np.ndarray) -> None:
-        self._token_rows = token_rows  # (n_vocab, row bytes or n_embd), memory-mapped
+        self._token_rows = token_rows  # (n_vocab, bytes of one row), memory-mapped
         self._qtype = qtype
         self._delta = (type_rows - type_rows[0]).astype(np.float32)  # (n_types, n_embd)
         self.n_embd = int(type_rows.shape[1])
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> TypedPairs | None:
-        """None when the model has fewer than two token types (nothing to fold in)."""
-        reader = gguf.GGUFReader(str(path), "r")
-        tensors = {t.name: t for t in reader.tensors}
-        types = tensors.get(TOKEN_TYPES)
-        tokens = tensors.get(TOKEN_EMBD)
+    def from_gguf(cls, path: str | Path, hdr: GGUFHeader | None = None) -> TypedPairs | None:
+        """None when the model has fewer than two token types (nothing to fold in). `hdr`:
+        the file's header when the caller has scanned it already; the tensors are mapped."""
+        hdr = hdr or read_gguf_header(path)
+        tensors = {t.name: t for t in hdr.tensors}
+        types, tokens = tensors.get(TOKEN_TYPES), tensors.get(TOKEN_EMBD)
         if types is None or tokens is None:
             return None
-        type_rows = gguf.quants.dequantize(np.asarray(types.data), types.tensor_type)
+
+        def rows(t) -> np.ndarray:  # ggml order: shape[0] is the row width, shape[1] the rows
+            n_rows = int(np.prod(t.shape[1:]))
+            return np.memmap(path, np.uint8, "r", hdr.data_offset + t.offset,
+                             (n_rows, t.nbytes // n_rows))
+
+        type_rows = gguf.quants.dequantize(np.asarray(rows(types)),
+                                           gguf.GGMLQuantizationType(types.type))
         type_rows = np.asarray(type_rows, np.float32).reshape(-1, int(types.shape[0]))
         if type_rows.shape[0] < 2:
             return None
-        return cls(tokens.data, tokens.tensor_type, type_rows)
+        return cls(rows(tokens), gguf.GGMLQuantizationType(tokens.type), type_rows)
 
     def embeddings(self, ids: np.ndarray, types: np.ndarray) -> np.ndarray:
         """(len(ids), n_embd) float32 input rows of one sequence."""
