@@ -217,9 +217,9 @@ def test_a_lone_long_decode_runs_with_every_thread_then_gives_them_back(
     threads_seen: list[int] = []
     decode = engine._decode
 
-    def watched(slot) -> None:  # the real decode, with the threads it was given noted
+    def watched(slot, batch) -> None:  # the real decode, with the threads it was given noted
         threads_seen.append(llama_cpp.llama_n_threads(slot.ctx))
-        decode(slot)
+        decode(slot, batch)
 
     monkeypatch.setattr(engine, "_decode", watched)
     long = tokenizer.encode(" ".join(SENTENCES * 4)).ids

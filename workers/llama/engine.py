@@ -833,12 +833,11 @@ class LlamaEngine(Engine):
         mem = llama_cpp.llama_get_memory(slot.ctx)
         if mem:  # decoder-as-embedder: drop the previous decode's cache
             llama_cpp.llama_memory_clear(mem, True)
-        typed = slot.typed if types is not None else None
-        if types is not None and (typed is None or mdl.typed is None):
+        typed = slot.typed if types is not None else None  # a slot has it iff the model does
+        if types is not None and typed is None:
             raise RuntimeError("token types given for a model without typed input")
-        batch = typed.batch if typed is not None else slot.batch
-        pos, nsid, outs = (typed.pos, typed.nsid, typed.out) if typed else (
-            slot.pos, slot.nsid, slot.out)
+        batch, pos, nsid, outs = (typed.batch, typed.pos, typed.nsid, typed.out) if typed else (
+            slot.batch, slot.pos, slot.nsid, slot.out)
         n = 0
         sid = batch.seq_id
         for seq_id, idx in enumerate(group):
@@ -857,10 +856,7 @@ class LlamaEngine(Engine):
                 sid[j][0] = seq_id
             n += k
         batch.n_tokens = n
-        if typed is not None:
-            self._decode(slot, typed.batch)
-        else:
-            self._decode(slot)
+        self._decode(slot, batch)
         width = out.shape[1]
         for seq_id, idx in enumerate(group):
             ptr = llama_cpp.llama_get_embeddings_seq(slot.ctx, seq_id)
@@ -868,8 +864,8 @@ class LlamaEngine(Engine):
                 raise RuntimeError(f"llama.cpp returned no pooled output for seq {seq_id}")
             out[idx] = np.ctypeslib.as_array(ptr, shape=(width,))
 
-    def _decode(self, slot: _Slot, batch: llama_cpp.llama_batch | None = None) -> None:
-        ret = int(llama_cpp.llama_decode(slot.ctx, slot.batch if batch is None else batch))
+    def _decode(self, slot: _Slot, batch: llama_cpp.llama_batch) -> None:
+        ret = int(llama_cpp.llama_decode(slot.ctx, batch))
         if ret == 0:
             return
         if ret == 1 or ret == -2:
@@ -910,7 +906,7 @@ class LlamaEngine(Engine):
         for start in range(0, n_prompt, mdl.n_batch):
             chunk = ids[start : start + mdl.n_batch]
             self._fill_single(slot, chunk, start, last_logits=start + len(chunk) == n_prompt)
-            self._decode(slot)
+            self._decode(slot, slot.batch)
             progress.advance("inference")
 
         cand = _Candidates(mdl.n_vocab) if grammar is not None else None
@@ -941,7 +937,7 @@ class LlamaEngine(Engine):
             if n_gen == max_tokens:
                 break
             self._fill_single(slot, np.array([tok], dtype=np.int32), n_prompt + n_gen - 1, True)
-            self._decode(slot)
+            self._decode(slot, slot.batch)
             progress.advance("inference")
         text = b"".join(pieces).decode("utf-8", "ignore")
         return Generation(text=text, n_prompt=n_prompt, n_gen=n_gen, finish_reason=finish)
