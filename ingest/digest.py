@@ -11,6 +11,17 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def copy_with_digest(src: str | Path, dst: str | Path, chunk: int = 1 << 22) -> str:
+    """Copy `src` to `dst` and return the sha256 of what was written, in one read of `src`
+    (a GGUF can be gigabytes: copying and then hashing would read it twice)."""
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(chunk):
+            h.update(block)
+            fout.write(block)
+    return h.hexdigest()
+
+
 def write_digest_file(artifact: Path, hexdigest: str) -> Path:
     """`<artifact>.sha256` in `sha256sum` format, so `sha256sum -c` can check it by hand."""
     side = artifact.with_name(artifact.name + ".sha256")

@@ -49,7 +49,7 @@ from filelock import FileLock
 from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 from ingest import gemma
 from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
-from ingest.digest import read_digest_file, sha256_file, write_digest_file
+from ingest.digest import copy_with_digest, read_digest_file, sha256_file, write_digest_file
 from ingest.durable import (
     free_bytes,
     fsync_dir,
@@ -312,8 +312,7 @@ class ArtifactStore:
             size = path.stat().st_size
             with self._staging(name, size + GGUF_OVERHEAD_BYTES) as staging:
                 artifact = staging / ARTIFACT_FILE
-                shutil.copyfile(path, artifact)
-                digest = sha256_file(artifact)
+                digest = copy_with_digest(path, artifact)
                 write_digest_file(artifact, digest)
                 try:
                     write_tokenizer_json(artifact, staging / TOKENIZER_FILE)
