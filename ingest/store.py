@@ -46,7 +46,7 @@ import msgspec
 import platformdirs
 from filelock import FileLock
 
-from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
+from formats.gguf_header import ArrayInfo
 from ingest import gemma
 from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from ingest.digest import copy_with_digest, read_digest_file, sha256_file, write_digest_file
@@ -66,7 +66,7 @@ from ingest.errors import (
     InvalidRequest,
     StorageFull,
 )
-from ingest.gguf_model import inspect_gguf
+from ingest.gguf_model import inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.precision import embed_precision
 from ingest.safetensors_io import weight_elements
@@ -618,10 +618,7 @@ def _write_manifest(mdir: Path, manifest: Manifest) -> None:
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Scalar metadata of a GGUF, `<arch>.` prefix stripped, plus `architecture`."""
-    try:
-        hdr = read_gguf_header(path)
-    except (OSError, GGUFFormatError) as e:
-        raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
+    hdr = read_header(path)
     arch = hdr.architecture
     if not arch:
         raise ArtifactInvalid(f"{path} has no general.architecture")
