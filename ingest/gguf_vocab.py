@@ -277,15 +277,7 @@ def _build_spm(vocab: GGUFVocab) -> Tokenizer:
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = None  # SPM sees each fragment whole: no pre-splitting
 
-    special, plain = [], []
-    for i, (text, kind) in enumerate(zip(vocab.tokens, effective_types(vocab), strict=True)):
-        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
-            special.append((i, text))
-        elif kind == TYPE_USER_DEFINED:
-            plain.append((i, text))
-    # Ids are preserved because every added token already exists in the model vocab.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for _, t in plain])
+    _add_vocabulary_tokens(tok, vocab.tokens, effective_types(vocab))
 
     tok.post_processor = _template(vocab)
     tok.decoder = _decoder(vocab)
@@ -328,14 +320,9 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
                                "token ids")
     kinds = effective_types(vocab)
     wordpiece: dict[str, int] = {}
-    special, plain = [], []
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
-        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
-            special.append(text)
-            key = text
-        elif kind == TYPE_USER_DEFINED:
-            plain.append(text)
-            key = text
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_USER_DEFINED):
+            key = text  # added tokens below, matched before the model
         elif text.startswith(SPACE_ESCAPE):
             key = text[len(SPACE_ESCAPE):]
             if not key:  # a bare "▁" piece: llama.cpp may match it where HF cannot
@@ -363,8 +350,7 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
         pre_tokenizers.WhitespaceSplit(),
         pre_tokenizers.Split(Regex(_WPM_ISOLATED), behavior="isolated"),
     ])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    _add_vocabulary_tokens(tok, vocab.tokens, kinds)
     cls_text, sep_text = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.sep_id]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls_text} $A {sep_text}", pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
@@ -389,16 +375,12 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     kinds = effective_types(vocab)
     if len(set(vocab.tokens)) != len(vocab.tokens):
         raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
-    pieces, special, plain = [], [], []
+    pieces = []
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
-        score = float(vocab.scores[i])
         if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE):
             pieces.append((_UNREACHABLE.format(i), 0.0))
-            special.append((i, text))
         else:
-            pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else score))
-            if kind == TYPE_USER_DEFINED:
-                plain.append(text)
+            pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])))
     normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
     if normal and min(normal) > min(score for _, score in pieces):
         raise UnsupportedVocab("a non-normal piece scores below every normal one: the unknown "
@@ -415,7 +397,8 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = None  # one Viterbi over the whole fragment, as llama.cpp runs it
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    # Control pieces are unreachable in the model and get their ids from the template only.
+    _add_vocabulary_tokens(tok, vocab.tokens, kinds, control=False)
     prefix = [(vocab.tokens[vocab.bos_id], vocab.bos_id)] if (
         vocab.add_bos and vocab.bos_id is not None) else []
     suffix = [(vocab.tokens[vocab.eos_id], vocab.eos_id)] if (
@@ -456,17 +439,25 @@ def _build_bpe(vocab: GGUFVocab) -> Tokenizer:
         pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZERS[vocab.pre]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    special, plain = [], []
-    for text, kind in zip(vocab.tokens, effective_types(vocab), strict=True):
-        if kind in (TYPE_CONTROL, TYPE_UNKNOWN):
-            special.append(text)
-        elif kind == TYPE_USER_DEFINED:
-            plain.append(text)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    _add_vocabulary_tokens(tok, vocab.tokens, effective_types(vocab))
     tok.post_processor = _template(vocab)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def _add_vocabulary_tokens(
+    tok: Tokenizer, tokens: list[str], kinds: list[int], control: bool = True
+) -> None:
+    """llama.cpp's special-token partition as HF added tokens (unnormalized): user-defined
+    tokens always split out as text, control/unknown ones as special tokens (which the host's
+    `encode_special_tokens` leaves as text, llama.cpp's `special=False`). Ids are kept because
+    every added token already is a piece of the model's vocabulary."""
+    if control:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, kinds, strict=True)
+                                if k in (TYPE_CONTROL, TYPE_UNKNOWN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, kinds, strict=True) if k == TYPE_USER_DEFINED])
 
 
 def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
