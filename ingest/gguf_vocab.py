@@ -229,6 +229,9 @@ def effective_types(vocab: GGUFVocab) -> list[int]:
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
+    if len(set(vocab.tokens)) != len(vocab.tokens):
+        # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
+        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
     if vocab.model == "llama":
         return _build_spm(vocab)
     if vocab.model == "bert":
@@ -252,9 +255,6 @@ def _build_spm(vocab: GGUFVocab) -> Tokenizer:
         raise UnsupportedVocab(f"{vocab.name!r}: llama.cpp strips spaces around its special "
                                "tokens by model name; not reproduced, so refused")
     known = set(vocab.tokens)
-    if len(known) != len(vocab.tokens):
-        # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
-        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
     missing_bytes = [b for b in range(256) if f"<0x{b:02X}>" not in known]
     if missing_bytes:
         raise UnsupportedVocab(f"no byte-fallback tokens for {len(missing_bytes)} byte values")
@@ -373,8 +373,6 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     if vocab.unk_id is None:
         raise UnsupportedVocab("a Unigram vocabulary needs an unknown token id")
     kinds = effective_types(vocab)
-    if len(set(vocab.tokens)) != len(vocab.tokens):
-        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
     pieces = []
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
         if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE):
@@ -424,8 +422,6 @@ def _build_bpe(vocab: GGUFVocab) -> Tokenizer:
     printable alphabet, merge by the merges' rank; BOS/EOS as the vocabulary says."""
     if not vocab.merges:
         raise UnsupportedVocab("a byte-level BPE vocabulary without merges")
-    if len(set(vocab.tokens)) != len(vocab.tokens):
-        raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
     merges = []
     for m in vocab.merges:
         left, sep, right = m.partition(" ")

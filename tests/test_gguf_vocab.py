@@ -12,6 +12,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -333,5 +334,10 @@ def test_unsupported_vocabularies_are_refused() -> None:
         build_tokenizer(_toy(model="gpt2"))  # no pre-tokenizer named: not reproduced
     with pytest.raises(UnsupportedVocab, match="model='rwkv'"):
         build_tokenizer(_toy(model="rwkv"))
+    for model in ("llama", "bert", "t5", "gpt2"):  # one check for every vocabulary type
+        toy = _toy(model=model)
+        twice = replace(toy, tokens=[*toy.tokens[:-1], "ab"])
+        with pytest.raises(UnsupportedVocab, match="duplicate token texts"):
+            build_tokenizer(twice)
     with pytest.raises(UnsupportedVocab, match="Phi-3"):
         build_tokenizer(_toy(name="Phi-3 mini"))
