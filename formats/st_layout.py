@@ -11,7 +11,9 @@ each must agree on the same facts:
   `sentence_transformers.base.modules.normalize.Normalize`; the pooling config says
   `"pooling_mode": "mean"` (or a list); the limit lives in the tokenizer
   (`tokenizer_config.json`'s `model_max_length`, which sentence-transformers 6 reads as
-  `max_seq_length`).
+  `max_seq_length`). A directory that states no limit of its own (a plain transformers
+  model, a cross-encoder) is cut where the tokenizer says, as CrossEncoder and transformers
+  cut it.
 
 A module's kind is the last component of its type (`Pooling`, `Normalize`, `Dense`...), so
 both spellings read the same. A legacy pooling config with no mode set means mean pooling, as
@@ -130,7 +132,7 @@ def read_layout(model_dir: str | Path) -> Layout:
             include_prompt = bool(cfg.get("include_prompt", True))
     st_cfg = _optional_json(d / "sentence_bert_config.json")
     max_seq = st_cfg.get("max_seq_length")
-    if max_seq is None and native:
+    if max_seq is None:  # what sentence-transformers, CrossEncoder and transformers cut at
         max_seq = _optional_json(d / "tokenizer_config.json").get("model_max_length")
     if isinstance(max_seq, (int, float)) and not isinstance(max_seq, bool) and max_seq > 1 << 20:
         max_seq = None  # transformers' "no limit" sentinel (1e30)

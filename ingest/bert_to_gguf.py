@@ -1,4 +1,5 @@
-"""The project's own converter: a Hugging Face BERT-family directory -> GGUF (arch `bert`).
+"""The project's own converter: a Hugging Face BERT or XLM-RoBERTa directory -> GGUF (arch
+`bert`, which llama.cpp also uses for XLM-RoBERTa).
 
 Mirrors what llama.cpp's convert_hf_to_gguf.py `BertModel` writes, so llama.cpp's BERT graph
 loads it unchanged:
@@ -12,53 +13,52 @@ loads it unchanged:
 - `BertForSequenceClassification`: the pooler (dense + tanh) becomes `cls` and the
   classifier becomes `cls.output`, which llama.cpp's RANK pooling applies in that order
   (tanh(W_p h_cls + b_p), then W_c x + b_c) — the same function HF computes.
+
+XLM-RoBERTa differs from BERT in four places, handled as llama.cpp's `XLMRobertaModel`
+converter does:
+- weights under `roberta.` (or bare); the MLM head (`lm_head.*`) is unused;
+- positions start at `pad_token_id + 1` (HF numbers them from the padding index), so the first
+  `pad_token_id + 1` rows of the position table are cut and the trained context shrinks by
+  as much (514 rows -> 512 positions);
+- a Unigram vocabulary (`tokenizer.ggml.model = "t5"`) with its precompiled character map;
+- the sequence classifier's head is `classifier.dense` (+ tanh) then `classifier.out_proj`,
+  the same function as BERT's pooler + classifier, so they become `cls` and `cls.output`;
+  a pair is `<s> q </s></s> d </s>`: BOS=<s>, EOS=SEP=</s>, with add_sep set.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 import gguf
-import msgspec
 import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
-from formats.st_layout import Layout, LayoutError, read_layout
 from ingest.errors import ArtifactInvalid, InvalidRequest
+from ingest.hf_common import (
+    POOLING_TYPES,
+    ConvertedModel,
+    Dtype,
+    PoolingName,
+    check_request,
+    file_type,
+    load_json,
+    st_layout,
+    st_pooling,
+    tensor_dtype,
+    write_gguf,
+)
+from ingest.hf_vocab import Vocab, unigram_vocab
 from ingest.safetensors_io import read_model_weights
 
-Dtype = Literal["f32", "f16"]
-PoolingName = Literal["mean", "cls", "last", "rank"]
-
-_POOLING = {
-    "mean": gguf.PoolingType.MEAN,
-    "cls": gguf.PoolingType.CLS,
-    "last": gguf.PoolingType.LAST,
-    "rank": gguf.PoolingType.RANK,
-}
-_EMBED_ARCHS = {"BertModel", "BertForMaskedLM"}
-_RERANK_ARCHS = {"BertForSequenceClassification"}
+_EMBED_ARCHS = {"BertModel", "BertForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM"}
+_RERANK_ARCHS = {"BertForSequenceClassification", "XLMRobertaForSequenceClassification"}
+_DEFAULT_ARCH = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
 
-class BertGGUFInfo(msgspec.Struct, frozen=True):
-    """What the converter learned; the store turns it into a manifest."""
-
-    kind: Literal["embed", "rerank"]
-    dtype: Dtype
-    dims: int
-    pooling: PoolingName
-    n_ctx_train: int  # max_position_embeddings: llama.cpp's hard position limit
-    vocab_size: int
-    n_layers: int
-    n_labels: int  # classifier outputs (0 for embedders)
-    cls_id: int
-    sep_id: int
-    max_seq_length: int | None  # sentence-transformers' trained sequence length, if any
+BertGGUFInfo = ConvertedModel  # the name callers knew before other families
 
 
 def _name(t: MODEL_TENSOR, bid: int | None = None) -> str:
@@ -84,31 +84,28 @@ _LAYER = {
     "output.dense": MODEL_TENSOR.FFN_DOWN,
     "output.LayerNorm": MODEL_TENSOR.LAYER_OUT_NORM,
 }
-_HEAD = {"pooler.dense": MODEL_TENSOR.CLS, "classifier": MODEL_TENSOR.CLS_OUT}
+_HEAD = {"pooler.dense": MODEL_TENSOR.CLS, "classifier": MODEL_TENSOR.CLS_OUT,
+         "classifier.dense": MODEL_TENSOR.CLS, "classifier.out_proj": MODEL_TENSOR.CLS_OUT}
 # Keys that carry no inference weights for our use (MLM/NSP heads, a buffer).
 _IGNORED = re.compile(
-    r"^(embeddings\.position_ids|cls\.predictions\..*|cls\.seq_relationship\..*)$"
+    r"^(embeddings\.position_ids|embeddings\.token_type_ids|cls\.predictions\..*"
+    r"|cls\.seq_relationship\..*|lm_head\..*)$"
 )
 _LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 # Tensors llama.cpp's converter keeps f32 even in an f16 file.
 _KEEP_F32 = {MODEL_TENSOR.POS_EMBD, MODEL_TENSOR.TOKEN_TYPES}
 
 
-def _load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ArtifactInvalid(f"missing {path.name} in {path.parent}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactInvalid(f"unreadable {path}: {e}") from e
-
-
 def _model_kind(config: dict) -> Literal["embed", "rerank"]:
-    if config.get("model_type", "bert") != "bert":
-        raise ArtifactInvalid(f"unsupported model_type {config.get('model_type')!r} (only bert)")
-    archs = config.get("architectures") or ["BertModel"]
+    model_type = config.get("model_type", "bert")
+    if model_type not in _DEFAULT_ARCH:
+        raise ArtifactInvalid(f"unsupported model_type {model_type!r} (bert or xlm-roberta)")
+    archs = config.get("architectures") or [_DEFAULT_ARCH[model_type]]
     if len(archs) != 1:
         raise ArtifactInvalid(f"expected one architecture, got {archs}")
+    if not archs[0].startswith(_DEFAULT_ARCH[model_type].removesuffix("Model")):
+        raise ArtifactInvalid(
+            f"unsupported architecture {archs[0]!r} for model_type {model_type!r}")
     if archs[0] in _EMBED_ARCHS:
         return "embed"
     if archs[0] in _RERANK_ARCHS:
@@ -136,43 +133,18 @@ def _check_config(config: dict) -> None:
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
 
 
-# sentence-transformers' pooling modes -> llama.cpp's (the ones it computes).
-_ST_TO_LLAMA_POOLING: dict[str, PoolingName] = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
-
-
-def _st_layout(model_dir: Path) -> Layout:
-    try:
-        return read_layout(model_dir)
-    except LayoutError as e:
-        raise ArtifactInvalid(str(e)) from e
-
-
-def _st_pooling(model_dir: Path) -> PoolingName | None:
-    """Pooling declared by a sentence-transformers Pooling module (either layout), if any."""
-    try:
-        mode = _st_layout(model_dir).pooling
-    except LayoutError as e:
-        raise ArtifactInvalid(str(e)) from e
-    if mode is None:
-        return None
-    if mode not in _ST_TO_LLAMA_POOLING:
-        raise ArtifactInvalid(f"unsupported sentence-transformers pooling {mode!r} "
-                              "(mean/cls/lasttoken only)")
-    return _ST_TO_LLAMA_POOLING[mode]
-
-
 def _phantom(token: str, control: bool) -> str:
     if control:
         return token
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def _vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], dict[str, int]]:
-    """Tokens (phantom form), token types, and the raw token -> id map."""
+def _wordpiece_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+    """Tokens in phantom form, token types, and the raw token -> id map."""
     tok_path = model_dir / "tokenizer.json"
     special: set[str] = set()
     if tok_path.is_file():
-        tok = _load_json(tok_path)
+        tok = load_json(tok_path)
         model = tok.get("model") or {}
         if model.get("type") != "WordPiece":
             raise ArtifactInvalid(f"tokenizer.json model is {model.get('type')!r}, not WordPiece")
@@ -195,20 +167,31 @@ def _vocab(model_dir: Path, n_vocab: int) -> tuple[list[str], list[int], dict[st
         control = text in special
         tokens[i] = _phantom(text, control)
         types[i] = int(gguf.TokenType.CONTROL if control else gguf.TokenType.NORMAL)
-    return tokens, types, vocab
+    # llama.cpp ignores the pre-tokenizer for WPM vocabularies.
+    return Vocab("bert", "default", tokens, types, ids=vocab)
 
 
-def _special_ids(model_dir: Path, vocab: dict[str, int]) -> dict[str, int]:
+def _unigram_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ArtifactInvalid(f"{model_dir} has no tokenizer.json (an XLM-RoBERTa model needs "
+                              "its Unigram tokenizer.json)")
+    return unigram_vocab(load_json(tok_path), n_vocab)
+
+
+# The special tokens each family names by default (tokenizer_config.json may rename them).
+_SPECIAL_DEFAULTS = {
+    "bert": {"cls": "[CLS]", "sep": "[SEP]", "unk": "[UNK]", "pad": "[PAD]", "mask": "[MASK]"},
+    "xlm-roberta": {"cls": "<s>", "sep": "</s>", "unk": "<unk>", "pad": "<pad>",
+                    "mask": "<mask>"},
+}
+
+
+def _special_ids(model_dir: Path, vocab: dict[str, int], model_type: str) -> dict[str, int]:
     cfg_path = model_dir / "tokenizer_config.json"
-    cfg = _load_json(cfg_path) if cfg_path.is_file() else {}
+    cfg = load_json(cfg_path) if cfg_path.is_file() else {}
     ids: dict[str, int] = {}
-    for kind, default in (
-        ("cls", "[CLS]"),
-        ("sep", "[SEP]"),
-        ("unk", "[UNK]"),
-        ("pad", "[PAD]"),
-        ("mask", "[MASK]"),
-    ):
+    for kind, default in _SPECIAL_DEFAULTS[model_type].items():
         text = cfg.get(f"{kind}_token", default)
         if isinstance(text, dict):  # AddedToken serialised as an object
             text = text.get("content", default)
@@ -226,7 +209,7 @@ def _map_tensors(
     """(tensor kind, gguf name, array) for every weight; strict about unknown keys."""
     out: list[tuple[MODEL_TENSOR, str, np.ndarray]] = []
     for key, arr in weights.items():
-        k = key[5:] if key.startswith("bert.") else key
+        k = re.sub(r"^(bert|roberta)\.", "", key)
         k = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", k))
         if _IGNORED.match(k):
             continue
@@ -249,7 +232,7 @@ def _map_tensors(
         out.append((t, f"{_name(t, bid)}.{suffix}", arr))
     names = {n for _, n, _ in out}
     if len(names) != len(out):
-        raise ArtifactInvalid("duplicate tensors after name mapping (bert. and bare keys?)")
+        raise ArtifactInvalid("duplicate tensors after name mapping (prefixed and bare keys?)")
     required = [f"{_name(t)}.{s}" for t in _EMBEDDINGS.values() for s in ("weight", "bias")
                 if not (t in (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.TOKEN_TYPES,
                               MODEL_TENSOR.POS_EMBD) and s == "bias")]
@@ -288,20 +271,22 @@ def convert_bert_dir(
     *,
     pooling: PoolingName | None = None,
     name: str | None = None,
-) -> BertGGUFInfo:
-    """Convert `model_dir` to a GGUF at `out_path` (written atomically: temp file + rename).
+) -> ConvertedModel:
+    """Convert the BERT / XLM-RoBERTa `model_dir` to a GGUF at `out_path` (atomically).
 
     `pooling` overrides what the directory declares; embedders without a sentence-transformers
-    Pooling module must be given one. Raises ArtifactInvalid / InvalidRequest.
-    """
-    if dtype not in ("f32", "f16"):
-        raise InvalidRequest(f"dtype must be 'f32' or 'f16', not {dtype!r}")
-    if pooling is not None and pooling not in _POOLING:
-        raise InvalidRequest(f"pooling must be one of {sorted(_POOLING)}, not {pooling!r}")
+    Pooling module must be given one. Raises ArtifactInvalid / InvalidRequest."""
+    check_request(dtype, pooling)
     model_dir, out_path = Path(model_dir), Path(out_path)
     if not model_dir.is_dir():
         raise ArtifactInvalid(f"{model_dir} is not a directory")
-    config = _load_json(model_dir / "config.json")
+    config = load_json(model_dir / "config.json")
+    return convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)
+
+
+def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
+            pooling: PoolingName | None, name: str) -> ConvertedModel:
+    model_type = config.get("model_type", "bert")
     kind = _model_kind(config)
     _check_config(config)
 
@@ -315,40 +300,38 @@ def convert_bert_dir(
             raise InvalidRequest("a sequence classifier is served with rank pooling only")
         pooling = "rank"
     elif pooling is None:
-        pooling = _st_pooling(model_dir)
+        pooling = st_pooling(model_dir)
         if pooling is None:
             raise InvalidRequest(f"{model_dir} declares no pooling; pass pooling=")
     elif pooling == "rank":
-        raise InvalidRequest("rank pooling needs a BertForSequenceClassification model")
+        raise InvalidRequest("rank pooling needs a sequence-classification model")
 
     n_layers = config["num_hidden_layers"]
     mapped = _map_tensors(read_model_weights(model_dir), kind, n_layers)
     by_name = {n: a for _, n, a in mapped}
     _check_shapes(by_name, config, n_labels)
-    tokens, toktypes, vocab = _vocab(model_dir, config["vocab_size"])
-    special = _special_ids(model_dir, vocab)
+    n_ctx_train = config["max_position_embeddings"]
+    if model_type == "xlm-roberta":
+        offset = _position_offset(config)
+        n_ctx_train -= offset
+        mapped = [(t, n, a[offset:] if t == MODEL_TENSOR.POS_EMBD else a) for t, n, a in mapped]
+        vocab = _unigram_vocab(model_dir, config["vocab_size"])
+    else:
+        vocab = _wordpiece_vocab(model_dir, config["vocab_size"])
+    special = _special_ids(model_dir, vocab.ids, model_type)
+    max_seq = st_layout(model_dir).max_seq_length
 
-    max_seq = _st_layout(model_dir).max_seq_length
+    def fill(w: gguf.GGUFWriter) -> None:
+        _fill(w, mapped, config, n_ctx_train, dtype, pooling, vocab, special, labels, name,
+              add_sep=model_type == "xlm-roberta")
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".convert-", suffix=".gguf", dir=out_path.parent)
-    os.close(fd)
-    try:
-        _write(
-            Path(tmp), mapped, config, dtype, pooling, tokens, toktypes, special, labels,
-            name or model_dir.name,
-        )
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary cache files
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return BertGGUFInfo(
+    write_gguf(out_path, gguf.MODEL_ARCH_NAMES[MODEL_ARCH.BERT], fill)
+    return ConvertedModel(
         kind=kind,
         dtype=dtype,
         dims=config["hidden_size"],
         pooling=pooling,
-        n_ctx_train=config["max_position_embeddings"],
+        n_ctx_train=n_ctx_train,
         vocab_size=config["vocab_size"],
         n_layers=n_layers,
         n_labels=n_labels,
@@ -358,42 +341,48 @@ def convert_bert_dir(
     )
 
 
-def _write(
-    path: Path,
+def _position_offset(config: dict) -> int:
+    """HF numbers XLM-RoBERTa positions from `pad_token_id + 1` on; llama.cpp from 0."""
+    pad = config.get("pad_token_id", 1)
+    if not isinstance(pad, int) or not 0 <= pad < config["max_position_embeddings"] - 1:
+        raise ArtifactInvalid(f"config.json: pad_token_id {pad!r} cannot offset the positions")
+    return pad + 1
+
+
+def _fill(
+    w: gguf.GGUFWriter,
     mapped: list[tuple[MODEL_TENSOR, str, np.ndarray]],
     config: dict,
+    n_ctx_train: int,
     dtype: Dtype,
     pooling: PoolingName,
-    tokens: list[str],
-    toktypes: list[int],
+    vocab: Vocab,
     special: dict[str, int],
     labels: list[str],
     model_name: str,
+    add_sep: bool,
 ) -> None:
-    arch = gguf.MODEL_ARCH_NAMES[MODEL_ARCH.BERT]
-    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(model_name)
-    w.add_file_type(
-        int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-    )
-    w.add_context_length(config["max_position_embeddings"])
+    w.add_file_type(file_type(dtype))
+    w.add_context_length(n_ctx_train)
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_block_count(config["num_hidden_layers"])
     w.add_head_count(config["num_attention_heads"])
     w.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-12)))
     w.add_causal_attention(False)
-    w.add_pooling_type(_POOLING[pooling])
+    w.add_pooling_type(POOLING_TYPES[pooling])
     if labels:
         w.add_classifier_output_labels(labels)
 
-    w.add_tokenizer_model("bert")
-    w.add_tokenizer_pre("default")  # llama.cpp ignores the pre-tokenizer for WPM vocabs
-    w.add_token_list(tokens)
-    w.add_token_types(toktypes)
+    vocab.add_to(w)
     w.add_token_type_count(int(config.get("type_vocab_size", 2)))
-    # As gguf's SpecialVocab does for BERT: CLS doubles as BOS and SEP as EOS, so
-    # "BOS a EOS" is "[CLS] a [SEP]" and a rerank pair is "[CLS] q [SEP] d [SEP]".
+    if vocab.model == "t5":  # SentencePiece's defaults, as XLM-RoBERTa is trained with
+        w.add_add_space_prefix(True)
+        w.add_remove_extra_whitespaces(True)
+    # As gguf's SpecialVocab does: CLS doubles as BOS and SEP as EOS, so "BOS a EOS" is
+    # "[CLS] a [SEP]" and a rerank pair "[CLS] q [SEP] d [SEP]" (add_sep: XLM-RoBERTa's
+    # "<s> q </s></s> d </s>").
     w.add_bos_token_id(special["cls"])
     w.add_eos_token_id(special["sep"])
     w.add_sep_token_id(special["sep"])
@@ -403,16 +392,8 @@ def _write(
             add(special[kind])
     w.add_add_bos_token(True)
     w.add_add_eos_token(True)
-    w.add_add_sep_token(False)
+    w.add_add_sep_token(add_sep)
 
     for t, name, arr in mapped:
-        keep_f32 = arr.ndim <= 1 or name.endswith("_norm.weight") or t in _KEEP_F32
-        target = np.float32 if (dtype == "f32" or keep_f32) else np.float16
+        target = tensor_dtype(name, arr, dtype, keep_f32=t in _KEEP_F32)
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=target))
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with open(path, "rb+") as f:  # durable before the rename publishes it
-        os.fsync(f.fileno())

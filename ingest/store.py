@@ -48,7 +48,6 @@ from filelock import FileLock
 
 from formats.gguf_header import ArrayInfo
 from ingest import gemma
-from ingest.bert_to_gguf import Dtype, PoolingName, convert_bert_dir
 from ingest.digest import copy_with_digest, read_digest_file, sha256_file, write_digest_file
 from ingest.durable import (
     free_bytes,
@@ -68,6 +67,8 @@ from ingest.errors import (
 )
 from ingest.gguf_model import inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
+from ingest.hf_common import Dtype, PoolingName
+from ingest.hf_dir import convert_hf_dir
 from ingest.precision import embed_precision
 from ingest.safetensors_io import weight_elements
 
@@ -252,7 +253,8 @@ class ArtifactStore:
         default_prompt_name: str | None = None,
         matryoshka_dims: list[int] | None = None,
     ) -> ModelRecord:
-        """Convert a Hugging Face BERT-family directory to GGUF and publish it as `name`.
+        """Convert a Hugging Face directory of a supported family (`ingest.hf_dir.FAMILIES`) to
+        GGUF and publish it as `name`.
 
         `dtype` None: this platform's embedding precision (`embed_precision`). A default name
         gets a `-f32` suffix only when f32 was asked for explicitly. The manifest records the
@@ -484,7 +486,7 @@ class ArtifactStore:
         options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
-            info = convert_bert_dir(path, artifact, dtype, pooling=pooling,
+            info = convert_hf_dir(path, artifact, dtype, pooling=pooling,
                                     name=model_name or name)
             options = fitted(options, info.kind, info.dims)
             tok_src = path / "tokenizer.json"

@@ -1,0 +1,204 @@
+"""XLM-RoBERTa directories (multilingual-e5, bge-m3, bge-reranker-v2-m3 are this family),
+converted by our own converter and served through real workers, judged against
+sentence-transformers' own `encode` and `CrossEncoder` on tiny seeded models built here with
+transformers, a sentencepiece-trained Unigram vocabulary (with its real precompiled character
+map) and the e5 prompts."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from certification.corpus import corpus
+from host.config import HostConfig
+from host.module import Module, ModuleConfig
+from host.sanitize import sanitize
+from ingest.errors import ArtifactInvalid
+from ingest.hf_dir import convert_hf_dir
+from ingest.store import ArtifactStore
+
+pytestmark = pytest.mark.model
+
+TEXTS = [sanitize(t) for t in list(corpus())[::9]]
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+MAX_SEQ = 48  # shorter than many corpus items: truncation is part of what is compared
+HIDDEN = 64
+
+
+def _unigram_tokenizer(dst: Path) -> int:
+    """An XLM-RoBERTa tokenizer (fairseq ids <s>=0 <pad>=1 </s>=2 <unk>=3) from a Unigram
+    model trained here, with SentencePiece's precompiled normalizer as the hub's files carry."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from transformers import XLMRobertaTokenizer
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(corpus()) * 3), model_writer=buf, vocab_size=700,
+        model_type="unigram", character_coverage=1.0, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
+        hard_vocab_limit=False, minloglevel=2)
+    proto = pb.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
+    tok.model_max_length = MAX_SEQ
+    tok.save_pretrained(dst)
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Precompiled", "precompiled_charsmap":
+            base64.b64encode(proto.normalizer_spec.precompiled_charsmap).decode()},
+        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    return len(tok)
+
+
+def _config(n_vocab: int, **extra):
+    from transformers import XLMRobertaConfig
+
+    # Wide random weights (initializer 0.3): vectors of different texts differ enough that
+    # another pooling, a missing prompt or a shorter cut each fail the 0.9999 bar.
+    return XLMRobertaConfig(
+        vocab_size=n_vocab, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=MAX_SEQ + 2 + 16, type_vocab_size=1,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, initializer_range=0.3,
+        hidden_act="gelu", **extra)
+
+
+@pytest.fixture(scope="module")
+def dirs(module_tmp) -> dict[str, Path]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+    from transformers import XLMRobertaForSequenceClassification, XLMRobertaModel
+
+    torch.manual_seed(0)
+    raw = module_tmp / "xlmr-raw"
+    n_vocab = _unigram_tokenizer(raw)
+    XLMRobertaModel(_config(n_vocab)).eval().save_pretrained(raw)
+    st = module_tmp / "xlmr-st"
+    body = Transformer(str(raw), max_seq_length=MAX_SEQ)
+    model = SentenceTransformer(modules=[body, Pooling(HIDDEN, "mean"), Normalize()],
+                                device="cpu", prompts=PROMPTS)
+    model.save(str(st))
+
+    xenc = module_tmp / "xlmr-xenc"
+    _unigram_tokenizer(xenc)
+    torch.manual_seed(1)
+    XLMRobertaForSequenceClassification(_config(n_vocab, num_labels=1)).eval() \
+        .save_pretrained(xenc)
+    return {"st": st, "xenc": xenc}
+
+
+@pytest.fixture(scope="module")
+def store(module_tmp, dirs) -> ArtifactStore:
+    s = ArtifactStore(module_tmp / "models")
+    s.ingest_hf_dir(dirs["st"], "xlmr", dtype="f32")
+    s.ingest_hf_dir(dirs["xenc"], "xlmr-xenc", dtype="f32")
+    return s
+
+
+def _module(store: ArtifactStore, runtime_dir: str) -> Module:
+    return Module(ModuleConfig(store_root=str(store.root),
+                               host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)))
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return np.sum(a * b, axis=1)
+
+
+def test_the_manifest_says_what_the_directory_says(store):
+    man = store.get("xlmr").manifest
+    assert (man.kind, man.pooling, man.dims, man.max_tokens) == ("embed", "mean", HIDDEN, MAX_SEQ)
+    assert man.n_ctx_train == MAX_SEQ + 16  # the two offset rows are not positions
+    src = Path(man.source.removeprefix("hf-dir:"))
+    saved = json.loads((src / "config_sentence_transformers.json").read_text())
+    assert man.prompts == saved["prompts"] and PROMPTS.items() <= man.prompts.items()
+    xenc = store.get("xlmr-xenc").manifest
+    assert (xenc.kind, xenc.pooling, xenc.n_labels) == ("rerank", "rank", 1)
+
+
+async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_runtime_dir):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(dirs["st"]), device="cpu")
+    async with _module(store, short_runtime_dir) as mod:
+        plain = (await mod.embed(TEXTS, model="xlmr")).vectors
+        query = (await mod.embed(TEXTS, model="xlmr", prompt_name="query")).vectors
+        ids = (await mod.tokenizer("xlmr")).encode(TEXTS, truncate=True).ids
+    assert max(len(x) for x in ids) == MAX_SEQ  # long items were cut, on both sides alike
+    ref_plain = st.encode(TEXTS, normalize_embeddings=True)
+    ref_query = st.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
+    assert _cos(plain, ref_plain).min() >= 0.9999, _cos(plain, ref_plain).min()
+    assert _cos(query, ref_query).min() >= 0.9999, _cos(query, ref_query).min()
+    # The bar discriminates: a missing prompt, another pooling, a shorter cut each fail it.
+    assert _cos(query, ref_plain).min() < 0.9999
+    st[1].pooling_mode = "cls"  # the Pooling module, switched to the first token
+    assert _cos(plain, st.encode(TEXTS, normalize_embeddings=True)).min() < 0.9999
+    st[1].pooling_mode = "mean"
+    st.max_seq_length = MAX_SEQ // 2
+    assert _cos(plain, st.encode(TEXTS, normalize_embeddings=True)).min() < 0.9999
+
+
+async def test_the_lane_reranks_like_the_cross_encoder(store, dirs, short_runtime_dir):
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    # A short query: the lane cuts only documents, CrossEncoder's longest_first cuts the
+    # longer side, and the two agree while the query is under half the budget.
+    query, docs = TEXTS[10], TEXTS[:10] + TEXTS[12:30]
+    async with _module(store, short_runtime_dir) as mod:
+        result = await mod.rerank(query, docs, model="xlmr-xenc")
+    lane = np.zeros(len(docs))
+    for i, score in result.results:
+        lane[i] = score
+    ce = CrossEncoder(str(dirs["xenc"]), device="cpu", max_length=MAX_SEQ)
+    ref = ce.predict([(query, d) for d in docs], activation_fn=torch.nn.Identity())
+    assert np.ptp(ref) > 0.5  # the logits spread: the order below means something
+    assert np.abs(lane - ref).max() <= 2e-2, np.abs(lane - ref).max()
+    # Same order wherever the order means something: scores closer than the tolerance twice
+    # over are ties for a 2e-2 bar (random weights give a few such near-ties).
+    apart = (ref[:, None] - ref[None, :]) > 4e-2
+    assert np.all((lane[:, None] > lane[None, :])[apart])
+
+
+def test_the_converter_cuts_the_offset_rows(dirs, module_tmp):
+    import gguf
+    from safetensors.numpy import load_file
+
+    out = module_tmp / "xlmr.gguf"
+    info = convert_hf_dir(dirs["st"], out, "f32")
+    assert info.n_ctx_train == MAX_SEQ + 16
+    reader = gguf.GGUFReader(str(out))
+    pos = next(t for t in reader.tensors if t.name == "position_embd.weight")
+    src = load_file(str(dirs["st"] / "model.safetensors"))["embeddings.position_embeddings.weight"]
+    np.testing.assert_array_equal(np.asarray(pos.data), src[2:])  # rows from pad_token_id + 1
+    model = reader.fields["tokenizer.ggml.model"]
+    assert bytes(model.parts[model.data[0]]).decode() == "t5"
+    assert "tokenizer.ggml.precompiled_charsmap" in reader.fields
+
+
+def test_what_the_converter_refuses(dirs, module_tmp):
+    bad = module_tmp / "xlmr-bad"
+    bad.mkdir()
+    for f in dirs["st"].iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dirs["st"] / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {
+        "position_embedding_type": "relative_key"}))
+    with pytest.raises(ArtifactInvalid, match="absolute position"):
+        convert_hf_dir(bad, module_tmp / "bad.gguf")
+    (bad / "config.json").write_text(json.dumps(config | {"model_type": "deberta-v2"}))
+    with pytest.raises(ArtifactInvalid, match="unsupported model_type 'deberta-v2'"):
+        convert_hf_dir(bad, module_tmp / "bad.gguf")
+    assert not (module_tmp / "bad.gguf").exists()
