@@ -150,11 +150,10 @@ def map_names(weights: dict[str, np.ndarray], arch: gguf.MODEL_ARCH, n_layers: i
     for key, arr in weights.items():
         if ignored(key):
             continue
-        name = table.get_name(key, try_suffixes=(".weight", ".bias"))
-        if name is None:
+        # With try_suffixes the map keeps the key's own ".weight" / ".bias" on the name.
+        full = table.get_name(key, try_suffixes=(".weight", ".bias"))
+        if full is None:
             raise ArtifactInvalid(f"unexpected tensor {key!r}")
-        suffix = key.rsplit(".", 1)[-1]
-        full = f"{name}.{suffix}" if suffix in ("weight", "bias") else name
         if full in out:
             raise ArtifactInvalid(f"two tensors map to {full!r} (one is {key!r})")
         out[full] = arr

@@ -65,7 +65,7 @@ from ingest.errors import (
     InvalidRequest,
     StorageFull,
 )
-from ingest.gguf_model import inspect_gguf, read_header
+from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
@@ -496,7 +496,9 @@ class ArtifactStore:
                 tokenizer = TOKENIZER_FILE
             digest = sha256_file(artifact)
             write_digest_file(artifact, digest)
-            limit = info.n_ctx_train
+            # One input is at most the worker's encoder batch or the trained context, as for a
+            # GGUF file (Qwen3 and ModernBERT train for far longer than a batch holds).
+            limit = min(info.n_ctx_train, ITEM_LIMIT)
             default = min(info.max_seq_length or limit, limit)
             manifest = Manifest(
                 name=name,

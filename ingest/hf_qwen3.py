@@ -1,0 +1,171 @@
+"""A Hugging Face Qwen3 directory (Qwen3-Embedding: a causal decoder whose last token is the
+embedding) -> GGUF of llama.cpp's `qwen3` architecture.
+
+What llama.cpp's `qwen3` graph computes (models/qwen3.cpp in the llama.cpp llama-cpp-python
+0.3.36 vendors) and so what we write:
+- RMSNorm everywhere (`layer_norm_rms_eps`), per-head q/k RMSNorm, NEOX rope over the whole
+  head (`rope.dimension_count` = head_dim: the graph asserts it), SwiGLU FFN, grouped-query
+  attention (`head_count_kv`), head_dim written as key/value length because Qwen3's head_dim
+  is not hidden / heads (0.6B: 1024 / 16 heads, head_dim 128);
+- no biases on q/k/v/o, no sliding window, no rope scaling: a config asking for any of them
+  would load and compute something else, so it is refused;
+- the LM head is not needed to embed (`lm_head.*` ignored; llama.cpp ties it when absent).
+Pooling is the directory's (sentence-transformers `lasttoken` -> `last`). The tokenizer stays
+the directory's tokenizer.json, whose post-processor appends `<|endoftext|>`: the token the
+model was trained to pool. The GGUF's vocabulary is byte-level BPE with the `qwen2`
+pre-tokenizer, as llama.cpp's converter writes Qwen3's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ingest.errors import ArtifactInvalid, InvalidRequest
+from ingest.hf_common import (
+    POOLING_TYPES,
+    ConvertedModel,
+    Dtype,
+    PoolingName,
+    embed_pooling,
+    file_type,
+    load_json,
+    map_names,
+    positive_ints,
+    require,
+    st_layout,
+    tensor_dtype,
+    write_gguf,
+)
+from ingest.hf_vocab import byte_bpe_vocab
+from ingest.safetensors_io import read_model_weights
+
+ARCH = gguf.MODEL_ARCH.QWEN3
+_EMBED_ARCHS = {"Qwen3Model", "Qwen3ForCausalLM"}
+
+
+def _rope_theta(config: dict) -> float:
+    # transformers 5 nests rope settings under rope_parameters; 4.x kept them top-level.
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", None):
+        raise ArtifactInvalid(f"rope scaling {kind!r} is not computed by llama.cpp's qwen3 "
+                              "graph as transformers computes it")
+    theta = rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))
+    if not isinstance(theta, int | float) or theta <= 0:
+        raise ArtifactInvalid(f"config.json: rope_theta {theta!r} is not a positive number")
+    return float(theta)
+
+
+def _check_config(config: dict) -> None:
+    archs = config.get("architectures") or ["Qwen3Model"]
+    if len(archs) != 1 or archs[0] not in _EMBED_ARCHS:
+        if archs and archs[0] == "Qwen3ForSequenceClassification":
+            raise ArtifactInvalid("Qwen3 sequence classifiers are not served: llama.cpp scores "
+                                  "Qwen3 rerankers through a prompt template we cannot "
+                                  "reproduce as trained")
+        raise ArtifactInvalid(f"unsupported architecture {archs} for model_type 'qwen3'")
+    positive_ints(config, ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "max_position_embeddings", "vocab_size"))
+    if config.get("hidden_act", "silu") != "silu":
+        raise ArtifactInvalid(f"unsupported hidden_act {config.get('hidden_act')!r} (llama.cpp's "
+                              "qwen3 graph is SwiGLU)")
+    if config.get("attention_bias"):
+        raise ArtifactInvalid("attention_bias: llama.cpp's qwen3 graph has no q/k/v/o biases")
+    if config.get("use_sliding_window"):
+        raise ArtifactInvalid("use_sliding_window: llama.cpp's qwen3 graph attends to the whole "
+                              "sequence")
+    if config["num_attention_heads"] % config.get("num_key_value_heads",
+                                                  config["num_attention_heads"]):
+        raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
+
+
+def _ignored(key: str) -> bool:
+    return key.startswith("lm_head.") or key.endswith("rotary_emb.inv_freq")
+
+
+def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
+            pooling: PoolingName | None, name: str) -> ConvertedModel:
+    _check_config(config)
+    theta = _rope_theta(config)
+    pooling = embed_pooling(model_dir, pooling)
+    if pooling != "last":
+        # A causal decoder's early tokens never see the later ones: mean or first-token
+        # pooling is not what Qwen3 embedders are trained with.
+        raise InvalidRequest(f"Qwen3 embedders pool the last token, not {pooling!r}")
+    h, n_layers = config["hidden_size"], config["num_hidden_layers"]
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_head)
+    head_dim = config.get("head_dim") or h // n_head
+    ff, n_vocab = config["intermediate_size"], config["vocab_size"]
+    tensors = map_names(read_model_weights(model_dir), ARCH, n_layers, _ignored)
+    shapes = {"token_embd.weight": (n_vocab, h), "output_norm.weight": (h,)}
+    for b in range(n_layers):
+        shapes |= {
+            f"blk.{b}.attn_norm.weight": (h,),
+            f"blk.{b}.attn_q.weight": (n_head * head_dim, h),
+            f"blk.{b}.attn_k.weight": (n_kv * head_dim, h),
+            f"blk.{b}.attn_v.weight": (n_kv * head_dim, h),
+            f"blk.{b}.attn_output.weight": (h, n_head * head_dim),
+            f"blk.{b}.attn_q_norm.weight": (head_dim,),
+            f"blk.{b}.attn_k_norm.weight": (head_dim,),
+            f"blk.{b}.ffn_norm.weight": (h,),
+            f"blk.{b}.ffn_gate.weight": (ff, h),
+            f"blk.{b}.ffn_up.weight": (ff, h),
+            f"blk.{b}.ffn_down.weight": (h, ff),
+        }
+    require(tensors, shapes)
+    extra = sorted(set(tensors) - set(shapes) - {"output.weight"})
+    if extra:
+        raise ArtifactInvalid(f"tensors llama.cpp's qwen3 graph does not use: {extra[:5]}")
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ArtifactInvalid(f"{model_dir} has no tokenizer.json")
+    vocab = byte_bpe_vocab(load_json(tok_path), n_vocab, pre="qwen2")
+    eos = _eos_id(model_dir, vocab.ids)
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_name(name)
+        w.add_file_type(file_type(dtype))
+        w.add_context_length(config["max_position_embeddings"])
+        w.add_embedding_length(h)
+        w.add_feed_forward_length(ff)
+        w.add_block_count(n_layers)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_kv)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(theta)
+        w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        w.add_pooling_type(POOLING_TYPES[pooling])
+        vocab.add_to(w)
+        w.add_eos_token_id(eos)
+        w.add_pad_token_id(eos)
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(True)  # Qwen3-Embedding appends <|endoftext|> and pools it
+        for tname, arr in tensors.items():
+            if tname == "output.weight":
+                continue  # the LM head does not embed
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=tensor_dtype(tname, arr, dtype)))
+
+    write_gguf(out_path, gguf.MODEL_ARCH_NAMES[ARCH], fill)
+    max_seq = st_layout(model_dir).max_seq_length
+    return ConvertedModel(
+        kind="embed", dtype=dtype, dims=h, pooling=pooling,
+        n_ctx_train=config["max_position_embeddings"], vocab_size=n_vocab, n_layers=n_layers,
+        n_labels=0, cls_id=None, sep_id=None, max_seq_length=max_seq, architecture="qwen3")
+
+
+def _eos_id(model_dir: Path, ids: dict[str, int]) -> int:
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = load_json(cfg_path) if cfg_path.is_file() else {}
+    text = cfg.get("eos_token", "<|endoftext|>")
+    if isinstance(text, dict):  # AddedToken serialised as an object
+        text = text.get("content")
+    if text not in ids:
+        raise ArtifactInvalid(f"tokenizer.json has no end-of-text token {text!r}")
+    return ids[text]
