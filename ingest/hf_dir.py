@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ingest import bert_to_gguf, hf_gemma3, hf_modernbert
+from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_qwen3
 from ingest.errors import ArtifactInvalid
 from ingest.hf_common import ConvertedModel, Dtype, PoolingName, check_request, load_json
 
@@ -20,6 +20,7 @@ FAMILIES: dict[str, Converter] = {
     "xlm-roberta": bert_to_gguf.convert,
     "modernbert": hf_modernbert.convert,
     "gemma3_text": hf_gemma3.convert,
+    "qwen3": hf_qwen3.convert,
 }
 
 
