@@ -42,7 +42,8 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_models_ls)
     ingest = models_sub.add_parser(
-        "ingest", help="add a model: a Hugging Face BERT dir (converted to GGUF) or a GGUF file")
+        "ingest", help="add a model: a Hugging Face / sentence-transformers dir (BERT, "
+        "XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 embedding; converted to GGUF) or a GGUF file")
     ingest.add_argument("path", nargs="?",
                         help="model dir or .gguf file; omit to install the defaults")
     ingest.add_argument("--name")

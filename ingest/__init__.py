@@ -1,4 +1,4 @@
-"""Module-side artifact ingest: owned BERT->GGUF conversion, default models, the store.
+"""Module-side artifact ingest: owned HF->GGUF conversion per family, default models, the store.
 
 The host process imports this package; it never imports llama_cpp (engines that can abort
 run in worker processes only).
@@ -13,6 +13,8 @@ from ingest.errors import (
     InvalidRequest,
 )
 from ingest.gemma import assemble_gemma
+from ingest.hf_common import ConvertedModel
+from ingest.hf_dir import FAMILIES, convert_hf_dir
 from ingest.store import ArtifactStore, Manifest, ModelRecord, default_root
 
 __all__ = [
@@ -22,10 +24,13 @@ __all__ = [
     "ArtifactNotFound",
     "ArtifactStore",
     "BertGGUFInfo",
+    "ConvertedModel",
+    "FAMILIES",
     "InvalidRequest",
     "Manifest",
     "ModelRecord",
     "assemble_gemma",
     "convert_bert_dir",
+    "convert_hf_dir",
     "default_root",
 ]
