@@ -3,7 +3,8 @@ reference, with ANE placement gated alongside (DESIGN section 8).
 
     runner        one run: load, corpus pass, retrieval, probe fingerprint, placement, verdict
     lane_client   the only code that talks to host.module.Module (llama and Core ML lanes)
-    oracle        reference directory, its own tokenization, the fp32 forward (cached)
+    oracle        reference directory, its own tokenization, which fp32 forward judges
+                  (sentence-transformers where installed, else numpy BERT), its cache
     gates         checks and the verdict (pure functions)
     thresholds    THE gate table, per lane and precision, with reasons
     fingerprint   margin-masked quantized digest of the probe-set outputs
@@ -13,5 +14,6 @@ reference, with ANE placement gated alongside (DESIGN section 8).
     placement_ops per-op placement estimate of the admitted Core ML packages (report)
     report, svg   the HTML report with inline SVG plots; terminal: rich output; cli
     degrade       deliberately degraded checkpoints (prove the gate bites)
-    corpus, reference/  the fixed corpus and the reference forward itself
+    corpus, reference/  the fixed corpus and the reference forwards themselves (bert: numpy;
+                  st_model: sentence-transformers / transformers, fp32 CPU)
 """

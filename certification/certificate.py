@@ -18,6 +18,11 @@ Schema v1, one JSON object per certificate:
     corpus        items, sample stride (1 = whole corpus), corpus digest
     measurements  per-item cosines, per-request latencies, rerank errors, placement detail
     created_at, duration_s, synapse_version
+    reference_dir the HF directory of the reference
+    reference     which forward judged the lane, with its versions: "sentence-transformers
+                  6.2.0 (transformers 5.24.0, torch 2.13.0, fp32 CPU)" or "numpy BERT
+                  reference (numpy 2.3.1, fp32 CPU)"; absent in certificates written before it
+                  was recorded, which the numpy reference judged (read back as NUMPY_REFERENCE)
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from certification.identity import CertificateKey
 from certification.thresholds import Thresholds
 
 SCHEMA_VERSION = 1
+# The judge of every certificate that does not name one: the only reference there was.
+NUMPY_REFERENCE = "numpy BERT reference"
 
 Status = Literal["certified", "provisional", "failed"]
 CheckStatus = Literal["pass", "fail", "provisional", "n/a", "drift", "info"]
@@ -100,6 +107,7 @@ class Certificate(msgspec.Struct, kw_only=True):
     duration_s: float
     synapse_version: str = ""
     reference_dir: str = ""
+    reference: str = NUMPY_REFERENCE
 
 
 def encode(cert: Certificate) -> bytes:

@@ -3,6 +3,7 @@
     synapse certify --model NAME --lane llama|ane [--shapes 8x128,4x256p] [--json]
                     [--report PATH.html] [--threshold NAME=VALUE ...]
                     [--placement-threshold X] [--sample K] [--reference-dir DIR]
+                    [--reference sentence-transformers|numpy]
     synapse certify ls [--json]
     synapse certify show ID [--json] [--report PATH.html]
 
@@ -42,7 +43,11 @@ def add_certify_parser(sub: argparse._SubParsersAction) -> None:
                    help="judge every K-th corpus item only (smoke runs; recorded)")
     p.add_argument("--batch-size", type=int, default=8, help="items per lane request")
     p.add_argument("--reference-dir", help="HF directory of the fp32 reference "
-                   "(default: the one the artifact was converted from)")
+                   "(default: the one the artifact was converted from; required for a model "
+                   "ingested from a GGUF file)")
+    p.add_argument("--reference", choices=["sentence-transformers", "numpy"],
+                   help="the forward that judges the lane (default: sentence-transformers "
+                   "where installed, else the numpy BERT reference, which covers BERT only)")
     p.add_argument("--no-save", action="store_true", help="do not store the certificate")
     p.set_defaults(func=main)
     csub = p.add_subparsers(dest="certify_command")
@@ -57,6 +62,7 @@ def add_certify_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from certification.oracle import ReferenceUnavailable
     from certification.store import CertificateNotFound, CertificateStore
 
     console = Console(stderr=bool(getattr(args, "json", False)))
@@ -71,6 +77,9 @@ def main(args: argparse.Namespace) -> int:
         return _run(store, args, console, err)
     except CertificateNotFound as exc:
         err.print(escape(f"error[certificate_not_found]: {exc}"))
+        return 2
+    except ReferenceUnavailable as exc:
+        err.print(escape(f"error[{exc.code}]: {exc}"))
         return 2
     except ValueError as exc:
         err.print(escape(f"error[invalid_request]: {exc}"))
@@ -130,6 +139,7 @@ def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int
         sample_stride=args.sample,
         batch_size=args.batch_size,
         reference_dir=args.reference_dir,
+        reference=args.reference,
         overrides=parse_overrides(args.threshold, args.placement_threshold),
         save=not args.no_save,
     )

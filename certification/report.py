@@ -33,6 +33,8 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 {% if c.corpus.sample_stride > 1 %} <b>Sampled run</b>: every {{ c.corpus.sample_stride }}th
  corpus item ({{ c.corpus.n_items }} of {{ c.corpus.n_total }}).{% endif %}
 {% if c.overrides %} Threshold overrides: {{ c.overrides }}.{% endif %}</p>
+<p id="reference">Reference (the fp32 judge): {{ c.reference }}{% if c.reference_dir %}, on
+ <code>{{ c.reference_dir }}</code>{% endif %}.</p>
 
 <h2>Checks</h2>
 <table id="checks"><tr><th>check</th><th>gate</th><th>status</th><th>value</th>

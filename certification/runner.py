@@ -31,7 +31,7 @@ from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.lane_client import LaneClient
-from certification.oracle import Oracle, reference_dir_for
+from certification.oracle import Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
 from host.module import Module
@@ -62,6 +62,9 @@ class RunOptions:
     sample_stride: int = 1
     batch_size: int = 8  # items per lane request in the corpus pass (serving-sized)
     reference_dir: str | None = None
+    # The judge: None picks (`select_reference`: sentence-transformers where it imports, else
+    # numpy for BERT); "numpy" or "sentence-transformers" insists on one.
+    reference: str | None = None
     overrides: dict[str, float] = field(default_factory=dict)
     runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
     save: bool = True
@@ -86,6 +89,14 @@ async def certify(
     if options.sample_stride < 1 or options.batch_size < 1:
         raise ValueError("sample_stride and batch_size must be >= 1")
     client = LaneClient(module, options.model, options.lane)
+    # The judge is settled before the lane loads: a model nothing here can judge (no HF
+    # directory, no reference for its family) is refused without starting a worker.
+    record = client.record
+    ref_dir = options.reference_dir or str(reference_dir_for(record))
+    reference = options.reference or select_reference(ref_dir)
+    oracle = Oracle(ref_dir, store.root / "reference-cache",
+                    pooling=record.manifest.pooling if record.kind == "embed" else "mean",
+                    reference=reference)
     progress.start("load", f"load {options.model} on the {options.lane} lane", 1)
     await client.load(options.shapes, options.runtime_config_extra)
     progress.advance("load")
@@ -94,10 +105,6 @@ async def certify(
     thresholds = thresholds_for(identity.lane, identity.precision).with_overrides(
         options.overrides
     )
-    record = client.record
-    ref_dir = options.reference_dir or str(reference_dir_for(record))
-    oracle = Oracle(ref_dir, store.root / "reference-cache",
-                    pooling=record.manifest.pooling if record.kind == "embed" else "mean")
     tok = await client.tokenizer()
     texts = list(corpus())[:: options.sample_stride]
     measured = Measurements()
@@ -109,13 +116,14 @@ async def certify(
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
     elif record.kind == "rerank":
         if not oracle.is_cross_encoder:
-            raise ValueError(f"reference dir {ref_dir} is not a BertForSequenceClassification")
+            raise ValueError(f"reference dir {ref_dir} is not a sequence-classification model "
+                             "(config.json architectures *ForSequenceClassification)")
         judged = await _judge_rerank(client, tok, oracle, texts, options, thresholds,
                                      measured, progress)
         checks += gates.embedding_not_applicable("cross-encoder") + judged.checks
     else:
         raise ValueError(f"model {options.model!r} is a {record.kind} model: certification "
-                         "covers BERT-family embedding and cross-encoder models")
+                         "covers embedding and sequence-classification (rerank) models")
 
     progress.start("placement", "placement after admission", 1)
     share, source = await client.placement()
@@ -156,6 +164,7 @@ async def certify(
         duration_s=round(time.perf_counter() - started, 3),
         synapse_version=_synapse_version(),
         reference_dir=str(ref_dir),
+        reference=oracle.reference_name,
     )
     if options.save:
         store.save(cert)
@@ -286,19 +295,21 @@ def _pair_composer(
     """Reference inputs for exactly the pairs the lane scores, as the model was trained.
 
     llama: the host sends query and documents without specials (`rerank_segments`) and the
-    worker composes `[CLS] q [SEP] d [SEP]`, type 1 on `d [SEP]` for a model with token types
-    (the worker feeds them as input embeddings). Core ML: composed pairs from the pair
-    template with real token types (`encode_pairs`). Every lane is judged against the same
-    typed forward, so a lane that dropped the types fails the gate.
+    worker composes `pre q mid d post` from the GGUF vocabulary (`[CLS] q [SEP] d [SEP]` for
+    BERT), type 1 on `d post` for a model with token types (the worker feeds them as input
+    embeddings). The reference composes the same segments with the model's own pair template
+    (read off the tokenizer), so a worker that composes pairs otherwise than the model was
+    trained fails the gate. Core ML: composed pairs from the pair template with real token
+    types (`encode_pairs`). Every lane is judged against the same typed forward, so a lane
+    that dropped the types fails the gate.
     """
-    probe = tok.encode_pairs("a", ["b"], truncate=True)
-    cls_id, sep_id = int(probe.ids[0][0]), int(probe.ids[0][-1])
+    pre, mid, post = _pair_template(tok)
 
     def llama(query: str, docs: list[str]):
         seg = tok.rerank_segments(query, docs, truncate=True)
-        ids = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]).astype(np.int32)
+        ids = [np.concatenate([pre, seg.query, mid, d, post]).astype(np.int32)
                for d in seg.docs]
-        first = len(seg.query) + 2
+        first = len(pre) + len(seg.query) + len(mid)
         types = [np.where(np.arange(len(x)) < first, 0, 1 if n_types > 1 else 0)
                  .astype(np.int32) for x in ids]
         return ids, types
@@ -308,6 +319,24 @@ def _pair_composer(
         return enc.ids, enc.token_type_ids
 
     return llama if lane == "llama" else ane
+
+
+def _pair_template(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prefix, middle, suffix) special ids of the model's pair template, read off one
+    composed pair and its bare segments."""
+    pair = [int(x) for x in tok.encode_pairs("a", ["b"], truncate=True).ids[0]]
+    seg = tok.rerank_segments("a", ["b"], truncate=True)
+    q, d = [int(x) for x in seg.query], [int(x) for x in seg.docs[0]]
+    n_special = len(pair) - len(q) - len(d)
+    for n_pre in range(n_special + 1):
+        for n_mid in range(n_special - n_pre + 1):
+            at_d = n_pre + len(q) + n_mid
+            if pair[n_pre : n_pre + len(q)] == q and pair[at_d : at_d + len(d)] == d:
+                pre, mid, post = (pair[:n_pre], pair[n_pre + len(q) : at_d],
+                                  pair[at_d + len(d) :])
+                return (np.asarray(pre, np.int32), np.asarray(mid, np.int32),
+                        np.asarray(post, np.int32))
+    raise ValueError(f"the tokenizer's pair template {pair} does not hold the pair's own ids")
 
 
 # ---- drift -----------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def print_certificate(console: Console, cert: Certificate) -> None:
     if cert.overrides:
         notes.append(f"overrides {cert.overrides}")
     console.print("; ".join(notes))
+    console.print(f"[dim]judged by[/] {escape(cert.reference)}"
+                  + (f" [dim]on[/] {escape(cert.reference_dir)}" if cert.reference_dir else ""))
 
 
 def print_list(console: Console, certs: list[Certificate]) -> None:
