@@ -273,3 +273,28 @@ def test_what_the_converter_refuses(dirs, module_tmp):
     (bad / "modules.json").write_text(json.dumps([m for m in modules if m["path"] != "3_Dense"]))
     with pytest.raises(ArtifactInvalid, match="Dense modules end 128 wide"):
         convert_hf_dir(bad, out, "f32")
+
+
+async def test_an_upstream_style_gguf_without_the_causal_key_is_an_encoder(
+        store, module_tmp, short_runtime_dir):
+    # llama.cpp's own converter writes no `attention.causal` (its gemma-embedding graph forces
+    # bidirectional attention) and no pooling type: the worker must still take it for the
+    # encoder it is (mean pooling), not for a decoder to generate with.
+    from formats.gguf_header import read_gguf_header
+    from tests.gguf_edit import rewrite_gguf
+    from workers.llama.config import RuntimeConfig
+    from workers.llama.engine import _decide_kind
+
+    src = store.get("egemma").artifact_path
+    bare = rewrite_gguf(src, module_tmp / "egemma-upstream.gguf",
+                        drop_kv=("gemma-embedding.attention.causal",
+                                 "gemma-embedding.pooling_type"))
+    assert _decide_kind(read_gguf_header(bare), RuntimeConfig()) == ("embed", "mean")
+    gguf_store = ArtifactStore(module_tmp / "gguf-models")
+    gguf_store.ingest_gguf(bare, "egemma-gguf", prove=prove_gguf_tokenizer, pooling="mean",
+                           max_tokens=MAX_SEQ, prompts=PROMPTS)
+    async with _module(store, short_runtime_dir) as mod:
+        want = (await mod.embed(TEXTS, model="egemma", prompt_name="query")).vectors
+    async with _module(gguf_store, short_runtime_dir) as mod:
+        got = (await mod.embed(TEXTS, model="egemma-gguf", prompt_name="query")).vectors
+    assert _cos(got, want).min() >= 0.99999

@@ -586,7 +586,7 @@ class LlamaEngine(Engine):
         n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(model))
         encoder = kind in ("embed", "rerank")
         # What llama.cpp's reservation sees: a decoder served as an embedder stays causal.
-        causal = bool(hdr.arch_get("attention.causal", True))
+        causal = _causal(hdr)
         max_seq = llama_cpp.llama_max_parallel_sequences()
         if encoder:
             default_batch = min(max(n_ctx_train, _ENC_BATCH_MIN), _ENC_BATCH_MAX)
@@ -1007,6 +1007,20 @@ def _pair_template(mdl: _Model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (np.array(pre, np.int32), np.array(mid, np.int32), np.array(post, np.int32))
 
 
+# Architectures whose load_hparams force bidirectional attention whatever the file says
+# (models/gemma-embedding.cpp, dream.cpp, llada.cpp, llada-moe.cpp, rnd1.cpp in the llama.cpp
+# llama-cpp-python 0.3.36 vendors); upstream's EmbeddingGemma GGUFs carry no causal key.
+_ALWAYS_BIDIRECTIONAL = frozenset({"gemma-embedding", "dream", "llada", "llada-moe", "rnd1"})
+
+
+def _causal(hdr: GGUFHeader) -> bool:
+    """Whether llama.cpp runs the model causally: its `attention.causal` key (true when
+    absent, as llama.cpp defaults), unless the architecture forces bidirectional attention."""
+    if hdr.architecture in _ALWAYS_BIDIRECTIONAL:
+        return False
+    return bool(hdr.arch_get("attention.causal", True))
+
+
 def _reserve_tokens(
     n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, *, unified: bool, causal: bool
 ) -> int:
@@ -1053,7 +1067,7 @@ def _decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
         raise EngineError(
             "unsupported", "reranker with a prompt template; pairs would not match its training"
         )
-    causal = bool(hdr.arch_get("attention.causal", True))
+    causal = _causal(hdr)
     if cfg.kind is not None:
         kind = cfg.kind
     elif is_rank:
