@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +160,18 @@ def test_what_the_converter_refuses(dirs, module_tmp):
     with pytest.raises(InvalidRequest, match="last token"):
         convert_hf_dir(bad, out, pooling="mean")
     assert not out.exists()
+
+
+async def test_certify_judges_the_qwen3_embedder_with_sentence_transformers(store, module_tmp):
+    from certification.runner import RunOptions, certify
+    from certification.store import CertificateStore
+
+    certs = CertificateStore(module_tmp / "certificates")
+    config = ModuleConfig(store_root=str(store.root), host=HostConfig(
+        runtime_dir=tempfile.mkdtemp(prefix="syn-", dir="/tmp"), ping_interval_s=0))
+    async with Module(config) as mod:
+        cert = await certify(mod, RunOptions(model="qwen3", sample_stride=8), certs)
+    assert cert.reference.startswith("sentence-transformers"), cert.reference
+    cos = next(c for c in cert.checks if c.name == "quality.min_cosine")
+    assert cos.status == "pass" and cos.value >= 0.9999, cos
+    assert cert.status == "certified", cert.failing

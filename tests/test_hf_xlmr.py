@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ MAX_SEQ = 48  # shorter than many corpus items: truncation is part of what is co
 HIDDEN = 64
 
 
-def _unigram_tokenizer(dst: Path) -> int:
+def _unigram_tokenizer(dst: Path, max_seq: int = MAX_SEQ) -> int:
     """An XLM-RoBERTa tokenizer (fairseq ids <s>=0 <pad>=1 </s>=2 <unk>=3) from a Unigram
     model trained here, with SentencePiece's precompiled normalizer as the hub's files carry."""
     import sentencepiece as spm
@@ -45,7 +46,7 @@ def _unigram_tokenizer(dst: Path) -> int:
     proto = pb.ModelProto()
     proto.ParseFromString(buf.getvalue())
     tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
-    tok.model_max_length = MAX_SEQ
+    tok.model_max_length = max_seq
     tok.save_pretrained(dst)
     spec = json.loads((dst / "tokenizer.json").read_text())
     spec["normalizer"] = {"type": "Sequence", "normalizers": [
@@ -56,14 +57,14 @@ def _unigram_tokenizer(dst: Path) -> int:
     return len(tok)
 
 
-def _config(n_vocab: int, **extra):
+def _config(n_vocab: int, max_seq: int = MAX_SEQ, **extra):
     from transformers import XLMRobertaConfig
 
     # Wide random weights (initializer 0.3): vectors of different texts differ enough that
     # another pooling, a missing prompt or a shorter cut each fail the 0.9999 bar.
     return XLMRobertaConfig(
         vocab_size=n_vocab, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=MAX_SEQ + 2 + 16, type_vocab_size=1,
+        intermediate_size=128, max_position_embeddings=max_seq + 2 + 16, type_vocab_size=1,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, initializer_range=0.3,
         hidden_act="gelu", **extra)
 
@@ -202,3 +203,28 @@ def test_what_the_converter_refuses(dirs, module_tmp):
     with pytest.raises(ArtifactInvalid, match="unsupported model_type 'deberta-v2'"):
         convert_hf_dir(bad, module_tmp / "bad.gguf")
     assert not (module_tmp / "bad.gguf").exists()
+
+
+async def test_certify_judges_the_xlm_r_reranker_with_the_cross_encoder(store, module_tmp):
+    # `synapse certify` for a family our numpy reference does not compute: sentence-
+    # transformers judges it, the certificate says so, and the rerank gate holds.
+    import torch
+    from transformers import XLMRobertaForSequenceClassification
+
+    from certification.runner import RunOptions, certify
+    from certification.store import CertificateStore
+
+    # Room for the certification queries, which this small vocabulary cuts into many tokens.
+    long = module_tmp / "xlmr-xenc-long"
+    n_vocab = _unigram_tokenizer(long, max_seq=256)
+    torch.manual_seed(2)
+    XLMRobertaForSequenceClassification(_config(n_vocab, max_seq=256, num_labels=1)).eval() \
+        .save_pretrained(long)
+    store.ingest_hf_dir(long, "xlmr-xenc-long", dtype="f32")
+    certs = CertificateStore(module_tmp / "certificates")
+    async with _module(store, tempfile.mkdtemp(prefix="syn-", dir="/tmp")) as mod:
+        cert = await certify(mod, RunOptions(model="xlmr-xenc-long", sample_stride=8), certs)
+    assert cert.reference.startswith("sentence-transformers"), cert.reference
+    rerank = next(c for c in cert.checks if c.name == "quality.rerank_max_abs_error")
+    assert rerank.status == "pass" and rerank.value <= 2e-2, rerank
+    assert cert.status == "certified", cert.failing
