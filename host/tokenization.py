@@ -8,6 +8,12 @@ MiniLM's pads to 128): nothing is padded on the wire, and length is decided here
   survives; a GGUF vocab with an EOS keeps it);
 - `truncate=False`: any sequence over the limit is an `InvalidRequest` naming the item.
 
+`direction` says which end is cut: "right" (the default, what sentence-transformers does)
+drops the end of the text, "left" its beginning (TEI's `truncation_direction`: the end of a
+long text is what matters, as in a chat history). Either way the template's special tokens
+survive, and a model's prompt is never cut away by a left cut: it is the instruction the
+model was trained to see first, so the text after it loses its beginning instead.
+
 Every text goes through `host.sanitize.sanitize` first (the single documented rule), and a
 model's prompt (`encode(prompt=...)`), sanitized too, is prepended to it. Special
 tokens written in user text (`"[SEP]"`, `"<start_of_turn>"`) are by default tokenized as plain
@@ -80,6 +86,17 @@ class RerankSegments:
         return sum(self.n_tokens)
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """One text's tokens for inspection (`Tokenizer.tokenize`): nothing is cut."""
+
+    text: str  # what was tokenized: sanitized, the prompt first
+    ids: list[int]
+    tokens: list[str]  # the vocabulary's strings ("##ing", "[CLS]")
+    offsets: list[tuple[int, int] | None]  # [start, stop) in `text`; None: added by the template
+    special: list[bool]  # added by the template (a "[SEP]" the caller wrote is text)
+
+
 class Tokenizer:
     """Owns `tok`: its padding/truncation are switched off and its special-token parsing set."""
 
@@ -141,15 +158,18 @@ class Tokenizer:
         truncate: bool,
         max_tokens: int | None = None,
         prompt: str = "",
+        direction: str = "right",
     ) -> Encoded:
         """`prompt` is prepended to every text before it is tokenized, as sentence-transformers
-        does: its tokens count against the limit, and an input over it is cut as a whole."""
+        does: its tokens count against the limit, and an input over it is cut (at the end, or
+        with `direction="left"` at the start of the text after the prompt)."""
         limit = self._limit(max_tokens)
+        _check_direction(direction)
         clean = _sanitize_all(texts)
         if not clean:
             return Encoded(ids=[], n_tokens=[], truncated=[])
-        if prompt:
-            head = sanitize(prompt)
+        head = sanitize(prompt) if prompt else ""
+        if head:
             clean = [head + text for text in clean]
         # One call with the template's special tokens: for an input that fits, that is the
         # same ids as encoding bare and post-processing (the template adds a fixed
@@ -170,17 +190,34 @@ class Tokenizer:
                     max_tokens=limit,
                 )
             if over:
-                tokens = self._truncated(clean[i], limit - self.n_special_single)
+                tokens = self._truncated(
+                    clean[i], limit - self.n_special_single, direction, len(head)
+                )
             ids.append(np.asarray(tokens, dtype=np.int32))
             counts.append(len(tokens))
             cut.append(over)
         return Encoded(ids=ids, n_tokens=counts, truncated=cut)
 
-    def _truncated(self, text: str, budget: int) -> list[int]:
-        """`text`'s ids cut to `budget` before the template's special tokens are added."""
-        bare = self._encode_raw([text])[0]
-        bare.truncate(budget)
-        return self._tok.post_process(bare, None, add_special_tokens=True).ids
+    def _truncated(self, text: str, budget: int, direction: str, prompt_chars: int) -> list[int]:
+        """`text`'s ids cut to `budget` before the template's special tokens are added; a left
+        cut keeps the tokens of the first `prompt_chars` characters (the prompt)."""
+        if direction == "right":
+            bare = self._encode_raw([text])[0]
+            bare.truncate(budget)
+            return self._tok.post_process(bare, None, add_special_tokens=True).ids
+        # With offsets (the fast call has none): they say which tokens are the prompt's.
+        bare = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        n_prompt = sum(1 for start, _ in bare.offsets if start < prompt_chars)
+        if n_prompt >= budget:  # the prompt alone fills the limit: as a right cut would
+            bare.truncate(budget)
+            return self._tok.post_process(bare, None, add_special_tokens=True).ids
+        # `truncate` consumes an Encoding: the prompt and the tail come from two copies.
+        tail = tokenizers.Encoding.merge([bare], growing_offsets=False)
+        tail.truncate(budget - n_prompt, direction="left")
+        if n_prompt:
+            bare.truncate(n_prompt)
+            tail = tokenizers.Encoding.merge([bare, tail], growing_offsets=False)
+        return self._tok.post_process(tail, None, add_special_tokens=True).ids
 
     # -- cross-encoder pairs ----------------------------------------------------------------
 
@@ -195,14 +232,19 @@ class Tokenizer:
         docs: Sequence[str | bytes],
         truncate: bool,
         max_tokens: int | None = None,
+        direction: str = "right",
+        max_doc_tokens: int | None = None,
     ) -> EncodedPairs:
         """Pairs through the model's pair template (token types 0 for the query, 1 for docs).
 
         Over the limit with `truncate=True`, the document is cut first; only if the query alone
         leaves no room is the query cut too, to max(budget - len(doc), budget // 2) tokens so
-        the document keeps at least the other half. Special tokens always survive.
+        the document keeps at least the other half. Special tokens always survive. Each cut
+        is at the `direction` end. `max_doc_tokens` caps every document first (Cohere's
+        `max_tokens_per_doc`: always a cut, whatever `truncate` says).
         """
         limit = self._limit(max_tokens)
+        _check_direction(direction)
         q_text = sanitize(query)
         d_texts = _sanitize_all(docs)
         raw = self._encode_raw([q_text, *d_texts])
@@ -212,6 +254,9 @@ class Tokenizer:
         for i, d_enc in enumerate(raw[1:]):
             # `truncate`/`post_process` consume an Encoding: give each pair its own copy.
             q_enc = tokenizers.Encoding.merge([raw[0]], growing_offsets=False)
+            capped = max_doc_tokens is not None and len(d_enc.ids) > max_doc_tokens
+            if capped:
+                d_enc.truncate(max_doc_tokens, direction=direction)
             over = q_len + len(d_enc.ids) > budget
             if over and not truncate:
                 raise InvalidRequest(
@@ -223,15 +268,15 @@ class Tokenizer:
                 )
             if over:
                 q_keep, d_keep = _split_budget(q_len, len(d_enc.ids), budget)
-                q_enc.truncate(q_keep)
-                d_enc.truncate(d_keep)
+                q_enc.truncate(q_keep, direction=direction)
+                d_enc.truncate(d_keep, direction=direction)
             final = self._tok.post_process(q_enc, d_enc, add_special_tokens=True)
             types = np.asarray(final.type_ids, dtype=np.int32)
             out_ids.append(np.asarray(final.ids, dtype=np.int32))
             out_types.append(types)
             counts.append(len(types))
             firsts.append(int(np.count_nonzero(types == 0)))
-            cut.append(over)
+            cut.append(over or capped)
         return EncodedPairs(out_ids, out_types, counts, firsts, cut)
 
     # -- llama.cpp-style rerank -------------------------------------------------------------
@@ -242,14 +287,18 @@ class Tokenizer:
         docs: Sequence[str | bytes],
         truncate: bool,
         max_tokens: int | None = None,
+        direction: str = "right",
+        max_doc_tokens: int | None = None,
     ) -> RerankSegments:
         """Query and docs WITHOUT special tokens; the worker adds `n_special` per pair.
 
         The limit applies to the composed pair. With `truncate=True` the document is cut
         first; a query that alone leaves no room is an error either way, because it is sent
         once and shared by every pair (cutting it per pair is not expressible on the wire).
+        Documents are cut at the `direction` end; `max_doc_tokens` caps each one first.
         """
         limit = self._limit(max_tokens)
+        _check_direction(direction)
         raw = self._encode_raw([sanitize(query), *_sanitize_all(docs)])
         query_ids = np.asarray(raw[0].ids, dtype=np.int32)
         budget = limit - self.n_special_pair - len(query_ids)
@@ -262,9 +311,13 @@ class Tokenizer:
             )
         docs_ids, counts, cut = [], [], []
         for i, enc in enumerate(raw[1:]):
-            over = len(enc.ids) > budget
+            doc = enc.ids
+            capped = max_doc_tokens is not None and len(doc) > max_doc_tokens
+            if capped:
+                doc = _cut(doc, max_doc_tokens, direction)
+            over = len(doc) > budget
             if over and not truncate:
-                n = len(query_ids) + len(enc.ids) + self.n_special_pair
+                n = len(query_ids) + len(doc) + self.n_special_pair
                 raise InvalidRequest(
                     f"pair {i} has {n} tokens, over the limit of {limit}; shorten it or pass "
                     "truncate=true",
@@ -272,11 +325,35 @@ class Tokenizer:
                     n_tokens=n,
                     max_tokens=limit,
                 )
-            d = np.asarray(enc.ids[:budget] if over else enc.ids, dtype=np.int32)
+            d = np.asarray(_cut(doc, budget, direction) if over else doc, dtype=np.int32)
             docs_ids.append(d)
             counts.append(len(query_ids) + len(d) + self.n_special_pair)
-            cut.append(over)
+            cut.append(over or capped)
         return RerankSegments(query_ids, docs_ids, self.n_special_pair, counts, cut)
+
+    # -- inspection -------------------------------------------------------------------------
+
+    def tokenize(
+        self, texts: Sequence[str | bytes], add_special_tokens: bool = True, prompt: str = ""
+    ) -> list[Tokenized]:
+        """Each text as the model sees it (sanitized, `prompt` first), never cut: ids, the
+        vocabulary's token strings, character offsets into that text (None for a special
+        token the template added) and which tokens the template added."""
+        clean = _sanitize_all(texts)
+        head = sanitize(prompt) if prompt else ""
+        clean = [head + text for text in clean]
+        if not clean:
+            return []
+        out = []
+        for text, enc in zip(
+            clean, self._tok.encode_batch(clean, add_special_tokens=add_special_tokens),
+            strict=True,
+        ):
+            special = [bool(x) for x in enc.special_tokens_mask]
+            offsets = [None if sp else (int(a), int(b))
+                       for sp, (a, b) in zip(special, enc.offsets, strict=True)]
+            out.append(Tokenized(text, list(enc.ids), list(enc.tokens), offsets, special))
+        return out
 
     # -- misc -------------------------------------------------------------------------------
 
@@ -341,6 +418,21 @@ def _sanitize_all(texts: Sequence[str | bytes]) -> list[str]:
         except InvalidRequest as exc:
             raise InvalidRequest(f"input {i}: {exc.message}", index=i) from None
     return out
+
+
+DIRECTIONS = ("right", "left")
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise InvalidRequest(
+            f"truncation_direction must be 'right' or 'left', got {direction!r}",
+            param="truncation_direction",
+        )
+
+
+def _cut(ids: list[int], keep: int, direction: str) -> list[int]:
+    return ids[:keep] if direction == "right" else ids[len(ids) - keep :]
 
 
 def _split_budget(q_len: int, d_len: int, budget: int) -> tuple[int, int]:

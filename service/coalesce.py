@@ -9,10 +9,12 @@ arrive while a batch is being gathered are tokenized together when the batch is 
 call, tables warm after the first text, spread by the tokenizer over its own threads on the
 cores the waiting engine leaves idle.
 
-Rule: each request gets exactly what `Tokenizer.encode(its texts, its truncate)` would give
-it alone: the same ids (texts are encoded independently), and the same `InvalidRequest` when
-a text is over the limit and the request asked not to truncate. A request's error never
-reaches the requests tokenized with it.
+Rule: each request gets exactly what `Tokenizer.encode(its texts, its truncate, its options)`
+would give it alone: the same ids (texts are encoded independently), and the same
+`InvalidRequest` when a text is over the limit and the request asked not to truncate. A
+request's error never reaches the requests tokenized with it. Requests with different
+options (prompt, truncation direction, limit) are tokenized in one call per set of options:
+almost every request uses the model's defaults, so that is still one call.
 
 Bound: the loop tokenizes at most `max_bytes` of text in one go (what one request may have
 tokenized on the loop before); a larger request is tokenized in a thread by the caller.
@@ -22,17 +24,42 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from host.tokenization import Encoded, Tokenizer
 
 
+class Options(NamedTuple):
+    """What `Tokenizer.encode` takes beside the texts and `truncate`."""
+
+    prompt: str = ""
+    direction: str = "right"
+    max_tokens: int | None = None
+
+    def encode(self, tokenizer: Tokenizer, texts: Sequence[str | bytes], truncate: bool):
+        if self == DEFAULT:  # the call every request made before there were options
+            return tokenizer.encode(texts, truncate)
+        return tokenizer.encode(
+            texts, truncate, self.max_tokens, prompt=self.prompt, direction=self.direction
+        )
+
+
+DEFAULT = Options()
+
+
 class _Arrival:
-    __slots__ = ("texts", "truncate", "size", "future")
+    __slots__ = ("texts", "truncate", "size", "future", "options")
 
     def __init__(
-        self, texts: Sequence[str | bytes], truncate: bool, size: int, future: asyncio.Future
+        self,
+        texts: Sequence[str | bytes],
+        truncate: bool,
+        size: int,
+        future: asyncio.Future,
+        options: Options,
     ) -> None:
         self.texts, self.truncate, self.size, self.future = texts, truncate, size, future
+        self.options = options
 
 
 class Coalescer:
@@ -58,12 +85,14 @@ class Coalescer:
                 self._bytes -= a.size
                 return
 
-    def add(self, texts: Sequence[str | bytes], truncate: bool, size: int) -> asyncio.Future:
+    def add(
+        self, texts: Sequence[str | bytes], truncate: bool, size: int, options: Options = DEFAULT
+    ) -> asyncio.Future:
         """Queue a request's texts (`size` bytes in all); the future gets its `Encoded`."""
         if self._bytes + size > self.max_bytes:
             self.flush()  # keep one flush within the loop's bound
         future = asyncio.get_running_loop().create_future()
-        self.arrivals.append(_Arrival(texts, truncate, size, future))
+        self.arrivals.append(_Arrival(texts, truncate, size, future, options))
         self.items += len(texts)
         self._bytes += size
         return future
@@ -72,10 +101,16 @@ class Coalescer:
         """Tokenize every waiting request's texts in one call and answer each. Never raises."""
         arrivals = [a for a in self.arrivals if not a.future.done()]  # skip cancelled callers
         self.arrivals, self.items, self._bytes = [], 0, 0
-        if not arrivals:
-            return
+        groups: dict[Options, list[_Arrival]] = {}
+        for a in arrivals:
+            groups.setdefault(a.options, []).append(a)
+        for options, group in groups.items():
+            self._flush_group(options, group)
+
+    def _flush_group(self, options: Options, arrivals: list[_Arrival]) -> None:
         try:
-            encoded = self.tokenizer.encode([t for a in arrivals for t in a.texts], True)
+            texts = [t for a in arrivals for t in a.texts]
+            encoded = options.encode(self.tokenizer, texts, True)
         except Exception:  # noqa: BLE001 - some text broke the tokenizer: find whose it is
             for a in arrivals:
                 self._alone(a)
@@ -102,6 +137,6 @@ class Coalescer:
     def _alone(self, a: _Arrival) -> None:
         """Tokenize one request by itself: its result, or its own error."""
         try:
-            a.future.set_result(self.tokenizer.encode(a.texts, a.truncate))
+            a.future.set_result(a.options.encode(self.tokenizer, a.texts, a.truncate))
         except Exception as exc:  # noqa: BLE001 - this request's own error, typed or not
             a.future.set_exception(exc)

@@ -46,7 +46,7 @@ from host.errors import (
 )
 from host.module import DEFAULT_EMBED, Module
 from host.tokenization import Encoded, Tokenizer
-from service.coalesce import Coalescer
+from service.coalesce import DEFAULT, Coalescer, Options
 
 log = logging.getLogger("synapse.scheduler")
 
@@ -93,6 +93,7 @@ class Embedded:
     n_tokens: list[int]
     truncated: list[bool]
     model: str
+    prompt: str = ""  # the text prepended to every input
 
     @property
     def total_tokens(self) -> int:
@@ -138,7 +139,12 @@ class _Queue:
         self.task = asyncio.create_task(self._run(), name=f"batcher:{model}")
 
     def tokenize(
-        self, tokenizer: Tokenizer, texts: Sequence[str | bytes], truncate: bool, size: int
+        self,
+        tokenizer: Tokenizer,
+        texts: Sequence[str | bytes],
+        truncate: bool,
+        size: int,
+        options: Options = DEFAULT,
     ) -> asyncio.Future:
         """The future `Encoded` of a request's texts, tokenized with the other arrivals."""
         self._check_room(len(texts))
@@ -146,7 +152,7 @@ class _Queue:
             if self.coalescer is not None:  # the model was replaced: each keeps its tokenizer
                 self.coalescer.flush()
             self.coalescer = Coalescer(tokenizer, _THREAD_TOKENIZE_BYTES)
-        future = self.coalescer.add(texts, truncate, size)
+        future = self.coalescer.add(texts, truncate, size, options)
         if self.gathering:
             self.wake.set()
         elif self._flush_soon is None:
@@ -381,13 +387,21 @@ class Scheduler:
         model: str | None = None,
         normalize: bool = True,
         truncate: bool = True,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        direction: str = "right",
+        max_tokens: int | None = None,
     ) -> Embedded:
+        """`prompt_name`/`prompt` as `Module.embed` takes them (none: the model's default
+        prompt); `direction` and `max_tokens` as `Tokenizer.encode` takes them."""
         name = await self._embed_model(model)
         try:
             self.module.admission.check_inputs(list(texts))
         except InvalidRequest as exc:
             exc.details.setdefault("param", "input")  # name the field for HTTP callers
             raise
+        options = Options(self.module.prompt(name, prompt_name, prompt), direction, max_tokens)
         tokenizer = await self.module.tokenizer(name)
         size = sum(len(t) for t in texts)
         self._raise_if_closed()
@@ -395,10 +409,10 @@ class Scheduler:
         try:
             encoded: Encoded
             if size > _THREAD_TOKENIZE_BYTES:
-                encoded = await asyncio.to_thread(tokenizer.encode, texts, truncate)
+                encoded = await asyncio.to_thread(options.encode, tokenizer, texts, truncate)
             else:
                 queue = self._queue(name, normalize)
-                tokenized = queue.tokenize(tokenizer, texts, truncate, size)
+                tokenized = queue.tokenize(tokenizer, texts, truncate, size, options)
                 try:
                     encoded = await deadline.watch(tokenized)
                 except BaseException:
@@ -407,9 +421,13 @@ class Scheduler:
             vectors = await self._submit(
                 name, normalize, encoded.ids, encoded.total_tokens, deadline
             )
+        except InvalidRequest as exc:
+            if "n_tokens" in exc.details:  # over the limit with truncate off: name the field
+                exc.details.setdefault("param", "input")
+            raise
         finally:
             deadline.cancel()
-        return Embedded(vectors, encoded.n_tokens, encoded.truncated, name)
+        return Embedded(vectors, encoded.n_tokens, encoded.truncated, name, options.prompt)
 
     async def embed_ids(
         self,
