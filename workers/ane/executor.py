@@ -124,12 +124,20 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "logical_or": np.logical_or,
 }
 
+def _sigmoid_stable(x: np.ndarray) -> np.ndarray:
+    # exp of -|x| only: no overflow for a very negative gate, and full relative precision on
+    # both tails (1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below).
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "tanh": np.tanh,
     "exp": np.exp,
     "sqrt": np.sqrt,
     "relu": lambda x: np.maximum(x, np.float32(0)),
     "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "silu": lambda x: x * _sigmoid_stable(x),
     "logical_not": np.logical_not,
     "identity": lambda x: x,
 }

@@ -50,7 +50,7 @@ _ANE_OPS = frozenset({
     "equal", "not_equal", "greater", "greater_equal", "less", "less_equal",
     "logical_and", "logical_or", "logical_not", "select",
     "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_l2_norm",
-    "softmax", "layer_norm", "gelu", "tanh", "relu", "sigmoid", "exp", "sqrt", "rsqrt",
+    "softmax", "layer_norm", "gelu", "tanh", "relu", "sigmoid", "silu", "exp", "sqrt", "rsqrt",
     "reshape", "transpose", "expand_dims", "squeeze", "split", "concat", "slice_by_index",
 })
 # Bool is fine where it is a mask between fp16 compares and select / logical ops.
@@ -61,6 +61,7 @@ _BOOL_OK = frozenset({
 })
 _PER_ELEMENT = {
     "softmax": 5.0, "layer_norm": 8.0, "gelu": 10.0, "tanh": 4.0, "sigmoid": 4.0, "exp": 4.0,
+    "silu": 5.0,
     "reshape": 0.5, "transpose": 0.5, "expand_dims": 0.5, "squeeze": 0.5, "split": 0.5,
     "concat": 0.5, "slice_by_index": 0.5, "gather": 1.0, "cast": 1.0,
 }
