@@ -47,6 +47,12 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--prompt-name", metavar="NAME",
                        help="prepend the model's prompt NAME to every text (default: the "
                             "model's default prompt, if it has one)")
+    embed.add_argument("--dtype", default="float32",
+                       choices=["float32", "float16", "int8", "uint8", "binary", "ubinary"],
+                       help="the embedding column's type (default float32): float16 halves "
+                            "it; int8/uint8 bucket each dimension over the model's "
+                            "calibration ranges; binary/ubinary pack one sign bit a "
+                            "dimension (sentence-transformers' quantize_embeddings)")
     embed.add_argument("--window-rows", type=_positive, default=4096,
                        help="rows per commit and per output row group (default 4096)")
     embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -106,7 +112,7 @@ def _options(args: argparse.Namespace):
         workers=args.workers or default_workers(), resume=args.resume,
         max_errors=args.max_errors, normalize=not args.no_normalize,
         truncate=not args.no_truncate, window_rows=args.window_rows,
-        prompt_name=args.prompt_name,
+        prompt_name=args.prompt_name, dtype=args.dtype,
     )
 
 

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 from batch.checkpoint import Checkpoint
+from batch.dtypes import DTYPES, convert, dtype_metadata, needs_ranges
 from batch.embedder import LaneEmbedder
 from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted, StorageFull
 from batch.metadata import describe
@@ -30,6 +31,7 @@ from batch.output import make_table, merge_parts, output_schema, publish_copy
 from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
+from certification.calibration import Calibrations, calibration_set
 from host.errors import SynapseError
 from host.module import Module, ModuleConfig
 from ingest.durable import full_disk_as
@@ -52,6 +54,7 @@ class JobOptions:
     truncate: bool = True
     window_rows: int = 4096
     prompt_name: str | None = None  # None: the model's default prompt, if it has one
+    dtype: str = "float32"  # the embedding column's type (batch/dtypes.py)
     ahead: int = 2  # windows read and tokenized ahead of the committer
     module: ModuleConfig | None = None  # store, host windows; planned_workers is set here
     runtime_config: dict | None = None  # LOAD extras for the lane (tests shrink n_ubatch)
@@ -65,7 +68,10 @@ class JobOptions:
         return {"input": spec.identity(), "format": spec.format, "text_field": self.text_field,
                 "id_field": self.id_field, "model": self.model, "lane": self.lane,
                 "normalize": self.normalize, "truncate": self.truncate,
-                "prompt_name": self.prompt_name}
+                "prompt_name": self.prompt_name,
+                # Only when not the default: a checkpoint from before --dtype has no key and
+                # was embedded as float32, so it still resumes.
+                **({"dtype": self.dtype} if self.dtype != "float32" else {})}
 
 
 @dataclass
@@ -86,6 +92,14 @@ def validate(opts: JobOptions) -> InputSpec:
         raise BatchUsageError("--workers must be >= 1")
     if opts.max_errors < 0:
         raise BatchUsageError("--max-errors must be >= 0")
+    if opts.dtype not in DTYPES:
+        raise BatchUsageError(f"--dtype {opts.dtype}: one of {', '.join(DTYPES)}")
+    if needs_ranges(opts.dtype) and not opts.normalize:
+        raise BatchUsageError(
+            f"--dtype {opts.dtype} quantizes over the model's calibration ranges, which are "
+            f"those of normalized vectors: drop --no-normalize (binary/ubinary keep only signs "
+            f"and work either way)"
+        )
     if opts.window_rows < 1:
         raise BatchUsageError("window_rows must be >= 1")
     spec = InputSpec(opts.input, opts.text_field, opts.id_field)
@@ -119,6 +133,11 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         ]
         await asyncio.gather(*(e.start() for e in embedders))
         meta = describe(embedders[0], opts.normalize)
+        ranges = None
+        if needs_ranges(opts.dtype):  # the model's own, recorded on its first int8 use
+            first = embedders[0]
+            ranges = await Calibrations(first.module).ranges(first.model, first.dims, first.lane)
+        meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
         with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
             ckpt.bind_artifact(meta["artifact_digest"], meta["prompt"])
         if on_ready is not None:
@@ -129,7 +148,7 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
             opts.progress_interval_s,
         )
         try:
-            await _pipeline(opts, spec, ckpt, embedders, meta, progress)
+            await _pipeline(opts, spec, ckpt, embedders, meta, progress, ranges)
         finally:
             progress.close()
     finally:
@@ -150,17 +169,18 @@ def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> st
         errors_file = str(errors_dest)
     else:
         errors_dest.unlink(missing_ok=True)  # a stale one from an earlier run
-    merge_parts(ckpt.parts(), output, output_schema(int(meta["dims"]), meta))
+    merge_parts(ckpt.parts(), output, output_schema(int(meta["dims"]), meta, opts.dtype))
     ckpt.remove()
     return errors_file
 
 
-async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress) -> None:
+async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress,
+                    ranges=None) -> None:
     loop = asyncio.get_running_loop()
     cfg = embedders[0].module.config
     ready: asyncio.Queue = asyncio.Queue(maxsize=opts.ahead)  # windows, in order, or the end
     work: asyncio.Queue = asyncio.Queue()  # (window, batch) for the lane runners
-    schema = output_schema(int(meta["dims"]), None)
+    schema = output_schema(int(meta["dims"]), None, opts.dtype)
     stop_reader = threading.Event()
 
     def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
@@ -217,7 +237,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress) -> 
             head = backlog.popleft()
             await head.done.wait()
             pending.pop(head.window.index, None)
-            _commit(head, ckpt, schema, progress, opts)
+            _commit(head, ckpt, schema, progress, opts, ranges)
 
     threading.Thread(target=read, name="batch-reader", daemon=True).start()
     try:
@@ -254,13 +274,14 @@ class _Progress:
             self.done.set()
 
 
-def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts) -> None:
+def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=None) -> None:
     w = state.window
     keep = [i for i in range(len(w.rows)) if i not in state.crashed]
     errors = list(w.errors) + [error_record(w.rows[i], ENGINE_CRASHED, msg)
                                for i, msg in state.crashed.items()]
     errors.sort(key=lambda e: e["line"])
-    table = make_table([w.rows[i].id for i in keep], state.vectors[keep],
+    table = make_table([w.rows[i].id for i in keep],
+                       convert(state.vectors[keep], opts.dtype, ranges),
                        [len(w.ids[i]) for i in keep], [w.truncated[i] for i in keep], schema)
     tokens = sum(len(w.ids[i]) for i in keep)
     with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):

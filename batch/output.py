@@ -1,10 +1,11 @@
 """The output Parquet file: its schema and metadata, row groups, and atomic publication.
 
-Columns: `id` (string), `embedding` (fixed_size_list<float32>[dims]), `n_tokens` (int32),
-`truncated` (bool). File metadata (key -> UTF-8 value): `synapse.model`, `synapse.lane`,
-`synapse.artifact_digest`, `synapse.certificate` (empty when none), `synapse.normalize`
-("true"/"false"), `synapse.dims`. Plain Arrow types only, so DuckDB, pandas, polars and
-LanceDB read the file as is.
+Columns: `id` (string), `embedding` (fixed_size_list<float32>[dims], or the `--dtype`'s type:
+batch/dtypes.py), `n_tokens` (int32), `truncated` (bool). File metadata (key -> UTF-8 value):
+`synapse.model`, `synapse.lane`, `synapse.artifact_digest`, `synapse.certificate` (empty when
+none), `synapse.normalize` ("true"/"false"), `synapse.dims` (the model's width, also for packed
+bits), `synapse.dtype`, and for int8/uint8 `synapse.quantization_ranges`. Plain Arrow types
+only, so DuckDB, pandas, polars and LanceDB read the file as is.
 
 Publication is atomic: the final file is written beside its path under a temporary name,
 fsynced and renamed over it, so OUTPUT exists only when complete.
@@ -21,16 +22,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batch.dtypes import embedding_array, embedding_type
 from ingest.durable import fsync_dir, fsync_file
 
 META_KEYS = ("model", "lane", "artifact_digest", "certificate", "normalize", "dims")
 
 
-def output_schema(dims: int, metadata: dict[str, str] | None = None) -> pa.Schema:
+def output_schema(
+    dims: int, metadata: dict[str, str] | None = None, dtype: str = "float32"
+) -> pa.Schema:
     schema = pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
-            pa.field("embedding", pa.list_(pa.float32(), dims), nullable=False),
+            pa.field("embedding", embedding_type(dims, dtype), nullable=False),
             pa.field("n_tokens", pa.int32(), nullable=False),
             pa.field("truncated", pa.bool_(), nullable=False),
         ]
@@ -44,9 +48,8 @@ def make_table(
     ids: list[str], vectors: np.ndarray, n_tokens: Iterable[int], truncated: Iterable[bool],
     schema: pa.Schema,
 ) -> pa.Table:
-    dims = schema.field("embedding").type.list_size
-    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
-    embedding = pa.FixedSizeListArray.from_arrays(flat, dims)
+    """`vectors` in the embedding column's dtype (batch.dtypes.convert), float32 by default."""
+    embedding = embedding_array(vectors, schema.field("embedding").type)
     return pa.Table.from_arrays(
         [pa.array(ids, pa.string()), embedding, pa.array(list(n_tokens), pa.int32()),
          pa.array(list(truncated), pa.bool_())],

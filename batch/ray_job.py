@@ -35,10 +35,12 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from batch.dtypes import convert, dtype_metadata, embedding_array, embedding_type, needs_ranges
 from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
 from batch.job import JobOptions, JobSummary, validate
 from batch.output import merge_parts, output_schema, publish_copy
 from batch.rows import InputSpec, Row, read_rows
+from certification.calibration import calibration_set
 from host.module import ModuleConfig
 from host.node_resources import node_resources
 
@@ -157,6 +159,14 @@ class EmbedActor:
                     vectors[i] = result.vectors[j]
         return _result_table(window, vectors, crashed, emb.dims, self.meta)
 
+    def calibration_ranges(self) -> list:
+        """The model's int8/uint8 ranges at its full width (certification.calibration)."""
+        from certification.calibration import Calibrations
+
+        emb = self.embedder
+        book = Calibrations(self.module)
+        return self._run(book.ranges(emb.model, emb.dims, emb.lane)).tolist()
+
     def close(self) -> None:
         """Every worker stopped and reaped, and the actor's loop ended; once."""
         if self._closed:
@@ -264,10 +274,17 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
 
     try:
         try:
+            ranges = None
+            if needs_ranges(opts.dtype):
+                # One node's ranges for every row: the actors write float32 and the driver
+                # quantizes at the merge, so nodes with their own stores cannot disagree.
+                ranges = np.array(ray.get(
+                    _calibrate.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
+                    .remote(actor_kwargs)), np.float32)
             _execute(spec, opts, scratch, workers, resources, actor_kwargs)
         except (ray.exceptions.RayError, RuntimeError) as exc:
             raise _ray_failed(exc) from exc
-        summary = _merge(opts, scratch, output, t0, timings, describe)
+        summary = _merge(opts, scratch, output, t0, timings, describe, ranges)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return summary
@@ -287,6 +304,16 @@ def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
         "runtime_config": opts.runtime_config,
         "prompt_name": opts.prompt_name,
     }
+
+
+@ray.remote
+def _calibrate(actor_kwargs: dict) -> list:
+    """The model's int8/uint8 ranges as one actor's node has (or computes and records) them."""
+    actor = EmbedActor(**actor_kwargs)
+    try:
+        return actor.calibration_ranges()
+    finally:
+        actor.close()
 
 
 @ray.remote
@@ -322,7 +349,8 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict,
 
 
 def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
-           timings: dict | None, describe: Callable[[], str]) -> JobSummary:
+           timings: dict | None, describe: Callable[[], str],
+           ranges: np.ndarray | None = None) -> JobSummary:
     """The files into OUTPUT and the error rows into OUTPUT.errors.jsonl; `describe()` gives
     the provenance when no row at all was written (an empty input)."""
     files = sorted(scratch.rglob("*.parquet"), key=_first_line)
@@ -351,7 +379,9 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
             errors += bad.num_rows
             if good.num_rows:
                 part = parts_dir / f"{len(parts):06d}.parquet"
-                pq.write_table(good.select(["id", "embedding", "n_tokens", "truncated"]), part)
+                good = _as_dtype(good.select(["id", "embedding", "n_tokens", "truncated"]),
+                                 opts.dtype, ranges)
+                pq.write_table(good, part)
                 parts.append(part)
                 rows += good.num_rows
                 tokens += int(pa.compute.sum(good.column("n_tokens")).as_py() or 0)
@@ -368,9 +398,21 @@ def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
         raise JobAborted(f"{errors} rows failed, more than --max-errors {opts.max_errors}; "
                          f"see {errors_dest}")
     meta = json.loads(metas.pop() if metas else describe())
-    merge_parts(parts, output, output_schema(int(meta["dims"]), meta))
+    meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
+    merge_parts(parts, output, output_schema(int(meta["dims"]), meta, opts.dtype))
     return JobSummary(str(output), rows, errors, tokens, time.time() - t0, meta,
                       str(errors_dest) if errors else None)
+
+
+def _as_dtype(table: pa.Table, dtype: str, ranges: np.ndarray | None) -> pa.Table:
+    """The float32 `embedding` column in the job's `--dtype` (batch/dtypes.py)."""
+    if dtype == "float32":
+        return table
+    column = table.column("embedding").combine_chunks()
+    dims = column.type.list_size
+    vectors = column.flatten().to_numpy().reshape(-1, dims)
+    values = embedding_array(convert(vectors, dtype, ranges), embedding_type(dims, dtype))
+    return table.set_column(table.schema.get_field_index("embedding"), "embedding", values)
 
 
 def _first_line(path: Path) -> int:

@@ -70,6 +70,7 @@ from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
 from ingest.precision import embed_precision
+from ingest.quantization import QuantizationRanges
 from ingest.safetensors_io import weight_elements
 
 Kind = Literal["embed", "rerank", "generate"]
@@ -123,6 +124,9 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     prompts: dict[str, str] = {}
     default_prompt_name: str | None = None
     matryoshka_dims: list[int] = []  # widths the vectors may be cut to, widest first
+    # int8/uint8 ranges per served width, recorded on first use (ingest.quantization); a
+    # manifest without them is simply not calibrated yet.
+    quantization: QuantizationRanges | None = None
 
 
 class ModelRecord(msgspec.Struct, frozen=True):
@@ -343,6 +347,30 @@ class ArtifactStore:
                     matryoshka_dims=options.matryoshka_dims,
                 )
                 return self._publish(staging, manifest)
+
+    def update_manifest(
+        self, name: str, digest: str, change: Callable[[Manifest], Manifest]
+    ) -> ModelRecord | None:
+        """Rewrite `name`'s manifest as `change(current)` (atomically and durably), if it still
+        describes the artifact `digest`; None (nothing written) when another artifact was
+        published under the name meanwhile. For what is learnt about a model after ingest."""
+        with self._lock:
+            rec = self.get(name)
+            if rec.digest != digest:
+                return None
+            manifest = change(rec.manifest)
+            if manifest != rec.manifest:
+                full = lambda exc: StorageFull(  # noqa: E731
+                    f"no space left under {self.root} to rewrite {name!r}'s manifest "
+                    f"({exc.strerror or exc}); the model is as it was"
+                )
+                with full_disk_as(full, self.root):
+                    try:
+                        _write_manifest(rec.dir, manifest)
+                    except BaseException:
+                        (rec.dir / (MANIFEST_FILE + ".tmp")).unlink(missing_ok=True)
+                        raise
+            return ModelRecord(manifest=manifest, dir=rec.dir)
 
     def attach_tokenizer(self, name: str, tokenizer_json: str | Path) -> ModelRecord:
         """Add or replace a model's tokenizer.json (e.g. one derived from a GGUF vocab).
