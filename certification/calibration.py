@@ -6,10 +6,10 @@ Why on first use, and not at ingest or certification:
   defaults `make run` installs included, a corpus embedding that most models never need;
 - certification is optional and per lane (llama.cpp lanes serve uncertified), so ranges made
   there would leave most models without int8;
-- on first use, the lane that serves the model embeds the corpus once (about 340 texts: a few
-  seconds for MiniLM on two cores, paid by the first int8/uint8 request or batch job of the
-  model), and the manifest keeps the ranges for every process after it. A re-ingested model
-  has a new manifest, so stale ranges cannot outlive their artifact.
+- on first use, the lane that serves the model embeds the corpus once (335 texts, about
+  19,000 MiniLM tokens: 25 s on a loaded 2-core machine, paid by the first int8/uint8 request
+  or batch job of the model), and the manifest keeps the ranges for every process after it. A
+  re-ingested model has a new manifest, so stale ranges cannot outlive their artifact.
 
 The corpus is embedded as a call naming no prompt is (the model's default prompt, if any),
 normalized, as the HTTP routes and batch jobs serve it. The widths calibrated together are
@@ -44,23 +44,38 @@ def calibration_set() -> str:
 
 class Calibrations:
     """One process's int8/uint8 ranges, per (model, artifact digest, width): from memory,
-    else the manifest, else computed once (concurrent callers share one corpus embedding)."""
+    else the manifest, else computed once. Each is resolved by one task that concurrent
+    callers share and that finishes (and records) even when every caller gave up waiting."""
 
     def __init__(self, module: Module) -> None:
         self.module = module
         self._ranges: dict[tuple[str, str, int], np.ndarray] = {}
         self._vectors: dict[tuple[str, str], asyncio.Future] = {}
+        self._resolving: dict[tuple[str, str, int], asyncio.Future] = {}
 
     async def ranges(self, model: str, width: int, lane: str | None = None) -> np.ndarray:
         """(2, width) float32 ranges of `model`'s vectors cut to `width` (its full width:
         the vectors as served). `lane` is the lane that embeds the corpus when they are not
         known yet (None: the one the module serves the model with)."""
-        record = self.module.record(model)
-        digest = record.digest
+        digest = self.module.record(model).digest
         key = (model, digest, width)
         found = self._ranges.get(key)
         if found is not None:
             return found
+        task = self._resolving.get(key)
+        if task is None:
+            task = self._resolving[key] = asyncio.ensure_future(
+                self._resolve(model, digest, width, lane))
+            task.add_done_callback(lambda t: self._finished(key, t))
+        return await asyncio.shield(task)
+
+    def _finished(self, key: tuple[str, str, int], task: asyncio.Future) -> None:
+        self._resolving.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: logged once
+            log.warning("%s: int8 calibration failed: %s", key[0], task.exception())
+
+    async def _resolve(self, model: str, digest: str, width: int, lane: str | None) -> np.ndarray:
+        key = (model, digest, width)
         fresh = await asyncio.to_thread(self.module.store.get, model)  # another process's?
         if fresh.digest == digest:
             found = stored_ranges(fresh.manifest, width)
@@ -69,7 +84,8 @@ class Calibrations:
                 return found
         vectors = await self.corpus_vectors(model, lane)
         dims = vectors.shape[1]
-        widths = {w for w in (width, dims, *record.manifest.matryoshka_dims) if 1 <= w <= dims}
+        declared = self.module.record(model).manifest.matryoshka_dims
+        widths = {w for w in (width, dims, *declared) if 1 <= w <= dims}
         computed = {w: calibration_ranges(vectors, w) for w in sorted(widths)}
         served_by = lane or self.module.describe_lane(model).lane
         kept = await asyncio.to_thread(

@@ -15,6 +15,7 @@ with that width's ranges.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import weakref
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ import msgspec
 import numpy as np
 import orjson
 
-from host.errors import InvalidRequest
+from host.errors import InvalidRequest, Overloaded
 from host.module import Module
 from ingest.quantization import RANGED, quantize
 
@@ -32,6 +33,19 @@ if TYPE_CHECKING:  # imported on first use: serving loads no certification code 
     from certification.calibration import Calibrations
 
 EMBEDDING_TYPES = ("float", "base64", "int8", "uint8", "binary", "ubinary")
+# How long a request waits for a model's first calibration (tens of seconds on two cores)
+# before it is told to come back: a request should not hang behind a one-time job, and the
+# calibration goes on either way.
+CALIBRATION_WAIT_S = 10.0
+CALIBRATION_RETRY_S = 5.0
+
+
+class Calibrating(Overloaded):
+    """A model's int8/uint8 ranges are being computed: a typed 'try later' (503 with
+    Retry-After, which OpenAI's and Cohere's SDKs retry by themselves, twice by default)."""
+
+    code = "calibrating"
+    http_status = 503
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 # One calibration cache per Module (a server has one; a test may build several).
@@ -52,7 +66,8 @@ async def quantization_ranges(
 ) -> np.ndarray | None:
     """The ranges `encode_embeddings` needs for `types` at `width` (None when no type needs
     any). The first int8/uint8 call for a model embeds the calibration corpus through its lane
-    (seconds), later ones read memory; see certification.calibration.
+    (see certification.calibration); a call that would wait longer than `CALIBRATION_WAIT_S`
+    for it is a 503 `calibrating` with Retry-After, and later ones read memory.
 
     The ranges are those of the vectors as served, normalized: int8/uint8 of unnormalized
     vectors would clip most values silently, so `normalize=False` with them is a 400 naming
@@ -73,7 +88,14 @@ async def quantization_ranges(
         from certification.calibration import Calibrations
 
         book = _calibrations[module] = Calibrations(module)
-    return await book.ranges(model, width)
+    try:
+        return await asyncio.wait_for(book.ranges(model, width), CALIBRATION_WAIT_S)
+    except TimeoutError:
+        raise Calibrating(
+            f"{model!r} is computing its int8/uint8 ranges (once: it embeds its calibration "
+            f"corpus); retry in a few seconds",
+            retry_after_s=CALIBRATION_RETRY_S, param=param,
+        ) from None
 
 
 def encode_embeddings(

@@ -209,6 +209,52 @@ def test_the_first_recorded_ranges_win_and_a_replaced_model_keeps_its_manifest(
         caplog.clear()
 
 
+class _SlowModule:
+    """What Calibrations asks of a Module, with an embedding that takes `delay_s`."""
+
+    def __init__(self, store: ArtifactStore, delay_s: float) -> None:
+        self.store, self.delay_s, self.embedded = store, delay_s, 0
+
+    def record(self, name):
+        return self.store.get(name)
+
+    def describe_lane(self, name):
+        return type("Choice", (), {"lane": "llama"})()
+
+    async def embed(self, texts, model, lane=None):
+        self.embedded += 1
+        await asyncio.sleep(self.delay_s)
+        vectors = _unit(np.random.default_rng(len(texts)), len(texts), 8)
+        return type("Result", (), {"vectors": vectors})()
+
+
+async def test_a_request_waits_a_bounded_time_and_the_calibration_goes_on(tmp_path, monkeypatch):
+    import service.encoding as encoding
+    from service.errors import error_response
+
+    mod = _SlowModule(_fake_model(tmp_path, dims=8), delay_s=0.5)
+    monkeypatch.setattr(encoding, "CALIBRATION_WAIT_S", 0.05)
+    with pytest.raises(encoding.Calibrating) as info:
+        await encoding.quantization_ranges(mod, "m", 8)
+    response = error_response(info.value)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert json.loads(response.body)["error"]["code"] == "calibrating"
+    # Nobody waits now, yet the calibration finishes and is recorded.
+    await asyncio.sleep(1.0)
+    recorded = stored_ranges(mod.store.get("m").manifest, 8)
+    assert recorded is not None and mod.embedded == 1
+    got = await encoding.quantization_ranges(mod, "m", 8)
+    assert np.array_equal(got, recorded)
+
+
+async def test_concurrent_callers_share_one_corpus_embedding(tmp_path):
+    mod = _SlowModule(_fake_model(tmp_path, dims=8), delay_s=0.2)
+    book = Calibrations(mod)
+    a, b, c = await asyncio.gather(book.ranges("m", 8), book.ranges("m", 8), book.ranges("m", 4))
+    assert mod.embedded == 1 and np.array_equal(a, b) and c.shape == (2, 4)
+    assert sorted(mod.store.get("m").manifest.quantization.widths) == [4, 8]
+
+
 # ---- with the default model: the calibration corpus through the lane ---------------------------
 
 
