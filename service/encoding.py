@@ -46,6 +46,8 @@ class Calibrating(Overloaded):
 
     code = "calibrating"
     http_status = 503
+
+
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 # One calibration cache per Module (a server has one; a test may build several).
