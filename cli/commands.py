@@ -78,6 +78,7 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--no-truncate", action="store_true")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
     prompt = embed.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-name", metavar="NAME",
                         help="prepend the model's prompt NAME (default: its default prompt)")
@@ -90,6 +91,7 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     rerank.add_argument("documents", nargs="+")
     rerank.add_argument("--model")
     rerank.add_argument("--json", action="store_true")
+    rerank.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
     rerank.set_defaults(func=_rerank)
 
     gen = sub.add_parser("generate", help="short greedy generation")
@@ -102,6 +104,11 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 
     quick = sub.add_parser("quickstart", help="install the default models and embed a few texts")
     quick.set_defaults(func=_quickstart)
+
+
+# One model on either lane: how a user compares the Core ML graph with llama.cpp on it.
+_LANE_HELP = ("serve on this lane: ane (the Core ML graph), llama (llama.cpp); default: the "
+              "lane the certificates choose")
 
 
 def _named_prompt(text: str) -> tuple[str, str]:
@@ -231,14 +238,17 @@ def _embed(args: argparse.Namespace) -> int:
                 args.model,
                 normalize=not args.no_normalize,
                 truncate=not args.no_truncate,
+                lane=getattr(args, "lane", None),
                 prompt_name=getattr(args, "prompt_name", None),
                 prompt=getattr(args, "prompt", None),
             )
+            lane = _served_lane(mod, result.model, args)
         if args.json:
             print(
                 json.dumps(
                     {
                         "model": result.model,
+                        "lane": lane,
                         "prompt": result.prompt,
                         "usage": {
                             "prompt_tokens": result.usage.prompt_tokens,
@@ -249,16 +259,21 @@ def _embed(args: argparse.Namespace) -> int:
                 )
             )
             return 0
-        _print_embeddings(args.texts, result)
+        _print_embeddings(args.texts, result, lane)
         return 0
 
     return run_command(go())
 
 
-def _print_embeddings(texts: list[str], result) -> None:
+def _served_lane(mod: Module, model: str, args: argparse.Namespace) -> str:
+    """The lane that served the call: the one asked for, else the one the policy chose."""
+    return getattr(args, "lane", None) or mod.describe_lane(model).lane
+
+
+def _print_embeddings(texts: list[str], result, lane: str) -> None:
     v = result.vectors
     console.print(
-        f"model [bold]{result.model}[/]: {v.shape[0]} vectors x {v.shape[1]} dims, "
+        f"model [bold]{result.model}[/] ({lane} lane): {v.shape[0]} vectors x {v.shape[1]} dims, "
         f"{result.usage.total_tokens} tokens"
     )
     if result.prompt:
@@ -279,19 +294,22 @@ def _rerank(args: argparse.Namespace) -> int:
     async def go() -> int:
         ensure_defaults()
         async with _module(args) as mod:
-            result = await mod.rerank(args.query, args.documents, args.model)
+            result = await mod.rerank(args.query, args.documents, args.model,
+                                      lane=getattr(args, "lane", None))
+            lane = _served_lane(mod, result.model, args)
         if args.json:
             print(
                 json.dumps(
                     {
                         "model": result.model,
+                        "lane": lane,
                         "method": result.method,
                         "results": [{"index": i, "score": s} for i, s in result.results],
                     }
                 )
             )
             return 0
-        console.print(f"model [bold]{result.model}[/] ({result.method})")
+        console.print(f"model [bold]{result.model}[/] ({result.method}, {lane} lane)")
         for rank, (i, score) in enumerate(result.results, 1):
             console.print(f"  {rank}. {score:+.4f}  [{i}] {args.documents[i][:70]!r}")
         return 0

@@ -123,12 +123,21 @@ def test_models_the_builder_does_not_implement_are_refused(tmp_path: Path, chang
     assert not (tmp_path / "out").exists()
 
 
-def test_cls_pooling_embedder_is_refused(tmp_path: Path) -> None:
+def test_cls_pooling_embedders_are_built_and_other_poolings_refused(tmp_path: Path) -> None:
     d = _hf_variant(tmp_path)
-    (d / "1_Pooling" / "config.json").write_text(json.dumps(
+    pooling = d / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps(
         {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    head = ingest_owned(d, tmp_path / "cls").head
+    assert (head.type, head.pooling) == ("embed_cls", "cls")
+    pooling.write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(UnsupportedModel, match="pooling"):
         ingest_owned(d, tmp_path / "out")
+    # What the graph does not compute after pooling is refused, not dropped.
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True, "include_prompt": False}))
+    with pytest.raises(UnsupportedModel, match="include_prompt"):
+        ingest_owned(d, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_manifest_that_is_not_an_object_or_an_unreadable_tokenizer_is_typed(

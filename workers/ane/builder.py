@@ -22,6 +22,15 @@ Packed shapes put several sequences in one row: `segment_ids` (0 = pad, 1..K) an
 `position_ids` (restarting per segment) are inputs; the block-diagonal attention mask and the
 per-segment pooling are computed INSIDE the graph from the segment ids, so the host sends only
 ids.
+
+XLM-RoBERTa (`ModelConfig.family == "xlm-roberta"`) is this graph with three differences, all
+in constants, none in the ops: HF numbers its positions from `pad_token_id + 1`, so the
+position table is sliced past those rows when the graph is built (inputs stay 0-based per
+segment, the first token of a segment is still the one at position 0, and packing is
+unchanged); it has one token type, added as a constant (token_type_ids is then unread); its
+cross-encoder head is `classifier.dense` -> tanh -> `classifier.out_proj` on `<s>`, the same
+function as BERT's pooler + classifier under other names. Embedders of either family pool by
+mean or by the first token (`embed_cls`), as their sentence-transformers Pooling says.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from workers.ane.identity import (  # noqa: F401  (re-exported for callers of th
     KERNEL_REVISION,
     PRECISION,
 )
-from workers.ane.manifest import Manifest
+from workers.ane.manifest import Manifest, classifier_layers
 from workers.ane.shapes import Shape
 
 # KERNEL_REVISION (workers.ane.identity) names this graph: bump it whenever the graph changes.
@@ -121,7 +130,10 @@ class _Graph:
     def embeddings(self, input_ids: Var, token_type_ids: Var, position_ids: Var | None) -> Var:
         s = self.shape
         word = self.w["embeddings.word_embeddings.weight"]
-        pos_table = self.w["embeddings.position_embeddings.weight"]
+        # XLM-RoBERTa's position 0 is row pad_token_id + 1 (HF counts from the padding index):
+        # sliced here, on the constant, so position ids stay 0-based on the wire and per
+        # segment, and no op is added for it.
+        pos_table = self.w["embeddings.position_embeddings.weight"][self.cfg.position_offset:]
         types_table = self.w["embeddings.token_type_embeddings.weight"]
         tok = mb.gather(x=word, indices=input_ids, axis=0)  # (B, S, H)
         if position_ids is not None:
@@ -210,8 +222,8 @@ class _Graph:
         onehot = mb.cast(
             x=mb.equal(x=mb.reshape(x=seg, shape=[s.rows, s.seq_len, 1]), y=ids), dtype="fp32"
         )
-        if self.head.type == "cross_encoder":
-            # [CLS] of each segment = its token at position 0.
+        if self.head.pooling == "cls":
+            # [CLS] (<s>) of each segment = its token at position 0.
             first = mb.equal(x=mb.cast(x=position_ids, dtype="fp32"), y=0.0)
             first = mb.reshape(x=mb.cast(x=first, dtype="fp32"), shape=[s.rows, s.seq_len, 1])
             weights = mb.mul(x=onehot, y=first)
@@ -236,8 +248,9 @@ class _Graph:
 
     def classify(self, pooled: Var) -> list[Var]:
         # pooler and classifier are linear layers too: 1x1 convs on (B, H, 1, K).
-        h = mb.tanh(x=self.conv(pooled, "pooler.dense"))
-        return [self.to_output(self.conv(h, "classifier"), "logits")]
+        dense, out = classifier_layers(self.cfg)
+        h = mb.tanh(x=self.conv(pooled, dense))
+        return [self.to_output(self.conv(h, out), "logits")]
 
     def to_output(self, v: Var, name: str) -> Var:
         """(B, C, 1, K) -> (B, C) unpacked, (B, K, C) packed: the one output relayout."""
@@ -274,10 +287,15 @@ def build_program(manifest: Manifest, shape: Shape, options: BuildOptions | None
             bias, weights = g.unpacked_masks(inp["attention_mask"])
         for i in range(cfg.num_layers):
             x = g.layer(x, i, bias)
-        if manifest.head.type == "cross_encoder":
-            outputs = g.classify(g.pool(x, weights) if shape.packed else g.cls_token(x))
+        # Unpacked rows hold one sequence: its first token is a slice, no pooling matmul.
+        if shape.packed:
+            pooled = g.pool(x, weights)
         else:
-            outputs = g.embed_outputs(g.pool(x, weights))
+            pooled = g.cls_token(x) if manifest.head.pooling == "cls" else g.pool(x, weights)
+        if manifest.head.type == "cross_encoder":
+            outputs = g.classify(pooled)
+        else:
+            outputs = g.embed_outputs(pooled)
         func.set_outputs(outputs)
     prog = Program()
     prog.add_function("main", func)

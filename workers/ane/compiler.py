@@ -33,9 +33,9 @@ from workers.ane.backends import Backend, BackendOpenFailed, ShapeRunner
 from workers.ane.executor import UnsupportedOp
 from workers.ane.identity import (
     DEPLOYMENT_TARGET,
-    KERNEL_REVISION,
     PRECISION,
     coremltools_version,
+    kernel_revision,
 )
 from workers.ane.manifest import Manifest
 from workers.ane.program_ir import ProgramFormatError
@@ -50,7 +50,7 @@ def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
     """The package's key (`options`: builder.BuildOptions)."""
     return make_key(
         manifest_digest=manifest.digest,
-        kernel_revision=KERNEL_REVISION,
+        kernel_revision=kernel_revision(manifest.config.family),
         shape=shape.dims,
         precision=PRECISION,
         deployment_target=DEPLOYMENT_TARGET,

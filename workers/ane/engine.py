@@ -68,8 +68,8 @@ from workers.ane.config import (
 )
 from workers.ane.coreml_args import lane_device
 from workers.ane.executor import PackageError, UnsupportedOp
-from workers.ane.identity import KERNEL_REVISION, coremltools_version
-from workers.ane.manifest import FORMAT, Manifest, ManifestError, load_manifest
+from workers.ane.identity import KERNEL_REVISION, coremltools_version, kernel_revision
+from workers.ane.manifest import EMBED_HEADS, FORMAT, Manifest, ManifestError, load_manifest
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
@@ -130,12 +130,16 @@ class AneEngine(Engine):
         self._options = build_options or BuildOptions()
         self._model: _Model | None = None
         self._hello_digest: str | None = None
+        # The graph HELLO names: the artifact's family's; BERT's when none is known yet.
+        self._hello_revision = KERNEL_REVISION
         self.cache_stats = CacheStats()
         if artifact is not None:
             try:
                 # Body digest only: HELLO must not wait for hashing every weight; LOAD
                 # verifies them all.
-                self._hello_digest = load_manifest(artifact, verify_weights=False).digest
+                hello = load_manifest(artifact, verify_weights=False)
+                self._hello_digest = hello.digest
+                self._hello_revision = kernel_revision(hello.config.family)
             except ManifestError as e:
                 log.warning("artifact %s unreadable at start (%s); LOAD will report it",
                             artifact, e)
@@ -162,12 +166,12 @@ class AneEngine(Engine):
     def info(self) -> m.EngineInfo:
         return m.EngineInfo(
             engine=ENGINE_NAME,
-            version=f"{KERNEL_REVISION} coremltools-{coremltools_version()}",
+            version=f"{self._hello_revision} coremltools-{coremltools_version()}",
             build_flags=f"backend={self._backend or default_backend()} numpy-{np.__version__}",
         )
 
     def hello_extras(self) -> dict:
-        extras: dict = {"kernel_revision": KERNEL_REVISION, "packed": True}
+        extras: dict = {"kernel_revision": self._hello_revision, "packed": True}
         if self._hello_digest is not None:
             extras["manifest_digest"] = self._hello_digest
         return extras
@@ -215,6 +219,12 @@ class AneEngine(Engine):
         if self._hello_digest is not None and manifest.digest != self._hello_digest:
             raise EngineError("artifact_invalid", "this worker advertised manifest "
                               f"{self._hello_digest[:16]}... in HELLO")
+        if kernel_revision(manifest.config.family) != self._hello_revision:
+            # What HELLO named is what certificates are keyed by: never serve another graph.
+            raise EngineError("artifact_invalid", f"a {manifest.config.family} model builds "
+                              f"{kernel_revision(manifest.config.family)}, this worker "
+                              f"advertised {self._hello_revision} in HELLO (start it with "
+                              "--artifact)")
         ref = config.model_ref or Path(req.artifact_path).name
         if self._model is not None:
             if self._model.ref == ref and self._model.manifest.digest == manifest.digest:
@@ -379,7 +389,7 @@ class AneEngine(Engine):
     def embed(self, req: m.EMBED_BATCH, ids: np.ndarray, progress: Progress) -> np.ndarray:
         model = self._require(req.model_ref)
         head = model.manifest.head
-        if head.type != "embed_mean":
+        if head.type not in EMBED_HEADS:
             raise EngineError("unsupported", f"{model.ref} is a {head.type}, not an embedder")
         if req.pooling != head.pooling:
             raise EngineError("unsupported", f"pooling {req.pooling!r}: this graph pools "

@@ -15,6 +15,16 @@ from importlib.metadata import PackageNotFoundError, version
 #: it is part of every compile-cache key and of HELLO.
 KERNEL_REVISION = "ane-bert-1"
 
+#: Per model family (`ModelConfig.family`). XLM-RoBERTa's graph is BERT's with its own
+#: position offset and head names, so its revision extends BERT's: a change to the shared
+#: encoder renames both, a change to what only XLM-RoBERTa emits renames only its own, and
+#: BERT's compiled shapes and certificates survive either way.
+KERNEL_REVISIONS = {"bert": KERNEL_REVISION, "xlm-roberta": f"{KERNEL_REVISION}+xlmr-1"}
+
+
+def kernel_revision(family: str) -> str:
+    return KERNEL_REVISIONS[family]
+
 PRECISION = "fp16"
 DEPLOYMENT_TARGET = "macOS14"
 

@@ -37,7 +37,17 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
 
-HeadType = Literal["embed_mean", "cross_encoder"]
+HeadType = Literal["embed_mean", "embed_cls", "cross_encoder"]
+EMBED_HEADS = ("embed_mean", "embed_cls")
+
+# The encoder families the graph builds, by the architectures config.json names. XLM-RoBERTa
+# is BERT's encoder with positions offset by the padding index, one token type and its own
+# classifier head names; the builder branches on `ModelConfig.family` for exactly those.
+_ARCHITECTURES = {
+    "BertModel": "bert", "BertForSequenceClassification": "bert",
+    "XLMRobertaModel": "xlm-roberta", "XLMRobertaForSequenceClassification": "xlm-roberta",
+}
+_DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
 
 class ManifestError(Exception):
@@ -79,10 +89,27 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    # Derived, not stored: `architecture` (in the digest) already names the family, and a
+    # new field would change the digest of every BERT artifact already ingested.
+    @property
+    def family(self) -> str:
+        return _ARCHITECTURES[self.architecture]
+
+    @property
+    def position_offset(self) -> int:
+        """Rows of the position table before position 0: HF numbers XLM-RoBERTa positions
+        from `pad_token_id + 1` (the rows below are never looked up), BERT's from 0."""
+        return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return self.architecture.endswith("ForSequenceClassification")
+
 
 class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type: HeadType
-    pooling: Literal["mean", "cls"]  # mean for embed_mean; cls ([CLS] -> pooler) for cross_encoder
+    # mean for embed_mean; cls (the first token) for embed_cls and cross_encoder
+    pooling: Literal["mean", "cls"]
     normalize: bool  # default L2 normalisation of embeddings (requests may override)
     num_labels: int  # 0 for embedders
 
@@ -171,16 +198,26 @@ def required_tensors(config: ModelConfig, head: Head) -> list[str]:
     for i in range(config.num_layers):
         names += _layer_names(i)
     if head.type == "cross_encoder":
-        names += ["pooler.dense.weight", "pooler.dense.bias", "classifier.weight",
-                  "classifier.bias"]
+        for layer in classifier_layers(config):
+            names += [f"{layer}.weight", f"{layer}.bias"]
     return names
 
 
+def classifier_layers(config: ModelConfig) -> tuple[str, str]:
+    """A cross-encoder's (dense + tanh, output) layers: BERT's pooler and classifier, or
+    XLM-RoBERTa's classification head. The same function (out(tanh(dense(h_first)))) under
+    HF's own names, kept as HF saved them so the tensor digests are the checkpoint's."""
+    if config.family == "xlm-roberta":
+        return "classifier.dense", "classifier.out_proj"
+    return "pooler.dense", "classifier"
+
+
 def _canonical_name(name: str) -> str:
-    # HF BertForSequenceClassification nests the encoder under "bert."; the original TF port
-    # names LayerNorm parameters gamma/beta.
-    if name.startswith("bert."):
-        name = name[len("bert."):]
+    # HF BertForSequenceClassification nests the encoder under "bert." (XLM-RoBERTa's under
+    # "roberta."); the original TF port names LayerNorm parameters gamma/beta.
+    for prefix in ("bert.", "roberta."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
     if name.endswith("LayerNorm.gamma"):
         name = name[: -len("gamma")] + "weight"
     elif name.endswith("LayerNorm.beta"):
@@ -197,16 +234,27 @@ def _read_json(path: Path) -> Any:
 
 def _config_from_hf(src: Path) -> ModelConfig:
     cfg = _read_json(src / "config.json")
-    arch = (cfg.get("architectures") or ["BertModel"])[0]
-    if cfg.get("model_type", "bert") != "bert" or arch not in (
-        "BertModel", "BertForSequenceClassification"
-    ):
-        raise UnsupportedModel(f"model_type={cfg.get('model_type')!r} / {arch}: BERT only")
+    model_type = cfg.get("model_type", "bert")
+    arch = (cfg.get("architectures") or [_DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
+    if model_type not in _DEFAULT_ARCHITECTURE or _ARCHITECTURES.get(arch) != model_type:
+        raise UnsupportedModel(f"model_type={model_type!r} / {arch}: BERT or XLM-RoBERTa "
+                               f"only ({', '.join(sorted(_ARCHITECTURES))})")
     if cfg.get("hidden_act", "gelu") != "gelu":
         raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: exact (erf) GELU only")
     if cfg.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModel("only absolute position embeddings are implemented")
-    max_pos = int(cfg.get("max_position_embeddings", 512))
+    # XLM-RoBERTa's HF config defaults (pad 1); BERT's pad id is 0 when unset.
+    pad = cfg.get("pad_token_id", 1 if model_type == "xlm-roberta" else 0)
+    if model_type == "xlm-roberta" and not isinstance(pad, int):
+        raise UnsupportedModel(f"pad_token_id={pad!r}: XLM-RoBERTa positions are offset by it")
+    pad = int(pad or 0)
+    rows = int(cfg.get("max_position_embeddings", 512))
+    # Positions the graph can serve: the table's rows after XLM-RoBERTa's offset rows
+    # (514 rows serve 512 tokens), every row for BERT.
+    max_pos = rows - (pad + 1 if model_type == "xlm-roberta" else 0)
+    if max_pos < 1:
+        raise UnsupportedModel(f"max_position_embeddings={rows} leaves no position after the "
+                               f"{pad + 1} offset rows")
     max_seq = _layout(src).max_seq_length or max_pos
     config = ModelConfig(
         architecture=arch,
@@ -219,7 +267,7 @@ def _config_from_hf(src: Path) -> ModelConfig:
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
         layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
         hidden_act="gelu",
-        pad_token_id=int(cfg.get("pad_token_id") or 0),
+        pad_token_id=pad,
         max_seq_length=min(max_seq, max_pos),
     )
     if config.hidden_size % config.num_heads:
@@ -231,13 +279,25 @@ def _config_from_hf(src: Path) -> ModelConfig:
 
 
 def _head_from_hf(src: Path, config: ModelConfig) -> Head:
-    if config.architecture == "BertForSequenceClassification":
+    if config.is_cross_encoder:
         cfg = _read_json(src / "config.json")
         labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {"0": "LABEL_0"}))
         return Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
     layout = _layout(src)
+    # What the graph computes after the encoder is one pooling of every token, prompt
+    # included, then (optionally) L2: a Dense projection or a pooling that leaves the prompt
+    # out would be served silently wrong, so they are refused.
+    if layout.dense_dirs:
+        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: "
+                               "not built")
+    if not layout.include_prompt:
+        raise UnsupportedModel("include_prompt=false (pooling without the prompt's tokens): "
+                               "not built")
+    if layout.pooling_modes == ("cls",):
+        return Head(type="embed_cls", pooling="cls", normalize=layout.normalize, num_labels=0)
     if layout.pooling_modes not in ((), ("mean",)):
-        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: only mean pooling is built")
+        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: mean or cls pooling "
+                               "is built")
     return Head(type="embed_mean", pooling="mean", normalize=layout.normalize, num_labels=0)
 
 
@@ -286,13 +346,14 @@ def _check_shapes(config: ModelConfig, head: Head, t: dict[str, np.ndarray]) -> 
     h, inter = config.hidden_size, config.intermediate_size
     expect = {
         "embeddings.word_embeddings.weight": (config.vocab_size, h),
-        "embeddings.position_embeddings.weight": (config.max_positions, h),
+        "embeddings.position_embeddings.weight": (config.max_positions + config.position_offset,
+                                                  h),
         "embeddings.token_type_embeddings.weight": (config.type_vocab_size, h),
         "encoder.layer.0.intermediate.dense.weight": (inter, h),
         "encoder.layer.0.output.dense.weight": (h, inter),
     }
     if head.type == "cross_encoder":
-        expect["classifier.weight"] = (head.num_labels, h)
+        expect[f"{classifier_layers(config)[1]}.weight"] = (head.num_labels, h)
     for name, shape in expect.items():
         if t[name].shape != shape:
             raise ManifestError(f"{name}: shape {t[name].shape}, config implies {shape}")
@@ -325,9 +386,9 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
 
 
 def ingest_owned(src_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Manifest:
-    """Ingest a HF BERT directory into the owned format at `out_dir` (atomically: built in a
-    sibling temp dir, then renamed). An existing artifact at `out_dir` with the same digest is
-    verified and reused; anything else already there is an error."""
+    """Ingest a HF BERT or XLM-RoBERTa directory into the owned format at `out_dir`
+    (atomically: built in a sibling temp dir, then renamed). An existing artifact at `out_dir`
+    with the same digest is verified and reused; anything else already there is an error."""
     src, out = Path(src_dir), Path(out_dir)
     body, tensors = build_body(src)
     out.parent.mkdir(parents=True, exist_ok=True)
