@@ -78,6 +78,16 @@ class LaneStopped(SynapseError):
     http_status = 503
 
 
+class InsufficientMemory(SynapseError):
+    """A model does not fit: its estimated (or measured) size is over the memory budget, or
+    the models in use leave no room, or the machine has too little memory free. Refused
+    before any worker starts (see host/residency.py); nothing is unloaded for a model that
+    cannot fit."""
+
+    code = "insufficient_memory"
+    http_status = 503
+
+
 class EngineCrashed(SynapseError):
     code = "engine_crashed"
     http_status = 503

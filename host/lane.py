@@ -536,6 +536,11 @@ class Lane:
     def hello(self) -> m.HELLO | None:
         return self._worker.hello if self._worker is not None else None
 
+    @property
+    def last_pong(self) -> m.PONG | None:
+        """The latest PONG (its `rss_mb` is the worker's resident memory); never pings."""
+        return self._health.pong
+
 
 def _as_raw(payload) -> memoryview | None:
     if payload is None:

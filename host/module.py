@@ -46,6 +46,7 @@ from host.lane_policy import (
     llama_reason,
 )
 from host.permits import DevicePermits
+from host.residency import Residency, ResidencyConfig, uses_model
 from host.tokenization import Tokenizer
 from ingest.errors import ArtifactError, ArtifactNotFound
 from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
@@ -165,7 +166,10 @@ def hello_device(build_flags: str | None) -> str | None:
 
 class Module:
     def __init__(
-        self, config: ModuleConfig | None = None, lane_policy: LanePolicy | None = None
+        self,
+        config: ModuleConfig | None = None,
+        lane_policy: LanePolicy | None = None,
+        residency: ResidencyConfig | None = None,  # keep-alive and memory budget
     ) -> None:
         self.config = config or ModuleConfig()
         self.store = ArtifactStore(self.config.store_root)
@@ -177,6 +181,7 @@ class Module:
         self._choices: dict[str, LaneChoice] = {}
         self._choosing: dict[str, asyncio.Lock] = {}
         self.llama_device: str | None = None  # from the last llama.cpp HELLO
+        self.residency = Residency(self, residency)
 
     async def __aenter__(self) -> Module:
         return self
@@ -246,7 +251,13 @@ class Module:
                 self.config.host,
                 self.permits,
             )
-            await lane_obj.start()
+            # Room for it under the memory budget (idle models may be unloaded), or a 503.
+            ticket = await self.residency.admit(name, lane, record)
+            try:
+                await lane_obj.start()
+            except BaseException:
+                self.residency.cancel(ticket)
+                raise
             try:
                 load = m.LOAD(
                     req_id=0,
@@ -257,6 +268,7 @@ class Module:
                 )
                 reply, _ = await lane_obj.request(load)
             except BaseException:
+                self.residency.cancel(ticket)
                 await lane_obj.stop()
                 raise
             device = reply.device or ("ane" if lane == "ane" else "cpu")
@@ -268,6 +280,7 @@ class Module:
             self._served[key] = _Served(
                 record, tokenizer, lane_obj, reply.dims, lane, digest, device
             )
+            await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
                 await self._enforce_certificate(name, lane, runtime_config_extra)
             return record
@@ -397,10 +410,18 @@ class Module:
             await served.lane.stop()
 
     async def close(self) -> None:
+        await self.residency.close()
         lanes = [s.lane for s in self._served.values()]
         self._served.clear()
         self._choices.clear()
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
+
+    def residents(self) -> dict[str, dict[str, _Served]]:
+        """Loaded models by name, each with its lanes by kind (what host.residency sizes)."""
+        out: dict[str, dict[str, _Served]] = {}
+        for s in self._served.values():
+            out.setdefault(s.record.name, {})[s.lane_kind] = s
+        return out
 
     def models(self) -> list[str]:
         return sorted(self._served)
@@ -427,6 +448,7 @@ class Module:
 
     # ---- embeddings -----------------------------------------------------------------------
 
+    @uses_model(DEFAULT_EMBED)
     async def embed(
         self,
         texts: str | bytes | Sequence[str | bytes],
@@ -470,10 +492,12 @@ class Module:
                 return served.record
         return self._record(name)
 
+    @uses_model(DEFAULT_EMBED)
     async def tokenizer(self, model: str | None = None, lane: str | None = None) -> Tokenizer:
         """The module-side tokenizer of `model` (loading it if needed)."""
         return (await self._get(model, DEFAULT_EMBED, lane=lane)).tokenizer
 
+    @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
     async def embed_token_ids(
         self,
         ids: list[np.ndarray],
@@ -549,6 +573,7 @@ class Module:
 
     # ---- rerank ---------------------------------------------------------------------------
 
+    @uses_model(DEFAULT_EMBED)
     async def rerank(
         self,
         query: str | bytes,
@@ -637,6 +662,7 @@ class Module:
 
     # ---- generation -----------------------------------------------------------------------
 
+    @uses_model(DEFAULT_GENERATE)
     async def generate(
         self,
         prompt: str | bytes,

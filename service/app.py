@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
-from service import completions, disconnect, embeddings, openapi, rerank, status
+from service import completions, disconnect, embeddings, lifecycle, openapi, rerank, status
 from service.auth import AuthenticationFailed, presented_key
 from service.config import ServeConfig
 from service.disconnect import ClientClosedRequest
@@ -132,11 +132,7 @@ def _answered(state: ServerState, path: str, status: int, start: float) -> None:
     """A request's end in the metrics (both paths in: the middleware and `SynapseApp._post`):
     out of the in-flight gauge, counted and timed under a bounded endpoint label."""
     state.metrics.in_flight.dec()
-    endpoint = (
-        path
-        if path in ENDPOINTS
-        else ("/v1/models/{model}" if path.startswith("/v1/models/") else "other")
-    )
+    endpoint = path if path in ENDPOINTS else lifecycle.endpoint_label(path)
     state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
 
 
@@ -270,13 +266,17 @@ def create_app(
             from ingest.defaults import ensure_defaults
 
             ensure_defaults(config.module.store_root)
-        module = Module(config.module, lane_policy)
+        module = Module(config.module, lane_policy, config.residency)
         state.module = module
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
+        # Embedding requests queued for a model keep it busy: no keep-alive or budget unload.
+        depth = state.scheduler.queue_depth
+        module.residency.busy_probes.append(lambda name: depth().get(name, 0))
         undo_reload = _install_key_reload(state)
         try:
             try:
                 _check_aliases(config, module)
+                lifecycle.check_models(state)
             except ConfigInvalid as exc:
                 print(f"synapse serve: error[{exc.code}]: {exc.message}", file=sys.stderr)
                 raise
@@ -326,6 +326,11 @@ def create_app(
     # Starlette keeps the POST routes too: a GET to one of them is its 405, with Allow.
     routes = [Route(p, endpoint, methods=["POST"]) for p, endpoint in posts.items()]
     routes += [Route(p, _endpoint(state, h), methods=["GET"]) for p, h in gets.items()]
+    routes += [
+        Route(p, _endpoint(state, h), methods=["POST"])
+        for p, h in zip(lifecycle.ROUTES, (lifecycle.load_model, lifecycle.unload_model),
+                        strict=True)
+    ]
     starlette = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -14,6 +14,7 @@ import msgspec
 
 from host.errors import ConfigInvalid
 from host.module import DEFAULT_EMBED, ModuleConfig
+from host.residency import ResidencyConfig
 from service.ray_settings import RaySettings
 from service.scheduler import SchedulerConfig
 
@@ -46,6 +47,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "minilm-l6-v2"}. Listed by /v1/models; one level only (an alias never names an alias).
     aliases: dict[str, str] = {}
     ray: RaySettings = msgspec.field(default_factory=RaySettings)  # `serve --ray` only
+    # Idle keep-alive and memory budget of the loaded models (host/residency.py).
+    residency: ResidencyConfig = msgspec.field(default_factory=ResidencyConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -82,6 +85,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 )
         # Requests are matched after alias resolution: list the model an alias names.
         self.matryoshka_models = [self.aliases.get(m, m) for m in self.matryoshka_models]
+        self.residency = self.residency.resolved(self.aliases)
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -35,7 +35,9 @@ _STATUS_TEXT = {
     413: "Request body over the size limit",
     422: "The installed model artifact is invalid",
     429: "Overloaded: retry after Retry-After seconds",
-    503: "A lane is down, restarting, quarantined, or the server is draining",
+    503: "A lane is down, restarting, quarantined, or the server is draining; or the model "
+    "does not fit the memory budget (insufficient_memory), or is computing its int8/uint8 "
+    "ranges, once (calibrating): retry after Retry-After seconds",
     504: "No result within the request timeout",
     507: "The engine ran out of memory, or a model build out of disk space",
 }
@@ -68,6 +70,12 @@ def operations(config: ServeConfig) -> list[_Op]:
         _Op("/v1/models", "get", "Installed models and aliases", schemas.ModelList),
         _Op("/v1/models/{model}", "get", "One installed model or alias", schemas.ModelEntry,
             errors=(404,)),
+        _Op("/v1/models/{model}/load", "post",
+            "Load a model now (idempotent); 503 insufficient_memory when it cannot fit",
+            schemas.ModelEntry, errors=(404, 422, 503, 507)),
+        _Op("/v1/models/{model}/unload", "post",
+            "Unload a model once its in-flight requests finish (idempotent)",
+            schemas.ModelEntry, errors=(404, 503)),
         _Op("/health", "get", "Cached lane health: 200 when every lane serves, else 503",
             schemas.HealthResponse, protected=False, ok_status=(200, 503)),
         _Op("/metrics", "get", "Prometheus metrics", "text",
@@ -120,7 +128,7 @@ def build_document(config: ServeConfig, auth_enabled: bool) -> dict:
                 "required": True,
                 "content": {_JSON: {"schema": schema_of[repr(op.request)]}},
             }
-        if op.path == "/v1/models/{model}":
+        if op.path.startswith("/v1/models/{model}"):
             operation["parameters"] = [
                 {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
             ]

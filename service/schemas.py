@@ -30,6 +30,11 @@ class ErrorDetail(_Body):
     quarantined: bool | None = None
     retry_after_s: float | None = None
     limit_bytes: int | None = None
+    # insufficient_memory: what the model needs, and the budget / machine it did not fit.
+    needed_mb: float | None = None
+    budget_mb: float | None = None
+    resident_mb: float | None = None
+    available_mb: float | None = None
 
 
 class ErrorResponse(_Body):
@@ -138,6 +143,14 @@ class HealthResponse(_Body):
     lanes: dict[str, LaneHealth]
 
 
+class ModelWorker(_Body):
+    lane: str  # llama | ane
+    device: str | None  # where it computes: cpu, metal, ane...
+    pid: int | None
+    status: str  # as in /health
+    rss_mb: float | None  # the worker's resident memory from its latest PONG
+
+
 class ModelEntry(_Body):
     id: str
     object: Literal["model"]
@@ -147,9 +160,28 @@ class ModelEntry(_Body):
     dims: int | None
     max_tokens: int
     loaded: bool
+    loaded_lanes: list[str]  # the lanes it is loaded on now
+    workers: list[ModelWorker]
+    resident_mb: float | None  # its workers' RSS summed (null: not loaded)
+    estimated_mb: float  # what its next load is budgeted at
+    estimate_source: Literal["estimate", "measured"]  # artifact + overhead, or a load's RSS
+    in_flight: int  # calls inside the model now
+    last_used: float | None  # unix seconds of its latest use (null: not used yet)
+    keep_alive_s: float | None  # idle seconds before it is unloaded (null: never)
+    expires_at: float | None  # unix seconds it will be unloaded if still idle (null: none)
     alias_for: str | None = None  # set on aliases: the installed model this name serves
+
+
+class ModelMemory(_Body):
+    resident_mb: float  # every worker's RSS, plus the estimates of loads under way
+    max_resident_mb: float | None  # the budget (null: none)
+    machine_available_mb: float | None  # what the OS says is available now
+    min_free_mb: float  # a load must leave this much of it free
+    unloads: dict[str, int]  # models unloaded so far, by reason: keep_alive, budget, request
+    refusals: int  # loads refused with insufficient_memory
 
 
 class ModelList(_Body):
     object: Literal["list"]
     data: list[ModelEntry]
+    memory: ModelMemory

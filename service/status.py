@@ -71,6 +71,8 @@ def _model_entry(record, loaded: set[str], module) -> dict:
         "loaded": record.name in loaded,
         "lane": choice.lane,
         "lane_reason": choice.reason,
+        # Lanes loaded, workers' RSS, size estimate, in-flight calls, last use, keep-alive.
+        **module.residency.describe(record.name, choice.lane, record),
     }
 
 
@@ -91,7 +93,9 @@ def _all_entries(state: ServerState) -> list[dict]:
 
 
 async def list_models(request: Request, state: ServerState) -> Response:
-    return _json({"object": "list", "data": _all_entries(state)})
+    assert state.module is not None
+    memory = state.module.residency.summary()
+    return _json({"object": "list", "data": _all_entries(state), "memory": memory})
 
 
 async def get_model(request: Request, state: ServerState) -> Response:

@@ -17,6 +17,8 @@ ROUTES = {
     ("/v1/completions", "post"),
     ("/v1/models", "get"),
     ("/v1/models/{model}", "get"),
+    ("/v1/models/{model}/load", "post"),
+    ("/v1/models/{model}/unload", "post"),
     ("/health", "get"),
     ("/metrics", "get"),
     ("/openapi.json", "get"),
@@ -85,3 +87,25 @@ def test_configured_generation_limit_is_stated():
     # ... and building it never mutates the struct's own schema for the next document.
     (_,), comps = msgspec.json.schema_components([CompletionRequest])
     assert "maximum" not in comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+
+def test_lifecycle_routes_and_residency_fields_are_described():
+    doc = build_document(ServeConfig(), auth_enabled=True)
+    schemas = doc["components"]["schemas"]
+    for action in ("load", "unload"):
+        op = doc["paths"][f"/v1/models/{{model}}/{action}"]["post"]
+        assert op["parameters"][0] == {
+            "name": "model", "in": "path", "required": True, "schema": {"type": "string"}
+        }
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]
+        assert _ref(ok) == "ModelEntry"
+        assert {"401", "404", "503"} <= set(op["responses"])
+        assert "security" not in op  # protected like every API route
+    assert "insufficient_memory" in doc["paths"]["/v1/embeddings"]["post"]["responses"]["503"][
+        "description"]
+    entry = schemas["ModelEntry"]
+    residency = {"loaded_lanes", "workers", "resident_mb", "estimated_mb", "estimate_source",
+                 "in_flight", "last_used", "keep_alive_s", "expires_at"}
+    assert residency <= set(entry["required"])
+    assert {"id", "object", "created", "owned_by"} <= set(entry["required"])
+    assert "memory" in schemas["ModelList"]["required"]
+    assert {"needed_mb", "budget_mb", "available_mb"} <= set(schemas["ErrorDetail"]["properties"])
