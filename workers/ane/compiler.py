@@ -106,15 +106,16 @@ def package_entry(
     timings: AdmitTimings,
 ) -> tuple[Entry, bool]:
     """The package's entry (built if absent) and whether it was a hit."""
-    from workers.ane.builder import build_program, convert_and_save  # coremltools
+    from workers.ane import builder, builder_qwen3  # coremltools
 
+    graph = builder_qwen3 if manifest.config.family == "qwen3" else builder  # the decoder's own
     built: list[float] = []
 
     def build(tmp: Path) -> None:
         start = time.perf_counter()
-        prog = build_program(manifest, shape, options)
+        prog = graph.build_program(manifest, shape, options)
         on_stage("graph")
-        out = convert_and_save(prog, tmp)
+        out = builder.convert_and_save(prog, tmp)
         assert out.name == PACKAGE_NAME
         on_stage("converted")
         built.append((time.perf_counter() - start) * 1e3)

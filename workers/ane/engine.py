@@ -458,11 +458,10 @@ class AneEngine(Engine):
         except NoShapeFits as e:
             raise EngineError("shape_unsupported", str(e)) from None
         result = np.empty((len(seqs), dims), dtype=np.float32)
-        pad = model.manifest.config.pad_token_id
         for chunk in chunks:
             sid = chunk.shape.id
             model.shapes.move_to_end(sid)
-            out = model.shapes[sid].runner.run(feeds_for(chunk, seqs, types, pad))[output]
+            out = model.shapes[sid].runner.run(_feeds(model.manifest, chunk, seqs, types))[output]
             for i, vec in gather_rows(chunk, out):
                 result[i] = vec
             progress.advance("inference")
@@ -481,7 +480,17 @@ def _warmup_feeds(shape: Shape, manifest: Manifest) -> dict[str, np.ndarray]:
     cfg = manifest.config
     n = min(2, shape.seq_len)
     ids = np.array([min(101, cfg.vocab_size - 1), min(102, cfg.vocab_size - 1)][:n], np.int32)
-    return feeds_for(Chunk(shape, [[0]]), [ids], [np.zeros(n, np.int32)], cfg.pad_token_id)
+    return _feeds(manifest, Chunk(shape, [[0]]), [ids], [np.zeros(n, np.int32)])
+
+
+def _feeds(
+    manifest: Manifest, chunk: Chunk, seqs: Sequence[np.ndarray], types: Sequence[np.ndarray]
+) -> dict[str, np.ndarray]:
+    feeds = feeds_for(chunk, seqs, types, manifest.config.pad_token_id)
+    if manifest.config.type_vocab_size == 0:
+        # A decoder's graph (Qwen3) has no token-type input: feed exactly the graph's inputs.
+        del feeds["token_type_ids"]
+    return feeds
 
 
 def _dims(manifest: Manifest) -> int:

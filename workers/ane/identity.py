@@ -20,6 +20,9 @@ KERNEL_REVISION = "ane-bert-1"
 #: encoder renames both, a change to what only XLM-RoBERTa emits renames only its own, and
 #: BERT's compiled shapes and certificates survive either way.
 KERNEL_REVISIONS = {"bert": KERNEL_REVISION, "xlm-roberta": f"{KERNEL_REVISION}+xlmr-1"}
+#: Qwen3 is its own graph (workers.ane.builder_qwen3), sharing no op with BERT's: its own
+#: revision, bumped when that graph changes, and never equal to another family's.
+KERNEL_REVISIONS["qwen3"] = "ane-qwen3-1"
 
 
 def kernel_revision(family: str) -> str:

@@ -37,8 +37,8 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
 
-HeadType = Literal["embed_mean", "embed_cls", "cross_encoder"]
-EMBED_HEADS = ("embed_mean", "embed_cls")
+HeadType = Literal["embed_mean", "embed_cls", "embed_last", "cross_encoder"]
+EMBED_HEADS = ("embed_mean", "embed_cls", "embed_last")
 
 # The encoder families the graph builds, by the architectures config.json names. XLM-RoBERTa
 # is BERT's encoder with positions offset by the padding index, one token type and its own
@@ -46,6 +46,8 @@ EMBED_HEADS = ("embed_mean", "embed_cls")
 _ARCHITECTURES = {
     "BertModel": "bert", "BertForSequenceClassification": "bert",
     "XLMRobertaModel": "xlm-roberta", "XLMRobertaForSequenceClassification": "xlm-roberta",
+    # A decoder with its own graph (builder_qwen3) and its own ingest (manifest_qwen3).
+    "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3",
 }
 _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
@@ -71,7 +73,9 @@ class UnsupportedModel(ManifestError):
 # ---- manifest body -------------------------------------------------------------------------
 
 
-class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# omit_defaults: the decoder-only fields below are left out of an encoder's manifest (and so
+# of its digest), which therefore stays what it was before they existed.
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -84,10 +88,19 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hidden_act: str
     pad_token_id: int
     max_seq_length: int  # sentence-transformers' default truncation (<= max_positions)
+    # Qwen3 only (None for the encoders): grouped K/V heads, a head size that is not
+    # hidden / heads, and the rotary base.
+    num_kv_heads: int | None = None
+    attention_head_dim: int | None = None
+    rope_theta: float | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     # Derived, not stored: `architecture` (in the digest) already names the family, and a
     # new field would change the digest of every BERT artifact already ingested.
@@ -108,8 +121,9 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type: HeadType
-    # mean for embed_mean; cls (the first token) for embed_cls and cross_encoder
-    pooling: Literal["mean", "cls"]
+    # mean for embed_mean; cls (the first token) for embed_cls and cross_encoder; last (the
+    # appended end-of-text) for embed_last
+    pooling: Literal["mean", "cls", "last"]
     normalize: bool  # default L2 normalisation of embeddings (requests may override)
     num_labels: int  # 0 for embedders
 
@@ -362,13 +376,20 @@ def _check_shapes(config: ModelConfig, head: Head, t: dict[str, np.ndarray]) -> 
 def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str, np.ndarray]]:
     """The manifest body and canonical tensors of a HF directory (nothing written)."""
     src = Path(src_dir)
-    config = _config_from_hf(src)
-    head = _head_from_hf(src, config)
     tok = src / TOKENIZER_NAME
-    if not tok.exists():
-        raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
-    tensors = _load_hf_tensors(src, required_tensors(config, head))
-    _check_shapes(config, head, tensors)
+    if _read_json(src / "config.json").get("model_type") == "qwen3":
+        if not tok.exists():
+            raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
+        from workers.ane.manifest_qwen3 import config_head_tensors  # its own config and names
+
+        config, head, tensors = config_head_tensors(src)
+    else:
+        config = _config_from_hf(src)
+        head = _head_from_hf(src, config)
+        if not tok.exists():
+            raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
+        tensors = _load_hf_tensors(src, required_tensors(config, head))
+        _check_shapes(config, head, tensors)
     records = {
         name: TensorRecord(dtype="float32", shape=list(arr.shape), sha256=tensor_digest(arr))
         for name, arr in sorted(tensors.items())

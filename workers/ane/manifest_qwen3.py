@@ -1,0 +1,217 @@
+"""The owned manifest of a Qwen3 embedder (Qwen3-Embedding: a causal decoder pooled at the
+`<|endoftext|>` its tokenizer appends), read from a Hugging Face / sentence-transformers
+directory. `manifest.build_body` hands `model_type: qwen3` directories here; everything else
+about the artifact (digests, files, verification) is the owned format's, unchanged.
+
+What the Qwen3 graph (`builder_qwen3`) computes, and so what is accepted: RMSNorm everywhere
+(per-head q/k norms too), NEOX rotary embeddings over the whole head at `rope_theta`,
+grouped-query attention (`num_key_value_heads`), SwiGLU MLP, no biases, causal attention over
+the whole sequence, last-token pooling. A config asking for anything else (biases, a sliding
+window, rope scaling, another activation, a classifier, another pooling, a Dense module after
+pooling) would be served silently wrong, so it is refused by name.
+
+Weights keep HF's names minus the `model.` prefix Qwen3ForCausalLM adds; the LM head is not
+needed to embed and is left out (its digest would otherwise pin a tensor the graph never reads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from workers.ane.manifest import (
+    Head,
+    ManifestError,
+    ModelConfig,
+    UnsupportedModel,
+    _layout,
+    _read_json,
+)
+
+ARCHITECTURES = ("Qwen3Model", "Qwen3ForCausalLM")
+
+# The longest row the graph is built for. Position and segment ids are compared in fp16
+# inside the graph (the masks and the last-token pick run on the Neural Engine), and fp16
+# holds every integer exactly only up to 2048; the host's own per-input limit for Qwen3 is the
+# same 2048 (the llama.cpp lane's encoder batch), so nothing servable is lost.
+MAX_GRAPH_POSITIONS = 2048
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers 5 nests rope settings under rope_parameters; 4.x kept them top-level.
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", None):
+        raise UnsupportedModel(f"rope scaling {kind!r}: the graph's rotary tables are the "
+                               "unscaled ones")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
+        raise ManifestError(f"config.json: rope_theta {theta!r} is not a positive number")
+    return float(theta)
+
+
+def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ManifestError(f"config.json: {key} missing or not a positive integer")
+    return value
+
+
+def _eos_id(src: Path) -> int:
+    """The id of the token the model pools: the tokenizer's end-of-text token."""
+    cfg_path = src / "tokenizer_config.json"
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    text = cfg.get("eos_token", "<|endoftext|>")
+    if isinstance(text, dict):  # AddedToken serialised as an object
+        text = text.get("content")
+    tok = _read_json(src / "tokenizer.json")
+    ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    ids.update(tok.get("model", {}).get("vocab", {}) or {})
+    if text not in ids:
+        raise ManifestError(f"tokenizer.json has no end-of-text token {text!r}")
+    return int(ids[text])
+
+
+def config_from_hf(src: Path) -> ModelConfig:
+    cfg = _read_json(src / "config.json")
+    archs = cfg.get("architectures") or ["Qwen3Model"]
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise UnsupportedModel(f"architectures {archs}: Qwen3 embedders only "
+                               f"({', '.join(ARCHITECTURES)}); Qwen3 classifiers are not built")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: the MLP is SwiGLU (silu)")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModel("attention_bias: the graph's q/k/v/o projections have no biases")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModel("use_sliding_window: the graph attends to the whole sequence")
+    hidden = _positive(cfg, "hidden_size")
+    heads = _positive(cfg, "num_attention_heads")
+    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise UnsupportedModel(f"num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv_heads}")
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ManifestError(f"config.json: head_dim {head_dim!r} is not a positive even integer "
+                            "(rotary embeddings rotate half of it)")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, int | float) or eps <= 0:
+        raise ManifestError(f"config.json: rms_norm_eps {eps!r} is not a positive number")
+    max_pos = min(_positive(cfg, "max_position_embeddings"), MAX_GRAPH_POSITIONS)
+    max_seq = _layout(src).max_seq_length or max_pos
+    return ModelConfig(
+        architecture=archs[0],
+        vocab_size=_positive(cfg, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=_positive(cfg, "num_hidden_layers"),
+        num_heads=heads,
+        intermediate_size=_positive(cfg, "intermediate_size"),
+        max_positions=max_pos,
+        type_vocab_size=0,  # a decoder has no token types: the graph takes none
+        layer_norm_eps=float(eps),  # RMSNorm's epsilon
+        hidden_act="silu",
+        # Padding positions carry the end-of-text id: any valid id serves (never pooled,
+        # never attended to by a real token).
+        pad_token_id=_eos_id(src),
+        max_seq_length=min(max_seq, max_pos),
+        num_kv_heads=kv_heads,
+        attention_head_dim=head_dim,
+        rope_theta=_rope_theta(cfg),
+    )
+
+
+def head_from_hf(src: Path) -> Head:
+    layout = _layout(src)
+    if layout.dense_dirs:
+        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: "
+                               "not built")
+    if layout.pooling_modes != ("lasttoken",):
+        # A causal decoder's early tokens never see the later ones: only the last token
+        # (the appended end-of-text) has read the whole input.
+        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: Qwen3 embedders pool "
+                               "the last token (sentence-transformers 'lasttoken')")
+    return Head(type="embed_last", pooling="last", normalize=layout.normalize, num_labels=0)
+
+
+def required_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph reads, with the shape the config implies."""
+    h, ff, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,),
+    }
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (ff, h),
+            p + "mlp.up_proj.weight": (ff, h),
+            p + "mlp.down_proj.weight": (h, ff),
+        }
+    return shapes
+
+
+def _weight_files(src: Path) -> list[Path]:
+    single = src / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ManifestError(f"{index.name}: {e}") from e
+        return [src / n for n in names]
+    raise ManifestError(f"{src}: no model.safetensors (or sharded index)")
+
+
+def _ignored(name: str) -> bool:
+    return name.startswith("lm_head.") or name.endswith("rotary_emb.inv_freq")
+
+
+def load_tensors(src: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The graph's tensors, float32, canonical names; anything else a Qwen3 checkpoint holds
+    besides the LM head is refused (a tensor the graph ignores would change what it means)."""
+    expect = required_tensors(config)
+    out: dict[str, np.ndarray] = {}
+    extra: list[str] = []
+    for path in _weight_files(src):
+        try:
+            with safe_open(str(path), "np") as f:
+                for name in f.keys():
+                    canon = name.removeprefix("model.")
+                    if _ignored(canon):
+                        continue
+                    if canon not in expect:
+                        extra.append(name)
+                        continue
+                    out[canon] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise ManifestError(f"{path.name}: {e}") from e
+    if extra:
+        raise UnsupportedModel(f"tensors the Qwen3 graph does not use: {sorted(extra)[:5]}")
+    missing = [n for n in expect if n not in out]
+    if missing:
+        raise ManifestError(f"the weights lack {missing[:3]} ({len(missing)} missing)")
+    for name, shape in expect.items():
+        if out[name].shape != shape:
+            raise ManifestError(f"{name}: shape {out[name].shape}, config implies {shape}")
+    return out
+
+
+def config_head_tensors(src: Path) -> tuple[ModelConfig, Head, dict[str, np.ndarray]]:
+    config = config_from_hf(src)
+    head = head_from_hf(src)
+    return config, head, load_tensors(src, config)
