@@ -47,7 +47,7 @@ from host.lane_policy import (
 )
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
-from host.tokenization import Tokenizer
+from host.tokenization import Encoded, Tokenizer
 from ingest.errors import ArtifactError, ArtifactNotFound
 from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
 from ingest.owned import ensure_owned
@@ -100,6 +100,7 @@ class EmbedResult:
     model: str
     truncated: list[bool]
     prompt: str = ""  # the text prepended to every input (the model's default, if it has one)
+    n_tokens: Sequence[int] = ()  # per input, what was embedded (the prompt's tokens included)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ class RerankResult:
     usage: Usage
     model: str
     method: str  # "cross-encoder" or "bi-encoder-cosine"
+    # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
+    # and whether the document (or the query, in its pair) was cut to fit.
+    n_tokens: Sequence[int] = ()
+    truncated: Sequence[bool] = ()
 
 
 @dataclass(frozen=True)
@@ -460,21 +465,27 @@ class Module:
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        truncation_direction: str = "right",
     ) -> EmbedResult:
         """Embed `texts` with a prompt prepended to each, as sentence-transformers'
         `encode(prompt_name=..., prompt=...)` does: `prompt` as given (`""`: none), else the
         model's prompt named `prompt_name`, else its default prompt, else none. The prompt's
-        tokens count against the limit and in `usage`."""
+        tokens count against the limit and in `usage`. An input over the limit is cut at the
+        `truncation_direction` end ("right" or "left"; see host.tokenization)."""
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._get(model, DEFAULT_EMBED, "embed", lane)
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
-        encoded = served.tokenizer.encode(batch, truncate=truncate, prompt=text_prompt)
+        encoded = served.tokenizer.encode(
+            batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
+        )
         with self.admission.reserve(encoded.total_tokens):
             vectors = await self._embed_ids(served, encoded.ids, normalize, deadline_s)
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
-        return EmbedResult(vectors, usage, served.record.name, encoded.truncated, text_prompt)
+        return EmbedResult(
+            vectors, usage, served.record.name, encoded.truncated, text_prompt, encoded.n_tokens
+        )
 
     def prompt(
         self, model: str | None = None, prompt_name: str | None = None, prompt: str | None = None
@@ -583,26 +594,30 @@ class Module:
         truncate: bool = True,
         deadline_s: float | None = None,
         lane: str | None = None,
+        *,
+        truncation_direction: str = "right",
+        max_doc_tokens: int | None = None,
     ) -> RerankResult:
+        """Over-long pairs are cut at the `truncation_direction` end (document first, see
+        host.tokenization); `max_doc_tokens` caps every document's own tokens first."""
         docs = list(documents)
         self.admission.check_inputs([query], "query")
         self.admission.check_inputs(docs, "document")
+        if max_doc_tokens is not None and max_doc_tokens < 1:
+            raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
         served = await self._get(model, DEFAULT_EMBED, lane=lane)
+        cut = (truncate, truncation_direction, max_doc_tokens)
         if served.record.kind == "rerank" and served.lane_kind == "ane":
-            scores, tokens = await self._cross_encode_owned(
-                served, query, docs, truncate, deadline_s
-            )
+            scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
+            tokens = encoded.total_tokens
             method = "cross-encoder"
         elif served.record.kind == "rerank":
-            scores, tokens = await self._cross_encode(served, query, docs, truncate, deadline_s)
+            scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
+            tokens = encoded.total_tokens
             method = "cross-encoder"
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
-            result = await self.embed(
-                [query, *docs], served.record.name, True, truncate, deadline_s, served.lane_kind
-            )
-            scores = result.vectors[1:] @ result.vectors[0]
-            tokens = result.usage.total_tokens
+            scores, encoded, tokens = await self._bi_encode(served, query, docs, cut, deadline_s)
             method = "bi-encoder-cosine"
         else:
             raise InvalidRequest(f"model {served.record.name!r} cannot rerank")
@@ -612,13 +627,46 @@ class Module:
                 raise InvalidRequest("top_n must be >= 1")
             order = order[:top_n]
         results = [(int(i), float(scores[i])) for i in order]
-        return RerankResult(results, Usage(tokens, tokens), served.record.name, method)
+        return RerankResult(
+            results, Usage(tokens, tokens), served.record.name, method,
+            list(encoded.n_tokens), list(encoded.truncated),
+        )
+
+    async def _bi_encode(
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ) -> tuple[np.ndarray, Encoded, int]:
+        """The cosine of the query's and each document's embedding (each with the model's
+        default prompt, as `embed` applies it); (scores, the documents' encoding, tokens)."""
+        truncate, direction, max_doc_tokens = cut
+        tok = served.tokenizer
+        prompt = resolve_prompt(served.record, None, None)
+        try:
+            q = tok.encode([query], truncate, prompt=prompt, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input 0", "the query", "query") from None
+        try:
+            d = tok.encode(docs, truncate, prompt=prompt, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input ", "document ", "documents") from None
+        if max_doc_tokens is not None:
+            cap = max(tok.n_special_pair + 2, max_doc_tokens + tok.n_special_single)
+            if cap < tok.max_tokens and cap < max(d.n_tokens, default=0):
+                capped = tok.encode(docs, True, cap, prompt=prompt, direction=direction)
+                was = d.truncated
+                d = Encoded(capped.ids, capped.n_tokens,
+                            [a or b for a, b in zip(was, capped.truncated, strict=True)])
+        with self.admission.reserve(q.total_tokens + d.total_tokens):
+            vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
+        return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
 
     async def _cross_encode_owned(
-        self, served: _Served, query, docs, truncate: bool, deadline_s: float | None
-    ) -> tuple[np.ndarray, int]:
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ):
         """Owned graphs take composed pairs with real token types (RERANK_SEQUENCES)."""
-        pairs = served.tokenizer.encode_pairs(query, docs, truncate=truncate)
+        truncate, direction, max_doc_tokens = cut
+        pairs = served.tokenizer.encode_pairs(
+            query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens
+        )
         with self.admission.reserve(pairs.total_tokens):
             scores = np.empty(len(docs), dtype=np.float32)
             for chunk in plan_chunks(
@@ -636,12 +684,15 @@ class Module:
                 payload = np.concatenate([pairs.ids[i] for i in chunk])
                 _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
                 scores[chunk.start : chunk.stop] = got
-        return scores, pairs.total_tokens
+        return scores, pairs
 
     async def _cross_encode(
-        self, served: _Served, query, docs, truncate: bool, deadline_s: float | None
-    ) -> tuple[np.ndarray, int]:
-        seg = served.tokenizer.rerank_segments(query, docs, truncate=truncate)
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ):
+        truncate, direction, max_doc_tokens = cut
+        seg = served.tokenizer.rerank_segments(
+            query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens
+        )
         with self.admission.reserve(seg.total_tokens):
             scores = np.empty(len(docs), dtype=np.float32)
             doc_lengths = [len(d) for d in seg.docs]
@@ -658,7 +709,7 @@ class Module:
                 payload = np.concatenate([seg.query, *(seg.docs[i] for i in chunk)])
                 _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
                 scores[chunk.start : chunk.stop] = got
-        return scores, seg.total_tokens
+        return scores, seg
 
     # ---- generation -----------------------------------------------------------------------
 
@@ -702,6 +753,14 @@ class Module:
         return GenerateResult(
             reply.text, reply.n_prompt, reply.n_gen, reply.finish_reason, served.record.name
         )
+
+
+def _renamed(exc: InvalidRequest, old: str, new: str, param: str) -> InvalidRequest:
+    """An over-the-limit error of `Tokenizer.encode` worded for the rerank field it is about."""
+    if "n_tokens" not in exc.details:
+        return exc
+    details = {**exc.details, "param": param}
+    return InvalidRequest(exc.message.replace(old, new, 1), **details)
 
 
 def _check_prompt_args(prompt_name: str | None, prompt: str | None) -> None:

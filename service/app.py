@@ -37,7 +37,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
-from service import completions, disconnect, embeddings, lifecycle, openapi, rerank, status
+from service import (
+    cohere_v2,
+    completions,
+    disconnect,
+    embeddings,
+    lifecycle,
+    openapi,
+    rerank,
+    status,
+    tei,
+    tokens,
+)
 from service.auth import AuthenticationFailed, presented_key
 from service.config import ServeConfig
 from service.disconnect import ClientClosedRequest
@@ -56,6 +67,13 @@ ENDPOINTS = {
     "/v1/rerank",
     "/rerank",
     "/v1/completions",
+    "/v2/embed",
+    "/v2/rerank",
+    "/embed",
+    "/info",
+    "/tokenize",
+    "/detokenize",
+    "/decode",
     "/health",
     "/v1/models",
     "/metrics",
@@ -314,6 +332,12 @@ def create_app(
             "/v1/rerank": rerank.rerank_v1,
             "/rerank": rerank.rerank_tei,
             "/v1/completions": completions.create_completion,
+            "/v2/embed": cohere_v2.embed,
+            "/v2/rerank": cohere_v2.rerank_v2,
+            "/embed": tei.embed,
+            "/tokenize": tokens.tokenize,
+            "/detokenize": tokens.detokenize,
+            "/decode": tokens.detokenize,  # TEI's name for it
         }.items()
     }
     gets = {
@@ -322,6 +346,7 @@ def create_app(
         "/v1/models/{model}": status.get_model,
         "/metrics": status.metrics,
         "/openapi.json": openapi.serve_document,
+        "/info": tei.info,
     }
     # Starlette keeps the POST routes too: a GET to one of them is its 405, with Allow.
     routes = [Route(p, endpoint, methods=["POST"]) for p, endpoint in posts.items()]

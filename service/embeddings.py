@@ -2,30 +2,41 @@
 
 `input` is a string, a list of strings, one token array, or a list of token arrays (ids in
 the model's own vocabulary, embedded as given: no special tokens added). `encoding_format`
-`base64` is little-endian float32, as OpenAI sends it. `dimensions` truncates and renormalizes
+`base64` is little-endian float32, as OpenAI sends it; the extension values `int8`, `uint8`,
+`binary` and `ubinary` are sentence-transformers' quantizations (service/encoding.py), of the
+vectors after any `dimensions` cut. `dimensions` truncates and renormalizes
 only for Matryoshka-trained models (ingested with `--matryoshka-dims`, or listed in the config's
 `matryoshka_models`); asking for the model's full width is always fine; anything else is a 400
 rather than a silently degraded vector.
+
+Extensions (OpenAI clients send them in `extra_body` and ignore what they do not know):
+`prompt_name` / `prompt` (else the model's default prompt; not with token arrays),
+`normalize`, `truncate` and `truncation_direction` (service/truncation.py), and on every item
+answered `n_tokens` and `truncated`.
 """
 
 from __future__ import annotations
 
-import base64
 from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest
 from host.module import DEFAULT_EMBED
+from service.encoding import encode_embeddings, quantization_ranges
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from service.state import ServerState
+from service.truncation import Direction, direction
 
-_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_NAME = (
+    "The model's prompt to prepend to every input (GET /info lists them); omitted: the "
+    "model's default prompt, if it has one"
+)
+_PROMPT = 'The text to prepend to every input, instead of a named prompt ("": none)'
 # `input` decodes as Any (msgspec allows one array type per union) and `parse_input` checks it;
 # this is what it accepts, for the OpenAPI document.
 _INPUT_SCHEMA = {
@@ -38,12 +49,30 @@ _INPUT_SCHEMA = {
 }
 
 
+_FORMATS = (
+    "float: JSON numbers; base64: little-endian float32 bytes; extensions, as "
+    "sentence-transformers' quantize_embeddings: int8 / uint8 (each dimension's range over the "
+    "model's calibration set in 256 buckets, as -128..127 / 0..255), binary / ubinary (one bit "
+    "a dimension, 1 where > 0, packed 8 to a byte, as -128..127 / 0..255; ceil(dims/8) "
+    "numbers). Quantized after any `dimensions` cut."
+)
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     input: Annotated[Any, msgspec.Meta(extra_json_schema=_INPUT_SCHEMA)]
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Annotated[
+        Literal["float", "base64", "int8", "uint8", "binary", "ubinary"],
+        msgspec.Meta(description=_FORMATS),
+    ] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
     user: Any = None  # accepted and ignored, as the issue asks
+    # Extensions (OpenAI clients send them through `extra_body`):
+    normalize: bool = True
+    truncate: bool = True  # false: an input over the limit is a 400 naming it
+    truncation_direction: Direction = "right"
+    prompt_name: Annotated[str, msgspec.Meta(description=_PROMPT_NAME)] | None = None
+    prompt: Annotated[str, msgspec.Meta(description=_PROMPT)] | None = None
 
 
 def parse_input(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -61,6 +90,16 @@ def parse_input(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
     if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in value):
         return None, value
     raise _bad_input()
+
+
+def refuse_prompt_for_ids(prompt_name: str | None, prompt: str | None) -> None:
+    """Token arrays are embedded as given: a prompt asked for cannot be prepended to them."""
+    if prompt_name is not None or prompt:
+        raise InvalidRequest(
+            "token arrays are embedded as given; a prompt cannot be prepended to them: send "
+            "text, or tokenize the prompt into the arrays",
+            param="prompt_name" if prompt_name is not None else "prompt",
+        )
 
 
 def _is_token(x: object) -> bool:
@@ -107,17 +146,6 @@ def is_matryoshka(state: ServerState, model: str) -> bool:
     return bool(state.module.record(model).manifest.matryoshka_dims)
 
 
-def _encode_vector(row: np.ndarray, fmt: str) -> msgspec.Raw | str:
-    if fmt == "base64":
-        return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-    # JSON numbers at float32's own shortest round-trip precision (orjson writes a float32
-    # array that way): each parses back to exactly the float32 the model computed, in about
-    # 10 characters where float64's repr of the same value takes 17-19 (4.7 instead of 8.0 KB
-    # per 384-d vector), and it costs the serving loop a third less. Non-finite -> null, as
-    # before.
-    return msgspec.Raw(orjson.dumps(np.ascontiguousarray(row, np.float32), option=_NUMPY))
-
-
 async def create_embeddings(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, EmbeddingRequest)
     texts, token_arrays = parse_input(req.input)
@@ -125,18 +153,28 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     sched = state.scheduler
     assert sched is not None
     if texts is not None:
-        result = await sched.embed_texts(texts, model)
+        result = await sched.embed_texts(
+            texts, model, req.normalize, req.truncate, prompt_name=req.prompt_name,
+            prompt=req.prompt, direction=direction(req.truncation_direction),
+        )
     else:
-        result = await sched.embed_ids(token_arrays or [], model)
+        refuse_prompt_for_ids(req.prompt_name, req.prompt)
+        result = await sched.embed_ids(token_arrays or [], model, req.normalize)
     matryoshka = req.dimensions is not None and is_matryoshka(state, model)
     vectors = apply_dimensions(result.vectors, req.dimensions, model, matryoshka)
     fmt = req.encoding_format
+    ranges = await quantization_ranges(state.module, model, vectors.shape[1], (fmt,),
+                                       normalize=req.normalize)
+    rows = encode_embeddings(vectors, (fmt,), ranges)[fmt]
     tokens = result.total_tokens
     body = EmbeddingResponse(
         object="list",
         data=[
-            EmbeddingData(object="embedding", index=i, embedding=_encode_vector(row, fmt))
-            for i, row in enumerate(vectors)
+            EmbeddingData(
+                object="embedding", index=i, embedding=row,
+                n_tokens=result.n_tokens[i], truncated=result.truncated[i],
+            )
+            for i, row in enumerate(rows)
         ],
         model=result.model,
         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),

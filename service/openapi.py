@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service import schemas
+from service import cohere_v2, schemas, tei, tokens
 from service.completions import CompletionRequest
 from service.config import ServeConfig
 from service.embeddings import EmbeddingRequest
@@ -55,6 +55,7 @@ class _Op:
     errors: tuple[int, ...] = ()
     protected: bool = True
     ok_status: tuple[int, ...] = (200,)
+    query: tuple[str, ...] = ()  # optional string query parameters
 
 
 def operations(config: ServeConfig) -> list[_Op]:
@@ -67,6 +68,20 @@ def operations(config: ServeConfig) -> list[_Op]:
             list[schemas.TeiRerankItem], TeiRerankRequest, _INFERENCE_ERRORS),
         _Op("/v1/completions", "post", "Short greedy generation (OpenAI completion shape)",
             schemas.CompletionResponse, CompletionRequest, _INFERENCE_ERRORS),
+        _Op("/v2/embed", "post", "Embed texts (Cohere v2 shape)",
+            cohere_v2.CohereEmbedResponse, cohere_v2.CohereEmbedRequest, _INFERENCE_ERRORS),
+        _Op("/v2/rerank", "post", "Rerank documents against a query (Cohere v2 shape)",
+            cohere_v2.CohereRerankResponse, cohere_v2.CohereRerankRequest, _INFERENCE_ERRORS),
+        _Op("/embed", "post", "Embed inputs (TEI shape: a bare list of vectors)",
+            list[list[float]], tei.TeiEmbedRequest, _INFERENCE_ERRORS),
+        _Op("/info", "get", "One model described with TEI's fields", tei.TeiInfo,
+            errors=(400, 404), query=("model",)),
+        _Op("/tokenize", "post", "Tokenize text (TEI shape with `inputs`, vLLM's with `prompt`)",
+            tokens.TokenizeResponse, tokens.TokenizeRequest, _INFERENCE_ERRORS),
+        _Op("/detokenize", "post", "Token ids to text (vLLM shape with `tokens`, TEI's with "
+            "`ids`)", tokens.DetokenizeResponse, tokens.DetokenizeRequest, _INFERENCE_ERRORS),
+        _Op("/decode", "post", "Token ids to text (TEI's name for /detokenize)",
+            tokens.DetokenizeResponse, tokens.DetokenizeRequest, _INFERENCE_ERRORS),
         _Op("/v1/models", "get", "Installed models and aliases", schemas.ModelList),
         _Op("/v1/models/{model}", "get", "One installed model or alias", schemas.ModelEntry,
             errors=(404,)),
@@ -131,6 +146,11 @@ def build_document(config: ServeConfig, auth_enabled: bool) -> dict:
         if op.path.startswith("/v1/models/{model}"):
             operation["parameters"] = [
                 {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ]
+        if op.query:
+            operation["parameters"] = [
+                {"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
+                for q in op.query
             ]
         if not (op.protected and auth_enabled):
             operation["security"] = []

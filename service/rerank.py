@@ -4,7 +4,9 @@ Both call `Module.rerank`. A cross-encoder's raw logit becomes a [0, 1] relevanc
 sigmoid (what sentence-transformers' CrossEncoder does for one label; TEI's `raw_scores`
 skips it). With no cross-encoder installed the module ranks by the embedding model's cosine,
 and the response says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
-header (TEI's body is a bare list).
+header (TEI's body is a bare list). Both take `truncate` and `truncation_direction`
+(service/truncation.py), and every result says its `n_tokens` and whether it was `truncated`.
+Cohere's v2 shape (service/cohere_v2.py) shares `_rerank` and `_score`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from host.errors import InvalidRequest
 from host.module import DEFAULT_EMBED
 from host.module import RerankResult as Ranked
 from service.schemas import (
@@ -28,6 +31,7 @@ from service.schemas import (
     TeiRerankItem,
 )
 from service.state import ServerState
+from service.truncation import Direction, direction, name_field
 
 BI_ENCODER_NOTE = (
     "no cross-encoder is installed: scores are the embedding model's cosine similarity "
@@ -46,6 +50,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     return_documents: bool = True
     truncate: bool = True  # extension: over-long pairs are cut, not refused
+    truncation_direction: Direction = "right"  # extension
 
 
 class TeiRerankRequest(msgspec.Struct, kw_only=True):
@@ -54,6 +59,7 @@ class TeiRerankRequest(msgspec.Struct, kw_only=True):
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool = True
+    truncation_direction: Direction = "right"
     model: str | None = None  # extension: TEI serves one model
 
 
@@ -71,24 +77,43 @@ def _json(payload: object, headers: dict | None = None) -> Response:
     return Response(msgspec.json.encode(payload), media_type="application/json", headers=headers)
 
 
-async def _rerank(state: ServerState, model, query, docs, top_n, truncate) -> Ranked:
-    name = state.resolve(model, DEFAULT_EMBED)
+async def _rerank(
+    state: ServerState, req, docs: list[str], top_n: int | None, param: str,
+    max_doc_tokens: int | None = None, hint: str | None = None,
+) -> Ranked:
+    """`Module.rerank` for a decoded request (`query`, `model`, `truncate`,
+    `truncation_direction`); an over-the-limit error names the request's `param` field."""
+    name = state.resolve(req.model, DEFAULT_EMBED)
     assert state.module is not None and state.scheduler is not None
     module = state.module
-    return await state.scheduler.unbatched(
-        "rerank", lambda: module.rerank(query, docs, name, top_n=top_n, truncate=truncate)
-    )
+
+    def call():
+        return module.rerank(
+            req.query, docs, name, top_n=top_n, truncate=req.truncate,
+            truncation_direction=direction(req.truncation_direction),
+            max_doc_tokens=max_doc_tokens,
+        )
+
+    try:
+        return await state.scheduler.unbatched("rerank", call)
+    except InvalidRequest as exc:
+        # No document index: the query alone is over the limit.
+        about_query = exc.details.get("param") == "query" or "index" not in exc.details
+        field = "query" if about_query else param
+        raise name_field(exc, field, hint) from None
 
 
 async def rerank_v1(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, RerankRequest)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    result = await _rerank(state, req.model, req.query, docs, req.top_n, req.truncate)
+    result = await _rerank(state, req, docs, req.top_n, "documents")
     results = [
         RerankResult(
             index=index,
             relevance_score=_score(result, raw, False),
             document=RerankedDocument(text=docs[index]) if req.return_documents else None,
+            n_tokens=result.n_tokens[index],
+            truncated=result.truncated[index],
         )
         for index, raw in result.results
     ]
@@ -105,12 +130,14 @@ async def rerank_v1(request: Request, state: ServerState) -> Response:
 
 async def rerank_tei(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, TeiRerankRequest)
-    result = await _rerank(state, req.model, req.query, req.texts, None, req.truncate)
+    result = await _rerank(state, req, req.texts, None, "texts")
     out = [
         TeiRerankItem(
             index=index,
             score=_score(result, raw, req.raw_scores),
             text=req.texts[index] if req.return_text else None,
+            n_tokens=result.n_tokens[index],
+            truncated=result.truncated[index],
         )
         for index, raw in result.results
     ]

@@ -9,7 +9,7 @@ forbids extra fields: a client must accept additions.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -47,7 +47,14 @@ class ErrorResponse(_Body):
 class EmbeddingData(_Body):
     object: Literal["embedding"]
     index: int
-    embedding: list[float] | str  # floats, or base64 little-endian float32
+    # JSON Schema's "number" takes integers too: the quantized formats fit list[float].
+    embedding: Annotated[list[float] | str, msgspec.Meta(description=(
+        "float: numbers; base64: little-endian float32 bytes, base64; int8 / binary: integers "
+        "-128..127; uint8 / ubinary: integers 0..255 (binary and ubinary: ceil(dims/8) "
+        "packed bytes)"))]
+    # Extensions OpenAI clients ignore: what was embedded, and whether the input was cut.
+    n_tokens: int
+    truncated: bool
 
 
 class EmbeddingUsage(_Body):
@@ -72,6 +79,8 @@ class RerankedDocument(_Body):
 class RerankResult(_Body):
     index: int
     relevance_score: float
+    n_tokens: int  # extension: the tokens scored for this document (its pair's)
+    truncated: bool  # extension: the document (or the query in its pair) was cut to fit
     document: RerankedDocument | None = None
 
 
@@ -95,6 +104,8 @@ class RerankResponse(_Body):
 class TeiRerankItem(_Body):
     index: int
     score: float
+    n_tokens: int  # extension, as RerankResult's
+    truncated: bool
     text: str | None = None
 
 

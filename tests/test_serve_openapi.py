@@ -15,6 +15,13 @@ ROUTES = {
     ("/v1/rerank", "post"),
     ("/rerank", "post"),
     ("/v1/completions", "post"),
+    ("/v2/embed", "post"),
+    ("/v2/rerank", "post"),
+    ("/embed", "post"),
+    ("/info", "get"),
+    ("/tokenize", "post"),
+    ("/detokenize", "post"),
+    ("/decode", "post"),
     ("/v1/models", "get"),
     ("/v1/models/{model}", "get"),
     ("/v1/models/{model}/load", "post"),
@@ -87,6 +94,7 @@ def test_configured_generation_limit_is_stated():
     # ... and building it never mutates the struct's own schema for the next document.
     (_,), comps = msgspec.json.schema_components([CompletionRequest])
     assert "maximum" not in comps["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+
 
 def test_lifecycle_routes_and_residency_fields_are_described():
     doc = build_document(ServeConfig(), auth_enabled=True)
