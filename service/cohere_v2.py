@@ -26,7 +26,6 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -34,14 +33,15 @@ from host.errors import InvalidRequest, SynapseError
 from host.module import DEFAULT_EMBED
 from service import rerank
 from service.embeddings import apply_dimensions, is_matryoshka
+from service.encoding import encode_embeddings, quantization_ranges
 from service.errors import Unsupported
 from service.state import ServerState
 from service.truncation import name_field
 
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
-# The embedding types this server answers with. Every type a request names becomes vectors in
-# `embeddings_by_type`, the one place to extend.
-EmbeddingType = Literal["float"]
+# Cohere's embedding types, all served: int8/uint8 with the model's calibration ranges and
+# (u)binary packed bits, as sentence-transformers' quantize_embeddings (service.encoding).
+EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 # Which of a model's prompts an input type means: the first one the model has.
 PROMPTS_FOR = {
     "search_query": ("query",),
@@ -51,7 +51,6 @@ PROMPTS_FOR = {
 }
 _CUT = {"END": "right", "START": "left"}
 _HINT = "pass truncate END or START"
-_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -117,6 +116,11 @@ class CohereMeta(_Body):
 
 class CohereEmbeddings(_Body):
     float_: list[list[float]] | None = msgspec.field(default=None, name="float")
+    int8: list[list[int]] | None = None
+    uint8: list[list[int]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None
 
 
 class CohereEmbedResponse(_Body):
@@ -157,17 +161,18 @@ def prompt_for(input_type: str | None, prompts: dict[str, str]) -> str | None:
     return None
 
 
-def embeddings_by_type(vectors: np.ndarray, types: list[str]) -> CohereEmbeddings:
-    """`vectors` in every requested embedding type (the request's `embedding_types`)."""
+async def embeddings_by_type(state: ServerState, model: str, vectors: np.ndarray,
+                             types: list[str]) -> CohereEmbeddings:
+    """`vectors` in every requested embedding type (the request's `embedding_types`); int8 and
+    uint8 use the model's ranges at the served width (a Matryoshka cut included)."""
+    assert state.module is not None
+    types = list(dict.fromkeys(types))
+    ranges = await quantization_ranges(state.module, model, vectors.shape[1], types,
+                                       param="embedding_types")
+    encoded = encode_embeddings(vectors, types, ranges)
     out = CohereEmbeddings()
-    for t in dict.fromkeys(types):
-        if t == "float":
-            # float32's shortest round-trip JSON numbers, as /v1/embeddings writes them.
-            out.float_ = msgspec.Raw(  # type: ignore[assignment]
-                orjson.dumps(np.ascontiguousarray(vectors, np.float32), option=_NUMPY)
-            )
-        else:
-            raise Unsupported(f"embedding type {t!r} is not served", param="embedding_types")
+    for t, rows in encoded.items():
+        setattr(out, "float_" if t == "float" else t, rows)
     return out
 
 
@@ -222,7 +227,8 @@ async def embed(request: Request, state: ServerState) -> Response:
     body = CohereEmbedResponse(
         id=str(uuid.uuid4()),
         response_type="embeddings_by_type",
-        embeddings=embeddings_by_type(vectors, list(req.embedding_types or ["float"])),
+        embeddings=await embeddings_by_type(state, model, vectors,
+                                            list(req.embedding_types or ["float"])),
         texts=req.texts,
         meta=_meta(result.total_tokens, input_tokens=result.total_tokens),
         model=result.model,

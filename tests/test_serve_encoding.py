@@ -107,6 +107,24 @@ def test_openai_client_gets_every_extension_format(server, http, root):
     assert np.array_equal(got, st_quantize(want, "binary"))
 
 
+def test_cohere_client_v2_gets_every_embedding_type(server, http, root):
+    import cohere
+
+    _first_int8(http)  # calibrated (at once when the test above ran first)
+    co = cohere.ClientV2(api_key="unused", base_url=server.url, timeout=300)
+    types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+    resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document",
+                    embedding_types=types)
+    want = _floats(http)
+    got = resp.embeddings
+    np.testing.assert_allclose(np.array(got.float_), want, rtol=0, atol=1e-7)
+    for fmt in QUANTIZED:
+        ranges = _ranges(root, 384) if fmt.endswith("int8") else None
+        assert np.array_equal(np.array(getattr(got, fmt)), st_quantize(want, fmt, ranges=ranges))
+    decoded = np.stack([np.frombuffer(base64.b64decode(b), "<f4") for b in got.base64])
+    assert np.array_equal(decoded, want)
+
+
 def test_dimensions_are_cut_before_quantizing_with_that_widths_ranges(http, root):
     cut = _floats(http, dimensions=128)
     assert np.array_equal(cut, truncate(_floats(http), 128))
