@@ -169,7 +169,12 @@ class ModelEntry(_Body):
     owned_by: str
     kind: str
     dims: int | None
-    max_tokens: int
+    max_tokens: int  # the default cut
+    max_tokens_limit: int  # the most a request may ask for
+    pooling: str | None  # mean | cls | last | rank (null: a generator)
+    prompts: dict[str, str]  # name -> text, prepended by prompt_name / input_type
+    default_prompt_name: str | None  # applied when a request names none
+    matryoshka_dims: list[int]  # widths `dimensions` may cut the vectors to (widest first)
     loaded: bool
     loaded_lanes: list[str]  # the lanes it is loaded on now
     workers: list[ModelWorker]

@@ -67,6 +67,14 @@ def _model_entry(record, loaded: set[str], module) -> dict:
         "kind": man.kind,
         "dims": man.dims if man.kind != "generate" else None,
         "max_tokens": man.max_tokens,
+        # What the model does with a text: the hard limit a request may raise the cut to,
+        # its pooling, the prompts `prompt_name` / Cohere's `input_type` choose from, the
+        # default prompt, and the widths `dimensions` may cut to.
+        "max_tokens_limit": man.max_tokens_limit,
+        "pooling": man.pooling,
+        "prompts": dict(man.prompts or {}),
+        "default_prompt_name": man.default_prompt_name,
+        "matryoshka_dims": list(man.matryoshka_dims or []),
         "precision": lane_precisions(man.kind, man.dtype),  # what each lane computes with
         "loaded": record.name in loaded,
         "lane": choice.lane,

@@ -214,3 +214,14 @@ def test_the_document_describes_every_new_field():
     direction = schemas["EmbeddingRequest"]["properties"]["truncation_direction"]
     assert direction["enum"] == ["Left", "Right", "left", "right"]
     assert schemas["EmbeddingData"]["required"][-2:] == ["n_tokens", "truncated"]
+
+
+def test_v1_models_lists_what_a_model_does_with_a_text(http, prompted_model):
+    # What a client needs to choose a prompt, a cut and a width, from the model itself.
+    from tests.conftest import PROMPTS
+
+    entry = http.get(f"/v1/models/{prompted_model}").json()
+    assert entry["prompts"] == PROMPTS and entry["default_prompt_name"] == "query"
+    assert entry["pooling"] == "mean" and entry["max_tokens_limit"] == 512
+    plain = http.get(f"/v1/models/{MINILM}").json()
+    assert plain["prompts"] == {} and plain["default_prompt_name"] is None
