@@ -123,6 +123,8 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     st = SentenceTransformer(str(dirs["st"]), device="cpu")
     ref_plain = st.encode(TEXTS, normalize_embeddings=True)
     ref_query = st.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
+    print(f"min cos: plain {_cos(plain, ref_plain).min():.7f}, "
+          f"prompted {_cos(query, ref_query).min():.7f}")
     assert _cos(plain, ref_plain).min() >= 0.9999, _cos(plain, ref_plain).min()
     assert _cos(query, ref_query).min() >= 0.9999, _cos(query, ref_query).min()
     # The bar discriminates: a missing prompt, mean pooling, a shorter cut, a lost EOS.
