@@ -39,6 +39,7 @@ import inspect
 import logging
 import math
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import psutil
 
 from host.errors import ConfigInvalid, InsufficientMemory, ModelNotFound, SynapseError
 
@@ -150,16 +152,13 @@ class ResidencyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def machine_available_mb() -> float | None:
-    """What the OS would still give this process tree, in MiB: MemAvailable, or less under a
-    cgroup v2 limit (its limit less its usage, reclaimable page cache counted free); None
-    where neither can be read (not Linux)."""
+    """What the OS would still give this process tree, in MiB: its available memory (psutil:
+    MemAvailable on Linux, free + inactive on macOS), or less under a cgroup v2 limit (Linux:
+    its limit less its usage, reclaimable page cache counted free); None if unreadable."""
     found: list[float] = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) / 1024)
-                break
-    except (OSError, ValueError, IndexError):
+        found.append(psutil.virtual_memory().available / MIB)
+    except (OSError, RuntimeError):
         pass
     cgroup = _cgroup_available_mb()
     if cgroup is not None:
@@ -168,6 +167,8 @@ def machine_available_mb() -> float | None:
 
 
 def _cgroup_available_mb() -> float | None:
+    if sys.platform != "linux":  # cgroups are Linux's; elsewhere the OS figure is all there is
+        return None
     try:
         rel = next(
             line.split(":", 2)[2]
