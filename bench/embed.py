@@ -340,6 +340,7 @@ async def _bench(
         "repeats": repeats,
         "load_avg_1m": round(os.getloadavg()[0], 2),  # this machine is shared: context
         "seconds_per_repeat": {k: round(statistics.median(v), 3) for k, v in times.items()},
+        "seconds_all": {k: [round(x, 2) for x in v] for k, v in times.items()},  # in run order
         "plan": plan,
         "embed": {
             "lane_sentences_per_s": round(rate["lane"], 2),
