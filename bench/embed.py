@@ -24,9 +24,10 @@ vectors. Generation tokens/s (lane vs in-process, `generate_ratio` >= 0.95) foll
 store has the default generation model.
 
 `plan` says how the lane cut the texts (EMBED_BATCHes, decodes, tokens per decode, streams,
-n_ubatch...) and `openblas_core` which kernels the system OpenBLAS picked for llama.cpp's
-BLAS backend (a generic "Prescott" means SSE3 matmuls: see `openblas_cores`): what to read
-first when the lane is slow.
+n_ubatch...) and `openblas_core` which kernels the system OpenBLAS runs llama.cpp's BLAS
+backend on in this process (a generic "Prescott" means SSE3 matmuls; workers.llama.openblas_core
+names the AVX kernels an older OpenBLAS does not pick by itself, in the workers and here):
+what to read first when the lane is slow.
 
 `run_bench(...)` is the same run as a function (bench.real_sizes and the tests call it).
 """
@@ -129,6 +130,10 @@ def _runtime_config(record: ModelRecord, threads: int) -> dict:
 def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target: Target,
                 texts: list[str], generate: bool):
     from host.tokenization import Tokenizer
+    from workers.llama import openblas_core
+
+    # The same kernel choice the lane's workers make, before llama_cpp loads OpenBLAS here.
+    openblas_core.apply()
     from workers.llama.engine import LlamaEngine
 
     engine = LlamaEngine()
