@@ -1,4 +1,5 @@
-"""The owned Core ML model format: a Hugging Face BERT-family directory ingested once into
+"""The owned Core ML model format: a Hugging Face directory (or, for a model that has only
+one, a GGUF file's f16/f32 tensors: `workers.ane.manifest_gguf`) ingested once into
 
     <artifact>/manifest.json        what the graph builder needs, and digests of everything
     <artifact>/weights.safetensors  the tensors the head uses, canonical names, float32
@@ -93,6 +94,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     num_kv_heads: int | None = None
     attention_head_dim: int | None = None
     rope_theta: float | None = None
+    # The position table's row for position 0 when it is not the family's own: a GGUF's
+    # XLM-RoBERTa table was already cut past the padding rows by its converter, so it is 0
+    # there. None (left out of the manifest and its digest) means the family's default.
+    first_position_row: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +117,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     def position_offset(self) -> int:
         """Rows of the position table before position 0: HF numbers XLM-RoBERTa positions
         from `pad_token_id + 1` (the rows below are never looked up), BERT's from 0."""
+        if self.first_position_row is not None:
+            return self.first_position_row
         return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
 
     @property
@@ -390,34 +397,73 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
             raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
         tensors = _load_hf_tensors(src, required_tensors(config, head))
         _check_shapes(config, head, tensors)
+    return body_of(config, head, tensors, tok), tensors
+
+
+def body_of(config: ModelConfig, head: Head, tensors: dict[str, np.ndarray],
+            tokenizer: Path) -> ManifestBody:
+    """The manifest body naming `config`, `head`, every tensor's digest and the tokenizer's."""
     records = {
         name: TensorRecord(dtype="float32", shape=list(arr.shape), sha256=tensor_digest(arr))
         for name, arr in sorted(tensors.items())
     }
-    body = ManifestBody(
+    return ManifestBody(
         format=FORMAT,
         format_version=FORMAT_VERSION,
         config=config,
         head=head,
-        tokenizer=FileRecord(file=TOKENIZER_NAME, sha256=sha256_file(tok)),
+        tokenizer=FileRecord(file=TOKENIZER_NAME, sha256=sha256_file(tokenizer)),
         weights_file=WEIGHTS_NAME,
         tensors=records,
     )
-    return body, tensors
 
 
-def ingest_owned(src_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Manifest:
-    """Ingest a HF BERT or XLM-RoBERTa directory into the owned format at `out_dir`
-    (atomically: built in a sibling temp dir, then renamed). An existing artifact at `out_dir`
-    with the same digest is verified and reused; anything else already there is an error."""
-    src, out = Path(src_dir), Path(out_dir)
-    body, tensors = build_body(src)
+def ingest_owned(
+    src: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    pooling: str | None = None,
+    max_seq_length: int | None = None,
+) -> Manifest:
+    """Ingest a HF BERT, XLM-RoBERTa or Qwen3 directory, or a GGUF file of those families, into
+    the owned format at `out_dir` (atomically: built in a sibling temp dir, then renamed). An
+    existing artifact at `out_dir` with the same digest is verified and reused; anything else
+    already there is an error.
+
+    A GGUF holds no tokenizer.json and need not state its pooling or default truncation: the
+    caller gives the tokenizer the host serves it with (`tokenizer`) and what the model's
+    record says (`pooling`, `max_seq_length`); see `workers.ane.manifest_gguf`."""
+    path = Path(src)
+    if path.is_file():
+        from workers.ane.manifest_gguf import config_head_tensors  # GGUF names and metadata
+
+        if tokenizer is None:
+            raise ManifestError(f"{path.name}: a GGUF source needs the tokenizer.json the host "
+                                "tokenizes it with")
+        tok = Path(tokenizer)
+        if not tok.is_file():
+            raise ManifestError(f"{tok}: no such tokenizer.json")
+        config, head, tensors = config_head_tensors(path, pooling=pooling,
+                                                    max_seq_length=max_seq_length)
+        body = body_of(config, head, tensors, tok)
+    else:
+        if tokenizer is not None or pooling is not None or max_seq_length is not None:
+            raise ManifestError(f"{path}: a Hugging Face directory states its own tokenizer, "
+                                "pooling and truncation")
+        body, tensors = build_body(path)
+        tok = path / TOKENIZER_NAME
+    return _publish(body, tensors, tok, Path(out_dir))
+
+
+def _publish(body: ManifestBody, tensors: dict[str, np.ndarray], tokenizer: Path,
+             out: Path) -> Manifest:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         weights = tmp / WEIGHTS_NAME
         save_file(tensors, str(weights), metadata={"format": FORMAT})
-        shutil.copyfile(src / TOKENIZER_NAME, tmp / TOKENIZER_NAME)
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         digest = digest_of(body)
         doc = msgspec.to_builtins(body) | {"manifest_digest": digest}
         (tmp / MANIFEST_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
