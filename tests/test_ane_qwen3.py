@@ -322,3 +322,47 @@ async def test_the_module_serves_qwen3_on_the_ane_lane(dirs, engines, reference,
     assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (cos.min(), cos.mean())
     assert identity["kernel_revision"] == kernel_revision("qwen3")
     assert source == "estimate" and share >= 0.99
+
+
+def test_certify_is_provisional_off_a_mac_and_a_mac_run_would_flip_lane_choice(
+        dirs, module_tmp, monkeypatch):
+    import asyncio
+    import tempfile
+
+    from certification.lane_policy import CertificateLanePolicy
+    from certification.runner import RunOptions, certify
+    from certification.store import CertificateStore
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+    from ingest.store import ArtifactStore
+    from tests.test_lane_choice import as_compute_plan_run
+
+    cache = module_tmp / "certify-cache"
+    ArtifactStore(cache / "models").ingest_hf_dir(dirs["st"], "qwen3", dtype="f32")
+    monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(cache))  # the worker's compile cache
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    config = ModuleConfig(store_root=str(cache / "models"),
+                          host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+
+    async def run():
+        async with Module(config) as mod:
+            cert = await certify(mod, RunOptions(
+                model="qwen3", lane="ane", shapes=[PACKED], sample_stride=8,
+                runtime_config_extra={"backend": "reference"}),
+                CertificateStore(cache / "certificates"))
+        mac = CertificateStore(cache / "certificates-mac")
+        mac.save(as_compute_plan_run(cert))
+        async with Module(config, CertificateLanePolicy(mac)) as mod:
+            await mod.embed(TEXTS[:3], model="qwen3")
+            return cert, mod.lane_choices()["qwen3"]
+
+    try:
+        cert, choice = asyncio.run(run())
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert cert.quality == "pass" and cert.failing == [], cert.checks
+    assert cert.status == "provisional" and cert.measurements.placement_source == "estimate"
+    assert cert.key.kernel_revision == kernel_revision("qwen3")
+    assert choice.lane == "ane", choice
+    print(f"\ncertify qwen3: min cos {min(cert.measurements.cosines):.6f}, placement "
+          f"{cert.measurements.placement_share:.4f}")

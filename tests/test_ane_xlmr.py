@@ -411,6 +411,33 @@ def test_certify_on_the_ane_lane_is_provisional_off_a_mac(cache_dir):
     print(f"\ncertify: embed min cos {min(cosines):.6f}, rerank max |diff| "
           f"{max(rerank.measurements.rerank_errors):.2e}, placement "
           f"{embed.measurements.placement_share:.4f} / {rerank.measurements.placement_share:.4f}")
+    # What a Mac's compute-plan run of the same certificates would record: lane choice
+    # (no `lane=`) then serves both models on the Core ML lane.
+    asyncio.run(_served_on_ane_once_certified(cache_dir, [embed, rerank]))
+
+
+async def _served_on_ane_once_certified(cache_dir: Path, certs) -> None:
+    from certification.lane_policy import CertificateLanePolicy
+    from certification.store import CertificateStore
+    from tests.test_lane_choice import as_compute_plan_run
+
+    store = CertificateStore(cache_dir / "certificates-mac")
+    for cert in certs:
+        store.save(as_compute_plan_run(cert))
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    config = ModuleConfig(store_root=str(cache_dir / "models"),
+                          host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SYNAPSE_CACHE_DIR", str(cache_dir))
+            async with Module(config, CertificateLanePolicy(store)) as mod:
+                await mod.embed(TEXTS[:3], model="xlmr")
+                ranked = await mod.rerank("a cat on a mat", TEXTS[:3], model="xlmr-xenc")
+                choices = mod.lane_choices()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert choices["xlmr"].lane == "ane" and choices["xlmr-xenc"].lane == "ane", choices
+    assert ranked.method == "cross-encoder"
 
 
 def test_the_cli_serves_one_model_on_either_lane(cache_dir, monkeypatch, capsys):
