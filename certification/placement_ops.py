@@ -32,10 +32,10 @@ def per_op_estimate(
     """{op type: {"ane": cost, "cpu": cost}} summed over `shapes`, or None if unavailable."""
     try:
         from compile_cache import CompileCache, default_root
+        from formats.owned.manifest import load_manifest
         from workers.ane.builder import BuildOptions
         from workers.ane.compiler import PACKAGE_NAME, cache_key
         from workers.ane.executor import load_package_program
-        from workers.ane.manifest import load_manifest
         from workers.ane.placement import ane_eligible, op_cost
         from workers.ane.program_ir import from_mil
         from workers.ane.shapes import Shape

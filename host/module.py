@@ -221,7 +221,9 @@ class Module:
                 record = self.store.get(name)
                 artifact, digest, fmt = str(record.artifact_path), record.digest, "gguf"
                 if lane == "ane":
-                    owned, digest = ensure_owned(self.store, record)
+                    # A first load builds the owned artifact (seconds of numpy and disk
+                    # work for a real model): in a thread, so the server keeps answering.
+                    owned, digest = await asyncio.to_thread(ensure_owned, self.store, record)
                     artifact, fmt = str(owned), "coreml-owned"
             except ArtifactNotFound as exc:
                 raise ModelNotFound(exc.msg, model=name) from None

@@ -2,10 +2,9 @@
 
 `<cache>/owned/<name>-<digest>/` holds manifest.json (with `manifest_digest`), weights and
 tokenizer, keyed by the model record's digest as well as its name: a model removed and
-ingested again from other weights never reuses the old build. They are built by the Core ML
-worker package's own ingest (`workers.ane.manifest.ingest_owned`). The host never imports
-workers (dependency direction), so the ingest runs in a subprocess — it happens once per
-model — and the host reads only the manifest's digest.
+ingested again from other weights never reuses the old build. The format is shared with the
+Core ML worker (`formats.owned`); the build runs here, once per model, and is blocking file
+and numpy work: `Module.load` runs `ensure_owned` in a thread, off the event loop.
 
 The source is the Hugging Face directory the record was converted from when it has one (the
 checkpoint's own weights, whatever precision the GGUF was written at); a model ingested as a
@@ -19,22 +18,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
 from filelock import FileLock
 
+from formats.owned.manifest import ingest_owned
 from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
 from ingest.gguf_model import read_header
 from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord
-
-_INGEST = (
-    "import json, sys; from workers.ane.manifest import ingest_owned; "
-    "print(ingest_owned(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3])).digest)"
-)
 
 
 def hf_source(record: ModelRecord) -> Path | None:
@@ -100,21 +93,20 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
             need = owned_build_bytes(record)
             require_space(out.parent, need, f"the Core ML build of {record.name!r}",
                           "load it again")
-            proc = subprocess.run(
-                [sys.executable, "-c", _INGEST, str(src), str(out), json.dumps(kwargs)],
-                capture_output=True, text=True, timeout=600,
-            )
-            if proc.returncode != 0:
+            try:
+                ingest_owned(src, out, **kwargs)
+            # Any failure of the build is this model's as given (an unsupported config, a
+            # quantized or unreadable tensor, a full disk): the load fails typed, naming it.
+            except Exception as exc:
                 # The ingest removed its temp dir: what is free now is what it had.
                 if free_bytes(out.parent) < need:
                     raise StorageFull(
                         f"the disk under {out.parent} filled up during the Core ML build of "
                         f"{record.name!r}; nothing of it was kept, {mib(free_bytes(out.parent))}"
                         f" are free: free some space and load it again"
-                    )
-                raise ArtifactInvalid(
-                    f"{record.name}: Core ML ingest failed: {proc.stderr[-800:]}"
-                )
+                    ) from None
+                raise ArtifactInvalid(f"{record.name}: Core ML ingest failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
     try:
         return out, json.loads(manifest.read_text())["manifest_digest"]
     except (OSError, ValueError, KeyError) as exc:

@@ -1,5 +1,5 @@
 """The Core ML lane for models that exist only as a GGUF file: the owned artifact is built from
-the GGUF's f16/f32 tensors and metadata (`workers.ane.manifest_gguf`), with the tokenizer the
+the GGUF's f16/f32 tensors and metadata (`formats.owned.manifest_gguf`), with the tokenizer the
 host derived from the GGUF and proved equal to llama.cpp's at ingest.
 
 Tiny seeded BERT, XLM-RoBERTa and Qwen3 models (embedders, and BERT and XLM-RoBERTa cross-
@@ -23,6 +23,9 @@ from certification.corpus import corpus
 from certification.reference.cross_encoder import minilm_dir
 from certification.thresholds import thresholds_for
 from certification.tokenizer_proof import prove_gguf_tokenizer
+from formats.owned.gguf_weights import QuantizedTensor
+from formats.owned.manifest import Manifest, ingest_owned, load_manifest
+from formats.owned.manifest_gguf import UnsupportedArchitecture
 from host.sanitize import sanitize
 from ingest.errors import ArtifactInvalid
 from ingest.hf_dir import convert_hf_dir
@@ -33,9 +36,6 @@ from tests.test_ane_qwen3 import _qwen3
 from tests.test_ane_xlmr import _config as _xlmr_config
 from tests.test_ane_xlmr import _unigram_tokenizer
 from workers.ane.engine import AneEngine
-from workers.ane.gguf_weights import QuantizedTensor
-from workers.ane.manifest import Manifest, ingest_owned, load_manifest
-from workers.ane.manifest_gguf import UnsupportedArchitecture
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

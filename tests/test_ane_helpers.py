@@ -22,8 +22,8 @@ import tokenizers
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from certification.reference.cross_encoder import build_test_cross_encoder, minilm_dir
+from formats.owned.manifest import Manifest, ingest_owned
 from workers.ane.engine import AneEngine
-from workers.ane.manifest import Manifest, ingest_owned
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

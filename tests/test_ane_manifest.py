@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from certification.reference.cross_encoder import minilm_dir
-from tests import test_ane_helpers as h
-from workers.ane.manifest import (
+from formats.owned.manifest import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
@@ -21,6 +20,7 @@ from workers.ane.manifest import (
     ingest_owned,
     load_manifest,
 )
+from tests import test_ane_helpers as h
 
 
 def test_minilm_manifest() -> None:

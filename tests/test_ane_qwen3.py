@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from certification.corpus import corpus
+from formats.owned.manifest import Manifest, UnsupportedModel, build_body, ingest_owned
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from tests.test_hf_qwen3 import HIDDEN, PROMPTS, _save_st, _tokenizer
@@ -23,7 +24,6 @@ from workers.ane.engine import AneEngine
 from workers.ane.executor import load_executor
 from workers.ane.fp16 import FP16_MAX
 from workers.ane.identity import KERNEL_REVISION, kernel_revision
-from workers.ane.manifest import Manifest, UnsupportedModel, build_body, ingest_owned
 from workers.ane.packing import feeds_for, gather_rows, plan
 from workers.ane.shapes import Shape
 from workers.engine import NullProgress

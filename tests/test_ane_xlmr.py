@@ -22,6 +22,7 @@ import pytest
 
 from certification.corpus import corpus
 from certification.thresholds import thresholds_for
+from formats.owned.manifest import Manifest, UnsupportedModel, ingest_owned
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
@@ -30,7 +31,6 @@ from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import cache_key
 from workers.ane.engine import AneEngine
 from workers.ane.identity import KERNEL_REVISION, kernel_revision
-from workers.ane.manifest import Manifest, UnsupportedModel, ingest_owned
 from workers.ane.shapes import Shape
 from workers.engine import NullProgress
 from workers.protocol import messages as m

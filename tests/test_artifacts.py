@@ -473,8 +473,8 @@ def _as_sentence_transformers_6(src: Path, dst: Path) -> Path:
 
 
 def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_path: Path) -> None:
+    from formats.owned.manifest import _config_from_hf, _head_from_hf
     from host.tokenization import model_limits
-    from workers.ane.manifest import _config_from_hf, _head_from_hf
 
     native = _as_sentence_transformers_6(MINILM, tmp_path / "st6")
     s = ArtifactStore(tmp_path / "models")

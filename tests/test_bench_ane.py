@@ -12,8 +12,8 @@ import pytest
 
 from bench.ane import Subject, main, run_model, run_real_size, run_store_model, shapes_for
 from bench.real_sizes import SHAPES, ensure_dir
+from formats.owned.manifest import ingest_owned
 from ingest.store import ArtifactStore
-from workers.ane.manifest import ingest_owned
 
 pytestmark = pytest.mark.model
 

@@ -149,3 +149,25 @@ async def test_ane_cross_encoder_uses_real_token_types(
     ref = BertReference.from_dir(cross_encoder_store).score_many(pairs.ids, pairs.token_type_ids)
     got = np.array([dict(result.results)[i] for i in range(len(docs))])
     assert np.abs(got - ref).max() <= 5e-3
+
+
+async def test_the_first_core_ml_build_runs_off_the_event_loop(tmp_path, short_runtime_dir):
+    # A fresh store: no owned artifact yet, so this load builds one (the f32 weights, the
+    # digest): the loop must keep running meanwhile, seen as a moment when the build's temp
+    # dir exists and its manifest does not yet.
+    store = ArtifactStore(tmp_path / "models")
+    store.ingest_hf_dir(MINILM_DIR, name="mini", dtype="f16")
+    owned = tmp_path / "owned"
+    seen_building = False
+
+    async with Module(module_config(str(store.root), short_runtime_dir)) as mod:
+        load = asyncio.create_task(mod.load("mini", "ane", {
+            "backend": "reference", "shapes": [{"rows": 1, "seq_len": 16}]}))
+        while not load.done():
+            temp = list(owned.glob(".mini-*.*")) if owned.is_dir() else []
+            if any(p.is_dir() for p in temp) and not list(owned.glob("mini-*/manifest.json")):
+                seen_building = True
+            await asyncio.sleep(0.005)
+        await load
+        assert (await mod.embed(["a cat"], model="mini", lane="ane")).vectors.shape == (1, 384)
+    assert seen_building, "the event loop did not run while the owned artifact was built"

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from formats.owned.manifest import Manifest, classifier_layers
 from workers.ane.build_options import BuildOptions
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
 from workers.ane.identity import (  # noqa: F401  (re-exported for callers of the builder)
@@ -48,7 +49,6 @@ from workers.ane.identity import (  # noqa: F401  (re-exported for callers of th
     KERNEL_REVISION,
     PRECISION,
 )
-from workers.ane.manifest import Manifest, classifier_layers
 from workers.ane.shapes import Shape
 
 # KERNEL_REVISION (workers.ane.identity) names this graph: bump it whenever the graph changes.

@@ -49,10 +49,10 @@ import math
 
 import numpy as np
 
+from formats.owned.manifest import Manifest, ModelConfig
 from workers.ane.build_options import BuildOptions
 from workers.ane.builder import MASK_BIAS, convert_and_save, truncate_mantissa  # noqa: F401
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
-from workers.ane.manifest import Manifest, ModelConfig
 from workers.ane.shapes import Shape
 
 # The residual stream's scale. 2^-6 keeps true values up to 4.2e6 inside fp16 (Qwen-family

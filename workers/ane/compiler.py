@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from compile_cache import CompileCache, Entry, EntryEvicted, Lease, make_key
+from formats.owned.manifest import Manifest
 from workers.ane.backends import Backend, BackendOpenFailed, ShapeRunner
 from workers.ane.executor import UnsupportedOp
 from workers.ane.identity import (
@@ -37,7 +38,6 @@ from workers.ane.identity import (
     coremltools_version,
     kernel_revision,
 )
-from workers.ane.manifest import Manifest
 from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
 

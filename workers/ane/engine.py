@@ -50,6 +50,7 @@ import numpy as np
 
 from compile_cache import CompileCache, CompileCacheError, default_root
 from compile_cache.paths import default_budget
+from formats.owned.manifest import EMBED_HEADS, FORMAT, Manifest, ManifestError, load_manifest
 from workers.ane.backends import (
     Backend,
     BackendOpenFailed,
@@ -69,7 +70,6 @@ from workers.ane.config import (
 from workers.ane.coreml_args import lane_device
 from workers.ane.executor import PackageError, UnsupportedOp
 from workers.ane.identity import KERNEL_REVISION, coremltools_version, kernel_revision
-from workers.ane.manifest import EMBED_HEADS, FORMAT, Manifest, ManifestError, load_manifest
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape

@@ -1,5 +1,5 @@
 """The owned Core ML model format: a Hugging Face directory (or, for a model that has only
-one, a GGUF file's f16/f32 tensors: `workers.ane.manifest_gguf`) ingested once into
+one, a GGUF file's f16/f32 tensors: `formats.owned.manifest_gguf`) ingested once into
 
     <artifact>/manifest.json        what the graph builder needs, and digests of everything
     <artifact>/weights.safetensors  the tensors the head uses, canonical names, float32
@@ -387,7 +387,7 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
     if _read_json(src / "config.json").get("model_type") == "qwen3":
         if not tok.exists():
             raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
-        from workers.ane.manifest_qwen3 import config_head_tensors  # its own config and names
+        from formats.owned.manifest_qwen3 import config_head_tensors  # its own config and names
 
         config, head, tensors = config_head_tensors(src)
     else:
@@ -433,10 +433,10 @@ def ingest_owned(
 
     A GGUF holds no tokenizer.json and need not state its pooling or default truncation: the
     caller gives the tokenizer the host serves it with (`tokenizer`) and what the model's
-    record says (`pooling`, `max_seq_length`); see `workers.ane.manifest_gguf`."""
+    record says (`pooling`, `max_seq_length`); see `formats.owned.manifest_gguf`."""
     path = Path(src)
     if path.is_file():
-        from workers.ane.manifest_gguf import config_head_tensors  # GGUF names and metadata
+        from formats.owned.manifest_gguf import config_head_tensors  # GGUF names and metadata
 
         if tokenizer is None:
             raise ManifestError(f"{path.name}: a GGUF source needs the tokenizer.json the host "

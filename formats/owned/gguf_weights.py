@@ -1,5 +1,5 @@
 """A GGUF file's metadata and its f32 / f16 / bf16 tensors as float32 numpy arrays, for the
-owned Core ML ingest of a model that exists only as a GGUF (`workers.ane.manifest_gguf`).
+owned Core ML ingest of a model that exists only as a GGUF (`formats.owned.manifest_gguf`).
 
 The header is read with the project's bounds-checked scanner (`formats.gguf_header`), not
 `gguf.GGUFReader`, which builds every array field element by element (seconds for a 250k-token
@@ -23,7 +23,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from formats.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_gguf_header
-from workers.ane.manifest import ManifestError, UnsupportedModel
+from formats.owned.manifest import ManifestError, UnsupportedModel
 
 _FLOAT_TYPES = {
     GGMLQuantizationType.F32: np.dtype("<f4"),

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from workers.ane.manifest import (
+from formats.owned.manifest import (
     Head,
     ManifestError,
     ModelConfig,

@@ -9,7 +9,7 @@ Families, by `general.architecture`:
   both cut them), so position 0 is row 0 (`ModelConfig.first_position_row`). A cross-encoder is
   rank pooling with `cls` (dense + tanh) and `cls.output` (the classifier), mapped back to
   BERT's pooler + classifier or XLM-RoBERTa's classification head.
-- `qwen3`: Qwen3 embedders (last-token pooled), as `workers.ane.manifest_qwen3` accepts them
+- `qwen3`: Qwen3 embedders (last-token pooled), as `formats.owned.manifest_qwen3` accepts them
   from a directory; rope scaling, a sliding window, biases or any tensor the graph does not
   read are refused by name.
 Any other architecture is refused, named.
@@ -30,9 +30,9 @@ import numpy as np
 from gguf.constants import Keys
 
 from formats.gguf_header import GGUFHeader
-from workers.ane import manifest_qwen3
-from workers.ane.gguf_weights import check_float, read_header, read_tensor
-from workers.ane.manifest import (
+from formats.owned import manifest_qwen3
+from formats.owned.gguf_weights import check_float, read_header, read_tensor
+from formats.owned.manifest import (
     Head,
     ManifestError,
     ModelConfig,
