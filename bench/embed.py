@@ -175,9 +175,9 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target
 
 def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> dict:
     """How the lane cuts this run's texts: EMBED_BATCHes (host.batching.plan_chunks), then
-    each batch's decodes in the engine (workers.llama.engine.plan_decodes), and the context
+    each batch's decodes in the engine (workers.llama.decode_plan.plan_decodes), and the context
     sizes and streams those decodes run with. What to read when the lane is slow."""
-    from workers.llama.engine import plan_decodes
+    from workers.llama.decode_plan import plan_decodes
 
     man = target.record.manifest
     chunks = plan_chunks(lengths, config.max_batch_tokens, config.max_batch_items,
@@ -257,7 +257,7 @@ async def _bench(
     prompt_name: str | None = None,
     baselines: bool = True,
 ) -> dict:
-    from workers.llama.engine import registered_backends  # llama.cpp, as in _in_process
+    from workers.llama.native import registered_backends  # llama.cpp, as in _in_process
 
     store = ArtifactStore(store_root)
     if embed_model in DEFAULT_NAMES or generate:
