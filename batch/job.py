@@ -186,7 +186,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress,
     def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
         try:
             source = windows(spec, ckpt.next_line, opts.window_rows, embedders[0].tokenizer,
-                             opts.truncate, cfg.max_batch_tokens, cfg.max_batch_items,
+                             opts.truncate, cfg.max_worker_batch_tokens, cfg.max_batch_items,
                              ckpt.state["parts"], embedders[0].prompt)
             for window in source:
                 if stop_reader.is_set():

@@ -147,7 +147,7 @@ class EmbedActor:
         cfg = self.module.config
         emb = self.embedder
         window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
-                                 cfg.max_batch_tokens, cfg.max_batch_items, emb.prompt)
+                                 cfg.max_worker_batch_tokens, cfg.max_batch_items, emb.prompt)
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)
         crashed: dict[int, str] = {}
         for group in window.batches:

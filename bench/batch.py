@@ -65,7 +65,7 @@ def ceiling(path: Path, config: ModuleConfig, workers: int) -> dict:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "bench.batch", "--shard", f"{k}/{workers}", "--corpus",
-             str(path), "--max-batch-tokens", str(config.max_batch_tokens),
+             str(path), "--max-worker-batch-tokens", str(config.max_worker_batch_tokens),
              "--max-batch-items", str(config.max_batch_items)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
         )
@@ -137,11 +137,11 @@ def main() -> None:
     parser.add_argument("--skip-ray", action="store_true")
     parser.add_argument("--shard", help=argparse.SUPPRESS)  # internal: one ceiling process
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
-    parser.add_argument("--max-batch-tokens", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--max-worker-batch-tokens", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-batch-items", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.shard:
-        run_shard(args.shard, args.corpus, args.max_batch_tokens, args.max_batch_items)
+        run_shard(args.shard, args.corpus, args.max_worker_batch_tokens, args.max_batch_items)
         return
     ensure_defaults()
     load_before = _load()

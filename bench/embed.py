@@ -156,7 +156,7 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target
         enc = out[embed_model].encode(texts, truncate=True, prompt=target.prompt)
         lengths = enc.n_tokens
         vectors = []
-        for chunk in plan_chunks(lengths, config.max_batch_tokens, config.max_batch_items,
+        for chunk in plan_chunks(lengths, config.max_worker_batch_tokens, config.max_batch_items,
                                  config.host.max_frame, dims):
             req = m.EMBED_BATCH(req_id=0, model_ref=embed_model, pooling=target.pooling,
                                 items=[m.EmbedItem(id=i, n_tokens=lengths[i]) for i in chunk])
@@ -175,12 +175,12 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target
 
 def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> dict:
     """How the lane cuts this run's texts: EMBED_BATCHes (host.batching.plan_chunks), then
-    each batch's decodes in the engine (workers.llama.engine.plan_decodes), and the context
+    each batch's decodes in the engine (workers.llama.decode_plan.plan_decodes), and the context
     sizes and streams those decodes run with. What to read when the lane is slow."""
-    from workers.llama.engine import plan_decodes
+    from workers.llama.decode_plan import plan_decodes
 
     man = target.record.manifest
-    chunks = plan_chunks(lengths, config.max_batch_tokens, config.max_batch_items,
+    chunks = plan_chunks(lengths, config.max_worker_batch_tokens, config.max_batch_items,
                          config.host.max_frame, man.dims)
     mdl = engine._models[target.record.name]  # noqa: SLF001  (a bench reads the engine's plan)
     budget = min(mdl.n_batch, mdl.n_ubatch)
@@ -204,7 +204,7 @@ def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> d
         "n_ubatch": mdl.n_ubatch,
         "n_seq_max": mdl.n_seq_max,
         "causal": mdl.causal,
-        "max_batch_tokens": config.max_batch_tokens,
+        "max_worker_batch_tokens": config.max_worker_batch_tokens,
         "max_batch_items": config.max_batch_items,
     }
 
@@ -257,7 +257,7 @@ async def _bench(
     prompt_name: str | None = None,
     baselines: bool = True,
 ) -> dict:
-    from workers.llama.engine import registered_backends  # llama.cpp, as in _in_process
+    from workers.llama.native import registered_backends  # llama.cpp, as in _in_process
 
     store = ArtifactStore(store_root)
     if embed_model in DEFAULT_NAMES or generate:

@@ -65,7 +65,9 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: HostConfig = msgspec.field(default_factory=HostConfig)
     store_root: str | None = None  # default: the user cache dir (see ingest.store)
     budgets: Budgets = msgspec.field(default_factory=Budgets)
-    max_batch_tokens: int = 4096  # ids per EMBED_BATCH; the worker splits into decodes
+    # Token ids per EMBED_BATCH / RERANK request the host sends one worker; the worker splits
+    # them into decodes. Not the scheduler's coalescing size (`scheduler.max_batch_tokens`).
+    max_worker_batch_tokens: int = 4096
     max_batch_items: int = 256
     max_generate_tokens: int = 64  # policy: short generation only
     planned_workers: int = 2  # llama.cpp threads per worker = cores // planned_workers
@@ -82,7 +84,7 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_batch_items", "max_generate_tokens",
+        for name in ("max_worker_batch_tokens", "max_batch_items", "max_generate_tokens",
                      "planned_workers"):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"module.{name} must be >= 1")
@@ -565,7 +567,7 @@ class Module:
         lengths = [len(x) for x in ids]
         chunks = plan_chunks(
             lengths,
-            self.config.max_batch_tokens,
+            self.config.max_worker_batch_tokens,
             self.config.max_batch_items,
             self.config.host.max_frame,
             served.dims,
@@ -672,8 +674,8 @@ class Module:
         with self.admission.reserve(pairs.total_tokens):
             scores = np.empty(len(docs), dtype=np.float32)
             for chunk in plan_chunks(
-                pairs.n_tokens, self.config.max_batch_tokens, self.config.max_batch_items,
-                self.config.host.max_frame, 1,
+                pairs.n_tokens, self.config.max_worker_batch_tokens,
+                self.config.max_batch_items, self.config.host.max_frame, 1,
             ):
                 req = m.RERANK_SEQUENCES(
                     req_id=0,
@@ -698,7 +700,7 @@ class Module:
         with self.admission.reserve(seg.total_tokens):
             scores = np.empty(len(docs), dtype=np.float32)
             doc_lengths = [len(d) for d in seg.docs]
-            budget = max(1, self.config.max_batch_tokens - len(seg.query))
+            budget = max(1, self.config.max_worker_batch_tokens - len(seg.query))
             for chunk in plan_chunks(
                 doc_lengths, budget, self.config.max_batch_items, self.config.host.max_frame, 1
             ):

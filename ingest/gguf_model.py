@@ -37,7 +37,8 @@ EMBED_ARCHITECTURES = ENCODER_ARCHITECTURES | DECODER_EMBEDDERS
 # llama_pooling_type values as GGUF metadata stores them.
 POOLING_BY_ID = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 EMBED_POOLINGS = ("mean", "cls", "last")
-ITEM_LIMIT = 2048  # the worker's encoder batch default caps one input (workers/llama/engine.py)
+# The worker's encoder batch default caps one input (workers/llama/context_plan.py).
+ITEM_LIMIT = 2048
 # general.file_type -> the precision name manifests use (llama_ftype).
 FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1",
               10: "q2_k", 11: "q3_k_s", 12: "q3_k_m", 13: "q3_k_l", 14: "q4_k_s",

@@ -4,7 +4,7 @@
 
 llama-cpp-python ships as source only, and how it is built decides the CPU lane's speed:
 with a BLAS library, llama.cpp hands the encoder's large matmuls to it (OpenBLAS's sgemm
-measured 1.46x llama.cpp's own f32 kernels on MiniLM, 2 cores; see workers/llama/engine.py).
+measured 1.46x llama.cpp's own f32 kernels on MiniLM, 2 cores; see workers/llama/decode_plan.py).
 pip's own wheel cache is keyed by the source archive, not by the build flags, so it could
 hand back a wheel built without BLAS: this script builds with `--no-cache-dir` into a
 directory named after the version and the flavour, under the user cache dir, and reuses it.
@@ -22,7 +22,7 @@ runner of another generation). The wheel directory is therefore also named after
 feature flags (`cpu_tag`: a digest of /proc/cpuinfo's flags, or of macOS's `hw.optional`
 keys): another CPU builds its own wheel instead of reusing one it may not execute. We keep
 the native build rather than a portable one because the encoder's speed on these 2-core
-machines is the product (AVX-512 and the BLAS kernels are measured in workers/llama/engine.py).
+machines is the product (AVX-512 and the BLAS kernels are measured in workers/llama/decode_plan.py).
 `python scripts/llama_wheel.py --cpu-tag` prints the tag (the CI cache key includes it).
 
 Standard library only: it runs before the project is installed.

@@ -7,7 +7,9 @@ keys at the top level are errors, so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import json
 import math
+import tomllib
 from pathlib import Path
 
 import msgspec
@@ -88,6 +90,28 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.residency = self.residency.resolved(self.aliases)
 
 
+# Keys a serve.toml may no longer spell the old way: `max_batch_tokens` named two different
+# sizes, the scheduler's coalesced batch (kept) and the module's request to one worker
+# (renamed). The old module key is refused rather than read as the new one, so that a file
+# written with either meaning in mind is looked at once instead of silently changing size.
+RENAMED_KEYS = {
+    ("module", "max_batch_tokens"): (
+        "[module] max_batch_tokens was renamed max_worker_batch_tokens (token ids per "
+        "EMBED_BATCH or RERANK request the host sends one worker); the coalescing "
+        "scheduler's batch size is still [scheduler] max_batch_tokens"
+    ),
+}
+
+
+def renamed_key(raw: object) -> str | None:
+    """The refusal for the first renamed key `raw` (a decoded config file) still uses."""
+    for (table, key), reason in RENAMED_KEYS.items():
+        section = raw.get(table) if isinstance(raw, dict) else None
+        if isinstance(section, dict) and key in section:
+            return reason
+    return None
+
+
 def load_config(path: str | Path | None) -> ServeConfig:
     if path is None:
         return ServeConfig()
@@ -101,7 +125,16 @@ def load_config(path: str | Path | None) -> ServeConfig:
             return msgspec.json.decode(data, type=ServeConfig)
         return msgspec.toml.decode(data, type=ServeConfig)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ConfigInvalid(f"config {p}: {exc}") from None
+        reason = _renamed_key_in(data, json_file=p.suffix.lower() == ".json")
+        raise ConfigInvalid(f"config {p}: {reason or exc}") from None
+
+
+def _renamed_key_in(data: bytes, json_file: bool) -> str | None:
+    try:
+        raw = json.loads(data) if json_file else tomllib.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None  # not a readable file at all: msgspec's own error says where
+    return renamed_key(raw)
 
 
 def install_defaults(config: ServeConfig) -> ServeConfig:

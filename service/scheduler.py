@@ -60,7 +60,8 @@ _THREAD_TOKENIZE_BYTES = 64 * 1024
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Ids per coalesced batch (a larger request still goes alone). About one llama.cpp decode
     # per encode stream: a bigger batch runs as successive decodes anyway, so it adds no
-    # throughput, but every request in it would wait for the whole batch.
+    # throughput, but every request in it would wait for the whole batch. (TEI's name, which
+    # /info reports; the module's per-worker request size is `max_worker_batch_tokens`.)
     max_batch_tokens: int = 512
     max_batch_items: int = 256
     max_wait_ms: float = 4.0  # upper bound of the adaptive wait for a non-full batch

@@ -89,3 +89,38 @@ def test_nothing_points_outside_the_repository():
         for target in re.findall(r"\]\(([^)#]+)", doc.read_text()):
             if "://" not in target:
                 assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def _bullets(doc: Path, heading: str) -> list[str]:
+    """The top-level bullets (continuation lines joined) of one `## heading` section."""
+    text = doc.read_text()
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"{doc.name} has no '## {heading}' section"
+    return [" ".join(b.split()) for b in re.findall(r"^- (.*?)(?=^- |^\S|\Z)", match.group(1),
+                                                    re.S | re.M)]
+
+
+@pytest.mark.parametrize("heading", ["Not built", "Where this differs from the protocol "
+                                                   "specification"])
+def test_every_protocol_departure_names_itself_and_its_reason(heading):
+    items = _bullets(ROOT / "docs" / "protocol.md", heading)
+    assert items
+    for item in items:
+        name = re.match(r"\*\*(.+?)\*\*", item)
+        assert name, f"'{item[:60]}...' does not start with the part it is about, in bold"
+        reason = item.split("Why:", 1)[1] if "Why:" in item else ""
+        assert len(reason.split()) >= 8, f"{name.group(1)}: no reason given ('Why: ...')"
+
+
+def test_the_parts_of_the_protocol_left_unbuilt_are_listed_and_really_absent():
+    names = " ".join(re.match(r"\*\*(.+?)\*\*", item).group(1)
+                     for item in _bullets(ROOT / "docs" / "protocol.md", "Not built"))
+    for part in ("probe_required", "owned-decode supervisor", "Streaming generation",
+                 "Named pipes", "Worker pools per model", "TLS"):
+        assert part in names, f"docs/protocol.md 'Not built' does not account for {part}"
+    # Listed as not built, so nothing builds them: a change that does must update the page.
+    from workers.protocol import messages as m
+
+    assert "probe_required" not in _code_text()
+    assert not any("stream" in f for f in m.GENERATE.__struct_fields__)
+    assert not any("stream" in f for f in m.TEXT.__struct_fields__)

@@ -283,13 +283,13 @@ async def test_an_upstream_style_gguf_without_the_causal_key_is_an_encoder(
     from formats.gguf_header import read_gguf_header
     from tests.gguf_edit import rewrite_gguf
     from workers.llama.config import RuntimeConfig
-    from workers.llama.engine import _decide_kind
+    from workers.llama.model_kind import decide_kind
 
     src = store.get("egemma").artifact_path
     bare = rewrite_gguf(src, module_tmp / "egemma-upstream.gguf",
                         drop_kv=("gemma-embedding.attention.causal",
                                  "gemma-embedding.pooling_type"))
-    assert _decide_kind(read_gguf_header(bare), RuntimeConfig()) == ("embed", "mean")
+    assert decide_kind(read_gguf_header(bare), RuntimeConfig()) == ("embed", "mean")
     gguf_store = ArtifactStore(module_tmp / "gguf-models")
     gguf_store.ingest_gguf(bare, "egemma-gguf", prove=prove_gguf_tokenizer, pooling="mean",
                            max_tokens=MAX_SEQ, prompts=PROMPTS)

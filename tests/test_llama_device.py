@@ -28,7 +28,7 @@ from workers.llama.device import (
     parse_gpu_layers,
     resolve_gpu_layers,
 )
-from workers.llama.engine import context_params, model_params
+from workers.llama.native import context_params, model_params
 
 MODEL = "minilm-l6-v2"
 BUILD_OFFLOADS = bool(llama_cpp.llama_supports_gpu_offload())

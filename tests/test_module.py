@@ -61,7 +61,7 @@ async def test_batching_does_not_change_vectors(store_root, short_runtime_dir):
     async with Module(cfg) as mod:
         together = (await mod.embed(texts)).vectors
         alone = np.stack([(await mod.embed([t])).vectors[0] for t in texts[:8]])
-        mod.config.max_batch_tokens = 64  # force many small EMBED_BATCH requests
+        mod.config.max_worker_batch_tokens = 64  # force many small EMBED_BATCH requests
         split = (await mod.embed(texts)).vectors
     # Batch composition changes llama.cpp's matmul blocking, so f16 results move in the
     # last bits; the items must not otherwise influence each other.

@@ -55,7 +55,7 @@ def test_toml_and_json_map_onto_module_and_scheduler_settings(tmp_path):
         ("graceful_timeout_s = -5.0\n", "graceful_timeout_s"),
         ("default_completion_tokens = 0\n", "default_completion_tokens"),
         ("default_completion_tokens = 100\n", "default_completion_tokens"),  # over 64
-        ("[module]\nmax_batch_tokens = 0\n", "max_batch_tokens"),
+        ("[module]\nmax_worker_batch_tokens = 0\n", "max_worker_batch_tokens"),
         ("[module]\nmax_generate_tokens = 0\n", "max_generate_tokens"),
         ("[module.budgets]\nmax_inflight_tokens = 0\n", "max_inflight_tokens"),
         ("[module.budgets]\nmax_inputs = -1\n", "max_inputs"),
@@ -68,6 +68,37 @@ def test_bad_configs_are_config_invalid(tmp_path, text, match):
         load_config(path)
     with pytest.raises(ConfigInvalid, match="cannot read"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("serve.toml", "[module]\nmax_batch_tokens = 4096\n"),
+    ("serve.json", '{"module": {"max_batch_tokens": 4096}}'),
+])
+def test_the_module_s_old_batch_key_is_refused_with_its_new_name(tmp_path, name, text):
+    # One name used to mean two sizes: the module's old spelling is refused, never read as
+    # either of them; the scheduler's keeps its name (TEI's).
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigInvalid) as e:
+        load_config(path)
+    assert "renamed max_worker_batch_tokens" in str(e.value)
+    assert "[scheduler] max_batch_tokens" in str(e.value)
+    if name.endswith(".json"):
+        path.write_text('{"module": {"max_worker_batch_tokens": 1000},'
+                        ' "scheduler": {"max_batch_tokens": 300}}')
+    else:
+        path.write_text("[module]\nmax_worker_batch_tokens = 1000\n"
+                        "[scheduler]\nmax_batch_tokens = 300\n")
+    cfg = load_config(path)
+    assert cfg.module.max_worker_batch_tokens == 1000 and cfg.scheduler.max_batch_tokens == 300
+
+
+def test_other_unknown_keys_keep_msgspec_s_message(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text("[module]\nmax_batch_tokenz = 1\n")
+    with pytest.raises(ConfigInvalid, match="max_batch_tokenz") as e:
+        load_config(path)
+    assert "renamed" not in str(e.value)
 
 
 def test_cli_reports_a_bad_config_and_exits_2(tmp_path):

@@ -34,7 +34,7 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     flash_attn    True (default): packing many sequences per decode is slower without it
     encode_streams  embed/rerank: llama_contexts decoding one request's packed decodes in
                   parallel, n_threads / streams threads each (default: n_threads on the CPU,
-                  1 when offloaded to a GPU; see workers.llama.engine._encode_streams)
+                  1 when offloaded to a GPU; see workers.llama.context_plan.encode_streams)
     seed          accepted for interface stability; greedy decoding draws no randomness
     use_mmap      mmap the GGUF (default True)
     gpu_layers    "auto" (default: all layers on the GPU when the build offloads, else CPU) or

@@ -1,0 +1,93 @@
+"""workers.llama.model_kind: what a GGUF is served as, from its header and the config alone
+(headers built in memory; the engine tests load the real files)."""
+
+from __future__ import annotations
+
+import llama_cpp
+import pytest
+
+from formats.gguf_header import ArrayInfo, GGUFHeader, TensorInfo
+from workers.engine import EngineError
+from workers.llama.config import RuntimeConfig
+from workers.llama.model_kind import (
+    POOLING_TYPES,
+    decide_kind,
+    default_ref,
+    is_causal,
+    n_cls_out,
+)
+
+
+def _hdr(arch: str, tensors: tuple[str, ...] = (), **kv: object) -> GGUFHeader:
+    keys = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in kv.items()}}
+    return GGUFHeader(version=3, kv=keys,
+                      tensors=[TensorInfo(name, (1,), 0, 0, 4) for name in tensors])
+
+
+def _refused(hdr: GGUFHeader, cfg: RuntimeConfig, code: str) -> str:
+    with pytest.raises(EngineError) as e:
+        decide_kind(hdr, cfg)
+    assert e.value.code == code
+    return e.value.msg
+
+
+def test_pooling_types_are_llama_cpp_s() -> None:
+    assert POOLING_TYPES == {
+        "none": llama_cpp.LLAMA_POOLING_TYPE_NONE,
+        "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+        "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+        "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+        "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK,
+    }
+
+
+def test_causality() -> None:
+    assert is_causal(_hdr("llama"))  # llama.cpp's default when the key is absent
+    assert not is_causal(_hdr("bert", **{"attention.causal": False}))
+    # EmbeddingGemma is bidirectional whatever the file says.
+    assert not is_causal(_hdr("gemma-embedding", **{"attention.causal": True}))
+
+
+def test_default_ref_and_classifier_width() -> None:
+    assert default_ref("/store/minilm/model.gguf") == "minilm"
+    assert default_ref("/x/gemma-270m.gguf") == "gemma-270m"
+    assert default_ref("model.gguf") == "model"
+    assert n_cls_out(_hdr("bert")) == 1
+    assert n_cls_out(_hdr("bert", **{"classifier.output_labels": ArrayInfo(8, 3)})) == 3
+
+
+def test_kind_from_the_file() -> None:
+    bert = _hdr("bert", **{"attention.causal": False, "pooling_type": 1})
+    assert decide_kind(bert, RuntimeConfig()) == ("embed", "mean")
+    assert decide_kind(bert, RuntimeConfig(pooling="cls")) == ("embed", "cls")
+    assert decide_kind(_hdr("bert", **{"attention.causal": False}), RuntimeConfig()) == (
+        "embed", "mean")
+    assert decide_kind(_hdr("gemma3"), RuntimeConfig()) == ("generate", "none")
+    assert decide_kind(_hdr("gemma3"), RuntimeConfig(embedding=True)) == ("embed", "last")
+    ranker = _hdr("bert", **{"attention.causal": False, "pooling_type": 4})
+    assert decide_kind(ranker, RuntimeConfig()) == ("rerank", "rank")
+    # llama.cpp's converter writes no pooling type for a reranker: its head makes it one.
+    headed = _hdr("bert", ("cls.weight",), **{"attention.causal": False})
+    assert decide_kind(headed, RuntimeConfig(kind="rerank")) == ("rerank", "rank")
+    assert decide_kind(headed, RuntimeConfig()) == ("embed", "mean")
+
+
+def test_kind_refusals() -> None:
+    qwen = _hdr("qwen3", **{"pooling_type": 4})
+    assert "Qwen3 rerankers" in _refused(qwen, RuntimeConfig(), "unsupported")
+    templ = _hdr("bert", **{"pooling_type": 4})
+    templ.kv["tokenizer.chat_template.rerank"] = "{query}{document}"
+    assert "prompt template" in _refused(templ, RuntimeConfig(), "unsupported")
+    bert = _hdr("bert", **{"attention.causal": False, "pooling_type": 1})
+    assert "contradicts" in _refused(bert, RuntimeConfig(kind="embed", embedding=False),
+                                   "config_invalid")
+    assert "rank pooling" in _refused(bert, RuntimeConfig(kind="rerank"), "config_invalid")
+    assert "cannot generate" in _refused(bert, RuntimeConfig(kind="generate"), "config_invalid")
+    assert "one vector" in _refused(bert, RuntimeConfig(pooling="none"), "config_invalid")
+    gen = _hdr("gemma3")
+    assert "embedding models only" in _refused(gen, RuntimeConfig(kind="generate",
+                                                                   pooling="mean"),
+                                               "config_invalid")
+    ranker = _hdr("bert", **{"attention.causal": False, "pooling_type": 4})
+    assert "must use rank" in _refused(ranker, RuntimeConfig(kind="rerank", pooling="mean"),
+                                       "config_invalid")
