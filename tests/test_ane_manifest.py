@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from certification.reference.cross_encoder import minilm_dir
+from ingest.store import minilm_dir
 from tests import test_ane_helpers as h
 from workers.ane.manifest import (
     MANIFEST_NAME,
