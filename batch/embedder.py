@@ -20,8 +20,9 @@ import numpy as np
 
 from batch.errors import JobAborted
 from host.errors import EngineCrashed
-from host.module import DEFAULT_EMBED, Module
+from host.module import Module
 from host.tokenization import Tokenizer
+from ingest.store import DEFAULT_EMBED
 
 log = logging.getLogger("synapse.batch")
 

@@ -37,9 +37,9 @@ from batch.job import JobOptions, run_job
 from batch.windows import plan_batches
 from certification.corpus import corpus
 from host.config import HostConfig
-from host.module import DEFAULT_EMBED, ModuleConfig
+from host.module import ModuleConfig
 from ingest.defaults import ensure_defaults
-from ingest.store import ArtifactStore
+from ingest.store import DEFAULT_EMBED, ArtifactStore
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

@@ -55,10 +55,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads a lo
 from certification.corpus import corpus
 from host.batching import plan_chunks
 from host.config import HostConfig
-from host.module import DEFAULT_EMBED, DEFAULT_GENERATE, Module, ModuleConfig, resolve_prompt
+from host.module import Module, ModuleConfig, resolve_prompt
 from ingest.defaults import ensure_defaults
 from ingest.errors import ArtifactError
-from ingest.store import EMBED_BY_DTYPE, ArtifactStore, ModelRecord
+from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, EMBED_BY_DTYPE, ArtifactStore, ModelRecord
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 

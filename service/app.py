@@ -37,18 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from host.errors import ConfigInvalid, SynapseError
 from host.lane_policy import LanePolicy
 from host.module import Module
-from service import (
-    cohere_v2,
-    completions,
-    disconnect,
-    embeddings,
-    lifecycle,
-    openapi,
-    rerank,
-    status,
-    tei,
-    tokens,
-)
+from service import disconnect, lifecycle, routes
 from service.auth import AuthenticationFailed, presented_key
 from service.config import ServeConfig
 from service.disconnect import ClientClosedRequest
@@ -60,28 +49,6 @@ log = logging.getLogger("synapse.serve")
 
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
 Endpoint = Callable[[Request], Awaitable[Response]]
-
-# Bounded label values for metrics: known paths, everything else is "other".
-ENDPOINTS = {
-    "/v1/embeddings",
-    "/v1/rerank",
-    "/rerank",
-    "/v1/completions",
-    "/v2/embed",
-    "/v2/rerank",
-    "/embed",
-    "/info",
-    "/tokenize",
-    "/detokenize",
-    "/decode",
-    "/health",
-    "/v1/models",
-    "/metrics",
-    "/openapi.json",
-}
-# Open without a key: load balancers probe /health; tools read the API's description.
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})
-
 
 def _endpoint(state: ServerState, handler: Handler) -> Endpoint:
     async def run(request: Request) -> Response:
@@ -150,8 +117,7 @@ def _answered(state: ServerState, path: str, status: int, start: float) -> None:
     """A request's end in the metrics (both paths in: the middleware and `SynapseApp._post`):
     out of the in-flight gauge, counted and timed under a bounded endpoint label."""
     state.metrics.in_flight.dec()
-    endpoint = path if path in ENDPOINTS else lifecycle.endpoint_label(path)
-    state.metrics.observe_request(endpoint, status, time.perf_counter() - start)
+    state.metrics.observe_request(routes.metric_label_of(path), status, time.perf_counter() - start)
 
 
 class _Authenticate:
@@ -174,9 +140,7 @@ class _Authenticate:
 
 
 def _open_paths(state: ServerState) -> frozenset[str]:
-    return OPEN_PATHS | (
-        frozenset() if state.config.metrics_require_key else frozenset({"/metrics"})
-    )
+    return routes.open_paths(state.config)
 
 
 def _refusal(state: ServerState, scope: Scope, open_paths: frozenset[str]) -> Response | None:
@@ -325,40 +289,14 @@ def create_app(
             if on_stopped is not None:
                 on_stopped(state)
 
-    posts = {
-        path: _endpoint(state, handler)
-        for path, handler in {
-            "/v1/embeddings": embeddings.create_embeddings,
-            "/v1/rerank": rerank.rerank_v1,
-            "/rerank": rerank.rerank_tei,
-            "/v1/completions": completions.create_completion,
-            "/v2/embed": cohere_v2.embed,
-            "/v2/rerank": cohere_v2.rerank_v2,
-            "/embed": tei.embed,
-            "/tokenize": tokens.tokenize,
-            "/detokenize": tokens.detokenize,
-            "/decode": tokens.detokenize,  # TEI's name for it
-        }.items()
-    }
-    gets = {
-        "/health": status.health,
-        "/v1/models": status.list_models,
-        "/v1/models/{model}": status.get_model,
-        "/metrics": status.metrics,
-        "/openapi.json": openapi.serve_document,
-        "/info": tei.info,
-    }
-    # Starlette keeps the POST routes too: a GET to one of them is its 405, with Allow.
-    routes = [Route(p, endpoint, methods=["POST"]) for p, endpoint in posts.items()]
-    routes += [Route(p, _endpoint(state, h), methods=["GET"]) for p, h in gets.items()]
-    routes += [
-        Route(p, _endpoint(state, h), methods=["POST"])
-        for p, h in zip(lifecycle.ROUTES, (lifecycle.load_model, lifecycle.unload_model),
-                        strict=True)
-    ]
+    direct = {r.path: _endpoint(state, r.handler) for r in routes.ROUTES if r.direct}
+    # Starlette keeps the direct routes too: a GET to one of them is its 405, with Allow.
+    table = [Route(r.path, direct[r.path], methods=["POST"]) if r.direct
+             else Route(r.path, _endpoint(state, r.handler), methods=[r.method.upper()])
+             for r in routes.ROUTES]
     starlette = Starlette(
-        routes=routes,
+        routes=table,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
-    return SynapseApp(state, starlette, posts)
+    return SynapseApp(state, starlette, direct)

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest, SynapseError
-from host.module import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED
 from service import rerank
 from service.embeddings import apply_dimensions, is_matryoshka
 from service.encoding import encode_embeddings, quantization_ranges

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest, WorkerError
-from host.module import DEFAULT_GENERATE
+from ingest.store import DEFAULT_GENERATE
 from service.errors import Unsupported
 from service.schemas import CompletionChoice, CompletionResponse, CompletionUsage
 from service.state import ServerState

@@ -15,8 +15,9 @@ from pathlib import Path
 import msgspec
 
 from host.errors import ConfigInvalid
-from host.module import DEFAULT_EMBED, ModuleConfig
+from host.module import ModuleConfig
 from host.residency import ResidencyConfig
+from ingest.store import DEFAULT_EMBED
 from service.ray_settings import RaySettings
 from service.scheduler import SchedulerConfig
 

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest
-from host.module import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED
 from service.encoding import encode_embeddings, quantization_ranges
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from service.state import ServerState

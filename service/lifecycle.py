@@ -18,8 +18,6 @@ from host.errors import ConfigInvalid
 from service import status
 from service.state import ServerState
 
-ROUTES = ("/v1/models/{model}/load", "/v1/models/{model}/unload")
-
 
 def _model(request: Request, state: ServerState) -> str:
     name = request.path_params["model"]
@@ -42,16 +40,6 @@ async def unload_model(request: Request, state: ServerState) -> Response:
     assert module is not None
     await module.residency.unload(model, "request")
     return await status.get_model(request, state)
-
-
-def endpoint_label(path: str) -> str:
-    """The metrics label of a /v1/models/... path (bounded: never the model's name)."""
-    if not path.startswith("/v1/models/"):
-        return "other"
-    for suffix in ("/load", "/unload"):
-        if path.endswith(suffix) and path.count("/") == 4:
-            return "/v1/models/{model}" + suffix
-    return "/v1/models/{model}"
 
 
 def check_models(state: ServerState) -> None:

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest
-from host.module import DEFAULT_EMBED
 from host.module import RerankResult as Ranked
+from ingest.store import DEFAULT_EMBED
 from service.schemas import (
     BilledUnits,
     EmbeddingUsage,

@@ -44,8 +44,9 @@ from host.errors import (
     SynapseError,
     WorkerError,
 )
-from host.module import DEFAULT_EMBED, Module
+from host.module import Module
 from host.tokenization import Encoded, Tokenizer
+from ingest.store import DEFAULT_EMBED
 from service.coalesce import DEFAULT, Coalescer, Options
 
 log = logging.getLogger("synapse.scheduler")

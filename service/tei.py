@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest, SynapseError
-from host.module import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED
 from service.embeddings import (
     _INPUT_SCHEMA,
     apply_dimensions,

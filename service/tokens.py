@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.errors import InvalidRequest
-from host.module import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED
 from service.state import ServerState
 
 # Larger inputs are tokenized in a thread, as embedding does: one request cannot stall the loop.

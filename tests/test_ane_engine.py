@@ -419,8 +419,8 @@ def test_warm_up_inputs_fit_a_one_token_shape(packed: bool) -> None:
 def test_a_model_with_fewer_positions_loads_with_the_default_shapes(tmp_path: Path) -> None:
     from safetensors.numpy import load_file, save_file
 
-    from certification.reference.cross_encoder import minilm_dir
     from formats.owned.manifest import ingest_owned
+    from ingest.store import minilm_dir
 
     src, d = minilm_dir(), tmp_path / "minilm-64"
     shutil.copytree(src, d)

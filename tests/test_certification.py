@@ -27,13 +27,13 @@ from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
 from certification.lane_policy import CertificateLanePolicy
 from certification.policy import CertificateRequired, check_certificate
-from certification.reference.cross_encoder import build_test_cross_encoder, minilm_dir
+from certification.reference.cross_encoder import build_test_cross_encoder
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from ingest.precision import embed_precision
-from ingest.store import ArtifactStore
+from ingest.store import ArtifactStore, minilm_dir
 from workers.ane.config import ENV_COMPUTE_UNITS
 
 STRIDE = 8  # 42 of the 335 corpus items, every category included

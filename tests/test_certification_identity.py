@@ -15,8 +15,8 @@ from certification.lane_client import load_settings
 from certification.oracle import Oracle
 from certification.policy import loosened
 from certification.reference.bert import BertReference
-from certification.reference.cross_encoder import minilm_dir
 from certification.thresholds import thresholds_for
+from ingest.store import minilm_dir
 from tests.test_certification_store import make_cert
 
 

@@ -30,11 +30,10 @@ from certification.oracle import (
     reference_dir_for,
     select_reference,
 )
-from certification.reference.cross_encoder import minilm_dir
 from certification.runner import RunOptions, _pair_composer
 from certification.store import CertificateStore
 from host.tokenization import Tokenizer
-from ingest.store import ArtifactStore, Manifest, ModelRecord
+from ingest.store import ArtifactStore, Manifest, ModelRecord, minilm_dir
 from tests.test_certification import STRIDE, check, run
 
 pytestmark = pytest.mark.model

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certification.reference.cross_encoder import minilm_dir
 from host.errors import InvalidRequest
 from host.tokenization import Tokenizer
+from ingest.store import minilm_dir
 from service.coalesce import Coalescer
 
 LONG = "token " * 300  # over MiniLM's 256-token limit

