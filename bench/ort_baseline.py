@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ingest.store import default_root, minilm_dir
+from ingest.model_packages import minilm_dir
+from ingest.store import default_root
 
 BATCH = 32
 OPSET = 17

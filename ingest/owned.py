@@ -26,7 +26,8 @@ from formats.owned.manifest import ingest_owned
 from ingest.durable import free_bytes, mib, require_space
 from ingest.errors import ArtifactInvalid, StorageFull
 from ingest.gguf_model import read_header
-from ingest.store import GGUF_OVERHEAD_BYTES, MINILM_PACKAGE, ArtifactStore, ModelRecord, minilm_dir
+from ingest.model_packages import MINILM_PACKAGE, minilm_dir
+from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord
 
 
 def hf_source(record: ModelRecord) -> Path | None:

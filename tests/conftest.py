@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")

@@ -420,7 +420,7 @@ def test_a_model_with_fewer_positions_loads_with_the_default_shapes(tmp_path: Pa
     from safetensors.numpy import load_file, save_file
 
     from formats.owned.manifest import ingest_owned
-    from ingest.store import minilm_dir
+    from ingest.model_packages import minilm_dir
 
     src, d = minilm_dir(), tmp_path / "minilm-64"
     shutil.copytree(src, d)

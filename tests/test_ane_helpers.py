@@ -23,7 +23,7 @@ from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from certification.reference.cross_encoder import build_test_cross_encoder
 from formats.owned.manifest import Manifest, ingest_owned
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from workers.ane.engine import AneEngine
 from workers.engine import NullProgress
 from workers.protocol import messages as m

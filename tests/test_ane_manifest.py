@@ -19,7 +19,7 @@ from formats.owned.manifest import (
     ingest_owned,
     load_manifest,
 )
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from tests import test_ane_helpers as h
 
 

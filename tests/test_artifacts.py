@@ -24,9 +24,9 @@ from ingest import (
     convert_bert_dir,
     default_root,
 )
+from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
-from ingest.store import minilm_dir
 
 MINILM = minilm_dir()
 N_VOCAB = 30522

@@ -32,8 +32,9 @@ from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
+from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
-from ingest.store import ArtifactStore, minilm_dir
+from ingest.store import ArtifactStore
 from workers.ane.config import ENV_COMPUTE_UNITS
 
 STRIDE = 8  # 42 of the 335 corpus items, every category included

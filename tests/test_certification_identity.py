@@ -16,7 +16,7 @@ from certification.oracle import Oracle
 from certification.policy import loosened
 from certification.reference.bert import BertReference
 from certification.thresholds import thresholds_for
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from tests.test_certification_store import make_cert
 
 

@@ -33,7 +33,8 @@ from certification.oracle import (
 from certification.runner import RunOptions, _pair_composer
 from certification.store import CertificateStore
 from host.tokenization import Tokenizer
-from ingest.store import ArtifactStore, Manifest, ModelRecord, minilm_dir
+from ingest.model_packages import minilm_dir
+from ingest.store import ArtifactStore, Manifest, ModelRecord
 from tests.test_certification import STRIDE, check, run
 
 pytestmark = pytest.mark.model

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from host.errors import InvalidRequest
 from host.tokenization import Tokenizer
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from service.coalesce import Coalescer
 
 LONG = "token " * 300  # over MiniLM's 256-token limit

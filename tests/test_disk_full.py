@@ -96,7 +96,7 @@ def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_reco
     # fails midway (numpy's short write carries no errno; the free space decides).
     out = _python(disk, "100M", f'''
 import json, os
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
 from tests.small_disk import fill_disk_when
@@ -129,7 +129,7 @@ print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
 _MINI_TOKENIZER = f'''
 import hashlib, json, os
 from pathlib import Path
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
 from tests.small_disk import fill_disk
@@ -152,7 +152,7 @@ def attempt(attach):
 
 
 def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path):
-    from ingest.store import minilm_dir
+    from ingest.model_packages import minilm_dir
 
     # A bigger tokenizer.json (the same tokenizer, indented), attached onto a full disk.
     bigger = tmp_path / "tokenizer.json"
@@ -321,7 +321,7 @@ def test_a_core_ml_lane_whose_model_build_does_not_fit_is_storage_full(disk):
     # (f32 weights, ~88 MB) then does not fit, and the load says so with its own code.
     out = _python(disk, "100M", """
 import asyncio, json, os
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from host.config import HostConfig
 from host.errors import StorageFull
 from host.module import Module, ModuleConfig
@@ -353,7 +353,7 @@ def test_a_core_ml_build_that_the_disk_fills_during_keeps_nothing(disk):
     out = _python(disk, "200M", """
 import json, os
 from pathlib import Path
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
 from ingest.errors import StorageFull
 from ingest.owned import ensure_owned, owned_dir
@@ -388,7 +388,7 @@ def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
     proc = small_disk.run_on_small_disk(
         disk, "20M",
         'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
-        'MODEL=$("$PY" -c "from ingest.store import minilm_dir; '
+        'MODEL=$("$PY" -c "from ingest.model_packages import minilm_dir; '
         'print(minilm_dir())")\n'
         '"$PY" -m cli.main models ingest "$MODEL" --name mini --dtype f16 || echo "rc=$?"\n'
         'ls -A "$SYNAPSE_CACHE_DIR/models"\n',

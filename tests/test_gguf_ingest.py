@@ -25,7 +25,8 @@ from host.sanitize import sanitize
 from ingest.bert_to_gguf import convert_bert_dir
 from ingest.errors import ArtifactInvalid, InvalidRequest, TokenizerMismatch
 from ingest.gguf_model import inspect_gguf
-from ingest.store import ArtifactStore, minilm_dir
+from ingest.model_packages import minilm_dir
+from ingest.store import ArtifactStore
 from tests.gguf_edit import rewrite_gguf
 
 pytestmark = pytest.mark.model

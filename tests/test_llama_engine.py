@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from certification.reference.bert import BertReference
 from ingest import ArtifactStore, convert_bert_dir
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from workers.engine import EngineError, NullProgress
 from workers.llama import cpu_quirks, native
 from workers.llama.decode_plan import (

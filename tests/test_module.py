@@ -19,7 +19,8 @@ from certification.reference.bert import BertReference
 from host.config import HostConfig
 from host.errors import EngineCrashed, InvalidRequest, ModelNotFound, WorkerError
 from host.module import Module, ModuleConfig
-from ingest.store import ArtifactStore, minilm_dir
+from ingest.model_packages import minilm_dir
+from ingest.store import ArtifactStore
 
 MINILM_DIR = minilm_dir()
 

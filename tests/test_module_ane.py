@@ -15,7 +15,8 @@ from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
-from ingest.store import ArtifactStore, minilm_dir
+from ingest.model_packages import minilm_dir
+from ingest.store import ArtifactStore
 from service.metrics import Metrics
 from workers.ane import apple_device
 from workers.ane.config import ENV_COMPUTE_UNITS

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from certification.reference.bert import BertConfig, BertReference, erf, gelu, one_plus_erf
 from certification.reference.cross_encoder import build_test_cross_encoder
 from host.tokenization import Tokenizer
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 
 SENTENCES = [
     "A man is eating food.",

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from host.errors import ConfigInvalid, InvalidRequest
 from host.sanitize import sanitize
 from host.tokenization import Encoded, Tokenizer, model_limits
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 
 CLS, SEP, PAD = 101, 102, 0
 LONG = "token " * 600  # 600 word pieces

@@ -10,7 +10,7 @@ import pytest
 
 from host.errors import InvalidRequest
 from host.tokenization import Tokenizer
-from ingest.store import minilm_dir
+from ingest.model_packages import minilm_dir
 from service.coalesce import Coalescer, Options
 
 CLS, SEP = 101, 102

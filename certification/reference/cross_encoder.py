@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ingest.store import minilm_dir
+# Tests and benches take the default package's directory from here.
+from ingest.model_packages import minilm_dir
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
