@@ -6,11 +6,6 @@ import hashlib
 from pathlib import Path
 
 
-def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def copy_with_digest(src: str | Path, dst: str | Path, chunk: int = 1 << 22) -> str:
     """Copy `src` to `dst` and return the sha256 of what was written, in one read of `src`
     (a GGUF can be gigabytes: copying and then hashing would read it twice)."""

@@ -44,9 +44,10 @@ import msgspec
 import platformdirs
 from filelock import FileLock
 
+from formats.digest import sha256_file
 from formats.gguf_header import ArrayInfo
 from ingest import gemma
-from ingest.digest import copy_with_digest, read_digest_file, sha256_file, write_digest_file
+from ingest.digest import copy_with_digest, read_digest_file, write_digest_file
 from ingest.durable import (
     free_bytes,
     fsync_dir,

@@ -244,7 +244,7 @@ def test_a_tokenizer_that_differs_from_llama_cpp_is_refused(ggufs, module_tmp):
 
 
 def test_the_derived_wordpiece_equals_llama_cpp_on_the_corpus(store, ggufs):
-    from ingest.digest import sha256_file
+    from formats.digest import sha256_file
 
     rec = store.verify("g-minilm")  # re-hashes the published copy against its record
     assert rec.digest == sha256_file(ggufs["minilm"])  # the copy is the file, byte for byte

@@ -21,6 +21,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from certification.reference.bert import BertReference
+from formats.digest import sha256_file
 from ingest import ArtifactStore, convert_bert_dir
 from ingest.model_packages import minilm_dir
 from workers.engine import EngineError, NullProgress
@@ -33,7 +34,7 @@ from workers.llama.decode_plan import (
     plan_decodes,
     wide_decode,
 )
-from workers.llama.engine import UNSAFE_ENV, LlamaEngine, sha256_file
+from workers.llama.engine import UNSAFE_ENV, LlamaEngine
 from workers.llama.native import registered_backends
 from workers.protocol import messages as m
 
@@ -348,7 +349,8 @@ def test_unsafe_flag_lets_a_real_ggml_assert_through(store, tmp_path) -> None:
     script = textwrap.dedent(f"""
         import numpy as np
         from workers.engine import NullProgress, EngineError
-        from workers.llama.engine import LlamaEngine, sha256_file
+        from formats.digest import sha256_file
+        from workers.llama.engine import LlamaEngine
         from workers.protocol import messages as m
         e = LlamaEngine()
         p = {str(path)!r}

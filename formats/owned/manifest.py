@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from formats.digest import sha256_file
 from formats.st_layout import Layout, LayoutError, read_layout
 
 FORMAT = "coreml-owned"
@@ -328,11 +329,6 @@ def _layout(src: Path) -> Layout:
         return read_layout(src)
     except LayoutError as e:  # unreadable or impossible sentence-transformers files
         raise ManifestError(f"{src}: {e}") from e
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tensor_digest(arr: np.ndarray) -> str:

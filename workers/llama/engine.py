@@ -23,15 +23,14 @@ trip a real GGML_ASSERT in a worker process. Never set it in production.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
+from formats.digest import sha256_file
 from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
@@ -54,11 +53,6 @@ UNSAFE_ENV = "SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"
 
 def _unsafe() -> bool:
     return os.environ.get(UNSAFE_ENV) == "1"
-
-
-def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _split(ids: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
