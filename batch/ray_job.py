@@ -267,11 +267,15 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     with _full_disk_aborts(output.parent, "nothing was embedded: free some space and run again"):
         ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
     workers = workers or 1
-    if local:
-        _usage_error_from(lambda: start_local_ray(
-            num_cpus=workers + 1, resources=node_resources(), log_to_driver=False))
-    elif not ray.is_initialized():
-        _connect(address)
+    try:
+        if local:
+            _usage_error_from(lambda: start_local_ray(
+                num_cpus=workers + 1, resources=node_resources(), log_to_driver=False))
+        elif not ray.is_initialized():
+            _connect(address)
+    except BaseException:
+        _drop_if_empty(ckpt)  # no Ray, nothing done: the next run needs no --resume
+        raise
     if timings is not None:
         timings["ray_init_s"] = time.time() - t0
     resources = {}

@@ -50,7 +50,7 @@ def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, t
     assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
     assert (tmp_path / "ray.parquet.errors.jsonl").read_text() == (
         tmp_path / "local.parquet.errors.jsonl").read_text()
-    assert not (tmp_path / "ray.parquet.ray").exists()
+    assert not (tmp_path / "ray.parquet.partial").exists()  # the checkpoint, published
     assert 0 < timings["first_row_s"]
     assert not wait_gone(runtime_dir, timeout_s=30), "an actor's worker outlived the job"
 

@@ -18,7 +18,7 @@ import pytest
 
 from host.errors import ConfigInvalid
 from host.local_ray import check_token_auth
-from tests.batch_support import batch_cli, write_jsonl
+from tests.batch_support import batch_cli, cli_env, write_jsonl
 from tests.ray_support import is_loopback, listening_sockets
 
 
@@ -61,27 +61,40 @@ else:
 """
 
 
-def test_a_client_without_the_token_is_refused(ray_session):
+def test_a_client_without_the_token_is_refused(ray_session, synapse_cache_dir, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     # RAY_gcs_server_port_wait_time_s: give up after 2 attempts, not Ray's 20.
     base = {**os.environ, "RAY_gcs_server_port_wait_time_s": "2"}
     base.pop("RAY_AUTH_TOKEN", None)
+    code = [sys.executable, "-c", REFUSED_CODE.format(address=address)]
+    write_jsonl(tmp_path / "c.jsonl", 3)
+    out = tmp_path / "o.parquet"
+    cli = [sys.executable, "-m", "cli.main", "batch", "embed", str(tmp_path / "c.jsonl"), "-o",
+           str(out), "--ray", address]
     clients = {
-        "no token (auth disabled)": {**base, "RAY_AUTH_MODE": "disabled"},
-        "a wrong token": {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+        "no token (auth disabled)": (code, {**base, "RAY_AUTH_MODE": "disabled"}),
+        "a wrong token": (code, {**base, "RAY_AUTH_MODE": "token",
+                                 "RAY_AUTH_TOKEN": "0" * 64}),
+        "batch embed --ray ADDRESS without the token": (
+            cli, cli_env(synapse_cache_dir, extra={**base, "RAY_AUTH_MODE": "disabled"})),
     }
 
-    def attempt(env):
-        return subprocess.run([sys.executable, "-c", REFUSED_CODE.format(address=address)],
-                              env=env, capture_output=True, text=True, timeout=120)
+    def attempt(client):
+        argv, env = client
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
 
     with ThreadPoolExecutor(len(clients)) as pool:
         results = dict(zip(clients, pool.map(attempt, clients.values()), strict=True))
     for who, proc in results.items():
-        assert "REFUSED" in proc.stdout, (who, proc.stdout, proc.stderr[-2000:])
         # Refused for the token, not for an unreachable address.
         assert "InvalidAuthToken" in proc.stderr or "Unauthenticated" in proc.stderr, (
             who, proc.stderr[-2000:])
+        if proc.args is cli:  # one line, exit 1, and no checkpoint of a job never begun
+            assert proc.returncode == 1, (who, proc.stderr[-2000:])
+            assert f"cannot join the Ray cluster at {address}" in proc.stderr
+            assert not (tmp_path / "o.parquet.partial").exists()
+        else:
+            assert "REFUSED" in proc.stdout, (who, proc.stdout, proc.stderr[-2000:])
 
 
 def test_a_local_ray_without_token_auth_is_refused(monkeypatch, synapse_cache_dir, tmp_path):
