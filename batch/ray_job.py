@@ -306,11 +306,14 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
                         _calibrate.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
                         .remote(actor_kwargs)), np.float32)
                 committer = BlockCommitter(ckpt, opts, ranges, progress.update)
-                for table in _results(spec, start_line, opts, workers, resources,
-                                      actor_kwargs):
-                    if timings is not None and "first_row_s" not in timings:
-                        timings["first_row_s"] = time.time() - t0
-                    committer.add(table)
+                # Closed at once on the way out, not when an exception's traceback goes:
+                # that stops the dataset's execution and its actors.
+                with contextlib.closing(_results(spec, start_line, opts, workers, resources,
+                                                 actor_kwargs)) as results:
+                    for table in results:
+                        if timings is not None and "first_row_s" not in timings:
+                            timings["first_row_s"] = time.time() - t0
+                        committer.add(table)
                 if committer.held_blocks:
                     raise JobAborted(f"the run ended with {committer.held_blocks} blocks "
                                      f"uncommitted (rows missing before them)")
@@ -420,8 +423,8 @@ def _describe(actor_kwargs: dict) -> str:
 
 def _results(spec, start_line: int, opts, workers: int, resources: dict,
              actor_kwargs: dict):
-    """The actors' result tables as they finish, in any order (the committer orders them);
-    the iteration is closed on the way out, which stops the dataset's execution."""
+    """The actors' result tables as they finish, in any order (the committer orders them).
+    Closing this generator closes Ray Data's iterator, which shuts its execution down."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = False  # ordering would hold every block back
     rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
