@@ -72,9 +72,7 @@ class BlockCommitter:
         errors = [{"line": r["line"], "id": r["id"],
                    "error": {"code": r["error_code"], "message": r["error_message"]}}
                   for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()]
-        column = good.column("embedding").combine_chunks()
-        dims = column.type.list_size
-        vectors = column.flatten().to_numpy().reshape(-1, dims)
+        vectors = float_vectors(good.column("embedding"))
         n_tokens = good.column("n_tokens").to_pylist()
         part = make_table(good.column("id").to_pylist(),
                           convert(vectors, self.opts.dtype, self.ranges), n_tokens,
@@ -105,3 +103,12 @@ class BlockCommitter:
             self.ckpt.bind_artifact(meta["artifact_digest"], meta["prompt"])
         self.meta_json = meta_json
         self._schema = output_schema(int(meta["dims"]), None, self.opts.dtype)
+
+
+def float_vectors(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A float32 `fixed_size_list` column as an (n, dims) matrix; a slice's offset is kept
+    (`flatten`, unlike `.values`, starts at the slice)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    dims = column.type.list_size
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dims)

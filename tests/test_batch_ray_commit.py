@@ -11,9 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batch.checkpoint import Checkpoint
+from batch.dtypes import DTYPES, convert
 from batch.errors import BatchUsageError, JobAborted
 from batch.job import JobOptions
-from batch.ray_commit import BlockCommitter
+from batch.output import output_schema
+from batch.ray_commit import BlockCommitter, float_vectors
 
 DIMS = 4
 META = json.dumps({"artifact_digest": "a" * 64, "prompt": "", "dims": str(DIMS)})
@@ -97,3 +99,24 @@ def test_max_errors_stops_after_the_commit_that_broke_it_and_resume_checks_the_a
     with pytest.raises(BatchUsageError, match="embedded with artifact aaaaaaaaaaaa"):
         committer.add(result([4], block=0, block_rows=1, meta=meta_of("c")))
     assert ckpt.state["parts"] == 1
+
+
+def test_the_committed_dtype_conversion_is_the_local_one(tmp_path):
+    from tests.test_batch_encoding import COLUMN, _vectors
+
+    v = np.random.default_rng(1).standard_normal((4, 384)).astype(np.float32)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(v.ravel()), 384).slice(1)
+    assert np.array_equal(float_vectors(column), v[1:])  # a slice's offset kept
+    ranges = np.vstack((v.min(0), v.max(0)))
+    meta = json.dumps({"artifact_digest": "a" * 64, "prompt": "", "dims": "384"})
+    rows = result([2, 3, 4], block=0, block_rows=3, meta=meta)
+    rows = rows.set_column(rows.schema.get_field_index("embedding"), "embedding", column)
+    for dtype in DTYPES:
+        (tmp_path / dtype).mkdir()
+        opts, ckpt = open_job(tmp_path / dtype, dtype=dtype)
+        BlockCommitter(ckpt, opts, ranges).add(rows)
+        (part,) = ckpt.parts()
+        got = pq.read_table(part)
+        assert got.schema == output_schema(384, None, dtype), dtype
+        assert got.schema.field("embedding").type == COLUMN[dtype]
+        assert np.array_equal(_vectors(got), convert(v[1:], dtype, ranges)), dtype
