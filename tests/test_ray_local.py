@@ -114,3 +114,11 @@ def test_a_local_ray_without_token_auth_is_refused(monkeypatch, synapse_cache_di
     assert proc.returncode == 2, proc.stderr
     assert "token authentication only" in proc.stderr
     assert not (tmp_path / "o.parquet.partial").exists()
+
+    (tmp_path / "serve.toml").write_text("install_defaults = false\n")
+    serve = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--ray", "--config",
+                            str(tmp_path / "serve.toml")], capture_output=True, text=True,
+                           timeout=120, env=cli_env(synapse_cache_dir))
+    assert serve.returncode == 3, serve.stderr
+    assert "Ray Serve failed to start" in serve.stderr
+    assert "token authentication only" in serve.stderr
