@@ -38,7 +38,8 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
                        help="lanes on this machine, threads split between them (default: "
                             "2, or the cores if fewer); with --ray, embedding actors (default 1)")
     embed.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint an interrupted run left")
+                       help="continue from the checkpoint (OUTPUT.partial/) an interrupted "
+                            "run left, with or without --ray: the same layout either way")
     embed.add_argument("--max-errors", type=_non_negative, default=1000,
                        help="abort (exit 1) when more rows than this fail (default 1000)")
     embed.add_argument("--no-truncate", action="store_true",
@@ -56,7 +57,9 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--window-rows", type=_positive, default=4096,
                        help="rows per commit and per output row group (default 4096)")
     embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                       help="run on Ray Data: a local Ray, or the cluster at ADDRESS")
+                       help="run on Ray Data: a Ray of our own on this machine (loopback "
+                            "only, token authentication on), or the cluster at ADDRESS "
+                            "(RAY_AUTH_MODE=token and its token, see docs/operations.md)")
     embed.add_argument("--json", action="store_true", help="print the summary as JSON")
     embed.set_defaults(func=run_batch_embed)
 
@@ -130,8 +133,6 @@ def _run_ray(args: argparse.Namespace):
     from host.extras import require_extra
     from ingest.defaults import ensure_defaults
 
-    if args.resume:
-        raise BatchUsageError("--resume is for the local job; a Ray job retries its own tasks")
     # Ray is an extra: without it, one line naming the extra, before any model is installed.
     require_extra("ray", "ray.data", "synapse batch embed --ray")
     from batch.ray_job import run_ray_job

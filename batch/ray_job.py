@@ -1,11 +1,15 @@
-"""`synapse batch embed --ray [ADDRESS]`: the same job on Ray Data.
+"""`synapse batch embed --ray [ADDRESS]`: the same job on Ray Data, resumable like it.
 
-    read_datasource(RowsDatasource)          the local job's reader and row rules, striped
+    read_datasource(RowsDatasource)          the local job's reader and row rules, striped,
+                                             from the checkpoint's `next_line`
     .map_batches(EmbedActor, concurrency=N)  each actor starts a `Module` (supervised workers
                                              on its node, tokenization included)
-    .write_parquet(OUTPUT.ray/)              on the nodes; rows carry their errors
-then the driver merges the files into OUTPUT (same columns and metadata as the local job) and
-the error rows into OUTPUT.errors.jsonl, both published atomically.
+    .iter_batches() on the driver            rows carry their errors and their read block
+then `BlockCommitter` (batch/ray_commit.py) commits the blocks in input order into the local
+job's checkpoint, `OUTPUT.partial/` (batch/checkpoint.py), and at the end the driver
+publishes OUTPUT and OUTPUT.errors.jsonl from it exactly as the local job does. A driver
+killed in any way leaves the checkpoint; `--resume` (with or without `--ray`) goes on from
+it. Only the driver writes: the nodes need the input file, not the output directory.
 
 Why a datasource of our own rather than `read_json`/`read_text`: Ray's readers neither number
 lines nor survive a line that is not JSON; ours yields exactly the local job's rows (line
@@ -13,34 +17,46 @@ numbers, ids, the same error codes), so the two jobs agree row for row.
 
 Placement: an Apple-silicon node offers the custom resource `{"ane": 1}` (`node_resources`),
 and an ANE-lane actor asks for it, so Core ML engines land only where a Neural Engine is.
+Without an ADDRESS the Ray is our own (`host.local_ray`): loopback-bound, token on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
-import shutil
+import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from batch.dtypes import convert, dtype_metadata, embedding_array, embedding_type, needs_ranges
+from batch.checkpoint import Checkpoint
+from batch.dtypes import dtype_metadata, needs_ranges
 from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
-from batch.job import JobOptions, JobSummary, validate
-from batch.output import merge_parts, output_schema, publish_copy
-from batch.rows import InputSpec, Row, read_rows
+from batch.job import (
+    JobOptions,
+    JobSummary,
+    _full_disk_aborts,
+    _publish,
+    _raise_if_over_max_errors,
+    _resume_advice,
+    validate,
+)
+from batch.progress import JobProgress
+from batch.ray_commit import BlockCommitter
+from batch.rows import InputSpec, Row, count_records, read_rows
 from certification.calibration import calibration_set
+from host.errors import ConfigInvalid
+from host.local_ray import check_token_auth, start_local_ray
 from host.module import ModuleConfig
 from host.node_resources import node_resources
 
@@ -56,32 +72,35 @@ _ACTOR_CPUS = 0.9
 # actors and the first rows come out early, large enough for length-aware batching.
 _READ_BLOCK_ROWS = 1024
 _ACTOR_BATCH_ROWS = 1024
-
+_ROW_COLUMNS = ("line", "id", "text", "error_code", "error_message")
 
 
 def _row_schema() -> pa.Schema:
     return pa.schema([("line", pa.int64()), ("id", pa.string()), ("text", pa.string()),
-                      ("error_code", pa.string()), ("error_message", pa.string())])
+                      ("error_code", pa.string()), ("error_message", pa.string()),
+                      ("block", pa.int64()), ("block_rows", pa.int64())])
 
 
 class RowsDatasource(Datasource):
-    """A Ray Data source over `batch.rows`: `stripes` read tasks, task k keeping the k-th of
-    every `stripes` blocks of rows. Each task parses the whole input (cheap next to
-    embedding), so every actor gets blocks from the start instead of one task feeding one
-    actor; the rows and their line numbers are exactly the local job's."""
+    """A Ray Data source over `batch.rows` from `start_line`: `stripes` read tasks, task k
+    keeping the k-th of every `stripes` blocks of rows. Each task parses the whole input
+    (cheap next to embedding), so every actor gets blocks from the start instead of one task
+    feeding one actor; the rows and their line numbers are exactly the local job's. Every
+    row names its block (numbered from 0) and the block's row count, for the committer."""
 
     def __init__(self, spec: InputSpec, stripes: int = 1,
-                 block_rows: int = _READ_BLOCK_ROWS) -> None:
+                 block_rows: int = _READ_BLOCK_ROWS, start_line: int = 1) -> None:
         self.spec, self.stripes, self.block_rows = spec, max(1, stripes), block_rows
+        self.start_line = start_line
 
     def estimate_inmemory_data_size(self):
         return None
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
-        spec, n, rows = self.spec, self.stripes, self.block_rows
+        spec, n, rows, start = self.spec, self.stripes, self.block_rows, self.start_line
         meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None,
                              input_files=(spec.path,))
-        return [ReadTask(lambda k=k: _read_blocks(spec, k, n, rows), meta,
+        return [ReadTask(lambda k=k: _read_blocks(spec, k, n, rows, start), meta,
                          schema=_row_schema()) for k in range(n)]
 
     def get_name(self) -> str:
@@ -89,24 +108,25 @@ class RowsDatasource(Datasource):
 
 
 def _read_blocks(spec: InputSpec, stripe: int = 0, stripes: int = 1,
-                 block_rows: int = _READ_BLOCK_ROWS):
+                 block_rows: int = _READ_BLOCK_ROWS, start_line: int = 1):
     buf: list[Row] = []
     block = 0
-    for row in read_rows(spec):
+    for row in read_rows(spec, start_line):
         buf.append(row)
         if len(buf) >= block_rows:
             if block % stripes == stripe:
-                yield _rows_table(buf)
+                yield _rows_table(buf, block)
             buf, block = [], block + 1
     if buf and block % stripes == stripe:
-        yield _rows_table(buf)
+        yield _rows_table(buf, block)
 
 
-def _rows_table(rows: list[Row]) -> pa.Table:
+def _rows_table(rows: list[Row], block: int) -> pa.Table:
     return pa.Table.from_pydict(
         {"line": [r.line for r in rows], "id": [r.id for r in rows],
          "text": [r.text for r in rows], "error_code": [r.error_code for r in rows],
-         "error_message": [r.error_message for r in rows]},
+         "error_message": [r.error_message for r in rows],
+         "block": [block] * len(rows), "block_rows": [len(rows)] * len(rows)},
         schema=_row_schema(),
     )
 
@@ -141,9 +161,13 @@ class EmbedActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         from batch.windows import tokenize_window
 
-        rows = [Row(*v) for v in zip(*(batch.column(c).to_pylist() for c in
-                                       ("line", "id", "text", "error_code", "error_message")),
+        rows = [Row(*v) for v in zip(*(batch.column(c).to_pylist() for c in _ROW_COLUMNS),
                                      strict=True)]
+        # A batch may span blocks: each row keeps its own, by line.
+        blocks = dict(zip(batch.column("line").to_pylist(),
+                          zip(batch.column("block").to_pylist(),
+                              batch.column("block_rows").to_pylist(), strict=True),
+                          strict=True))
         cfg = self.module.config
         emb = self.embedder
         window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
@@ -157,7 +181,7 @@ class EmbedActor:
                     crashed[i] = result.failed[j]
                 else:
                     vectors[i] = result.vectors[j]
-        return _result_table(window, vectors, crashed, emb.dims, self.meta)
+        return _result_table(window, vectors, crashed, emb.dims, self.meta, blocks)
 
     def calibration_ranges(self) -> list:
         """The model's int8/uint8 ranges at its full width (certification.calibration)."""
@@ -184,7 +208,7 @@ class EmbedActor:
             pass
 
 
-def _result_table(window, vectors, crashed, dims, meta) -> pa.Table:
+def _result_table(window, vectors, crashed, dims, meta, blocks: dict) -> pa.Table:
     ok_rows = window.rows
     lines, ids, codes, messages, n_tok, cut, keep = [], [], [], [], [], [], []
     for i, row in enumerate(ok_rows):
@@ -213,20 +237,23 @@ def _result_table(window, vectors, crashed, dims, meta) -> pa.Table:
         "n_tokens": pa.array(n_tok, pa.int32()), "truncated": pa.array(cut, pa.bool_()),
         "error_code": pa.array(codes, pa.string()),
         "error_message": pa.array(messages, pa.string()),
-        # Provenance on every row (dictionary-encoded in Parquet: a few bytes a file), so
-        # the merge can refuse a run whose nodes embedded with different artifacts.
+        # Provenance on every row, so the committer can refuse a run whose nodes embedded
+        # with different artifacts.
         "_meta": pa.array([meta] * n, pa.string()),
-        "_done_at": pa.array([time.time()] * n, pa.float64()),
+        "block": pa.array([blocks[line][0] for line in lines], pa.int64()),
+        "block_rows": pa.array([blocks[line][1] for line in lines], pa.int64()),
     })
     return table.sort_by("line")
 
 
 def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = None,
                 timings: dict | None = None) -> JobSummary:
-    """Run on Ray (connecting, or starting a local Ray); raise like `run_job`.
+    """Run on Ray (connecting, or starting a local Ray); raise like `run_job`: a
+    `BatchUsageError` before anything is done, else `JobAborted` with the checkpoint left
+    for `opts.resume`.
 
     `timings` (bench): filled with `ray_init_s` and `first_row_s` (seconds from the call to
-    the first embedded batch)."""
+    the first embedded rows reaching the driver)."""
     t0 = time.time()
     spec = validate(opts)
     if spec.path == "-":
@@ -234,29 +261,27 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     # Read tasks run in the workers' own directories: name the file as the driver sees it.
     spec = dataclasses.replace(spec, path=str(Path(spec.path).absolute()))
     output = Path(opts.output).absolute()
-    scratch = output.with_name(output.name + ".ray")
-    if not output.parent.is_dir():
-        raise BatchUsageError(f"output directory {output.parent} does not exist")
-    try:
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir()
-    except OSError as exc:
-        raise BatchUsageError(
-            f"cannot write in the output directory {output.parent}: {exc.strerror or exc}"
-        ) from None
+    local = address is None and not ray.is_initialized()
+    if local:
+        _usage_error_from(check_token_auth)
+    with _full_disk_aborts(output.parent, "nothing was embedded: free some space and run again"):
+        ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
     workers = workers or 1
-    if not ray.is_initialized():
-        if address is None:
-            ray.init(num_cpus=workers + 1, resources=node_resources(),
-                     include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
+    try:
+        if local:
+            _usage_error_from(lambda: start_local_ray(
+                num_cpus=workers + 1, resources=node_resources(), log_to_driver=False))
+        elif not ray.is_initialized():
+            _connect(address)
+    except BaseException:
+        _drop_if_empty(ckpt)  # no Ray, nothing done: the next run needs no --resume
+        raise
     if timings is not None:
         timings["ray_init_s"] = time.time() - t0
     resources = {}
     if opts.lane == "ane":
         if ray.cluster_resources().get("ane", 0) < 1:
-            shutil.rmtree(scratch, ignore_errors=True)
+            _drop_if_empty(ckpt)
             raise BatchUsageError(
                 "no Ray node offers the 'ane' resource: Apple-silicon nodes advertise it "
                 "(`ray start --resources '{\"ane\": 1}'`); use --lane llama elsewhere"
@@ -264,35 +289,104 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
         resources = {"ane": 1}
     cores = os.cpu_count() or 1
     actor_kwargs = _actor_kwargs(opts, workers, cores)
-
-    def describe() -> str:  # no row at all: the lane where the actors would have run
-        try:
-            return ray.get(_describe.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
-                           .remote(actor_kwargs))
-        except ray.exceptions.RayError as exc:
-            raise _ray_failed(exc) from exc
-
+    start_line = ckpt.next_line
+    s = ckpt.state
+    progress = JobProgress(count_records(spec), s["rows"], s["tokens"], s["errors"],
+                           opts.progress_interval_s)
+    committer: BlockCommitter | None = None
     try:
-        try:
-            ranges = None
-            if needs_ranges(opts.dtype):
-                # One node's ranges for every row: the actors write float32 and the driver
-                # quantizes at the merge, so nodes with their own stores cannot disagree.
-                ranges = np.array(ray.get(
-                    _calibrate.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
-                    .remote(actor_kwargs)), np.float32)
-            _execute(spec, opts, scratch, workers, resources, actor_kwargs)
-        except (ray.exceptions.RayError, RuntimeError) as exc:
-            raise _ray_failed(exc) from exc
-        summary = _merge(opts, scratch, output, t0, timings, describe, ranges)
+        with _interrupts_abort(ckpt):
+            try:
+                ranges = None
+                if needs_ranges(opts.dtype):
+                    # One node's ranges for every row: the actors return float32 and the
+                    # driver quantizes at the commit, so nodes with their own stores cannot
+                    # disagree.
+                    ranges = np.array(ray.get(
+                        _calibrate.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
+                        .remote(actor_kwargs)), np.float32)
+                committer = BlockCommitter(ckpt, opts, ranges, progress.update)
+                # Closed at once on the way out, not when an exception's traceback goes:
+                # that stops the dataset's execution and its actors.
+                with contextlib.closing(_results(spec, start_line, opts, workers, resources,
+                                                 actor_kwargs)) as results:
+                    for table in results:
+                        if timings is not None and "first_row_s" not in timings:
+                            timings["first_row_s"] = time.time() - t0
+                        committer.add(table)
+                if committer.held_blocks:
+                    raise JobAborted(f"the run ended with {committer.held_blocks} blocks "
+                                     f"uncommitted (rows missing before them)")
+                if committer.meta_json is None:
+                    # No row in this run (an empty input, or a resume with nothing left):
+                    # the lane where the actors would have run says what a full one would.
+                    committer.bind(ray.get(
+                        _describe.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
+                        .remote(actor_kwargs)))
+            except (ray.exceptions.RayError, RuntimeError) as exc:
+                raise _ray_failed(exc, ckpt) from exc
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return summary
+        progress.close()
+    meta = committer.meta
+    _raise_if_over_max_errors(ckpt, opts)  # a resumed job whose last block broke it
+    meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
+    with _full_disk_aborts(output.parent, _resume_advice(ckpt)):
+        errors_file = _publish(opts, ckpt, output, meta)
+    return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], time.time() - t0, meta,
+                      errors_file, start_line)
 
 
-def _ray_failed(exc: BaseException) -> JobAborted:
+def _usage_error_from(start) -> None:
+    """A local Ray that would run open is a usage error, said in one line."""
+    try:
+        start()
+    except ConfigInvalid as exc:
+        raise BatchUsageError(exc.message) from None
+
+
+def _connect(address: str) -> None:
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise JobAborted(
+            f"cannot join the Ray cluster at {address}: {first} (token authentication: "
+            f"RAY_AUTH_MODE=token and the cluster's token, see docs/operations.md)"
+        ) from None
+
+
+def _drop_if_empty(ckpt: Checkpoint) -> None:
+    """A checkpoint this run opened and never committed to is no checkpoint to resume."""
+    s = ckpt.state
+    if s["next_line"] == 1 and s["parts"] == 0 and s["errors"] == 0:
+        ckpt.remove()
+
+
+@contextlib.contextmanager
+def _interrupts_abort(ckpt: Checkpoint):
+    """Ctrl-C and SIGTERM (Ray's own SIGTERM handler just exits) stop the job with the
+    checkpoint's advice; a commit cut short is discarded on resume, like after a SIGKILL."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise JobAborted(
+            f"interrupted by {signal.Signals(signum).name}; the checkpoint at {ckpt.root} "
+            f"keeps every committed row: rerun the same command with --resume"
+        )
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ray_failed(exc: BaseException, ckpt: Checkpoint) -> JobAborted:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return JobAborted(f"the Ray job failed: {first}")
+    return JobAborted(f"the Ray job failed: {first}; {_resume_advice(ckpt)}")
 
 
 def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
@@ -327,13 +421,15 @@ def _describe(actor_kwargs: dict) -> str:
         actor.close()
 
 
-def _execute(spec, opts, scratch: Path, workers: int, resources: dict,
-             actor_kwargs: dict) -> None:
+def _results(spec, start_line: int, opts, workers: int, resources: dict,
+             actor_kwargs: dict):
+    """The actors' result tables as they finish, in any order (the committer orders them).
+    Closing this generator closes Ray Data's iterator, which shuts its execution down."""
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # rows come out in input order
+    ctx.execution_options.preserve_order = False  # ordering would hold every block back
     rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
-    ds = ray.data.read_datasource(RowsDatasource(spec, workers, rows), num_cpus=_IO_CPUS,
-                                  override_num_blocks=workers)
+    ds = ray.data.read_datasource(RowsDatasource(spec, workers, rows, start_line),
+                                  num_cpus=_IO_CPUS, override_num_blocks=workers)
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",
@@ -343,80 +439,10 @@ def _execute(spec, opts, scratch: Path, workers: int, resources: dict,
         resources=resources or None,
         fn_constructor_kwargs=actor_kwargs,
     )
-    # At most one actor batch a file: files then sort by their first line into input order.
-    ds.write_parquet(str(scratch), max_rows_per_file=rows,
-                     ray_remote_args={"num_cpus": _IO_CPUS})
-
-
-def _merge(opts: JobOptions, scratch: Path, output: Path, t0: float,
-           timings: dict | None, describe: Callable[[], str],
-           ranges: np.ndarray | None = None) -> JobSummary:
-    """The files into OUTPUT and the error rows into OUTPUT.errors.jsonl; `describe()` gives
-    the provenance when no row at all was written (an empty input)."""
-    files = sorted(scratch.rglob("*.parquet"), key=_first_line)
-    metas = set()
-    errors_tmp = scratch / "errors.jsonl"
-    parts_dir = scratch / "merged"
-    parts_dir.mkdir()
-    parts: list[Path] = []
-    rows = errors = tokens = 0
-    first_done = None
-    with open(errors_tmp, "w") as err_out:
-        for f in files:
-            table = pq.read_table(f).sort_by("line")
-            if table.num_rows == 0:
-                continue
-            metas.update(table.column("_meta").unique().to_pylist())
-            done = min(table.column("_done_at").to_pylist())
-            first_done = done if first_done is None else min(first_done, done)
-            bad = table.filter(pa.compute.is_valid(table.column("error_code")))
-            good = table.filter(pa.compute.is_null(table.column("error_code")))
-            for rec in bad.select(["line", "id", "error_code", "error_message"]).to_pylist():
-                err_out.write(json.dumps({"line": rec["line"], "id": rec["id"],
-                                          "error": {"code": rec["error_code"],
-                                                    "message": rec["error_message"]}},
-                                         ensure_ascii=False) + "\n")
-            errors += bad.num_rows
-            if good.num_rows:
-                part = parts_dir / f"{len(parts):06d}.parquet"
-                good = _as_dtype(good.select(["id", "embedding", "n_tokens", "truncated"]),
-                                 opts.dtype, ranges)
-                pq.write_table(good, part)
-                parts.append(part)
-                rows += good.num_rows
-                tokens += int(pa.compute.sum(good.column("n_tokens")).as_py() or 0)
-    if len(metas) > 1:
-        raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
-    if timings is not None and first_done is not None:
-        timings["first_row_s"] = first_done - t0
-    errors_dest = opts.errors_output().absolute()
-    if errors:
-        publish_copy(errors_tmp, errors_dest)
-    else:
-        errors_dest.unlink(missing_ok=True)
-    if errors > opts.max_errors:
-        raise JobAborted(f"{errors} rows failed, more than --max-errors {opts.max_errors}; "
-                         f"see {errors_dest}")
-    meta = json.loads(metas.pop() if metas else describe())
-    meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
-    merge_parts(parts, output, output_schema(int(meta["dims"]), meta, opts.dtype))
-    return JobSummary(str(output), rows, errors, tokens, time.time() - t0, meta,
-                      str(errors_dest) if errors else None)
-
-
-def _as_dtype(table: pa.Table, dtype: str, ranges: np.ndarray | None) -> pa.Table:
-    """The float32 `embedding` column in the job's `--dtype` (batch/dtypes.py)."""
-    if dtype == "float32":
-        return table
-    column = table.column("embedding").combine_chunks()
-    dims = column.type.list_size
-    vectors = column.flatten().to_numpy().reshape(-1, dims)
-    values = embedding_array(convert(vectors, dtype, ranges), embedding_type(dims, dtype))
-    return table.set_column(table.schema.get_field_index("embedding"), "embedding", values)
-
-
-def _first_line(path: Path) -> int:
-    pf = pq.ParquetFile(path)
-    if pf.metadata.num_rows == 0:
-        return -1
-    return pf.read_row_group(0, columns=["line"]).column("line")[0].as_py()
+    batches = iter(ds.iter_batches(batch_format="pyarrow", batch_size=None))
+    try:
+        yield from batches
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()

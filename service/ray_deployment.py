@@ -12,6 +12,10 @@ replica reserves come from the config's `[ray]` table (`service.ray_settings`).
 Shutdown (`serve.shutdown()`, or SIGTERM/SIGINT of `synapse serve --ray`) stops every
 replica gracefully, which reaps every engine worker; a worker whose replica dies abruptly
 exits on its own when its socket closes.
+
+Without an ADDRESS the Ray is our own (`host.local_ray`): bound to loopback, token
+authentication on. Ray's HTTP proxy binds the config's `host` (loopback unless the operator
+says otherwise).
 """
 
 from __future__ import annotations
@@ -93,12 +97,13 @@ def start(config: ServeConfig, address: str | None = None) -> str:
     """Connect to (or start) Ray, run the deployment behind Ray's proxy; return its URL."""
     import ray
 
+    from host.local_ray import start_local_ray
     from host.node_resources import node_resources
 
     config = install_defaults(config)  # once here, not racing in every replica
     if not ray.is_initialized():
         if address is None:
-            ray.init(resources=node_resources(), include_dashboard=False)
+            start_local_ray(resources=node_resources())  # loopback, token on
         else:
             ray.init(address=address)
     serve.start(http_options={"host": config.host, "port": config.port})

@@ -31,27 +31,28 @@ def write_jsonl(path: Path, n: int, seed: int = 0, extra: list[str] = ()) -> lis
     return [f"doc{i}" for i in range(n)]
 
 
-def cli_env(cache_dir, runtime_dir: str | None = None) -> dict:
-    env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir)}
+def cli_env(cache_dir, runtime_dir: str | None = None, extra: dict | None = None) -> dict:
+    env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir), **(extra or {})}
     if runtime_dir is not None:
         env["XDG_RUNTIME_DIR"] = runtime_dir  # our workers' sockets, found by psutil
     return env
 
 
 def batch_cli(cache_dir, *args: str, input: str | None = None, runtime_dir: str | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess:
+              timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", "batch", "embed", *args],
         capture_output=True, text=True, timeout=timeout, input=input,
-        env=cli_env(cache_dir, runtime_dir),
+        env=cli_env(cache_dir, runtime_dir, env),
     )
 
 
-def start_batch_cli(cache_dir, *args: str, runtime_dir: str | None = None) -> subprocess.Popen:
+def start_batch_cli(cache_dir, *args: str, runtime_dir: str | None = None,
+                    env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", "batch", "embed", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=cli_env(cache_dir, runtime_dir),
+        env=cli_env(cache_dir, runtime_dir, env),
     )
 
 

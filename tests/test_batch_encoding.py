@@ -70,19 +70,6 @@ def test_a_float_vector_never_lands_in_an_integer_column():
     assert embedding_array(v, COLUMN["float16"]).type == COLUMN["float16"]  # a float narrows
 
 
-def test_ray_merge_conversion_is_the_local_one():
-    from batch.ray_job import _as_dtype
-
-    v = np.random.default_rng(1).standard_normal((4, 384)).astype(np.float32)
-    table = pa.table({"id": list("abcd"),
-                      "embedding": pa.FixedSizeListArray.from_arrays(pa.array(v.ravel()), 384)})
-    ranges = np.vstack((v.min(0), v.max(0)))
-    for dtype in DTYPES:
-        got = _as_dtype(table.slice(1), dtype, ranges)  # a slice: offsets respected
-        assert got.schema.field("embedding").type == COLUMN[dtype]
-        assert np.array_equal(_vectors(got), convert(v[1:], dtype, ranges)), dtype
-
-
 def test_the_cli_offers_every_dtype_and_the_job_checks_its_own(tmp_path):
     def parse(*extra):
         return build_parser().parse_args(["batch", "embed", "in.jsonl", "-o", "o.parquet",

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from batch.errors import BatchUsageError
+from batch.errors import BatchUsageError, JobAborted
 from batch.job import JobOptions, run_job
 from batch.output import read_metadata
 from batch.ray_job import run_ray_job
@@ -50,7 +54,7 @@ def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, t
     assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
     assert (tmp_path / "ray.parquet.errors.jsonl").read_text() == (
         tmp_path / "local.parquet.errors.jsonl").read_text()
-    assert not (tmp_path / "ray.parquet.ray").exists()
+    assert not (tmp_path / "ray.parquet.partial").exists()  # the checkpoint, published
     assert 0 < timings["first_row_s"]
     assert not wait_gone(runtime_dir, timeout_s=30), "an actor's worker outlived the job"
 
@@ -79,3 +83,39 @@ def test_an_empty_input_writes_an_empty_output_like_the_local_job(
     assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
     assert not (tmp_path / "ray.parquet.errors.jsonl").exists()
     assert not wait_gone(short_runtime_dir, timeout_s=30), "the describing worker outlived it"
+
+
+def test_sigint_stops_the_ray_job_with_its_checkpoint_and_resume_finishes_it(
+    ray_session, store_root, tmp_path, short_runtime_dir
+):
+    ids = write_jsonl(tmp_path / "c.jsonl", 200, seed=5)
+    out = tmp_path / "o.parquet"
+    state_file = tmp_path / "o.parquet.partial" / "state.json"
+
+    def interrupt_after_two_commits():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(state_file.read_text())["parts"] >= 2:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, to the driver's main thread
+
+    killer = threading.Thread(target=interrupt_after_two_commits)
+    killer.start()
+    try:
+        with pytest.raises(JobAborted, match=r"interrupted by SIGINT.*--resume"):
+            run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out,
+                                window_rows=10), address=None, workers=1)
+    finally:
+        killer.join()
+    assert not out.exists()
+    committed = json.loads(state_file.read_text())
+    assert 20 <= committed["rows"] < 200
+    summary = run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out,
+                                  window_rows=10, resume=True), address=None, workers=1)
+    assert summary.resumed_from_line == committed["next_line"] > 1
+    assert summary.rows == 200 and read_output(out)[1] == ids  # none lost, none twice
+    assert not wait_gone(short_runtime_dir, timeout_s=30), "an actor's worker outlived it"

@@ -1,6 +1,7 @@
 """`synapse serve --ray` on the session's local Ray: two replicas behind Ray's HTTP proxy,
-the official `openai` client, a real worker SIGKILL under concurrent load, and a SIGTERM of
-the driver that leaves no worker behind."""
+the official `openai` client, a real worker SIGKILL under concurrent load, a SIGTERM of the
+driver that leaves no worker behind, and nothing listening beyond loopback but the one
+server Ray binds to every interface whatever it is told (a replica's gRPC server)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.ray_support import wait_gone
+from tests.ray_support import is_loopback, listening_sockets, wait_gone
 
 MODEL = "minilm-l6-v2"
 
@@ -85,6 +86,18 @@ def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker
     pids = {h["lanes"][MODEL]["pid"] for h in health.values()}
     assert len(pids) == 2 and all(h["code"] == 200 and h["status"] == "ok"
                                   for h in health.values())
+    # Serve's proxy binds the config's host; every other Ray server the node address
+    # (loopback, host.local_ray) — except each replica's gRPC server for calls between
+    # deployments, which Ray binds to [::] (ray/serve/_private/replica.py) and guards with
+    # the same token interceptor.
+    sockets = listening_sockets()
+    port = int(url.rsplit(":", 1)[1])
+    assert any(name.startswith("ray::ProxyActor") and p == port and is_loopback(ip)
+               for name, ip, p in sockets), sockets
+    beyond = [s for s in sockets if not is_loopback(s[1])]
+    assert all(name.startswith("ray::ServeReplica") for name, _, _ in beyond), beyond
+    assert len(beyond) <= 2  # one per replica at most
+
     victim, before = next(iter(health.items()))
     victim_pid = before["lanes"][MODEL]["pid"]
 
