@@ -440,7 +440,7 @@ class Lane:
             async with self._stream:
                 if self._running and self._quarantined_until is None:
                     await self._ensure_worker()  # spawn + LOAD replay; a failure is a strike
-        except Exception as exc:  # noqa: BLE001 - logged; the next request retries and reports
+        except Exception as exc:  # logged; the next request retries and reports
             log.warning("lane %s: restart failed: %s", self.config.lane_id, exc)
 
     def _strike(self, error: EngineCrashed) -> None:

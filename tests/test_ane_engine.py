@@ -389,7 +389,7 @@ def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
                                                  rerank_engine: AneEngine) -> None:
     seen: set[str] = set()
     for engine in (embed_engine, rerank_engine):
-        for loaded in engine._model.shapes.values():  # noqa: SLF001 - inspection only
+        for loaded in engine._model.shapes.values():  # inspection only
             seen |= loaded.runner.program.op_types
     print("\nconverted program op set:", sorted(seen))
     assert seen - {"const"} <= SUPPORTED_OPS
