@@ -1,6 +1,7 @@
 """A lane: one worker slot, its strikes and quarantine, deadlines, and cached health.
 
-Rules (DESIGN section 3), all enforced here:
+Rules, all enforced here (a worker may crash, hang or lie; callers must never see another
+request's reply or wait without bound):
 - One request in flight per worker: `_stream` (a lock) is held from send until the reply and
   its raw frame have DRAINED — even when the caller stopped waiting — so a later request can
   never read an abandoned request's reply.

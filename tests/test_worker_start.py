@@ -1,4 +1,5 @@
-"""A worker's start never races its imports (issue 10, section 6).
+"""A worker's start never races its imports: a slow engine import happens during LOAD, whose
+window is long, never before HELLO, whose window is short.
 
 Real processes: the faulty worker with a library whose import really takes longer than the
 host's HELLO window, imported during LOAD (starts and serves) or before HELLO (missed window,

@@ -93,7 +93,8 @@ WIDE_DECODE_MIN_TOKENS = 32
 # Small decodes come fast: report PROGRESS (the watchdog's heartbeat, one host wakeup each) at
 # most this often rather than per decode, so the host does not steal the cores per decode.
 _PROGRESS_EVERY_S = 0.25
-# Generation defaults: prompts are short here (DESIGN 5), so a 2k context and 512-token
+# Generation defaults: prompts and outputs are short by policy (at most 64 new tokens), so a
+# 2k context and 512-token
 # prompt chunks (llama-cpp-python's own defaults for n_batch/n_ubatch).
 _GEN_CTX = 2048
 _GEN_BATCH = 512
