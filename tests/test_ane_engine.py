@@ -25,6 +25,8 @@ from workers.ane.shapes import Shape
 from workers.engine import EngineError, NullProgress
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 class RecordingProgress:
     def __init__(self) -> None:

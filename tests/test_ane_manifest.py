@@ -22,6 +22,8 @@ from workers.ane.manifest import (
     load_manifest,
 )
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 def test_minilm_manifest() -> None:
     man = h.minilm()

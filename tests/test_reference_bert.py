@@ -15,6 +15,8 @@ from certification.reference.bert import BertConfig, BertReference, erf, gelu, o
 from certification.reference.cross_encoder import build_test_cross_encoder, minilm_dir
 from host.tokenization import Tokenizer
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 SENTENCES = [
     "A man is eating food.",
     "A man is eating a piece of bread.",

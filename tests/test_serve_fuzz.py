@@ -27,6 +27,8 @@ from service.config import ServeConfig
 from service.openapi import operations
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 KEY = "fuzz-key-0123456789"
 MAX_BODY = 64 * 1024
 BODY_TIMEOUT_S = 1.5

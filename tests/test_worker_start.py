@@ -21,6 +21,8 @@ from host.errors import EngineCrashed
 from tests import test_ane_helpers as h
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 HELLO_S = 1.0
 IMPORT_S = 2.5  # > HELLO_S: a library whose import alone outlasts the HELLO window
 
