@@ -51,8 +51,8 @@ test: $(STAMP)
 	$(BIN)/actionlint
 	$(BIN)/python -m pytest -q
 
-# The inner loop: every test that starts no model worker and builds no model (see
-# tests/conftest.py, marker `model`).
+# The inner loop: every test that starts no model worker and builds no model (each such test
+# declares the marker `model`; tests/conftest.py refuses a model fixture without it).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not model"

@@ -193,7 +193,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress,
                     return
                 asyncio.run_coroutine_threadsafe(ready.put(window), loop).result()
             item: object = None
-        except BaseException as exc:  # noqa: BLE001 - handed to the event loop to raise
+        except BaseException as exc:  # handed to the event loop to raise
             item = exc
         if not stop_reader.is_set():
             asyncio.run_coroutine_threadsafe(ready.put(item), loop).result()

@@ -33,7 +33,7 @@ def certificate_for(emb: LaneEmbedder, identity: dict) -> str:
         lane_id = lane_identity(emb.module, emb.model, emb.lane)
         store = CertificateStore(emb.module.store.root.parent / "certificates")
         cert = store.get(key_for(lane_id).id)
-    except Exception as exc:  # noqa: BLE001 - provenance is best effort, never fatal
+    except Exception as exc:  # provenance is best effort, never fatal
         log.info("no certificate lookup: %s", exc)
         return ""
     return f"{cert.id} ({cert.status})" if cert is not None else ""

@@ -204,7 +204,7 @@ class EmbedActor:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
+        except Exception:  # the loop may be gone at interpreter exit
             pass
 
 

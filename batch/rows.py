@@ -217,7 +217,7 @@ def _open_csv(path: str):
     admission's to refuse, as a row error (the reader's default cap of 128 KiB would end the
     file there instead)."""
     csv.field_size_limit(_CSV_FIELD_LIMIT)
-    return open(path, encoding="utf-8-sig", errors="replace", newline="")  # noqa: SIM115
+    return open(path, encoding="utf-8-sig", errors="replace", newline="")
 
 
 def _parquet_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[Row]:

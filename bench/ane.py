@@ -84,17 +84,17 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import tokenizers  # noqa: E402
+import numpy as np
+import tokenizers
 
-from certification.corpus import corpus  # noqa: E402
-from certification.reference.bert import BertReference  # noqa: E402
-from formats.owned.manifest import EMBED_HEADS, Manifest, ingest_owned, load_manifest  # noqa: E402
-from ingest.model_packages import minilm_dir  # noqa: E402
-from workers.ane.engine import AneEngine  # noqa: E402
-from workers.ane.packing import plan  # noqa: E402
-from workers.engine import NullProgress  # noqa: E402
-from workers.protocol import messages as m  # noqa: E402
+from certification.corpus import corpus
+from certification.reference.bert import BertReference
+from formats.owned.manifest import EMBED_HEADS, Manifest, ingest_owned, load_manifest
+from ingest.model_packages import minilm_dir
+from workers.ane.engine import AneEngine
+from workers.ane.packing import plan
+from workers.engine import NullProgress
+from workers.protocol import messages as m
 
 UNPACKED = {"rows": 8, "seq_len": 128}
 PACKED = {"rows": 8, "seq_len": 128, "packed": True, "max_segments": 8}
@@ -199,7 +199,7 @@ def _runner(engine: AneEngine, manifest: Manifest, inputs: Inputs) -> Callable[[
 
 
 def _chunks(engine: AneEngine, seqs: list[np.ndarray]) -> list:
-    shapes = [compiled.shape for compiled in engine._model.shapes.values()]  # noqa: SLF001
+    shapes = [compiled.shape for compiled in engine._model.shapes.values()]
     return plan([len(s) for s in seqs], shapes)
 
 

@@ -182,12 +182,12 @@ def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> d
     man = target.record.manifest
     chunks = plan_chunks(lengths, config.max_worker_batch_tokens, config.max_batch_items,
                          config.host.max_frame, man.dims)
-    mdl = engine._models[target.record.name]  # noqa: SLF001  (a bench reads the engine's plan)
+    mdl = engine._models[target.record.name]  # a bench reads the engine's plan
     budget = min(mdl.n_batch, mdl.n_ubatch)
     per_decode: list[int] = []
     for c in chunks:
         sub = [lengths[i] for i in c]
-        for group in plan_decodes(sub, budget, mdl.n_seq_max, engine._decode_tokens,  # noqa: SLF001
+        for group in plan_decodes(sub, budget, mdl.n_seq_max, engine._decode_tokens,
                                   len(mdl.slots)):
             per_decode.append(sum(sub[i] for i in group))
     return {
@@ -196,7 +196,7 @@ def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> d
         "decodes": len(per_decode),
         "tokens_per_decode_median": statistics.median(per_decode) if per_decode else 0,
         "tokens_per_decode_max": max(per_decode, default=0),
-        "decode_tokens_target": engine._decode_tokens,  # noqa: SLF001
+        "decode_tokens_target": engine._decode_tokens,
         "encode_streams": len(mdl.slots),
         "threads_per_stream": list(mdl.stream_threads),
         "n_ctx": mdl.n_ctx,

@@ -9,7 +9,7 @@ the model's own: mean over the attention mask, the first token (cls), or the las
 token (last: Qwen3-Embedding's "lasttoken"; with right padding that is `mask.sum(1) - 1`), then
 L2 normalization when the directory declares a Normalize module; so the timed loop is
 tokenize + session.run. No int8 quantization: with default settings it drops the mean cosine
-to 0.93 on MiniLM (issue 14).
+to 0.93 on MiniLM, too far from fp32 to be a fair baseline.
 
 The export is cached under `<synapse cache>/bench/onnx/`, keyed by the directory's config and
 weight files (size and mtime), the pooling, Normalize and the torch version, so repeated runs

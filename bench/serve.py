@@ -102,7 +102,7 @@ def _free_port() -> int:
 
 class _Proc:
     def __init__(self, argv: list[str], env: dict, workdir: str, name: str) -> None:
-        self.log = open(Path(workdir) / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.log = open(Path(workdir) / f"{name}.log", "wb")  # closed in stop()
         self.lines: list[str] = []
         # Own session for each server: with CFS autogroups, CPU is shared per session, and
         # our workers already run in sessions of their own (the host starts them that way).

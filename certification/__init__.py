@@ -1,5 +1,6 @@
 """Certification: a real lane, driven through the host, judged against an independent fp32
-reference, with ANE placement gated alongside (DESIGN section 8).
+reference, with ANE placement gated alongside (a Core ML lane that falls back to the CPU
+is not the lane it claims to be, however close its vectors).
 
     runner        one run: load, corpus pass, retrieval, probe fingerprint, placement, verdict
     lane_client   the only code that talks to host.module.Module (llama and Core ML lanes)

@@ -1,4 +1,5 @@
-"""compile_cache: a crash-safe, content-addressed store of compiled shapes (DESIGN section 7).
+"""compile_cache: a crash-safe, content-addressed store of compiled shapes (a Core ML shape
+takes seconds to minutes to compile, so each is built once per key and reused).
 
     cache = CompileCache(root, budget_bytes=10 * 2**30)
     with cache.lease(key, build) as entry:   # build(tmp_dir) runs at most once per key

@@ -1,7 +1,8 @@
 """Typed errors of the compile cache.
 
 Every refusal is a `CompileCacheError` subclass with a stable `code` string, so the host and
-the CLI can report it as that code (DESIGN section 9) instead of parsing messages.
+the CLI can report it as that code (HTTP error bodies and `error[code]` lines name it)
+instead of parsing messages.
 """
 
 from __future__ import annotations

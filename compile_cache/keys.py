@@ -127,7 +127,8 @@ def make_key(
     coremltools_version: str,
     **extra: KeyValue,
 ) -> dict[str, Any]:
-    """The standard key of a compiled Core ML shape (DESIGN section 7), validated.
+    """The standard key of a compiled Core ML shape: every input that changes the package's
+    bytes, nothing that does not, validated.
 
     `extra` fields (e.g. `packed=True`, `compute_units="CPU_AND_NE"`) join the key as-is.
     """

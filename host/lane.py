@@ -1,6 +1,7 @@
 """A lane: one worker slot, its strikes and quarantine, deadlines, and cached health.
 
-Rules (DESIGN section 3), all enforced here:
+Rules, all enforced here (a worker may crash, hang or lie; callers must never see another
+request's reply or wait without bound):
 - One request in flight per worker: `_stream` (a lock) is held from send until the reply and
   its raw frame have DRAINED — even when the caller stopped waiting — so a later request can
   never read an abandoned request's reply.
@@ -34,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -111,8 +113,12 @@ class Lane:
         config: LaneConfig,
         host: HostConfig | None = None,
         permits: DevicePermits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        # Seconds on a monotonic scale: quarantine expiry and health age are read from it, so a
+        # test can move time forward instead of sleeping through a quarantine.
+        self.clock = clock
         self.host = host or HostConfig()
         self.permits = permits or DevicePermits(self.host.permits())
         self.permits.for_device(config.device)  # fail now on an unknown device
@@ -440,7 +446,7 @@ class Lane:
             async with self._stream:
                 if self._running and self._quarantined_until is None:
                     await self._ensure_worker()  # spawn + LOAD replay; a failure is a strike
-        except Exception as exc:  # noqa: BLE001 - logged; the next request retries and reports
+        except Exception as exc:  # logged; the next request retries and reports
             log.warning("lane %s: restart failed: %s", self.config.lane_id, exc)
 
     def _strike(self, error: EngineCrashed) -> None:
@@ -448,21 +454,21 @@ class Lane:
         self._strikes += 1
         log.warning("lane %s strike %d: %s", self.config.lane_id, self._strikes, error.message)
         if self._strikes >= self.host.strike_limit:
-            self._quarantined_until = time.monotonic() + self.host.quarantine_s
+            self._quarantined_until = self.clock() + self.host.quarantine_s
             self.quarantines += 1
             log.error("lane %s quarantined for %g s", self.config.lane_id, self.host.quarantine_s)
 
     def _retry_after(self) -> float | None:
         if self._quarantined_until is None:
             return None
-        return max(0.0, self._quarantined_until - time.monotonic())
+        return max(0.0, self._quarantined_until - self.clock())
 
     def raise_if_quarantined(self) -> None:
         """Fail at once with `EngineCrashed(quarantined=True)` while quarantined (cheap: for
         per-request checks, also by a scheduler before it queues work)."""
         if self._quarantined_until is None:
             return
-        remaining = self._quarantined_until - time.monotonic()
+        remaining = self._quarantined_until - self.clock()
         if remaining <= 0:  # expired: the next request starts a fresh worker, zero strikes
             self._quarantined_until, self._strikes = None, 0
             return
@@ -481,7 +487,7 @@ class Lane:
         """One PING through the normal request path (used by the refresher and tools)."""
         reply, _ = await self.request(m.PING(req_id=0))
         assert isinstance(reply, m.PONG)
-        self._health.pong, self._health.at = reply, time.monotonic()
+        self._health.pong, self._health.at = reply, self.clock()
         return reply
 
     async def _refresh_health(self) -> None:
@@ -516,7 +522,7 @@ class Lane:
         else:
             status = "ready"
         cached = self._health
-        age = None if cached.at is None else time.monotonic() - cached.at
+        age = None if cached.at is None else self.clock() - cached.at
         pong = msgspec.structs.asdict(cached.pong) if cached.pong is not None else None
         return LaneState(
             lane_id=self.config.lane_id,

@@ -6,7 +6,8 @@ the composition roots (the CLI, `synapse serve`) wire it in, so host never impor
 certification (the dependency runs host <- certification). Without a policy the Module
 serves every model on llama.cpp and says so.
 
-Choice rule (issue 10, section 4), per model on this machine: a Core ML lane whose
+Choice rule, per model on this machine (the faster lane only where it is proven right): a
+Core ML lane whose
 certificate is `certified` for this machine and whose exact identity still matches once
 loaded; otherwise the llama.cpp lane, on the GPU where the build offloads, else the CPU.
 """

@@ -74,9 +74,10 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "ane": ["python", "-m", "workers.ane"],
         }
     )
-    # Certificates before serving (DESIGN 8): "strict" refuses a lane of `certificate_lanes`
-    # that has no certified certificate for its exact identity (`certificate_required`),
-    # "warn" logs and serves. Checked by the Module's LanePolicy (certification provides it).
+    # Certificates before serving (an uncertified lane may give wrong vectors): "strict"
+    # refuses a lane of `certificate_lanes` that has no certified certificate for its exact
+    # identity (`certificate_required`), "warn" logs and serves.
+    # Checked by the Module's LanePolicy (certification provides it).
     require_certificate: Literal["strict", "warn", "off"] = "off"
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 

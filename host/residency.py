@@ -561,7 +561,7 @@ class Residency:
         while True:
             try:
                 delay = await self.sweep()
-            except Exception:  # noqa: BLE001 - logged; the next sweep tries again
+            except Exception:  # logged; the next sweep tries again
                 log.exception("residency sweep failed")
                 delay = _MAX_SWEEP_S
             self._next_sweep = time.monotonic() + delay

@@ -1,6 +1,7 @@
 """One live worker: its process, its connection, its log ring — and how it is started.
 
-Start-up order (DESIGN section 3): listener first (0700 dir, 0600 socket, stale file gone),
+Start-up order (each step closes a way a stranger or a stale child could take the socket):
+listener first (0700 dir, 0600 socket, stale file gone),
 then spawn with `--socket --nonce` and `SYNAPSE_WORKER_ID`, then accept under the HELLO
 timeout while watching for the child's exit, check the peer's credentials, and complete the
 handshake (exact v3, nonce). Any failure kills and reaps the child before raising.

@@ -154,7 +154,7 @@ def record_ranges(
         log.warning("%s: int8 ranges not recorded in the manifest (%s); this process keeps "
                     "its own", name, exc)
         return mine
-    except Exception as exc:  # noqa: BLE001 - the store's typed errors: replaced, removed, full
+    except Exception as exc:  # the store's typed errors: replaced, removed, full
         log.warning("%s: int8 ranges not recorded in the manifest (%s)", name,
                     getattr(exc, "msg", exc))
         return mine

@@ -85,8 +85,9 @@ DEFAULT_EMBED_F16 = "minilm-l6-v2-f16"
 DEFAULT_EMBED_F32 = "minilm-l6-v2-f32"
 EMBED_BY_DTYPE: dict[Dtype, str] = {"f16": DEFAULT_EMBED_F16, "f32": DEFAULT_EMBED_F32}
 DEFAULT_GENERATE = "gemma3-270m"
-# Generation defaults (DESIGN 5: max_tokens <= 64 by default policy); the runtime context is
-# far below Gemma's 32k training context because prompts here are short.
+# Generation defaults: generation is short by policy (at most 64 new tokens, so a request
+# cannot hold a worker for long); the runtime context is far below Gemma's 32k training
+# context because prompts here are short.
 GEMMA_MAX_NEW_TOKENS = 64
 GEMMA_N_CTX = 2048
 

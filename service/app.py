@@ -189,7 +189,7 @@ def _check_aliases(config: ServeConfig, module: Module) -> None:
             )
         try:
             module.store.get(target)
-        except Exception:  # noqa: BLE001 - any failure means the alias cannot serve
+        except Exception:  # any failure means the alias cannot serve
             raise ConfigInvalid(
                 f"alias {alias!r} names {target!r}, which is not an installed model"
             ) from None

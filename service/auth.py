@@ -45,7 +45,7 @@ def _digest(key: str) -> bytes:
 def read_key_file(path: str) -> list[str]:
     try:
         # utf-8-sig: a byte-order mark (Windows editors, PowerShell) is not part of a key.
-        text = open(path, encoding="utf-8-sig").read()  # noqa: SIM115 - read at once
+        text = open(path, encoding="utf-8-sig").read()  # read at once
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigInvalid(f"cannot read API key file {path}: {type(exc).__name__}") from None
     keys = [line.strip() for line in text.splitlines()]

@@ -111,7 +111,7 @@ class Coalescer:
         try:
             texts = [t for a in arrivals for t in a.texts]
             encoded = options.encode(self.tokenizer, texts, True)
-        except Exception:  # noqa: BLE001 - some text broke the tokenizer: find whose it is
+        except Exception:  # some text broke the tokenizer: find whose it is
             for a in arrivals:
                 self._alone(a)
             return
@@ -138,5 +138,5 @@ class Coalescer:
         """Tokenize one request by itself: its result, or its own error."""
         try:
             a.future.set_result(a.options.encode(self.tokenizer, a.texts, a.truncate))
-        except Exception as exc:  # noqa: BLE001 - this request's own error, typed or not
+        except Exception as exc:  # this request's own error, typed or not
             a.future.set_exception(exc)

@@ -267,7 +267,7 @@ async def rerank_v2(request: Request, state: ServerState) -> Response:
     results = [
         CohereRerankResult(
             index=index,
-            relevance_score=rerank._score(result, raw, False),
+            relevance_score=rerank.relevance(result, raw, False),
             n_tokens=result.n_tokens[index],
             truncated=result.truncated[index],
         )

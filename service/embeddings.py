@@ -66,7 +66,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
         msgspec.Meta(description=_FORMATS),
     ] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    user: Any = None  # accepted and ignored, as the issue asks
+    user: Any = None  # accepted and ignored: OpenAI clients send it, we track no end users
     # Extensions (OpenAI clients send them through `extra_body`):
     normalize: bool = True
     truncate: bool = True  # false: an input over the limit is a 400 naming it

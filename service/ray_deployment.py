@@ -122,7 +122,7 @@ def serve_on_ray(config: ServeConfig, address: str | None) -> int:
 
     try:
         url = start(config, address)
-    except Exception as exc:  # noqa: BLE001 - one line, not a Ray traceback
+    except Exception as exc:  # one line, not a Ray traceback
         print(f"synapse serve: Ray Serve failed to start: {exc}", file=sys.stderr)
         return 3
     # After ray.init, which installs its own SIGTERM handler (exit at once, no reaping).

@@ -6,7 +6,7 @@ skips it). With no cross-encoder installed the module ranks by the embedding mod
 and the response says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
 header (TEI's body is a bare list). Both take `truncate` and `truncation_direction`
 (service/truncation.py), and every result says its `n_tokens` and whether it was `truncated`.
-Cohere's v2 shape (service/cohere_v2.py) shares `_rerank` and `_score`.
+Cohere's v2 shape (service/cohere_v2.py) shares `_rerank` and `relevance`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class TeiRerankRequest(msgspec.Struct, kw_only=True):
     model: str | None = None  # extension: TEI serves one model
 
 
-def _score(result: Ranked, raw: float, raw_scores: bool) -> float:
+def relevance(result: Ranked, raw: float, raw_scores: bool) -> float:
     if result.method == "cross-encoder" and not raw_scores:
         # The logistic sigmoid, in the form whose exp() cannot overflow for any logit.
         if raw >= 0:
@@ -110,7 +110,7 @@ async def rerank_v1(request: Request, state: ServerState) -> Response:
     results = [
         RerankResult(
             index=index,
-            relevance_score=_score(result, raw, False),
+            relevance_score=relevance(result, raw, False),
             document=RerankedDocument(text=docs[index]) if req.return_documents else None,
             n_tokens=result.n_tokens[index],
             truncated=result.truncated[index],
@@ -134,7 +134,7 @@ async def rerank_tei(request: Request, state: ServerState) -> Response:
     out = [
         TeiRerankItem(
             index=index,
-            score=_score(result, raw, req.raw_scores),
+            score=relevance(result, raw, req.raw_scores),
             text=req.texts[index] if req.return_text else None,
             n_tokens=result.n_tokens[index],
             truncated=result.truncated[index],

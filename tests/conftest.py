@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +59,21 @@ def store_root(synapse_cache_dir) -> str:
     return str(synapse_cache_dir / "models")
 
 
+@pytest.fixture(scope="module")
+def own_certificates_cache(synapse_cache_dir, module_tmp) -> Path:
+    """A SYNAPSE_CACHE_DIR for one module that shares the session's models and compile cache
+    (linked: nothing is rebuilt) and keeps its certificates to itself. A lane policy reads the
+    certificates beside the store, so one module's certificates would otherwise decide another
+    module's lane choice and make "never certified" depend on the order modules run in."""
+    dst = module_tmp / "cache"
+    dst.mkdir()
+    for shared in ("models", "compile_cache"):
+        (synapse_cache_dir / shared).mkdir(exist_ok=True)
+        (dst / shared).symlink_to(synapse_cache_dir / shared, target_is_directory=True)
+    (dst / "certificates").mkdir()
+    return dst
+
+
 # The test model with sentence-transformers prompts: MiniLM's weights and tokenizer under an
 # e5-style config (MiniLM itself declares none). Its Matryoshka widths exercise the manifest
 # path only; MiniLM was not trained for them.
@@ -99,17 +116,14 @@ def ray_session():
 
 
 # ---- `make test-fast`: the inner loop ---------------------------------------------------------
-# A test is marked `model` when it starts a model worker or builds/loads a real model, so
-# `pytest -m "not model"` (make test-fast) keeps protocol, supervision (with the faulty worker),
-# config, cache, layout and docs tests: the fast inner loop. `make test` runs everything.
+# A test that starts a model worker or builds/loads a real model says so: its module declares
+# `pytestmark = pytest.mark.model`, or the test itself `@pytest.mark.model`. `pytest -m "not
+# model"` (make test-fast) keeps protocol, supervision (with the faulty worker), config, cache,
+# layout and docs tests: the fast inner loop. `make test` runs everything.
+# The shared fixtures below build or load real models; a test that asks for one without the
+# mark is a collection error, so the fast loop can never start a model by accident.
 MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_encoder_dir",
-                  "prompted_model"}
-# Modules whose own fixtures build or load real models (no shared fixture to detect).
-MODEL_MODULES = {
-    "test_ane_builder", "test_ane_compiler", "test_ane_compute_plan", "test_ane_coreml",
-    "test_ane_engine", "test_ane_executor", "test_ane_packing", "test_artifacts", "test_disk_full",
-    "test_llama_engine", "test_prompts", "test_reference_bert", "test_worker_start",
-}
+                  "prompted_model", "own_certificates_cache"}
 
 
 def pytest_configure(config):
@@ -117,7 +131,34 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if MODEL_FIXTURES & set(item.fixturenames) or module in MODEL_MODULES:
-            item.add_marker(pytest.mark.model)
+    unmarked = [f"{item.nodeid} (uses {', '.join(sorted(MODEL_FIXTURES & set(item.fixturenames)))})"
+                for item in items if MODEL_FIXTURES & set(item.fixturenames)
+                and item.get_closest_marker("model") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that use a model fixture must be marked `model` "
+                                "(pytestmark = pytest.mark.model):\n  " + "\n  ".join(unmarked))
+
+
+def _declares_model_mark(path: Path) -> bool:
+    """The module's own `pytestmark` names `pytest.mark.model` (read from its source: importing
+    it would load what it tests)."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return any(isinstance(n, ast.Attribute) and n.attr == "model"
+                       and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
+                       for n in ast.walk(node.value))
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    # `-m "not model"` would deselect a model module's tests after importing it, and importing
+    # them (coremltools, torch, Ray, the OpenAI client) cost the fast loop ~40 s of CPU: such a
+    # module is not collected at all. Any other selection collects as usual.
+    if (config.getoption("markexpr") or "").strip() != "not model":
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_") \
+            and _declares_model_mark(collection_path):
+        return True
+    return None

@@ -24,6 +24,8 @@ from workers.ane.ct_quiet import Function, Program, ct, mb, types
 from workers.ane.executor import load_package_program
 from workers.ane.shapes import Shape
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 ROWS, SEQ, SEGS = 2, 32, 4
 
 

@@ -21,6 +21,8 @@ from workers.ane.compiler import PACKAGE_KIND, PACKAGE_NAME, admit, cache_key, c
 from workers.ane.executor import CompiledProgram, load_package_program
 from workers.ane.shapes import Shape
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 SHAPE = Shape(2, 16)
 
 

@@ -21,6 +21,8 @@ from workers.ane.executor import load_package_program
 from workers.ane.program_ir import from_mil
 from workers.ane.shapes import Shape
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 def _op(kind: str, blocks=()) -> MLModelStructureProgramOperation:
     return MLModelStructureProgramOperation(inputs={}, operator_name=kind, outputs=[],

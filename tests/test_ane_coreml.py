@@ -18,11 +18,11 @@ from workers.ane.engine import AneEngine
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.model, pytest.mark.skipif(
     sys.platform != "darwin",
     reason="needs macOS: Core ML's runtime (compile_model, CompiledMLModel, MLComputePlan) "
            "does not exist on Linux",
-)
+)]
 
 # What the lane serves out of the box (config.DEFAULT_SHAPES, seq 0 = max_seq_length) plus the
 # packed shape the tests use.

@@ -25,6 +25,8 @@ from workers.ane.shapes import Shape
 from workers.engine import EngineError, NullProgress
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 class RecordingProgress:
     def __init__(self) -> None:
@@ -389,7 +391,7 @@ def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
                                                  rerank_engine: AneEngine) -> None:
     seen: set[str] = set()
     for engine in (embed_engine, rerank_engine):
-        for loaded in engine._model.shapes.values():  # noqa: SLF001 - inspection only
+        for loaded in engine._model.shapes.values():  # inspection only
             seen |= loaded.runner.program.op_types
     print("\nconverted program op set:", sorted(seen))
     assert seen - {"const"} <= SUPPORTED_OPS

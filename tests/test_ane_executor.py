@@ -19,6 +19,8 @@ from workers.ane.executor import (
 )
 from workers.ane.fp16 import erf, gelu_exact, round_fp16_
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 RNG = np.random.default_rng(7)
 
 

@@ -22,6 +22,8 @@ from formats.owned.manifest import (
 from ingest.model_packages import minilm_dir
 from tests import test_ane_helpers as h
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 def test_minilm_manifest() -> None:
     man = h.minilm()

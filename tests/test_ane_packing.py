@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.shapes import Shape
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 U128, U512 = Shape(4, 128), Shape(2, 512)
 P256 = Shape(2, 256, True, 4)
 

@@ -28,6 +28,8 @@ from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = minilm_dir()
 N_VOCAB = 30522
 

@@ -22,6 +22,8 @@ from tests.batch_support import (
 )
 from tests.ray_support import wait_gone
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 @pytest.fixture
 def runtime_dir():

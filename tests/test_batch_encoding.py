@@ -126,6 +126,7 @@ def float_job(store_root, module_tmp):
     return {"root": root, "dir": module_tmp, "vectors": vectors, "ranges": ranges}
 
 
+@pytest.mark.model
 async def test_each_dtype_writes_quantize_embeddings_of_the_float_job(float_job,
                                                                       short_runtime_dir):
     root, d, want, ranges = (float_job[k] for k in ("root", "dir", "vectors", "ranges"))
@@ -158,6 +159,7 @@ async def test_each_dtype_writes_quantize_embeddings_of_the_float_job(float_job,
             assert "quantization_ranges" not in meta
 
 
+@pytest.mark.model
 def test_the_ray_job_quantizes_with_the_models_ranges(ray_session, float_job, tmp_path,
                                                       short_runtime_dir):
     from batch.ray_job import run_ray_job

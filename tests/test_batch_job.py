@@ -21,6 +21,8 @@ from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from tests.batch_support import read_output, texts, write_jsonl
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 def module_config(store_root, runtime_dir) -> ModuleConfig:
     return ModuleConfig(store_root=store_root,

@@ -21,6 +21,8 @@ from host.module import ModuleConfig
 from tests.batch_support import read_output, write_jsonl
 from tests.ray_support import wait_gone
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 
 def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
     module = ModuleConfig(store_root=store_root,

@@ -18,6 +18,8 @@ import pytest
 from tests.batch_support import batch_cli, cli_env, read_output, wait_for_commits, write_jsonl
 from tests.ray_support import wait_gone
 
+pytestmark = pytest.mark.model  # starts Ray and model workers
+
 
 @pytest.fixture
 def private_dirs():

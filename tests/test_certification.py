@@ -1,9 +1,10 @@
 """`synapse certify` end to end: real lanes through the host against the fp32 reference.
 
 Runs judge every 8th corpus item (`sample_stride`, recorded in the certificate) to keep the
-suite short; the real command judges the whole corpus. All runs share one certificate store
-(`<session cache>/certificates`), so the reference forward of a given sample is computed
-once (its cache) and the host's policy hook finds what the runs wrote.
+suite short; the real command judges the whole corpus. All runs share one certificate store,
+this module's own (the session's models and compile cache linked beside it), so the reference
+forward of a given sample is computed once (its cache), the host's policy hook finds what the
+runs wrote, and no other module ever reads them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from ingest.precision import embed_precision
 from ingest.store import ArtifactStore
 from workers.ane.config import ENV_COMPUTE_UNITS
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 STRIDE = 8  # 42 of the 335 corpus items, every category included
 PACKED = [{"rows": 4, "seq_len": 256, "packed": True}]  # one shape: compiles once, fast
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,15 +51,28 @@ def module_config(store_root: str, runtime_dir: str, **kw) -> ModuleConfig:
     )
 
 
-@pytest.fixture(scope="session")
-def cert_store(synapse_cache_dir) -> CertificateStore:
-    return CertificateStore(synapse_cache_dir / "certificates")
+@pytest.fixture(scope="module")
+def cert_cache(own_certificates_cache) -> Path:
+    return own_certificates_cache
+
+
+@pytest.fixture(scope="module")
+def cert_store_root(cert_cache) -> str:
+    """The session's store, reached through this module's cache: the lane policy's default
+    certificates (beside the store) are then this module's."""
+    return str(cert_cache / "models")
+
+
+@pytest.fixture(scope="module")
+def cert_store(cert_cache) -> CertificateStore:
+    return CertificateStore(cert_cache / "certificates")
 
 
 @pytest.fixture(autouse=True)
-def _cache_env(synapse_cache_dir, monkeypatch):
-    # Workers inherit it: the Core ML compile cache lands in the session cache, not $HOME.
-    monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(synapse_cache_dir))
+def _cache_env(cert_cache, monkeypatch):
+    # Workers and the CLI inherit it: the Core ML compile cache is the session's (linked), the
+    # certificates this module's.
+    monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(cert_cache))
 
 
 async def run(store_root: str, store: CertificateStore, options: RunOptions, **kw):
@@ -69,11 +85,11 @@ async def run(store_root: str, store: CertificateStore, options: RunOptions, **k
 
 
 @pytest.fixture(scope="module")
-def llama_cert(store_root, cert_store, synapse_cache_dir):
+def llama_cert(cert_store_root, cert_store, cert_cache):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SYNAPSE_CACHE_DIR", str(synapse_cache_dir))
+        mp.setenv("SYNAPSE_CACHE_DIR", str(cert_cache))
         options = RunOptions(model="minilm-l6-v2", sample_stride=STRIDE)
-        return asyncio.run(run(store_root, cert_store, options))
+        return asyncio.run(run(cert_store_root, cert_store, options))
 
 
 def check(cert, name):
@@ -105,9 +121,9 @@ def test_llama_lane_certifies(llama_cert, cert_store):
     assert cert_store.find(cert.id[:6]).fingerprint == cert.fingerprint
 
 
-async def test_a_rerun_keeps_the_fingerprint(llama_cert, store_root, cert_store):
+async def test_a_rerun_keeps_the_fingerprint(llama_cert, cert_store_root, cert_store):
     """Same lane, fresh worker, other batching: noise below the grid margin is not drift."""
-    again = await run(store_root, cert_store,
+    again = await run(cert_store_root, cert_store,
                       RunOptions(model="minilm-l6-v2", sample_stride=40, batch_size=5))
     assert again.id == llama_cert.id
     assert again.drift is not None and again.drift.same_key
@@ -115,11 +131,11 @@ async def test_a_rerun_keeps_the_fingerprint(llama_cert, store_root, cert_store)
     assert again.fingerprint.digest == llama_cert.fingerprint.digest
 
 
-async def test_degraded_llama_artifact_fails_quality(store_root, cert_store, tmp_path):
+async def test_degraded_llama_artifact_fails_quality(cert_store_root, cert_store, tmp_path):
     """A GGUF converted from weights cut to 6 mantissa bits, judged against the original."""
     degraded = truncated_mantissa_copy(minilm_dir(), tmp_path / "minilm-mant6", bits=6)
-    ArtifactStore(store_root).ingest_hf_dir(degraded, name="minilm-mant6", dtype="f32")
-    cert = await run(store_root, cert_store, RunOptions(
+    ArtifactStore(cert_store_root).ingest_hf_dir(degraded, name="minilm-mant6", dtype="f32")
+    cert = await run(cert_store_root, cert_store, RunOptions(
         model="minilm-mant6", sample_stride=STRIDE, reference_dir=str(minilm_dir())))
     assert cert.status == "failed" and cert.quality == "fail"
     assert "quality.min_cosine" in cert.failing
@@ -128,20 +144,20 @@ async def test_degraded_llama_artifact_fails_quality(store_root, cert_store, tmp
 
 
 async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
-    store_root, cert_store, prompted_model
+    cert_store_root, cert_store, prompted_model
 ):
     """The reference embeds the corpus's own ids: the lane must not prepend the model's
     default prompt to them (the prompted model is MiniLM's weights)."""
-    cert = await run(store_root, cert_store, RunOptions(
+    cert = await run(cert_store_root, cert_store, RunOptions(
         model=prompted_model, sample_stride=STRIDE, reference_dir=str(minilm_dir())))
     assert cert.quality == "pass", cert.failing
     assert check(cert, "quality.min_cosine").value >= 0.9999
 
 
-async def test_llama_cross_encoder_rerank_error_is_gated(store_root, cert_store, tmp_path):
+async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_store, tmp_path):
     xenc = build_test_cross_encoder(tmp_path / "xenc", seed=0)
-    ArtifactStore(store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")
-    cert = await run(store_root, cert_store,
+    ArtifactStore(cert_store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")
+    cert = await run(cert_store_root, cert_store,
                      RunOptions(model="cert-xenc-f16", sample_stride=STRIDE))
     rerank = check(cert, "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and rerank.value <= 2e-3, rerank
@@ -154,10 +170,10 @@ async def test_llama_cross_encoder_rerank_error_is_gated(store_root, cert_store,
 # ---- Core ML lane ----------------------------------------------------------------------------
 
 
-async def test_ane_lane_is_provisional_on_an_estimate(store_root, cert_store):
+async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_store):
     # The gate logic on the reference executor (its placement is the static estimate on
     # every OS); the coreml backend's compute-plan placement is tested on macOS.
-    cert = await run(store_root, cert_store, RunOptions(
+    cert = await run(cert_store_root, cert_store, RunOptions(
         model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=STRIDE,
         runtime_config_extra={"backend": "reference"}))
     assert cert.quality == "pass" and cert.failing == [], cert.checks
@@ -172,8 +188,8 @@ async def test_ane_lane_is_provisional_on_an_estimate(store_root, cert_store):
     assert json.loads(cert.key.settings) == {"backend": "reference", "compute_units": units}
 
 
-async def test_degraded_ane_graph_fails_quality(store_root, cert_store):
-    cert = await run(store_root, cert_store, RunOptions(
+async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
+    cert = await run(cert_store_root, cert_store, RunOptions(
         model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=40,  # blatant: few
         runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}}))  # items suffice
     assert cert.status == "failed"
@@ -182,11 +198,11 @@ async def test_degraded_ane_graph_fails_quality(store_root, cert_store):
 
 
 def test_placement_below_threshold_fails_even_when_quality_passes(
-    synapse_cache_dir, tmp_path
+    cert_cache, tmp_path
 ):
     """Through the CLI, on a real Core ML run: --placement-threshold above the share."""
     out_html = tmp_path / "ane.html"
-    env = {**os.environ, "SYNAPSE_CACHE_DIR": str(synapse_cache_dir)}
+    env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cert_cache)}
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "certify", "--model", "minilm-l6-v2", "--lane",
          "ane", "--shapes", "4x256p", "--sample", "40", "--placement-threshold", "1.0",
@@ -242,33 +258,34 @@ def test_kernel_revision_change_invalidates_the_certificate(llama_cert, cert_sto
 
 
 async def test_module_refuses_an_uncertified_lane_in_strict_mode(
-    store_root, cert_store, caplog, short_runtime_dir
+    cert_store_root, cert_store, caplog, short_runtime_dir
 ):
     """The host hook, on a real load: strict refuses (and unloads) until a certificate for
     this exact identity exists; warn logs and serves."""
-    # Certified by no other test; f16 is Apple silicon's default, so it certifies here too.
+    # Certified by no other test of this module (no other module's certificates are read
+    # here); f16 is Apple silicon's default, so it certifies here too.
     model = "minilm-l6-v2-f16"
     strict = {"require_certificate": "strict", "certificate_lanes": ["llama"]}
     runtime = short_runtime_dir
-    async with Module(module_config(store_root, runtime, **strict)) as mod:
+    async with Module(module_config(cert_store_root, runtime, **strict)) as mod:
         # No policy given: nothing can vouch for the lane, and the error says why.
         with pytest.raises(CertificateRequired, match="no lane policy"):
             await mod.load(model)
         assert mod.models() == []
     policy = CertificateLanePolicy()  # certificates beside the module's store
-    async with Module(module_config(store_root, runtime, **strict), policy) as mod:
+    async with Module(module_config(cert_store_root, runtime, **strict), policy) as mod:
         with pytest.raises(CertificateRequired, match="never certified"):
             await mod.load(model)
         assert mod.models() == []
     warn = {"require_certificate": "warn", "certificate_lanes": ["llama"]}
-    async with Module(module_config(store_root, runtime, **warn), policy) as mod:
+    async with Module(module_config(cert_store_root, runtime, **warn), policy) as mod:
         with caplog.at_level(logging.WARNING, logger="synapse.certification"):
             await mod.load(model)
         assert f"required for {model} on the llama lane" in caplog.text
         assert "serving anyway" in caplog.text and mod.models() == [model]
-    cert = await run(store_root, cert_store, RunOptions(model=model, sample_stride=40))
+    cert = await run(cert_store_root, cert_store, RunOptions(model=model, sample_stride=40))
     assert cert.status == "certified"
-    async with Module(module_config(store_root, runtime, **strict), policy) as mod:
+    async with Module(module_config(cert_store_root, runtime, **strict), policy) as mod:
         await mod.load(model)
         assert (await mod.embed(["certified"], model=model)).vectors.shape == (1, 384)
 

@@ -74,6 +74,7 @@ def test_a_certificate_with_nan_measurements_reads_back(tmp_path):
     assert "1 not a number" in _cosine_plot(back)
 
 
+@pytest.mark.model
 def test_the_reference_pools_as_the_lane_does(tmp_path):
     ids = [np.array([101, 7592, 2088, 102], np.int32), np.array([101, 2129, 102], np.int32)]
     bert = BertReference.from_dir(minilm_dir())

@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from ingest.precision import embed_precision
+
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
 
 def synapse(cache_dir, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -18,8 +18,9 @@ import pytest
 from tests import small_disk
 from tests.batch_support import batch_cli, read_output, write_jsonl
 
-pytestmark = pytest.mark.skipif(small_disk.unavailable() is not None,
-                                reason=str(small_disk.unavailable()))
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(small_disk.unavailable() is not None,
+                                 reason=str(small_disk.unavailable()))]
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -289,6 +289,7 @@ def calibrated(store_root, module_tmp):
             "manifest": ArtifactStore(root).get(MODEL).manifest}
 
 
+@pytest.mark.model
 def test_calibration_is_recorded_once_and_read_back_without_embedding(calibrated, monkeypatch):
     docs, manifest = calibrated["docs"], calibrated["manifest"]
     assert docs.shape == (len(corpus()), 384)
@@ -312,6 +313,7 @@ def test_calibration_is_recorded_once_and_read_back_without_embedding(calibrated
     assert np.array_equal(asyncio.run(again()), calibrated["ranges128"])
 
 
+@pytest.mark.model
 def test_the_corpus_quantizes_as_sentence_transformers_does(calibrated):
     docs, ranges = calibrated["docs"], calibrated["ranges"]
     for precision in PRECISIONS:
@@ -334,6 +336,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a @ b.T) / np.outer(np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1))
 
 
+@pytest.mark.model
 def test_retrieval_quality_on_the_certification_corpus(calibrated):
     """What each type keeps of float retrieval: the certification queries against the whole
     corpus (335 texts), the top 10 by cosine of the float vectors as the truth.

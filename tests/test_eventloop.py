@@ -46,6 +46,7 @@ def test_unimportable_modules_fall_back(monkeypatch):
     assert eventloop.run(which()).startswith("asyncio")
 
 
+@pytest.mark.model
 def test_server_without_uvloop_and_httptools_serves_and_warns_when_open(store_root):
     # Not loopback and no key: the exposure warning. Only loopback traffic is sent.
     cfg = {**server_config(store_root, preload=[]), "host": "0.0.0.0"}

@@ -11,6 +11,8 @@ from gguf import GGUFReader
 
 from formats.gguf_header import ArrayInfo, GGUFFormatError, read_gguf_header
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 VOCAB = "tokenizer.ggml.tokens"
 
 

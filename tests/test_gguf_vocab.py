@@ -205,6 +205,7 @@ def test_corpus_is_big_and_varied() -> None:
     assert "" in CORPUS and any(len(t) >= 10_000 for t in CORPUS)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     ("mode", "special", "bos"),
     [("plain", False, True), ("special", True, True), ("nobos", False, False)],
@@ -220,6 +221,7 @@ def test_token_ids_equal_llama_cpp(
     assert not bad, _report(mode, bad)
 
 
+@pytest.mark.model
 def test_detokenization_equals_llama_cpp(derived: tokenizers.Tokenizer, llama: list[dict]) -> None:
     bad = []
     for text, want in zip(CORPUS, llama, strict=True):
@@ -232,6 +234,7 @@ def test_detokenization_equals_llama_cpp(derived: tokenizers.Tokenizer, llama: l
     assert not bad, _report("detokenize", bad)
 
 
+@pytest.mark.model
 def test_roundtrip(derived: tokenizers.Tokenizer, llama: list[dict]) -> None:
     for text, want in zip(CORPUS, llama, strict=True):
         back = derived.decode(want["plain"], skip_special_tokens=True)
@@ -242,12 +245,14 @@ def test_roundtrip(derived: tokenizers.Tokenizer, llama: list[dict]) -> None:
             assert back == text
 
 
+@pytest.mark.model
 def test_the_install_sizes_the_derived_tokenizer_right(derived_json: Path) -> None:
     # The size check before Gemma's install counts this constant for the tokenizer.
     size = derived_json.stat().st_size
     assert abs(size - gemma.DERIVED_TOKENIZER_BYTES) <= 0.02 * size, size
 
 
+@pytest.mark.model
 def test_host_tokenizer_over_the_derived_file(derived_json: Path, llama: list[dict]) -> None:
     tok = Tokenizer.from_file(derived_json, max_tokens=32768)
     clean = [(t, w) for t, w in zip(CORPUS, llama, strict=True) if sanitize(t) == t]

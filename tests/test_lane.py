@@ -31,6 +31,7 @@ from host.errors import (
     WorkerError,
 )
 from host.permits import DevicePermits
+from tests.clock_support import Clock
 from workers.protocol import messages as m
 
 WORKER = ["python", "-m", "workers.faulty"]
@@ -53,9 +54,10 @@ def config(runtime_dir: str, **kw) -> HostConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_lane(runtime_dir, fault: str | None = None, start=True, **kw):
+async def running_lane(runtime_dir, fault: str | None = None, start=True, clock=None, **kw):
     argv = WORKER + (["--fault", fault] if fault else [])
-    lane = Lane(LaneConfig(lane_id="t", argv=argv), config(runtime_dir, **kw))
+    lane = Lane(LaneConfig(lane_id="t", argv=argv), config(runtime_dir, **kw),
+                **({"clock": clock} if clock else {}))
     if start:
         await lane.start()
     else:
@@ -64,6 +66,25 @@ async def running_lane(runtime_dir, fault: str | None = None, start=True, **kw):
         yield lane
     finally:
         await lane.stop()
+
+
+def fails_without_waiting(coro, error: type):
+    """`coro` raises `error` on its first step, before it ever suspends: it waited for no
+    worker, permit or timer (a wall-clock bound says the same, and fails on a loaded machine)."""
+    with pytest.raises(error) as info:
+        try:
+            coro.send(None)
+        except StopIteration:
+            pytest.fail("returned instead of raising")
+        coro.close()
+        pytest.fail(f"suspended instead of raising {error.__name__}")
+    return info
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
 
 
 def embed_req(
@@ -277,7 +298,7 @@ async def test_deadline_while_queued_sends_nothing(short_runtime_dir):
     async with running_lane(short_runtime_dir, inference_window_s=5.0) as lane:
         slow, slow_ids = embed_req("fault:slow:3:0.2")
         first = asyncio.create_task(lane.request(slow, slow_ids))
-        await asyncio.sleep(0.05)
+        await until(lambda: lane.state().health.status == "busy")  # the first holds the worker
         sent_before = lane._req_ids
         with pytest.raises(DeadlineExceeded):
             await lane.request(*embed_req("fault:sigkill"), deadline_s=0.1)
@@ -338,10 +359,8 @@ async def test_two_consecutive_crashes_quarantine_and_requests_fail_fast(short_r
         await expect_fault(lane, "sigkill", WorkerDied, bound=5)  # ... so this is strike 1
         second, *_ = await expect_fault(lane, "abort", WorkerDied, bound=5)
         assert second.quarantined and second.retry_after_s > 50
-        start = time.monotonic()
-        with pytest.raises(EngineCrashed) as info:
-            await honest(lane)
-        assert time.monotonic() - start < 0.1
+        req, ids = embed_req()
+        info = fails_without_waiting(lane.request(req, ids), EngineCrashed)
         assert info.value.quarantined and 50 < info.value.retry_after_s <= 60
         assert info.value.to_dict()["quarantined"] is True
         state = lane.state()
@@ -360,12 +379,15 @@ async def test_load_and_ping_do_not_clear_strikes(short_runtime_dir):
 
 
 async def test_quarantine_expiry_restarts_with_zero_strikes(short_runtime_dir):
-    async with running_lane(short_runtime_dir, quarantine_s=1.0) as lane:
+    clock = Clock()
+    async with running_lane(short_runtime_dir, quarantine_s=60.0, clock=clock) as lane:
         await expect_fault(lane, "sigkill", WorkerDied, bound=5)
         await expect_fault(lane, "sigkill", WorkerDied, bound=5)
-        with pytest.raises(EngineCrashed):
+        clock.advance(59.9)
+        with pytest.raises(EngineCrashed) as info:
             await honest(lane)
-        await asyncio.sleep(1.1)
+        assert info.value.quarantined and info.value.retry_after_s == pytest.approx(0.1)
+        clock.advance(0.1)
         restarts = lane.restarts
         await honest(lane)
         assert lane.state().strikes == 0 and lane.restarts == restarts + 1
@@ -454,16 +476,17 @@ async def test_watchdog_starts_only_once_the_permit_is_held(short_runtime_dir):
 
 
 async def test_health_is_cached_and_never_pings_on_the_health_path(short_runtime_dir):
-    async with running_lane(short_runtime_dir, ping_interval_s=0.2) as lane:
-        await asyncio.sleep(0.8)
-        state = lane.state()
-        assert state.health.last_pong is not None and state.health.checked_age_s < 0.7
+    clock = Clock()
+    async with running_lane(short_runtime_dir, ping_interval_s=0.2, clock=clock) as lane:
+        await until(lambda: lane.last_pong is not None)  # the refresher's PING came back
+        assert lane.state().health.checked_age_s == 0.0
         os.kill(lane.worker.pid, signal.SIGSTOP)  # a worker that could never answer a PING
         try:
-            start = time.monotonic()
-            for _ in range(100):
-                lane.state()
-            assert time.monotonic() - start < 0.1
+            clock.advance(5.0)
+            # `state` is a plain function: it cannot wait for the worker, and what it reports
+            # is the cached PONG, as old as the clock says.
+            state = lane.state()
+            assert state.health.last_pong is not None and state.health.checked_age_s == 5.0
         finally:
             os.kill(lane.worker.pid, signal.SIGCONT)
 
@@ -472,7 +495,7 @@ async def test_log_ring_is_size_capped(short_runtime_dir):
     async with running_lane(short_runtime_dir, log_ring_bytes=32 * 1024) as lane:
         req, ids = embed_req("fault:spam:400000")
         await lane.request(req, ids)
-        await asyncio.sleep(0.3)  # let the pump catch up with the pipe
+        await until(lambda: "END-OF-SPAM" in lane.worker.ring.tail(8192))  # the pump caught up
         ring = lane.worker.ring
         assert ring.size <= 32 * 1024 and ring.dropped_bytes > 300_000
         assert "END-OF-SPAM" in ring.tail(8192)
@@ -499,7 +522,7 @@ async def test_stop_with_a_request_in_flight(short_runtime_dir):
     pid = lane.worker.pid
     req, ids = embed_req("fault:hang")
     task = asyncio.create_task(lane.request(req, ids))
-    await asyncio.sleep(0.3)
+    await until(lambda: lane.state().health.status == "busy")  # in flight
     _, elapsed = await timed(lane.stop(), bound=5)
     with pytest.raises(LaneStopped):
         await task

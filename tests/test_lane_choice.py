@@ -28,6 +28,8 @@ from host.errors import InvalidRequest
 from host.lane_policy import NoLanePolicy
 from host.module import Module, ModuleConfig
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MODEL = "minilm-l6-v2"
 PACKED = [{"rows": 4, "seq_len": 256, "packed": True}]
 TEXTS = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stocks fell."]

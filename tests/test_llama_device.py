@@ -136,6 +136,7 @@ def test_performance_cores_are_read_from_sysctl_or_not_at_all():
 # ---- through real workers ---------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
 async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtime_dir,
                                                         monkeypatch):
@@ -155,6 +156,7 @@ async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtim
         assert lane.config.device == "cpu"
 
 
+@pytest.mark.model
 @pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
 async def test_gpu_layers_without_offload_is_config_invalid_naming_the_build(
     store_root, short_runtime_dir, monkeypatch
@@ -175,6 +177,7 @@ async def test_gpu_layers_without_offload_is_config_invalid_naming_the_build(
         assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
 
 
+@pytest.mark.model
 @pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
 async def test_env_override_reaches_the_worker(store_root, short_runtime_dir, monkeypatch):
     monkeypatch.setenv(GPU_LAYERS_ENV, "3")  # workers inherit the host's environment
@@ -196,6 +199,7 @@ async def test_env_override_reaches_the_worker(store_root, short_runtime_dir, mo
         assert (await mod.embed(["still served"], lane="llama")).vectors.shape == (1, 384)
 
 
+@pytest.mark.model
 async def test_identity_differs_by_device(store_root, short_runtime_dir):
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama")
@@ -209,6 +213,7 @@ async def test_identity_differs_by_device(store_root, short_runtime_dir):
 # ---- macOS: Metal really used (on a Mac with a usable GPU; never faked here) ----------------
 
 
+@pytest.mark.model
 async def test_metal_offload_is_used_and_agrees_with_the_cpu(store_root, short_runtime_dir):
     if sys.platform != "darwin" or platform.machine() != "arm64":
         pytest.skip("needs macOS on Apple silicon: Metal offload")

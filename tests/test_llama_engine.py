@@ -38,6 +38,8 @@ from workers.llama.engine import UNSAFE_ENV, LlamaEngine
 from workers.llama.native import registered_backends
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = minilm_dir()
 THREADS = 2
 SENTENCES = [

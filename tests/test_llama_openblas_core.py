@@ -75,6 +75,7 @@ def test_a_name_the_library_does_not_know_is_not_kept():
     assert oc.corename(lib, "NoSuchCore").lower() != "nosuchcore"
 
 
+@pytest.mark.model
 @linux_openblas
 def test_the_worker_process_decides_before_llama_cpp_loads():
     # A real worker process with nothing to connect to: it logs its kernel choice (made

@@ -13,10 +13,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from certification.corpus import SENTENCES, SHORT
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from ingest.store import ArtifactStore
+
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
 KNOWN_DIFFERENT_SCRIPTS = [(0x0900, 0x0DFF), (0x1100, 0x11FF), (0x3130, 0x318F), (0xAC00, 0xD7AF)]
 

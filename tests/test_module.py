@@ -22,6 +22,8 @@ from host.module import Module, ModuleConfig
 from ingest.model_packages import minilm_dir
 from ingest.store import ArtifactStore
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM_DIR = minilm_dir()
 
 
@@ -45,7 +47,7 @@ async def test_embedding_fidelity_against_the_fp32_reference(
     texts = list(corpus())[::3]  # 112 items across every category, long ones included
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         result = await mod.embed(texts, model=model)
-        tokenizer = mod._served[model].tokenizer
+        tokenizer = await mod.tokenizer(model)
     ids = tokenizer.encode(texts, truncate=True).ids
     assert sum(len(x) >= 200 for x in ids) >= 10 and len(texts) >= 100
     ref = reference.embed(ids, pooling="mean", normalize=True)
@@ -96,7 +98,7 @@ async def test_worker_validates_ids_itself(store_root, short_runtime_dir):
 
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load("minilm-l6-v2")
-        lane = mod._served["minilm-l6-v2"].lane
+        lane = mod.lane_for("minilm-l6-v2")
         pid = lane.worker.pid
         req = m.EMBED_BATCH(
             req_id=0, model_ref="minilm-l6-v2", items=[m.EmbedItem(id=0, n_tokens=3)]
@@ -118,7 +120,7 @@ async def test_real_ggml_assert_is_engine_crashed_and_the_lane_recovers(
     cfg = module_config(store_root, short_runtime_dir)
     async with Module(cfg) as mod:
         await mod.load("minilm-l6-v2")
-        lane = mod._served["minilm-l6-v2"].lane
+        lane = mod.lane_for("minilm-l6-v2")
         lane.config.env["SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"] = "1"
         await lane.stop()
         await lane.start()  # the fresh worker runs without validation; LOAD is replayed
@@ -177,7 +179,7 @@ async def test_greedy_generation_equals_in_process_llama_cpp(store_root, short_r
     prompt = "The three primary colors are"
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         result = await mod.generate(prompt, max_tokens=24)
-        ids = mod._served["gemma3-270m"].tokenizer.encode([prompt], truncate=False).ids[0]
+        ids = (await mod.tokenizer("gemma3-270m")).encode([prompt], truncate=False).ids[0]
     gguf = ArtifactStore(store_root).get("gemma3-270m").artifact_path
     proc = subprocess.run(
         [sys.executable, "-c", _IN_PROCESS_GREEDY, str(gguf), json.dumps(ids.tolist()), "24"],
@@ -199,7 +201,7 @@ async def test_grammar_constrains_output_and_bad_grammar_is_refused(store_root, 
         assert re.fullmatch(r"answer: (yes|no)\.", result.text), result.text
         digits = await mod.generate("Count:", max_tokens=8, grammar="root ::= [0-9]+")
         assert re.fullmatch(r"[0-9]+", digits.text)
-        lane = mod._served["gemma3-270m"].lane
+        lane = mod.lane_for("gemma3-270m")
         pid = lane.worker.pid
         for bad in ['root ::= "unterminated', "root ::= missing_rule", "no rule here"]:
             with pytest.raises(WorkerError) as info:
@@ -244,7 +246,7 @@ async def test_rerank_fidelity_against_the_reference(
     docs = list(corpus())[:60:2] + ["word " * 600]  # includes one that must be truncated
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         result = await mod.rerank(query, docs, model=model)
-        seg = mod._served[model].tokenizer.rerank_segments(query, docs, truncate=True)
+        seg = (await mod.tokenizer(model)).rerank_segments(query, docs, truncate=True)
     assert result.method == "cross-encoder" and len(result.results) == len(docs)
     scores = dict(result.results)
     cls_id, sep_id = 101, 102

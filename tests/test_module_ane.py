@@ -22,6 +22,8 @@ from workers.ane import apple_device
 from workers.ane.config import ENV_COMPUTE_UNITS
 from workers.protocol import messages as m
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM_DIR = minilm_dir()
 
 

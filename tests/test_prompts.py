@@ -21,6 +21,8 @@ from tests.batch_support import read_output
 from tests.conftest import PROMPTS
 from tests.test_commands import synapse
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 LONG = "word " * 1000
 
 

@@ -21,6 +21,8 @@ from host.local_ray import check_token_auth
 from tests.batch_support import batch_cli, cli_env, write_jsonl
 from tests.ray_support import is_loopback, listening_sockets
 
+pytestmark = pytest.mark.model  # starts Ray and model workers
+
 
 def test_the_local_ray_listens_on_loopback_only(ray_session):
     ray = ray_session

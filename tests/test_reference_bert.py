@@ -16,6 +16,8 @@ from certification.reference.cross_encoder import build_test_cross_encoder
 from host.tokenization import Tokenizer
 from ingest.model_packages import minilm_dir
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 SENTENCES = [
     "A man is eating food.",
     "A man is eating a piece of bread.",

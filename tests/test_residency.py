@@ -96,6 +96,7 @@ async def _until(predicate, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.model
 async def test_a_never_loaded_model_is_estimated_from_its_manifest(store_root, short_runtime_dir):
     async with _module(store_root, short_runtime_dir) as mod:
         record = mod.store.get(F16)
@@ -110,6 +111,7 @@ async def test_a_never_loaded_model_is_estimated_from_its_manifest(store_root, s
         assert mod.residency.estimate(F16, "llama", record) == (rss, "measured")  # kept
 
 
+@pytest.mark.model
 async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
     # One MiniLM (~155-175 MB) fits in 250 MB, two do not.
     async with _module(store_root, short_runtime_dir, max_resident_mb=250) as mod:
@@ -131,6 +133,7 @@ async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
         assert mod.residency.unloads == {"budget": 1}
 
 
+@pytest.mark.model
 async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_runtime_dir):
     async with _module(store_root, short_runtime_dir) as mod:
         await mod.embed(["warm"], model=F32)
@@ -150,6 +153,7 @@ async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_r
         assert await mod.residency.unload(F16) is False  # not loaded: nothing to do
 
 
+@pytest.mark.model
 async def test_a_measured_size_over_the_budget_is_refused(store_root, short_runtime_dir):
     # The estimate (file + 1 MB) fits in 120 MB; the worker's real RSS (~150 MB) does not.
     async with _module(store_root, short_runtime_dir, max_resident_mb=120,
@@ -165,6 +169,7 @@ async def test_a_measured_size_over_the_budget_is_refused(store_root, short_runt
         assert mod.residents() == {} and mod.residency.refusals == 2
 
 
+@pytest.mark.model
 async def test_the_machine_check_refuses_before_a_worker_starts(store_root, short_runtime_dir):
     async with _module(store_root, short_runtime_dir, min_free_mb=1e9) as mod:
         with pytest.raises(InsufficientMemory, match="the machine has .* MB available") as exc:
@@ -173,6 +178,7 @@ async def test_the_machine_check_refuses_before_a_worker_starts(store_root, shor
         assert mod.residents() == {}
 
 
+@pytest.mark.model
 async def test_keep_alive_zero_unloads_as_soon_as_idle(store_root, short_runtime_dir):
     async with _module(store_root, short_runtime_dir, keep_alive=0,
                        models={F32: {"keep_alive": "forever"}}) as mod:

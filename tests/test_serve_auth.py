@@ -108,6 +108,7 @@ def test_config_refuses_alias_chains_and_empty_keys():
         ServeConfig(api_keys=[" "])
 
 
+@pytest.mark.model
 def test_an_alias_may_not_hide_an_installed_model(store_root):
     module = Module(ModuleConfig(store_root=store_root))  # starts no worker
     with pytest.raises(ConfigInvalid, match="name of an installed model"):
@@ -164,6 +165,7 @@ def _assert_401(resp: httpx.Response) -> dict:
     return err
 
 
+@pytest.mark.model
 def test_missing_or_wrong_key_is_401_and_the_key_goes_nowhere(server):
     url = server.url
     before = httpx.get(f"{url}/metrics", headers=_bearer(FILE_KEY)).text
@@ -187,6 +189,7 @@ def test_missing_or_wrong_key_is_401_and_the_key_goes_nowhere(server):
         assert secret not in after and secret not in server.log()
 
 
+@pytest.mark.model
 def test_each_key_source_and_both_headers_are_accepted(server):
     for key in (FILE_KEY, ENV_KEY, CONFIG_KEY):
         for headers in (_bearer(key), {"x-api-key": key}):
@@ -194,6 +197,7 @@ def test_each_key_source_and_both_headers_are_accepted(server):
             assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.model
 def test_health_and_the_document_stay_open(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert not any("WARNING" in line for line in server.log().splitlines())  # loopback
@@ -203,6 +207,7 @@ def test_health_and_the_document_stay_open(server):
     assert "security" not in doc["paths"]["/metrics"]["get"]  # protected on this server
 
 
+@pytest.mark.model
 def test_openai_client_with_a_key_and_its_usual_model_name(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=FILE_KEY, max_retries=0)
     by_alias = client.embeddings.create(input=["a cat"], model=ALIAS)
@@ -216,6 +221,7 @@ def test_openai_client_with_a_key_and_its_usual_model_name(server):
     assert info.value.body["code"] == "invalid_api_key"
 
 
+@pytest.mark.model
 def test_aliases_are_listed_and_unknown_names_list_what_exists(server):
     h = _bearer(FILE_KEY)
     models = httpx.get(f"{server.url}/v1/models", headers=h).json()["data"]
@@ -241,6 +247,7 @@ def test_aliases_are_listed_and_unknown_names_list_what_exists(server):
     assert rerank.status_code == 200 and rerank.json()["results"][0]["index"] == 0
 
 
+@pytest.mark.model
 def test_sighup_rotates_the_key_file_without_a_restart(server):
     pid = server.worker_pid()
     mark = len(server.lines)

@@ -13,6 +13,8 @@ from cohere.errors import BadRequestError
 
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = "minilm-l6-v2"
 XENC = "test-xenc-f16"
 LONG = " ".join(f"word{i}" for i in range(400))
@@ -96,7 +98,7 @@ def test_truncate_start_end_none_and_max_tokens(co, http, store_root):
 
     tok = Tokenizer.from_file(f"{store_root}/{MINILM}/tokenizer.json", max_tokens=256,
                               hard_limit=512)
-    ids = tok._tok.encode(LONG, add_special_tokens=False).ids
+    ids = tok.tokenize([LONG], add_special_tokens=False)[0].ids
     end = co.embed(model=MINILM, texts=[LONG, "a cat"], input_type="search_document",
                    max_tokens=8)
     start = co.embed(model=MINILM, texts=[LONG, "a cat"], input_type="search_document",
@@ -170,7 +172,7 @@ def test_v2_rerank_cuts_documents_as_asked(co, http, cross_encoder, store_root):
 
     tok = Tokenizer.from_file(f"{store_root}/{cross_encoder}/tokenizer.json", max_tokens=256,
                               hard_limit=512)
-    bare = lambda t: len(tok._tok.encode(t, add_special_tokens=False).ids)  # noqa: E731
+    bare = lambda t: len(tok.tokenize([t], add_special_tokens=False)[0].ids)  # noqa: E731
     docs = ["word1 word2 word3", "a cat", LONG]
     q, pair = bare(QUERY), tok.n_special_pair
     whole = co.rerank(model=cross_encoder, query=QUERY, documents=docs)

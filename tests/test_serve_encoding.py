@@ -19,6 +19,8 @@ from service.encoding import CALIBRATION_RETRY_S
 from tests.encoding_support import private_store, st_quantize
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MODEL = "minilm-l6-v2"
 TEXTS = [
     "The cat sits on the mat.",

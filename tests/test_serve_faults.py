@@ -8,6 +8,7 @@ Tests run in file order on one server; the SIGTERM test stops it, so it comes la
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -17,6 +18,8 @@ import psutil
 import pytest
 
 from tests.test_serve_support import ServerProcess, metric, server_config
+
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
 LANE = "llama.minilm-l6-v2"
 QUARANTINE_S = 3.0
@@ -80,11 +83,9 @@ async def test_sigkill_under_load_every_request_answers_and_the_lane_recovers(se
             await _wait_for(lambda: _at_least(statuses, n_clients), 120)
             os.kill(pid, signal.SIGKILL)
 
-        start = time.monotonic()
-        await asyncio.wait_for(
+        await asyncio.wait_for(  # the bound: every request answered, none hangs
             asyncio.gather(*(client(i) for i in range(n_clients)), killer()), 240
         )
-        elapsed = time.monotonic() - start
 
     assert len(statuses) == n_clients * per_client and not bad, bad
     assert statuses.count(200) >= len(statuses) // 2, statuses
@@ -96,7 +97,6 @@ async def test_sigkill_under_load_every_request_answers_and_the_lane_recovers(se
     assert lane["pid"] not in (None, pid) and lane["restarts"] >= 1 and lane["strikes"] == 0
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "synapse_worker_restarts_total", lane=LANE) >= 1
-    assert elapsed < 240
 
 
 async def _at_least(items: list, n: int) -> bool:
@@ -135,17 +135,25 @@ async def test_two_consecutive_crashes_quarantine_the_lane_with_retry_after(serv
         assert err["quarantined"] is True and 0 < err["retry_after_s"] <= QUARANTINE_S
         assert 1 <= int(r2.headers["retry-after"]) <= QUARANTINE_S
 
-        start = time.monotonic()
+        restarts = metric((await ac.get("/metrics")).text, "synapse_worker_restarts_total",
+                          lane=LANE)
         r3 = await ac.post("/v1/embeddings", json={"input": "refused at once"})
-        assert time.monotonic() - start < 2.0
         assert r3.status_code == 503 and r3.json()["error"]["quarantined"] is True
+        # At once: answered with no worker started for it (none runs, none was replaced).
+        assert (await ac.get("/health")).json()["lanes"]["minilm-l6-v2"]["pid"] is None
+        assert metric((await ac.get("/metrics")).text, "synapse_worker_restarts_total",
+                      lane=LANE) == restarts
         assert 1 <= int(r3.headers["retry-after"]) <= QUARANTINE_S
         health = await ac.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "degraded"
         assert health.json()["lanes"]["minilm-l6-v2"]["quarantined"] is True
         assert "retry-after" in health.headers
 
-        await asyncio.sleep(QUARANTINE_S + 0.2)
+        async def quarantine_over() -> bool:
+            lane = (await ac.get("/health")).json()["lanes"]["minilm-l6-v2"]
+            return lane["quarantined"] is False
+
+        await _wait_for(quarantine_over, QUARANTINE_S + 60)  # the server says it ended
         r4 = await ac.post("/v1/embeddings", json={"input": "after the quarantine"})
         assert r4.status_code == 200, r4.text
         assert (await ac.get("/health")).status_code == 200
@@ -158,10 +166,11 @@ async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
     payload = {"input": [f"item {i}" for i in range(256)]}  # a full queue's worth
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
 
-        async def one() -> tuple[httpx.Response, float]:
-            start = time.monotonic()
+        answered = itertools.count()
+
+        async def one() -> tuple[httpx.Response, int]:
             r = await ac.post("/v1/embeddings", json=payload)
-            return r, time.monotonic() - start
+            return r, next(answered)  # the order answers came back in, not their times
 
         results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), 120)
     limited = [(r, t) for r, t in results if r.status_code == 429]
@@ -172,8 +181,8 @@ async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
         err = r.json()["error"]
         assert err["code"] == "overloaded" and err["type"] == "rate_limit_error"
         assert int(r.headers["retry-after"]) >= 1
-    slowest_ok = max(t for r, t in results if r.status_code == 200)
-    assert min(t for _, t in limited) < slowest_ok  # refused without waiting for the queue
+    last_ok = max(n for r, n in results if r.status_code == 200)
+    assert min(n for _, n in limited) < last_ok  # refused without waiting for the queue
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "synapse_overload_rejections_total") >= len(limited)
 

@@ -26,6 +26,8 @@ from schemathesis.checks import positive_data_acceptance
 from service.routes import ROUTES as TABLE
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 KEY = "fuzz-key-0123456789"
 MAX_BODY = 64 * 1024
 BODY_TIMEOUT_S = 1.5

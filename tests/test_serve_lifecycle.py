@@ -99,6 +99,7 @@ def http(server):
         yield c
 
 
+@pytest.mark.model
 def test_models_list_keeps_the_openai_shape_and_adds_residency(http):
     body = http.get("/v1/models").json()
     assert body["object"] == "list"
@@ -112,6 +113,7 @@ def test_models_list_keeps_the_openai_shape_and_adds_residency(http):
     assert memory["resident_mb"] >= minilm["resident_mb"] > 0
 
 
+@pytest.mark.model
 def test_fields_before_and_after_use(server, http):
     before = _entry(http, F16)
     assert before["loaded"] is False and before["loaded_lanes"] == [] and before["workers"] == []
@@ -139,6 +141,7 @@ def test_fields_before_and_after_use(server, http):
     assert after["estimate_source"] == "measured" and after["estimated_mb"] >= worker["rss_mb"]
 
 
+@pytest.mark.model
 def test_load_and_unload_routes(server, http):
     resp = http.post(f"/v1/models/{F32}/load")
     assert resp.status_code == 200, resp.text
@@ -169,12 +172,14 @@ def test_load_and_unload_routes(server, http):
     assert f'endpoint="/v1/models/{F32}' not in text
 
 
+@pytest.mark.model
 def test_routes_take_aliases(http):
     entry = http.post("/v1/models/text-embedding-3-small/load").json()
     assert entry["id"] == "text-embedding-3-small" and entry["alias_for"] == MINILM
     assert entry["loaded"]
 
 
+@pytest.mark.model
 def test_routes_need_the_key_and_a_known_model(server, http):
     for path in (f"/v1/models/{F32}/load", f"/v1/models/{F32}/unload"):
         missing = httpx.post(server.url + path, timeout=30)
@@ -192,6 +197,7 @@ def test_routes_need_the_key_and_a_known_model(server, http):
     assert resp.status_code == 405 and resp.headers["Allow"] == "POST"
 
 
+@pytest.mark.model
 def test_unload_drains_the_request_in_flight(server, http):
     http.post(f"/v1/models/{F32}/load")
     pid = server.worker_pid(F32)
@@ -225,6 +231,7 @@ def ttl_server(store_root):
     srv.stop()
 
 
+@pytest.mark.model
 def test_keep_alive_unloads_an_idle_model(ttl_server):
     with httpx.Client(base_url=ttl_server.url, timeout=300) as http:
         resp = http.post("/v1/embeddings", json={"model": F16, "input": "x"})
@@ -243,6 +250,7 @@ def test_keep_alive_unloads_an_idle_model(ttl_server):
         assert resp.status_code == 200
 
 
+@pytest.mark.model
 def test_keep_alive_never_unloads_a_busy_model(ttl_server):
     with httpx.Client(base_url=ttl_server.url, timeout=300) as http:
         started = time.monotonic()
@@ -285,6 +293,7 @@ def _embed(http: httpx.Client, model: str) -> None:
     assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.model
 def test_budget_unloads_the_least_recently_used_idle_model(budget_server):
     with httpx.Client(base_url=budget_server.url, timeout=300) as http:
         _embed(http, MINILM)
@@ -310,6 +319,7 @@ def small_budget_server(store_root):
     srv.stop()
 
 
+@pytest.mark.model
 def test_a_model_that_cannot_fit_is_a_503_with_the_reason(small_budget_server):
     srv = small_budget_server
     with httpx.Client(base_url=srv.url, timeout=300) as http:

@@ -47,7 +47,7 @@ def _embed_ids(http, ids: list[list[int]], model: str) -> np.ndarray:
 
 
 def _bare(tok: Tokenizer, text: str) -> list[int]:
-    return tok._tok.encode(text, add_special_tokens=False).ids
+    return tok.tokenize([text], add_special_tokens=False)[0].ids
 
 
 CLS, SEP = 101, 102
@@ -61,6 +61,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
 # ---- prompts -----------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_prompt_name_prompt_and_the_default_prompt(http, tok, prompted_model):
     texts = ["where do cats sleep?", "Cats sleep on windowsills."]
     post = lambda **kw: http.post(  # noqa: E731
@@ -82,6 +83,7 @@ def test_prompt_name_prompt_and_the_default_prompt(http, tok, prompted_model):
     assert usage["prompt_tokens"] == sum(d["n_tokens"] for d in passage.json()["data"])
 
 
+@pytest.mark.model
 def test_openai_client_sends_prompts_and_reads_the_extension_fields(server, prompted_model):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     resp = client.embeddings.create(
@@ -98,6 +100,7 @@ def test_openai_client_sends_prompts_and_reads_the_extension_fields(server, prom
     assert "'passage', 'query'" in body["message"]
 
 
+@pytest.mark.model
 def test_prompt_refusals(http, prompted_model):
     def error(body: dict) -> dict:
         resp = http.post("/v1/embeddings", json={"model": prompted_model, **body})
@@ -117,6 +120,7 @@ def test_prompt_refusals(http, prompted_model):
 # ---- truncation --------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_right_and_left_cuts_are_the_token_arrays_they_should_be(http, tok):
     ids = _bare(tok, LONG)
     right = http.post("/v1/embeddings", json={"input": [LONG, "short"]})
@@ -132,6 +136,7 @@ def test_right_and_left_cuts_are_the_token_arrays_they_should_be(http, tok):
     _close(_vectors(tei), _vectors(left)[:1])
 
 
+@pytest.mark.model
 def test_a_left_cut_keeps_the_prompt(http, tok, prompted_model):
     resp = http.post("/v1/embeddings", json={
         "input": LONG, "model": prompted_model, "prompt_name": "passage",
@@ -143,6 +148,7 @@ def test_a_left_cut_keeps_the_prompt(http, tok, prompted_model):
     assert resp.json()["data"][0]["truncated"] is True
 
 
+@pytest.mark.model
 def test_truncate_false_names_the_input_and_its_token_count(http, tok):
     n = len(_bare(tok, LONG)) + 2
     resp = http.post("/v1/embeddings", json={"input": ["fine", LONG], "truncate": False})
@@ -154,6 +160,7 @@ def test_truncate_false_names_the_input_and_its_token_count(http, tok):
     assert ok.status_code == 200 and ok.json()["data"][0]["truncated"] is False
 
 
+@pytest.mark.model
 def test_normalize_false_returns_the_pooled_vector(http):
     unit = _vectors(http.post("/v1/embeddings", json={"input": ["a cat"]}))
     raw = _vectors(http.post("/v1/embeddings", json={"input": ["a cat"], "normalize": False}))
@@ -161,6 +168,7 @@ def test_normalize_false_returns_the_pooled_vector(http):
     _close(raw, unit)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(("path", "field"), [("/v1/rerank", "documents"), ("/rerank", "texts")])
 def test_rerank_routes_show_and_refuse_cuts(http, tok, path, field):
     body = {"query": "which word?", field: ["word1 word2", LONG]}
@@ -217,6 +225,7 @@ def test_the_document_describes_every_new_field():
     assert schemas["EmbeddingData"]["required"][-2:] == ["n_tokens", "truncated"]
 
 
+@pytest.mark.model
 def test_v1_models_lists_what_a_model_does_with_a_text(http, prompted_model):
     # What a client needs to choose a prompt, a cut and a width, from the model itself.
     from tests.conftest import PROMPTS

@@ -75,6 +75,7 @@ def ray_serve(ray_session, store_root, tmp_path):
     assert not left, "an engine worker outlived the shutdown"
 
 
+@pytest.mark.model
 def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker(ray_serve):
     url, runtime_dir = ray_serve
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -58,7 +58,7 @@ class ServerProcess:
         self.config_path = Path(self.dir) / "serve.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = Path(self.dir) / "server.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")  # closed in stop()
         self.lines: list[str] = []
         self._line_seen = threading.Condition()
         env = {

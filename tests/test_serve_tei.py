@@ -9,6 +9,8 @@ import pytest
 
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = "minilm-l6-v2"
 LONG = " ".join(f"word{i}" for i in range(400))
 

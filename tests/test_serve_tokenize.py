@@ -10,6 +10,8 @@ import pytest
 
 from tests.test_serve_support import ServerProcess, server_config
 
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
 MINILM = "minilm-l6-v2"
 MAX_INPUT_BYTES = 4096
 

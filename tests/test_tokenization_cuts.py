@@ -23,7 +23,7 @@ def tok() -> Tokenizer:
 
 
 def _bare(tok: Tokenizer, text: str) -> list[int]:
-    return tok._tok.encode(text, add_special_tokens=False).ids
+    return tok.tokenize([text], add_special_tokens=False)[0].ids
 
 
 def _ids(encoded) -> list[list[int]]:

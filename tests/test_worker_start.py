@@ -1,4 +1,5 @@
-"""A worker's start never races its imports (issue 10, section 6).
+"""A worker's start never races its imports: a slow engine import happens during LOAD, whose
+window is long, never before HELLO, whose window is short.
 
 Real processes: the faulty worker with a library whose import really takes longer than the
 host's HELLO window, imported during LOAD (starts and serves) or before HELLO (missed window,
@@ -19,6 +20,8 @@ from host import HostConfig, Lane, LaneConfig
 from host.errors import EngineCrashed
 from tests import test_ane_helpers as h
 from workers.protocol import messages as m
+
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
 HELLO_S = 1.0
 IMPORT_S = 2.5  # > HELLO_S: a library whose import alone outlasts the HELLO window

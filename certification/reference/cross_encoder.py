@@ -20,7 +20,7 @@ tests/test_reference_bert.py), and dropping the token types moves them by ~0.05 
 gets token types, the pooler or the head wrong shows up far above the 2e-3 / 5e-3 score
 tolerances. (An earlier 6x-amplified classifier made llama.cpp's own approximations — tanh
 GELU from an fp16 table — visible as ~0.5% of the spread, 9e-3 absolute; the relative error
-is the same at either scale, the absolute tolerance is what the issue fixes.)
+is the same at either scale, the absolute tolerance is what the rerank gate fixes.)
 """
 
 from __future__ import annotations

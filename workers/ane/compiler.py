@@ -10,12 +10,12 @@ compiled form -> open it -> one warm-up prediction. `on_stage` is called after e
 stage ("graph", "converted", "compiled", "loaded", "warmed"), which the engine turns into
 PROGRESS; `AdmitTimings` carries the milliseconds of each stage for SHAPE_ADMITTED.
 
-The package key (DESIGN section 7) is (manifest_digest, kernel_revision, shape, precision,
-deployment target, coremltools version) plus `packed`, the head type and any non-default
-test-only `BuildOptions`: everything that changes the bytes of the package, nothing that does
-not. The compiled key adds the backend, its kind and what the compiled form depends on
-(`Backend.compiled_key_fields`: the macOS build for `.mlmodelc`). One process builds a key at
-a time; others wait for it and reuse the result.
+The package key (what the compile cache files the package under) is (manifest_digest,
+kernel_revision, shape, precision, deployment target, coremltools version) plus `packed`, the
+head type and any non-default test-only `BuildOptions`: everything that changes the bytes of
+the package, nothing that does not. The compiled key adds the backend, its kind and what the
+compiled form depends on (`Backend.compiled_key_fields`: the macOS build for `.mlmodelc`). One
+process builds a key at a time; others wait for it and reuse the result.
 """
 
 from __future__ import annotations

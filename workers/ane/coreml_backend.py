@@ -27,11 +27,11 @@ from workers.ane.ct_quiet import ct
 if sys.platform != "darwin":  # fail at import, not halfway through a request
     raise ImportError("workers.ane.coreml_backend needs macOS (Core ML runtime)")
 
-from coremltools.models.compute_device import (  # noqa: E402
+from coremltools.models.compute_device import (
     MLGPUComputeDevice,
     MLNeuralEngineComputeDevice,
 )
-from coremltools.models.compute_plan import MLComputePlan  # noqa: E402
+from coremltools.models.compute_plan import MLComputePlan
 
 COMPUTE_UNITS = {ours: getattr(ct.ComputeUnit, member)
                  for ours, member in coreml_args.COMPUTE_UNIT_MEMBERS.items()}

@@ -2,7 +2,7 @@
 
 Only macOS can ask Core ML (`MLComputePlan`, see `coreml_backend`); everywhere else the engine
 reports this estimate, labelled `"estimate"`, and certification caps such a result at
-`provisional` (DESIGN section 8).
+`provisional` (an estimate proves no placement, so it cannot certify one).
 
     share = sum(cost of ops judged ANE-eligible) / sum(cost of all non-const ops)
 

@@ -1,8 +1,8 @@
 """Compiled shapes: `(rows, seq_len)` unpacked or `(rows, seq_len, max_segments)` packed.
 
 Every dimension is static: the Neural Engine compiles a fixed-shape program, so each shape the
-host admits is its own compiled package (DESIGN section 6). A shape id is what the wire carries
-(`SHAPE_ADMITTED.shape_id`, `EVICT.shape_id`):
+host admits is its own compiled package (compiled once, kept in the compile cache). A shape
+id is what the wire carries (`SHAPE_ADMITTED.shape_id`, `EVICT.shape_id`):
 
     "<rows>x<seq_len>"              unpacked, e.g. "8x128"
     "<rows>x<seq_len>p<segments>"   packed,   e.g. "4x256p16"

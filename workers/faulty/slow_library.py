@@ -1,6 +1,7 @@
 """A stand-in for an engine library whose import is slow (coremltools with torch installed:
 8-11 s). Importing it really takes $SYNAPSE_FAULTY_IMPORT_S seconds; the faulty worker imports
-it before HELLO (`--import-at-start`, the race issue 10 fixed) or during LOAD (the fix)."""
+it before HELLO (`--import-at-start`: the race, a slow import that misses the HELLO window)
+or during LOAD (the fix)."""
 
 from __future__ import annotations
 

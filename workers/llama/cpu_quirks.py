@@ -4,8 +4,8 @@ AMX. On Intel CPUs with AMX (Sapphire Rapids and later) llama.cpp's CPU backend 
 quantized matmuls (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) through its AMX "extra buffer
 type". With the llama.cpp that llama-cpp-python 0.3.36 vendors, that path segfaults in
 `ggml_backend_amx_mul_mat` on our 2-core Xeon VMs: Gemma 3's Q4_K_M crashed on its first
-decode every time, in our worker and in plain llama-cpp-python alike (upstream llama.cpp
-issue 20824 reports the same backtrace). So on a CPU that advertises AMX the extra buffer
+decode every time, in our worker and in plain llama-cpp-python alike (upstream llama.cpp's
+tracker has a report with the same backtrace). So on a CPU that advertises AMX the extra buffer
 types are turned off (`use_extra_bufts = False`); the price is llama.cpp's weight repacking
 for quantized types on that machine. f16/f32 models (the embedders) never take that path.
 

@@ -1,8 +1,8 @@
 """Every control message of wire protocol v3, as msgspec structs.
 
-The JSON object's ``type`` field carries the message name exactly as the seed writes it
-(``"HELLO"``, ``"EMBED_BATCH"``, ...). Unknown fields are ignored on decode so that a foreign
-worker written from the seed, or a newer peer, interoperates; optional fields default.
+The JSON object's ``type`` field carries the message name exactly as docs/protocol.md
+writes it (``"HELLO"``, ``"EMBED_BATCH"``, ...). Unknown fields are ignored on decode so that a
+foreign worker written from that document, or a newer peer, interoperates; optional fields default.
 
 One decoder per direction: a side can only ever receive the messages the other side may send,
 so anything else is a decode error, which the session turns into a protocol violation.
@@ -24,7 +24,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Phase = Literal["setup", "inference", "control"]
 Pooling = Literal["none", "mean", "cls", "last", "rank"]
 
-# ERR codes a worker may answer with (DESIGN section 3).
+# ERR codes a worker may answer with: a closed set, so the host maps each to a typed error.
 WORKER_ERROR_CODES = frozenset(
     {
         "artifact_invalid",
@@ -41,7 +41,7 @@ WORKER_ERROR_CODES = frozenset(
 
 class _Msg(msgspec.Struct, tag_field="type", frozen=True):
     """Base for every control frame; the subclass name is the wire ``type``. Every field is
-    written, defaults included: a foreign peer built from the seed may require them."""
+    written, defaults included: a foreign peer built from docs/protocol.md may require them."""
 
 
 # ---- handshake ---------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class ADMIT_SHAPE(_Msg, tag="ADMIT_SHAPE"):
     rows: Count
     seq_len: Count
     packed: bool = False
-    # Extension (optional): segments per packed row; the seed leaves it to the engine.
+    # Extension (optional): segments per packed row; absent, the engine picks its own.
     max_segments: Count | None = None
 
 
