@@ -18,8 +18,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from common.errors import StorageFull
 from ingest.durable import free_bytes, mib, require_space
-from ingest.errors import ArtifactInvalid, StorageFull
+from ingest.errors import ArtifactInvalid
 from ingest.store import ArtifactStore, ModelRecord, hf_build_bytes
 
 _INGEST = (

@@ -107,7 +107,7 @@ def load_config(path: str | Path | None) -> ServeConfig:
 def install_defaults(config: ServeConfig) -> ServeConfig:
     """Install the embedded default models once, before any app starts (not in every app's
     lifespan or Ray replica); the config handed on no longer asks for it. Raises the store's
-    ArtifactError (a full disk: storage_full)."""
+    typed error (a full disk: storage_full)."""
     if not config.install_defaults:
         return config
     from ingest.defaults import ensure_defaults

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from certification.reference.cross_encoder import minilm_dir
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.tokenization import Tokenizer
 from service.coalesce import Coalescer
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from certification.reference.cross_encoder import minilm_dir
-from host.errors import ConfigInvalid, InvalidRequest
+from common.errors import InvalidRequest
+from host.errors import ConfigInvalid
 from host.sanitize import sanitize
 from host.tokenization import Encoded, Tokenizer, model_limits
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from certification.reference.cross_encoder import minilm_dir
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.tokenization import Tokenizer
 from service.coalesce import Coalescer, Options
 
