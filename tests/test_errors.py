@@ -25,6 +25,7 @@ import host.errors
 import ingest.errors
 import service.auth
 import service.disconnect
+import service.encoding
 import service.errors
 from batch.errors import BatchUsageError, JobAborted
 from certification.errors import CertificateNotFound
@@ -41,7 +42,8 @@ from tests.test_serve_support import ServerProcess, server_config
 ROOT = Path(__file__).resolve().parents[1]
 # Every module that defines members of the family (imported above, so all are registered).
 ERROR_MODULES = [common.errors, host.errors, ingest.errors, compile_cache.errors, batch.errors,
-                 service.errors, service.auth, service.disconnect, certification.errors]
+                 service.errors, service.auth, service.disconnect, service.encoding,
+                 certification.errors]
 
 
 def _family() -> list[type[SynapseError]]:
