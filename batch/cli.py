@@ -1,9 +1,9 @@
 """`synapse batch embed INPUT -o OUTPUT.parquet ...`: argument parsing and exit statuses.
 
 Exit 0: the output is complete (the summary says how many rows failed). Exit 1: the job
-stopped before that — too many bad rows, an engine that keeps crashing, Ctrl-C or SIGTERM —
-and its checkpoint stays for `--resume`. Exit 2: usage errors (bad arguments, missing input,
-unknown rows format, unwritable output directory, a checkpoint of another job).
+stopped before that — too many bad rows, an engine that keeps crashing, a full disk, Ctrl-C or
+SIGTERM — and its checkpoint stays for `--resume`. Exit 2: usage errors (bad arguments, missing
+input, unknown rows format, unwritable output directory, a checkpoint of another job).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 
 from batch.checkpoint import checkpoint_dir
 from batch.errors import BatchUsageError, JobAborted
+from common.errors import StorageFull, SynapseError
 
 
 def add_batch_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,24 +87,37 @@ def _int(text: str) -> int:
 
 
 def run_batch_embed(args: argparse.Namespace) -> int:
-    from host.errors import SynapseError
-
     try:
         if args.ray is not None:
             summary = _run_ray(args)
         else:
             summary = _run_local(args)
-    except BatchUsageError as exc:
-        print(f"synapse batch: error: {exc.message}", file=sys.stderr)
-        return 2
-    except JobAborted as exc:
-        print(f"synapse batch: aborted: {exc.message}", file=sys.stderr)
-        return 1
     except SynapseError as exc:
-        print(f"synapse batch: error[{exc.code}]: {exc.message}", file=sys.stderr)
-        return 2 if exc.http_status < 500 else 1
+        print(f"synapse batch: {_what(exc)}: {exc.message}", file=sys.stderr)
+        return exit_status(exc)
     _print_summary(summary, args.json)
     return 0
+
+
+def _stopped_midway(exc: SynapseError) -> bool:
+    """The job ran and stopped before its output was complete; its checkpoint stays. A full
+    disk stops it so too: every commit is whole or absent, so `--resume` after freeing space
+    goes on from the last one."""
+    return isinstance(exc, JobAborted | StorageFull)
+
+
+def _what(exc: SynapseError) -> str:
+    if isinstance(exc, BatchUsageError):
+        return "error"
+    return "aborted" if _stopped_midway(exc) else f"error[{exc.code}]"
+
+
+def exit_status(exc: SynapseError) -> int:
+    """2: nothing ran (a usage error, or any other caller's mistake); 1: the job stopped and
+    its checkpoint is kept (aborted, a full disk, or an engine/host fault)."""
+    if _stopped_midway(exc):
+        return 1
+    return 2 if exc.http_status < 500 else 1
 
 
 def _options(args: argparse.Namespace):

@@ -25,14 +25,14 @@ import numpy as np
 from batch.checkpoint import Checkpoint
 from batch.dtypes import DTYPES, convert, dtype_metadata, needs_ranges
 from batch.embedder import LaneEmbedder
-from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted, StorageFull
+from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
 from batch.metadata import describe
 from batch.output import make_table, merge_parts, output_schema, publish_copy
 from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
 from certification.calibration import Calibrations, calibration_set
-from host.errors import SynapseError
+from common.errors import StorageFull, SynapseError
 from host.module import Module, ModuleConfig
 from ingest.durable import full_disk_as
 

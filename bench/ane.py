@@ -515,7 +515,7 @@ def run_store_model(name: str, work: Path, trials: int, *, store_root: str | Non
                     sentences: int = 64, rows: int = 8, seq_len: int = 128,
                     segments: int | None = None, start: bool = True) -> dict[str, object]:
     """`name` from the store, on the owned artifact the Core ML lane loads."""
-    from ingest.errors import ArtifactError
+    from common.errors import SynapseError
     from ingest.owned import ensure_owned, hf_source_dir
     from ingest.store import ArtifactStore
 
@@ -523,12 +523,12 @@ def run_store_model(name: str, work: Path, trials: int, *, store_root: str | Non
     try:
         record = store.get(name)
         owned, _digest = ensure_owned(store, record)
-    except ArtifactError as e:  # not in the store, or not a model the Core ML lane builds
+    except SynapseError as e:  # not in the store, or not a model the Core ML lane builds
         raise SystemExit(f"bench.ane --model {name}: {getattr(e, 'msg', e)}") from None
     manifest = load_manifest(owned)
     try:
         hf_dir: Path | None = hf_source_dir(record)
-    except ArtifactError:
+    except SynapseError:
         hf_dir = None
     up, pk = shapes_for(manifest, rows, seq_len, segments)
     note = f"{_shape_id(up)} / {_shape_id(pk)}" + (

@@ -53,11 +53,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # same as the lane's worker
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads a local dir only
 
 from certification.corpus import corpus
+from common.errors import SynapseError
 from host.batching import plan_chunks
 from host.config import HostConfig
 from host.module import Module, ModuleConfig, resolve_prompt
 from ingest.defaults import ensure_defaults
-from ingest.errors import ArtifactError
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, EMBED_BY_DTYPE, ArtifactStore, ModelRecord
 from workers.engine import NullProgress
 from workers.protocol import messages as m
@@ -104,7 +104,7 @@ def resolve_target(store: ArtifactStore, name: str, prompt_name: str | None) -> 
     try:
         hf_dir: Path | None = hf_source_dir(record)
         skip = ""
-    except ArtifactError:
+    except SynapseError:
         hf_dir = None
         skip = (f"{name!r} was ingested from {record.manifest.source!r}: no Hugging Face "
                 "directory to load")

@@ -14,11 +14,11 @@ or 3 (engine/host fault), as the other commands.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import msgspec
 from rich.console import Console
-from rich.markup import escape
 
 EXIT = {"certified": 0, "failed": 1, "provisional": 4}
 
@@ -62,8 +62,8 @@ def add_certify_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from certification.oracle import ReferenceUnavailable
-    from certification.store import CertificateNotFound, CertificateStore
+    from certification.store import CertificateStore
+    from common.errors import InvalidRequest, SynapseError
 
     console = Console(stderr=bool(getattr(args, "json", False)))
     err = Console(stderr=True)
@@ -75,15 +75,10 @@ def main(args: argparse.Namespace) -> int:
         if command == "show":
             return _show(store, args, console)
         return _run(store, args, console, err)
-    except CertificateNotFound as exc:
-        err.print(escape(f"error[certificate_not_found]: {exc}"))
-        return 2
-    except ReferenceUnavailable as exc:
-        err.print(escape(f"error[{exc.code}]: {exc}"))
-        return 2
-    except ValueError as exc:
-        err.print(escape(f"error[invalid_request]: {exc}"))
-        return 2
+    except SynapseError:
+        raise  # typed already: the command line's boundary (cli.main) reports it
+    except ValueError as exc:  # a bad argument found by a parser that raises untyped
+        raise InvalidRequest(str(exc)) from None
 
 
 def parse_shapes(text: str | None) -> list[dict] | None:
@@ -127,7 +122,6 @@ def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int
     from certification.runner import RunOptions, certify
     from certification.terminal import RichProgress
     from host.module import Module, ModuleConfig
-    from host.run_command import run_command as run_typed
     from ingest.defaults import ensure_defaults
 
     if not args.model:
@@ -143,19 +137,14 @@ def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int
         overrides=parse_overrides(args.threshold, args.placement_threshold),
         save=not args.no_save,
     )
-    result: dict = {}
 
-    async def go() -> int:
+    async def go():
         ensure_defaults()
         async with Module(ModuleConfig()) as mod:
             with RichProgress(console if not args.json else err) as progress:
-                result["cert"] = await certify(mod, options, store, progress)
-        return 0
+                return await certify(mod, options, store, progress)
 
-    code = run_typed(go())
-    if "cert" not in result:
-        return code
-    cert = result["cert"]
+    cert = asyncio.run(go())
     _output(cert, args, console)
     return EXIT[cert.status]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from certification.errors import LaneUnavailable
 from certification.identity import LaneIdentity, canonical_json
 from host.module import Module, served_key
 from host.tokenization import Tokenizer
@@ -29,10 +30,6 @@ from ingest.owned import owned_dir
 from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
-
-
-class LaneUnavailable(RuntimeError):
-    """The Module has no such lane (e.g. the Core ML lane is not wired in yet)."""
 
 
 class LaneClient:

@@ -33,6 +33,7 @@ import numpy as np
 import tokenizers
 
 from certification.certificate import NUMPY_REFERENCE
+from certification.errors import ReferenceUnavailable
 from certification.reference.bert import POOLINGS, BertReference
 from host.tokenization import model_limits
 from ingest.errors import ArtifactInvalid
@@ -49,13 +50,6 @@ ST_POOLINGS = ("mean", "cls", "last")
 ST_INSTALL = "pip install 'synapse[reference]' (torch, transformers, sentence-transformers)"
 
 
-class ReferenceUnavailable(ValueError):
-    """No reference this machine has can judge the model (a non-BERT family without
-    sentence-transformers): the caller installs the extra the message names."""
-
-    code = "reference_unavailable"
-
-
 def reference_dir_for(record: ModelRecord) -> Path:
     """The HF directory the store's artifact was converted from (the Core ML lane builds its
     graph from the same one)."""
@@ -68,7 +62,7 @@ def reference_dir_for(record: ModelRecord) -> Path:
     try:
         path = hf_source_dir(record)
     except ArtifactInvalid as exc:
-        raise ValueError(f"{exc.msg}; pass --reference-dir") from None
+        raise ValueError(f"{exc.message}; pass --reference-dir") from None
     _check_reference_dir(path)
     return path
 

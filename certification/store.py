@@ -10,7 +10,7 @@ does one rename replace it. A reader sees the old record or the new one, never n
 at any point leaves the old record current. Saves of one id are serialized by a file lock
 (two processes re-certifying at once), and history names carry a unique suffix, so records
 created within the same second never overwrite each other. A save the disk cannot hold is a
-`CertificateStoreFull`, and the old record stays current.
+`StorageFull`, and the old record stays current.
 """
 
 from __future__ import annotations
@@ -26,23 +26,16 @@ import platformdirs
 from filelock import FileLock
 
 from certification.certificate import Certificate, decode, encode
+from certification.errors import CertificateNotFound
+from common.errors import StorageFull
 from compile_cache.fsutil import fsync_dir, full_fsync
-from host.errors import StorageFull
 from ingest.durable import full_disk_as
-
-
-class CertificateStoreFull(StorageFull):
-    """No space to save a certificate; the id's previous record (if any) stays current."""
 
 
 def default_root() -> Path:
     env = os.environ.get("SYNAPSE_CACHE_DIR")
     base = Path(env) if env else Path(platformdirs.user_cache_dir("synapse"))
     return base / "certificates"
-
-
-class CertificateNotFound(LookupError):
-    pass
 
 
 class CertificateStore:
@@ -93,7 +86,7 @@ class CertificateStore:
             decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"certificate {cert.id} would not read back: {exc}") from None
-        full = lambda exc: CertificateStoreFull(  # noqa: E731
+        full = lambda exc: StorageFull(  # noqa: E731
             f"cannot save certificate {cert.id} under {self.root}: {exc.strerror or exc}; the "
             f"previous record is unchanged. Free some space and certify again"
         )

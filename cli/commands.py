@@ -1,12 +1,14 @@
 """Handlers of the model-facing CLI commands: models, embed, rerank, generate, quickstart.
 
-Each handler returns an exit code. Typed errors print as `error[<code>]: message` on stderr
-and exit 2 (caller's fault) or 3 (engine/host fault), so scripts can tell them apart.
+Each handler returns an exit code and lets typed errors through to `cli.main`, which prints
+`error[<code>]: message` on stderr and exits 2 (caller's fault) or 3 (engine/host fault), so
+scripts can tell them apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -16,12 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.module import Module, ModuleConfig
-from host.run_command import err_console, run_command
 from ingest.defaults import ensure_defaults
-from ingest.errors import ArtifactError
-from ingest.errors import InvalidRequest as InvalidIngest
 from ingest.precision import embed_precision, lane_precisions
 from ingest.store import DEFAULT_EMBED, ArtifactStore
 
@@ -185,47 +184,39 @@ def _manifest_dict(record) -> dict:
 
 
 def _models_ingest(args: argparse.Namespace) -> int:
-    try:
-        if args.path is None:
-            if args.prompt or args.default_prompt or args.matryoshka_dims:
-                raise InvalidIngest("--prompt, --default-prompt and --matryoshka-dims need "
-                                    "a model PATH")
-            ensure_defaults()
-        elif Path(args.path).is_file():
-            if args.dtype is not None:
-                raise InvalidIngest("--dtype converts a Hugging Face directory; a GGUF "
-                                    "keeps its own precision")
-            from certification.tokenizer_proof import prove_gguf_tokenizer  # spawns llama.cpp
+    if args.path is None:
+        if args.prompt or args.default_prompt or args.matryoshka_dims:
+            raise InvalidRequest("--prompt, --default-prompt and --matryoshka-dims need "
+                                 "a model PATH")
+        ensure_defaults()
+    elif Path(args.path).is_file():
+        if args.dtype is not None:
+            raise InvalidRequest("--dtype converts a Hugging Face directory; a GGUF "
+                                 "keeps its own precision")
+        from certification.tokenizer_proof import prove_gguf_tokenizer  # spawns llama.cpp
 
-            rec = _store().ingest_gguf(
-                args.path, name=args.name, kind=args.kind, pooling=args.pooling,
-                max_tokens=args.max_tokens, prove=prove_gguf_tokenizer,
-                prompts=dict(args.prompt) if args.prompt else None,
-                default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims)
-            console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
-                          f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)")
-        else:
-            if args.kind or args.pooling or args.max_tokens:
-                raise InvalidIngest("--kind, --pooling and --max-tokens apply to GGUF "
-                                    "files; a directory says its own")
-            rec = _store().ingest_hf_dir(
-                args.path, name=args.name, dtype=args.dtype,
-                prompts=dict(args.prompt) if args.prompt else None,
-                default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims,
-            )
-            console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
-    except ArtifactError as exc:
-        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
-        return 2
+        rec = _store().ingest_gguf(
+            args.path, name=args.name, kind=args.kind, pooling=args.pooling,
+            max_tokens=args.max_tokens, prove=prove_gguf_tokenizer,
+            prompts=dict(args.prompt) if args.prompt else None,
+            default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims)
+        console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
+                      f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)")
+    else:
+        if args.kind or args.pooling or args.max_tokens:
+            raise InvalidRequest("--kind, --pooling and --max-tokens apply to GGUF "
+                                 "files; a directory says its own")
+        rec = _store().ingest_hf_dir(
+            args.path, name=args.name, dtype=args.dtype,
+            prompts=dict(args.prompt) if args.prompt else None,
+            default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims,
+        )
+        console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     return _models_ls(argparse.Namespace(json=False))
 
 
 def _models_rm(args: argparse.Namespace) -> int:
-    try:
-        _store().rm(args.name)
-    except ArtifactError as exc:
-        err_console.print(escape(f"error[{exc.code}]: {exc.msg}"))
-        return 2
+    _store().rm(args.name)
     return 0
 
 
@@ -262,7 +253,7 @@ def _embed(args: argparse.Namespace) -> int:
         _print_embeddings(args.texts, result, lane)
         return 0
 
-    return run_command(go())
+    return asyncio.run(go())
 
 
 def _served_lane(mod: Module, model: str, args: argparse.Namespace) -> str:
@@ -314,7 +305,7 @@ def _rerank(args: argparse.Namespace) -> int:
             console.print(f"  {rank}. {score:+.4f}  [{i}] {args.documents[i][:70]!r}")
         return 0
 
-    return run_command(go())
+    return asyncio.run(go())
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -348,7 +339,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
         return 0
 
-    return run_command(go())
+    return asyncio.run(go())
 
 
 def _quickstart(args: argparse.Namespace) -> int:

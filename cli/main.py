@@ -1,5 +1,9 @@
 """The `synapse` command line.
 
+Every command's typed error (`common.errors.SynapseError`) ends here, as one stderr line
+`error[<code>]: <message>` and exit 2 (the caller's to fix) or 3 (an engine or host fault);
+see `exit_status`.
+
 The composition root above `host` and `certification`: the only host module that imports
 certification (lazily), to hand the Module its certificate-backed lane policy.
 """
@@ -10,6 +14,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+
+from common.errors import StorageFull, SynapseError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +85,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except SynapseError as exc:
+        Console(stderr=True).print(escape(f"error[{exc.code}]: {exc.message}"))
+        return exit_status(exc)
+
+
+def exit_status(exc: SynapseError) -> int:
+    """2: the command cannot succeed until the caller changes something (an argument, the
+    input, a model name, the disk's free space); 3: the engine or the host failed, and the
+    same command may succeed again. A full disk is the caller's to fix: a script retrying on
+    3 must not spin on it."""
+    if exc.http_status < 500 or isinstance(exc, StorageFull):
+        return 2
+    return 3
 
 
 if __name__ == "__main__":

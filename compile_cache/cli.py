@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
             return _COMMANDS[args.cache_command](cache, args, as_json)
     except CompileCacheError as e:
         if as_json:
-            _print_json({"error": e.to_json()})
+            _print_json({"error": e.to_dict()})
         else:
-            print(f"error: {e.msg} [{e.code}]", file=sys.stderr)
+            print(f"error: {e.message} [{e.code}]", file=sys.stderr)
         return EXIT_ERROR
 
 

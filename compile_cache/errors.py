@@ -1,24 +1,19 @@
 """Typed errors of the compile cache.
 
-Every refusal is a `CompileCacheError` subclass with a stable `code` string, so the host and
-the CLI can report it as that code (HTTP error bodies and `error[code]` lines name it)
-instead of parsing messages.
+Every refusal is a `CompileCacheError`, the cache's branch of `common.errors.SynapseError`,
+with a stable `code` string, so the host and the CLI can report it as that code instead of
+parsing messages. Several are also the builtin exception their case is (`TypeError`,
+`ValueError`, `LookupError`, `TimeoutError`), so a caller that knows nothing of the cache can
+still catch them as such.
 """
 
 from __future__ import annotations
 
+from common.errors import NotFound, SynapseError
 
-class CompileCacheError(Exception):
-    """Base class; `code` names the failure for callers that cross an HTTP/CLI boundary."""
 
-    code: str = "compile_cache_error"
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(msg)
-        self.msg = msg
-
-    def to_json(self) -> dict[str, str]:
-        return {"code": self.code, "message": self.msg}
+class CompileCacheError(SynapseError):
+    """The cache's refusals; never raised as itself, each subclass names its own code."""
 
 
 class InvalidKey(CompileCacheError, TypeError):
@@ -28,38 +23,44 @@ class InvalidKey(CompileCacheError, TypeError):
     """
 
     code = "invalid_key"
+    http_status = 400
 
 
 class InvalidSize(CompileCacheError, ValueError):
     """A byte size or budget could not be parsed or is negative."""
 
     code = "invalid_size"
+    http_status = 400
 
 
 class InvalidArgument(CompileCacheError, ValueError):
     """A parameter outside its domain (negative timeout, ...)."""
 
     code = "invalid_argument"
+    http_status = 400
 
 
 class InvalidRoot(CompileCacheError):
     """The cache root cannot be created or written (a file, read-only, ...)."""
 
     code = "invalid_root"
+    http_status = 500
 
 
 class InvalidSelector(CompileCacheError, ValueError):
     """`evict` got something that is neither a key mapping nor a hex digest prefix."""
 
     code = "invalid_selector"
+    http_status = 400
 
 
-class EntryNotFound(CompileCacheError, LookupError):
-    code = "not_found"
+class EntryNotFound(NotFound, CompileCacheError, LookupError):
+    """No entry matches the key or digest prefix (the code is `NotFound`'s: not_found)."""
 
 
 class AmbiguousPrefix(CompileCacheError, LookupError):
     code = "ambiguous_prefix"
+    http_status = 400
 
     def __init__(self, msg: str, matches: list[str]) -> None:
         super().__init__(msg)
@@ -70,12 +71,14 @@ class EntryLeased(CompileCacheError):
     """Eviction refused: a live process holds a lease on the entry."""
 
     code = "entry_leased"
+    http_status = 409
 
 
 class EntryEvicted(CompileCacheError):
     """A lease was requested for an entry that was evicted in the meantime."""
 
     code = "entry_evicted"
+    http_status = 409
 
 
 class BuildFailed(CompileCacheError):
@@ -85,9 +88,11 @@ class BuildFailed(CompileCacheError):
     """
 
     code = "build_failed"
+    http_status = 500
 
 
 class LockTimeout(CompileCacheError, TimeoutError):
     """Waiting for another process's build of the same key exceeded the caller's timeout."""
 
     code = "lock_timeout"
+    http_status = 504

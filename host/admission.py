@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from host.errors import ConfigInvalid, InvalidRequest, Overloaded
+from common.errors import InvalidRequest
+from host.errors import ConfigInvalid, Overloaded
 
 
 class Budgets(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

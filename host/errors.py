@@ -1,4 +1,6 @@
-"""Typed errors: one class per code. The code string is what crosses the HTTP/CLI boundary.
+"""The host's typed errors, each a `common.errors.SynapseError` with a code of its own; the
+codes other packages share too (`invalid_request`, `model_not_found`, `storage_full`) are
+`common.errors`' classes.
 
 Failure of a worker is always `EngineCrashed` (code ``engine_crashed``); its subclasses say
 why — the process died (`WorkerDied`), it broke the protocol (`ProtocolViolation`) or it went
@@ -9,41 +11,12 @@ the cases apart. A quarantined lane also answers `EngineCrashed`, at once, with
 
 from __future__ import annotations
 
-
-class SynapseError(Exception):
-    code = "internal"
-    http_status = 500
-
-    def __init__(self, message: str, **details: object) -> None:
-        super().__init__(message)
-        self.message = message
-        self.details = details
-
-    def to_dict(self) -> dict:
-        return {"code": self.code, "message": self.message, **_jsonable(self.details)}
-
-
-class InvalidRequest(SynapseError):
-    code = "invalid_request"
-    http_status = 400
-
-
-class ModelNotFound(SynapseError):
-    code = "model_not_found"
-    http_status = 404
+from common.errors import SynapseError
 
 
 class ConfigInvalid(SynapseError):
     code = "config_invalid"
     http_status = 500
-
-
-class StorageFull(SynapseError):
-    """Something had to be written (a lane's model build, a certificate) and the disk could
-    not hold it; what was written before is intact. Free space and retry."""
-
-    code = "storage_full"
-    http_status = 507
 
 
 class CertificateRequired(SynapseError):
@@ -151,5 +124,9 @@ _WORKER_CODE_STATUS = {
 }
 
 
-def _jsonable(details: dict) -> dict:
-    return {k: v for k, v in details.items() if v is not None}
+class MissingExtra(SynapseError):
+    """A feature was asked for whose optional packages are not installed (`pip install
+    'synapse[EXTRA]'` provides them)."""
+
+    code = "missing_extra"
+    http_status = 400

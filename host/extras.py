@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from host.errors import SynapseError
-
-
-class MissingExtra(SynapseError):
-    """A feature was asked for whose optional packages are not installed."""
-
-    code = "missing_extra"
-    http_status = 400
+from host.errors import MissingExtra
 
 
 def require_extra(extra: str, module: str, feature: str) -> None:

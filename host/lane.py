@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from common.errors import InvalidRequest
 from host.config import HostConfig, LaneConfig
 from host.connection import EOF, SILENCE, THREAD_SEND_BYTES, VIOLATION, ConnectionFault, Exchange
 from host.errors import (
     DeadlineExceeded,
     EngineCrashed,
-    InvalidRequest,
     LaneStopped,
     ProtocolViolation,
     WatchdogExpired,

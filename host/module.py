@@ -25,17 +25,11 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from common.errors import InvalidRequest, ModelNotFound, StorageFull, SynapseError
 from host.admission import Admission, Budgets
 from host.batching import plan_chunks
 from host.config import HostConfig, LaneConfig
-from host.errors import (
-    CertificateRequired,
-    ConfigInvalid,
-    InvalidRequest,
-    ModelNotFound,
-    StorageFull,
-    SynapseError,
-)
+from host.errors import CertificateRequired, ConfigInvalid
 from host.lane import Lane, LaneState
 from host.lane_policy import (
     AneCandidate,
@@ -48,8 +42,6 @@ from host.lane_policy import (
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
 from host.tokenization import Encoded, Tokenizer
-from ingest.errors import ArtifactError, ArtifactNotFound
-from ingest.errors import StorageFull as StoreFull  # host.errors has a StorageFull too
 from ingest.owned import ensure_owned
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
 from workers.cpus import usable_cpu_count
@@ -225,12 +217,12 @@ class Module:
                     # work for a real model): in a thread, so the server keeps answering.
                     owned, digest = await asyncio.to_thread(ensure_owned, self.store, record)
                     artifact, fmt = str(owned), "coreml-owned"
-            except ArtifactNotFound as exc:
-                raise ModelNotFound(exc.msg, model=name) from None
-            except StoreFull as exc:
-                raise StorageFull(exc.msg, model=name) from None
-            except ArtifactError as exc:
-                raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
+            except ModelNotFound as exc:
+                raise ModelNotFound(exc.message, model=name) from None
+            except StorageFull as exc:
+                raise StorageFull(exc.message, model=name) from None
+            except SynapseError as exc:
+                raise ConfigInvalid(f"model {name!r}: {exc.message}") from None
             tokenizer = self._tokenizer(record)
             extra = dict(runtime_config_extra or {})
             argv = list(self.config.worker_argv[lane])
@@ -382,10 +374,10 @@ class Module:
     def _record(self, name: str) -> ModelRecord:
         try:
             return self.store.get(name)
-        except ArtifactNotFound as exc:
-            raise ModelNotFound(exc.msg, model=name) from None
-        except ArtifactError as exc:
-            raise ConfigInvalid(f"model {name!r}: {exc.msg}") from None
+        except ModelNotFound as exc:
+            raise ModelNotFound(exc.message, model=name) from None
+        except SynapseError as exc:
+            raise ConfigInvalid(f"model {name!r}: {exc.message}") from None
 
     def _lane_of(self, name: str, lane: str | None) -> str:
         if lane is not None:

@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import psutil
 
-from host.errors import ConfigInvalid, InsufficientMemory, ModelNotFound, SynapseError
+from common.errors import ModelNotFound, SynapseError
+from host.errors import ConfigInvalid, InsufficientMemory
 
 if TYPE_CHECKING:
     from host.lane import Lane

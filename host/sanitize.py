@@ -23,7 +23,7 @@ The empty string is valid and stays empty. Anything that is not str/bytes is an
 
 from __future__ import annotations
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 
 # Every Cc code point except \t \n \r maps to a space (str.translate is C-speed).
 _CONTROLS = {

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from common.errors import InvalidRequest
 from formats.st_layout import LayoutError, read_layout
-from host.errors import ConfigInvalid, InvalidRequest
+from host.errors import ConfigInvalid
 from host.sanitize import sanitize
 
 

@@ -5,28 +5,19 @@ run in worker processes only).
 """
 
 from ingest.bert_to_gguf import BertGGUFInfo, convert_bert_dir
-from ingest.errors import (
-    ArtifactError,
-    ArtifactExists,
-    ArtifactInvalid,
-    ArtifactNotFound,
-    InvalidRequest,
-)
+from ingest.errors import ArtifactExists, ArtifactInvalid
 from ingest.gemma import assemble_gemma
 from ingest.hf_common import ConvertedModel
 from ingest.hf_dir import FAMILIES, convert_hf_dir
 from ingest.store import ArtifactStore, Manifest, ModelRecord, default_root
 
 __all__ = [
-    "ArtifactError",
     "ArtifactExists",
     "ArtifactInvalid",
-    "ArtifactNotFound",
     "ArtifactStore",
     "BertGGUFInfo",
     "ConvertedModel",
     "FAMILIES",
-    "InvalidRequest",
     "Manifest",
     "ModelRecord",
     "assemble_gemma",

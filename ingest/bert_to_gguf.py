@@ -36,7 +36,8 @@ import gguf
 import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
-from ingest.errors import ArtifactInvalid, InvalidRequest
+from common.errors import InvalidRequest
+from ingest.errors import ArtifactInvalid
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,

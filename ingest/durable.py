@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from common.errors import InvalidRequest
 from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
-from ingest.errors import ArtifactInvalid, InvalidRequest
+from ingest.errors import ArtifactInvalid
 
 ENCODER_ARCHITECTURES = frozenset({
     "bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert",

@@ -23,8 +23,9 @@ import gguf
 import msgspec
 import numpy as np
 
+from common.errors import InvalidRequest
 from formats.st_layout import Layout, LayoutError, read_layout
-from ingest.errors import ArtifactInvalid, InvalidRequest
+from ingest.errors import ArtifactInvalid
 
 Dtype = Literal["f32", "f16"]
 PoolingName = Literal["mean", "cls", "last", "rank"]

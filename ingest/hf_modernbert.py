@@ -35,7 +35,8 @@ from typing import Literal
 import gguf
 import numpy as np
 
-from ingest.errors import ArtifactInvalid, InvalidRequest
+from common.errors import InvalidRequest
+from ingest.errors import ArtifactInvalid
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,

@@ -23,7 +23,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ingest.errors import ArtifactInvalid, InvalidRequest
+from common.errors import InvalidRequest
+from ingest.errors import ArtifactInvalid
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,

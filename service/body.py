@@ -20,7 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from service.errors import PayloadTooLarge, RequestTimeout
 
 T = TypeVar("T")

@@ -30,9 +30,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import msgspec
 
-    from host.errors import SynapseError
+    from common.errors import SynapseError
     from host.extras import require_extra
-    from ingest.errors import ArtifactError
     from service.config import install_defaults, load_config
     from service.run import serve
 
@@ -55,9 +54,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # disk is one line and exit 2, not a startup traceback.
     try:
         config = install_defaults(config)
-    except ArtifactError as exc:
+    except SynapseError as exc:
         print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
-              f"{exc.msg}", file=sys.stderr)
+              f"{exc.message}", file=sys.stderr)
         return 2
     if getattr(args, "ray", None) is not None:
         from service.ray_deployment import serve_on_ray

@@ -29,7 +29,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest, SynapseError
+from common.errors import InvalidRequest, SynapseError
 from ingest.store import DEFAULT_EMBED
 from service import rerank
 from service.embeddings import apply_dimensions, is_matryoshka

@@ -16,7 +16,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest, WorkerError
+from common.errors import InvalidRequest
+from host.errors import WorkerError
 from ingest.store import DEFAULT_GENERATE
 from service.errors import Unsupported
 from service.schemas import CompletionChoice, CompletionResponse, CompletionUsage

@@ -141,7 +141,7 @@ def _renamed_key_in(data: bytes, json_file: bool) -> str | None:
 def install_defaults(config: ServeConfig) -> ServeConfig:
     """Install the embedded default models once, before any app starts (not in every app's
     lifespan or Ray replica); the config handed on no longer asks for it. Raises the store's
-    ArtifactError (a full disk: storage_full)."""
+    typed error (a full disk: storage_full)."""
     if not config.install_defaults:
         return config
     from ingest.defaults import ensure_defaults

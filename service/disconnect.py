@@ -30,7 +30,7 @@ from collections import OrderedDict
 from starlette.requests import Request
 from starlette.types import Receive
 
-from host.errors import SynapseError
+from common.errors import SynapseError
 
 _KEY = "synapse.disconnect"
 

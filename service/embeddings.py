@@ -24,7 +24,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from ingest.store import DEFAULT_EMBED
 from service.encoding import encode_embeddings, quantization_ranges
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage

@@ -25,7 +25,8 @@ import msgspec
 import numpy as np
 import orjson
 
-from host.errors import InvalidRequest, Overloaded
+from common.errors import InvalidRequest
+from host.errors import Overloaded
 from host.module import Module
 from ingest.quantization import RANGED, quantize
 

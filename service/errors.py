@@ -1,4 +1,4 @@
-"""Every failure as an OpenAI-style error object with the typed code from `host.errors`.
+"""Every failure as an OpenAI-style error object with its typed code (`common.errors`).
 
 Shape: `{"error": {"message", "type", "code", "param"}}` (+ typed details such as `lane_id`,
 `quarantined`, `retry_after_s`). 429 and 503 carry `Retry-After` (whole seconds, rounded up)
@@ -13,7 +13,8 @@ import math
 import msgspec
 from starlette.responses import Response
 
-from host.errors import EngineCrashed, Overloaded, SynapseError
+from common.errors import SynapseError
+from host.errors import EngineCrashed, Overloaded
 
 log = logging.getLogger("synapse.serve")
 
@@ -24,11 +25,6 @@ _PRIVATE = {"log_tail", "exit_status", "index", "n_tokens", "max_tokens", "model
 class PayloadTooLarge(SynapseError):
     code = "request_too_large"
     http_status = 413
-
-
-class NotFound(SynapseError):
-    code = "not_found"
-    http_status = 404
 
 
 class MethodNotAllowed(SynapseError):

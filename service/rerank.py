@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.module import RerankResult as Ranked
 from ingest.store import DEFAULT_EMBED
 from service.schemas import (

@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from host.errors import SynapseError
+from common.errors import SynapseError
 from host.eventloop import http_name, loop_name
 from service.app import create_app
 from service.auth import exposure_warning

@@ -35,15 +35,8 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from host.errors import (
-    ConfigInvalid,
-    DeadlineExceeded,
-    InvalidRequest,
-    LaneStopped,
-    Overloaded,
-    SynapseError,
-    WorkerError,
-)
+from common.errors import InvalidRequest, SynapseError
+from host.errors import ConfigInvalid, DeadlineExceeded, LaneStopped, Overloaded, WorkerError
 from host.module import Module
 from host.tokenization import Encoded, Tokenizer
 from ingest.store import DEFAULT_EMBED

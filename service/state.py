@@ -7,10 +7,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from host.errors import ConfigInvalid, ModelNotFound
+from common.errors import InvalidRequest, ModelNotFound, SynapseError
+from host.errors import ConfigInvalid
 from host.module import Module
-from ingest.errors import ArtifactError, ArtifactNotFound
-from ingest.errors import InvalidRequest as BadName
 from service import disconnect
 from service.auth import ApiKeys
 from service.body import read_json
@@ -61,14 +60,14 @@ class ServerState:
         assert self.module is not None
         try:
             self.module.store.get(model)
-        except (ArtifactNotFound, BadName):
+        except (ModelNotFound, InvalidRequest):
             raise ModelNotFound(
                 f"model {name or default!r} does not exist; available: "
                 f"{', '.join(self.available_names())}",
                 param="model",
             ) from None
-        except ArtifactError as exc:  # installed but damaged: the operator's problem
-            raise ConfigInvalid(f"model {model!r}: {exc.msg}") from None
+        except SynapseError as exc:  # installed but damaged: the operator's problem
+            raise ConfigInvalid(f"model {model!r}: {exc.message}") from None
         self._known.add(model)
         return model
 

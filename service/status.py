@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import ModelNotFound
+from common.errors import ModelNotFound
 from ingest.precision import lane_precisions
 from service.state import ServerState
 

@@ -27,7 +27,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest, SynapseError
+from common.errors import InvalidRequest, SynapseError
 from ingest.store import DEFAULT_EMBED
 from service.embeddings import (
     _INPUT_SCHEMA,

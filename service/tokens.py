@@ -31,7 +31,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from ingest.store import DEFAULT_EMBED
 from service.state import ServerState
 

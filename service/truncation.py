@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from host.errors import InvalidRequest, SynapseError
+from common.errors import InvalidRequest, SynapseError
 
 Direction = Literal["right", "left", "Right", "Left"]
 

@@ -1,7 +1,8 @@
 import pytest
 
+from common.errors import InvalidRequest
 from host.admission import Admission, Budgets
-from host.errors import InvalidRequest, Overloaded
+from host.errors import Overloaded
 
 
 def test_per_request_caps_are_invalid_request():

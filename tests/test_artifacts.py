@@ -14,16 +14,8 @@ import numpy as np
 import pytest
 
 from certification.reference.cross_encoder import build_test_cross_encoder
-from ingest import (
-    ArtifactError,
-    ArtifactExists,
-    ArtifactInvalid,
-    ArtifactNotFound,
-    ArtifactStore,
-    InvalidRequest,
-    convert_bert_dir,
-    default_root,
-)
+from common.errors import InvalidRequest, ModelNotFound, SynapseError
+from ingest import ArtifactExists, ArtifactInvalid, ArtifactStore, convert_bert_dir, default_root
 from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
 from ingest.safetensors_io import read_safetensors
@@ -300,16 +292,16 @@ def test_store_ingest_ls_get_rm_and_errors(tmp_path: Path) -> None:
     assert s.get("mini-a") == rec
     with pytest.raises(ArtifactExists) as e:
         s.ingest_hf_dir(MINILM, name="mini-a")
-    assert e.value.code == "invalid_request" and isinstance(e.value, ArtifactError)
+    assert e.value.code == "invalid_request" and isinstance(e.value, SynapseError)
     named = s.ingest_hf_dir(MINILM)  # default name from the directory
     assert named.name == "model"
     assert [r.name for r in s.ls()] == ["mini-a", "model"]
     s.rm("mini-a")
     assert [r.name for r in s.ls()] == ["model"]
-    with pytest.raises(ArtifactNotFound) as nf:
+    with pytest.raises(ModelNotFound) as nf:
         s.get("mini-a")
-    assert nf.value.code == "not_found"
-    with pytest.raises(ArtifactNotFound):
+    assert nf.value.code == "model_not_found" and nf.value.http_status == 404
+    with pytest.raises(ModelNotFound):
         s.rm("mini-a")
     for bad in ("", "../x", "Upper", "a/b", ".hidden", "x" * 65):
         with pytest.raises(InvalidRequest):

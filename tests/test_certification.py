@@ -27,11 +27,12 @@ from certification import report
 from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
 from certification.lane_policy import CertificateLanePolicy
-from certification.policy import CertificateRequired, check_certificate
+from certification.policy import check_certificate
 from certification.reference.cross_encoder import build_test_cross_encoder
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
+from host.errors import CertificateRequired
 from host.module import Module, ModuleConfig
 from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision

@@ -22,14 +22,8 @@ import pytest
 from certification import report
 from certification.certificate import NUMPY_REFERENCE, decode, encode
 from certification.corpus import corpus, queries
-from certification.oracle import (
-    NUMPY,
-    ST,
-    Oracle,
-    ReferenceUnavailable,
-    reference_dir_for,
-    select_reference,
-)
+from certification.errors import ReferenceUnavailable
+from certification.oracle import NUMPY, ST, Oracle, reference_dir_for, select_reference
 from certification.runner import RunOptions, _pair_composer
 from certification.store import CertificateStore
 from host.tokenization import Tokenizer
@@ -268,15 +262,10 @@ async def test_a_cross_encoder_run_is_judged_by_the_cross_encoder(
 def test_the_cli_names_a_missing_reference(tmp_path, capsys, cache_env):
     """`synapse certify --reference numpy` on a family the numpy forward cannot compute: its
     own error code, exit 2, and refused before any worker starts."""
-    import argparse
+    from cli.main import main
 
-    from certification import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_certify_parser(parser.add_subparsers())
     qwen = _qwen3_dir(tmp_path / "qwen3")
-    args = parser.parse_args(["certify", "--model", "minilm-l6-v2", "--reference", "numpy",
-                              "--reference-dir", str(qwen), "--no-save"])
-    assert args.func(args) == 2
+    assert main(["certify", "--model", "minilm-l6-v2", "--reference", "numpy",
+                 "--reference-dir", str(qwen), "--no-save"]) == 2
     err = capsys.readouterr().err
     assert "error[reference_unavailable]" in err and "synapse[reference]" in err

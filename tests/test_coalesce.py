@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.tokenization import Tokenizer
 from ingest.model_packages import minilm_dir
 from service.coalesce import Coalescer

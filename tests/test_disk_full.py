@@ -50,14 +50,14 @@ def test_a_build_the_disk_cannot_hold_is_refused_before_it_writes(disk):
     out = _python(disk, "100M", f'''
 import json, os
 from ingest import ArtifactStore
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 {_STORE_STATE}
 store = ArtifactStore(os.environ["DISK"] + "/models")
 try:
     store.ingest_default()
     err = None
 except StorageFull as e:
-    err = {{"code": e.code, "msg": e.msg}}
+    err = {{"code": e.code, "msg": e.message}}
 print(json.dumps({{"err": err, "free": __import__("shutil").disk_usage(store.root).free,
                   **state(store)}}))
 ''')
@@ -76,7 +76,7 @@ def test_gemma_with_its_derived_tokenizer_is_sized_as_a_whole(disk):
     out = _python(disk, "400M", f'''
 import json, os
 from ingest import ArtifactStore
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 from ingest.gguf_vocab import write_tokenizer_json
 {_STORE_STATE}
 store = ArtifactStore(os.environ["DISK"] + "/models")
@@ -84,7 +84,7 @@ try:
     store.ingest_default(tokenizer_builder=write_tokenizer_json)
     err = None
 except StorageFull as e:
-    err = {{"code": e.code, "msg": e.msg}}
+    err = {{"code": e.code, "msg": e.message}}
 print(json.dumps({{"err": err, **state(store)}}))
 ''')
     assert out["err"]["code"] == "storage_full", out
@@ -99,7 +99,7 @@ def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_reco
 import json, os
 from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 from tests.small_disk import fill_disk_when
 {_STORE_STATE}
 store = ArtifactStore(os.environ["DISK"] + "/models")
@@ -109,7 +109,7 @@ try:
     store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
     err = None
 except StorageFull as e:
-    err = {{"code": e.code, "msg": e.msg, "cause": repr(e.__cause__)}}
+    err = {{"code": e.code, "msg": e.message, "cause": repr(e.__cause__)}}
 thread.join()
 full = state(store)
 os.remove(os.environ["DISK"] + "/filler")
@@ -132,7 +132,7 @@ import hashlib, json, os
 from pathlib import Path
 from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 from tests.small_disk import fill_disk
 {_STORE_STATE}
 d = Path(os.environ["DISK"])
@@ -144,7 +144,7 @@ def attempt(attach):
         attach()
         err = None
     except StorageFull as e:
-        err = {{"code": e.code, "msg": e.msg}}
+        err = {{"code": e.code, "msg": e.message}}
     mini = store.get("mini")
     after = hashlib.sha256(mini.tokenizer_path.read_bytes()).hexdigest()
     leftovers = sorted(p.name for p in mini.dir.iterdir() if p.name.endswith(".tmp"))
@@ -290,7 +290,8 @@ def test_a_certificate_that_does_not_fit_leaves_the_previous_record_current(disk
     out = _python(disk, "1M", """
 import json, os
 from pathlib import Path
-from certification.store import CertificateStore, CertificateStoreFull
+from certification.store import CertificateStore
+from common.errors import StorageFull
 from tests.small_disk import fill_disk
 from tests.test_certification_store import make_cert
 store = CertificateStore(os.environ["DISK"] + "/certs")
@@ -300,7 +301,7 @@ filler = fill_disk(os.environ["DISK"])
 try:
     store.save(new)
     err = None
-except CertificateStoreFull as e:
+except StorageFull as e:
     err = {"code": e.code, "msg": e.message}
 current = store.get(old.id)
 leftovers = sorted(p.name for p in store.root.iterdir() if p.name.startswith(".tmp-"))
@@ -324,7 +325,7 @@ def test_a_core_ml_lane_whose_model_build_does_not_fit_is_storage_full(disk):
 import asyncio, json, os
 from ingest.model_packages import minilm_dir
 from host.config import HostConfig
-from host.errors import StorageFull
+from common.errors import StorageFull
 from host.module import Module, ModuleConfig
 from ingest import ArtifactStore
 d = os.environ["DISK"]
@@ -356,7 +357,7 @@ import json, os
 from pathlib import Path
 from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
-from ingest.errors import StorageFull
+from common.errors import StorageFull
 from ingest.owned import ensure_owned, owned_dir
 from tests.small_disk import fill_disk_when
 d = Path(os.environ["DISK"])
@@ -371,7 +372,7 @@ try:
     ensure_owned(store, record)
     err = None
 except StorageFull as e:
-    err = {"code": e.code, "msg": e.msg}
+    err = {"code": e.code, "msg": e.message}
 thread.join()
 left = sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock"))
 (d / "filler").unlink()

@@ -17,9 +17,9 @@ import pytest
 
 from certification.calibration import Calibrations, calibration_set
 from certification.corpus import corpus, queries
+from common.errors import StorageFull
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
-from ingest.errors import StorageFull
 from ingest.quantization import (
     PRECISIONS,
     calibration_ranges,
@@ -131,7 +131,7 @@ def test_encode_embeddings_refuses_what_it_cannot_do():
 
 
 async def test_ranges_are_refused_for_vectors_left_unnormalized():
-    from host.errors import InvalidRequest
+    from common.errors import InvalidRequest
     from service.encoding import quantization_ranges
 
     # No module needed to say no, nor to need nothing.

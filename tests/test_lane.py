@@ -18,12 +18,12 @@ import numpy as np
 import psutil
 import pytest
 
+from common.errors import InvalidRequest
 from host import HostConfig, Lane, LaneConfig
 from host.errors import (
     ConfigInvalid,
     DeadlineExceeded,
     EngineCrashed,
-    InvalidRequest,
     LaneStopped,
     ProtocolViolation,
     WatchdogExpired,

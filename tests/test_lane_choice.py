@@ -23,8 +23,8 @@ from certification.identity import os_name
 from certification.lane_policy import CertificateLanePolicy, machine_differences
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
+from common.errors import InvalidRequest
 from host.config import HostConfig
-from host.errors import InvalidRequest
 from host.lane_policy import NoLanePolicy
 from host.module import Module, ModuleConfig
 

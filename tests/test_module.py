@@ -16,8 +16,9 @@ import pytest
 
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
+from common.errors import InvalidRequest, ModelNotFound
 from host.config import HostConfig
-from host.errors import EngineCrashed, InvalidRequest, ModelNotFound, WorkerError
+from host.errors import EngineCrashed, WorkerError
 from host.module import Module, ModuleConfig
 from ingest.model_packages import minilm_dir
 from ingest.store import ArtifactStore

@@ -22,7 +22,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from host.extras import MissingExtra, require_extra
+from host.errors import MissingExtra
+from host.extras import require_extra
 from ingest.model_packages import MINILM_MODULE, MINILM_PACKAGE, MINILM_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,10 +277,11 @@ def test_require_extra():
 # its own copy under SYNAPSE_CACHE_DIR.
 _WITHOUT_MINILM = (
     f"import sys, json; sys.modules[{MINILM_MODULE!r}] = None\n"
-    "from ingest.model_packages import minilm_dir, ModelPackageUnavailable\n"
+    "from ingest.errors import ModelPackageUnavailable\n"
+    "from ingest.model_packages import minilm_dir\n"
     "try:\n    print(json.dumps({'dir': str(minilm_dir())}))\n"
     "except ModelPackageUnavailable as exc:\n"
-    "    print(json.dumps({'code': exc.code, 'msg': exc.msg}))\n"
+    "    print(json.dumps({'code': exc.code, 'msg': exc.message}))\n"
 )
 
 

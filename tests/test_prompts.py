@@ -11,8 +11,8 @@ import pytest
 
 from batch.job import JobOptions, run_job
 from batch.output import read_metadata
+from common.errors import InvalidRequest
 from host.config import HostConfig
-from host.errors import InvalidRequest
 from host.module import Module, ModuleConfig
 from service.config import ServeConfig
 from service.embeddings import is_matryoshka

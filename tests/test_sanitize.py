@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.sanitize import sanitize
 
 ALLOWED_CONTROLS = {"\t", "\n", "\r"}

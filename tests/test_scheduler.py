@@ -14,17 +14,10 @@ import time
 import numpy as np
 import pytest
 
+from common.errors import InvalidRequest, ModelNotFound
 from host.admission import Budgets
 from host.config import HostConfig
-from host.errors import (
-    DeadlineExceeded,
-    EngineCrashed,
-    InvalidRequest,
-    LaneStopped,
-    ModelNotFound,
-    Overloaded,
-    WorkerError,
-)
+from host.errors import DeadlineExceeded, EngineCrashed, LaneStopped, Overloaded, WorkerError
 from host.module import Module, ModuleConfig
 from host.tokenization import Tokenizer
 from service.scheduler import BatchStats, Scheduler, SchedulerConfig

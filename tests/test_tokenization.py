@@ -12,7 +12,8 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.errors import ConfigInvalid, InvalidRequest
+from common.errors import InvalidRequest
+from host.errors import ConfigInvalid
 from host.sanitize import sanitize
 from host.tokenization import Encoded, Tokenizer, model_limits
 from ingest.model_packages import minilm_dir

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from host.errors import InvalidRequest
+from common.errors import InvalidRequest
 from host.tokenization import Tokenizer
 from ingest.model_packages import minilm_dir
 from service.coalesce import Coalescer, Options

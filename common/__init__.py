@@ -1,0 +1,1 @@
+"""What every package shares and nothing of ours is imported by: the error family's base."""
