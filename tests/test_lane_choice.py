@@ -13,6 +13,10 @@ import asyncio
 import contextlib
 import json
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 
 import httpx
@@ -262,3 +266,39 @@ def test_the_ray_data_actor_serves_the_certified_lane(certified_cache, short_run
         assert json.loads(actor.meta)["lane"] == "ane"
     finally:
         actor.close()
+
+
+def test_the_ray_serve_replica_serves_the_certified_lane(certified_cache, ray_session,
+                                                         tmp_path):
+    """`synapse serve --ray`, one replica: its /v1/models says the certified lane serves."""
+    cache, cert = certified_cache
+    runtime_dir = tempfile.mkdtemp(prefix="syns-", dir="/tmp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f"port = {port}\ninstall_defaults = false\n"
+        f"[module]\nstore_root = \"{cache / 'models'}\"\n"
+        f"[module.host]\nruntime_dir = \"{runtime_dir}\"\n"
+        f"[ray]\nnum_replicas = 1\nreplica_cpus = 0.5\n"
+    )
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "serve", "--ray", address, "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("synapse serve: listening on"):
+                break
+        else:
+            raise AssertionError(f"serve --ray exited {proc.wait()} before listening")
+        reply = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+        models = {m["id"]: m for m in reply.json()["data"]}
+        assert models[MODEL]["lane"] == "ane" and cert.id in models[MODEL]["lane_reason"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    assert proc.returncode == 0
