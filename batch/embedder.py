@@ -20,6 +20,7 @@ import numpy as np
 
 from batch.errors import JobAborted
 from host.errors import EngineCrashed
+from host.lane import Lane
 from host.module import Module
 from host.tokenization import Tokenizer
 from ingest.store import DEFAULT_EMBED
@@ -58,25 +59,33 @@ class LaneEmbedder:
         self.tokenizer: Tokenizer | None = None
         self.dims = 0
 
-    def _lane_kw(self) -> dict:
-        return {} if self.requested_lane is None else {"lane": self.requested_lane}
-
     async def start(self) -> None:
-        """Load the model (its lane starts a supervised worker) and learn what serves it."""
+        """Load the model (its lane starts a supervised worker) and learn what serves it:
+        the requested lane, else llama.cpp for runtime settings (they are LOAD extras of an
+        explicit lane), else the lane the Module's policy chooses."""
+        if self.requested_lane is not None:
+            self.lane = self.requested_lane
+        elif self.runtime_config:
+            self.lane = "llama"
+        else:
+            self.lane = (await self.module.load_default_lane(self.model)).lane
         if self.runtime_config:
-            await self.module.load(
-                self.model, self.requested_lane or "llama", self.runtime_config
-            )
-        self.tokenizer = await self.module.tokenizer(self.model, **self._lane_kw())
+            await self.module.load(self.model, self.lane, self.runtime_config)
+        self.tokenizer = await self.module.tokenizer(self.model, lane=self.lane)
         self.prompt = self.module.prompt(self.model, self.prompt_name)
-        key = next(k for k in self.module.models() if k.split("@")[0] == self.model)
-        self.lane = key.split("@")[1] if "@" in key else "llama"
         self.dims = self.module.dims(self.model, self.lane)
-        self._key = key
+
+    @property
+    def supervisor(self) -> Lane:
+        """The supervisor of the worker serving this share of the job."""
+        lane = self.module.supervisor(self.model, self.lane)
+        if lane is None:
+            raise JobAborted(f"{self.model} is no longer loaded on the {self.lane} lane")
+        return lane
 
     @property
     def worker_pid(self) -> int | None:
-        return self.module.health()[self._key].pid
+        return self.supervisor.state().pid
 
     def identity(self) -> dict:
         return self.module.lane_identity(self.model, self.lane)
@@ -104,7 +113,7 @@ class LaneEmbedder:
         return BatchResult(out, failed)
 
     async def _attempt(self, ids: list[np.ndarray]) -> np.ndarray:
-        lane = self.module.lanes()[self._key]
+        lane = self.supervisor
         if lane.state().quarantined:
             lane.clear_quarantine()  # our crash budget, not the lane's, decides (see above)
         try:

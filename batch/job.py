@@ -32,8 +32,9 @@ from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
 from certification.calibration import Calibrations, calibration_set
+from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
-from host.module import Module, ModuleConfig
+from host.module import ModuleConfig
 from ingest.durable import full_disk_as
 
 log = logging.getLogger("synapse.batch")
@@ -124,7 +125,9 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
     base = opts.module or ModuleConfig()
     config = msgspec.structs.replace(base, planned_workers=opts.workers)
-    modules = [Module(config) for _ in range(opts.workers)]
+    # Built as `synapse serve` builds its Module: a certified Core ML lane serves a job that
+    # names no --lane, as it serves the same model over HTTP.
+    modules = [build_module(config) for _ in range(opts.workers)]
     try:
         embedders = [
             LaneEmbedder(mod, opts.model, opts.lane, opts.normalize, opts.runtime_config,

@@ -24,15 +24,14 @@ def describe(emb: LaneEmbedder, normalize: bool) -> dict[str, str]:
 
 def certificate_for(emb: LaneEmbedder, identity: dict) -> str:
     """`ID (status)` of the certificate issued for this lane's exact identity, or ""."""
-    # Late import: certification imports host (see host.module._enforce_certificate).
     try:
         from certification.identity import key_for
         from certification.lane_client import lane_identity
-        from certification.store import CertificateStore
+        from certification.modules import certificate_store
 
         lane_id = lane_identity(emb.module, emb.model, emb.lane)
-        store = CertificateStore(emb.module.store.root.parent / "certificates")
-        cert = store.get(key_for(lane_id).id)
+        # The store the Module's lane policy reads: the one `build_module` gave it.
+        cert = certificate_store(emb.module.config).get(key_for(lane_id).id)
     except Exception as exc:  # provenance is best effort, never fatal
         log.info("no certificate lookup: %s", exc)
         return ""

@@ -140,7 +140,8 @@ class EmbedActor:
 
         from batch.embedder import LaneEmbedder
         from batch.metadata import describe
-        from host.module import Module, ModuleConfig
+        from certification.modules import build_module
+        from host.module import ModuleConfig
 
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         self._closed = False
@@ -148,7 +149,7 @@ class EmbedActor:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
         config = msgspec.structs.replace(config, planned_workers=planned_workers)
-        self.module = Module(config)
+        self.module = build_module(config)  # the lane choice `synapse serve` makes
         self.embedder = LaneEmbedder(self.module, model, lane, normalize, runtime_config,
                                      prompt_name=prompt_name)
         self._run(self.embedder.start())

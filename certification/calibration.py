@@ -87,7 +87,7 @@ class Calibrations:
         declared = self.module.record(model).manifest.matryoshka_dims
         widths = {w for w in (width, dims, *declared) if 1 <= w <= dims}
         computed = {w: calibration_ranges(vectors, w) for w in sorted(widths)}
-        served_by = lane or self.module.describe_lane(model).lane
+        served_by = lane or self.module.default_lane(model).lane
         kept = await asyncio.to_thread(
             record_ranges, self.module.store, model, digest, computed, calibration_set(),
             served_by, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -20,6 +20,8 @@ import sys
 import msgspec
 from rich.console import Console
 
+from certification.shapes import parse_shapes
+
 EXIT = {"certified": 0, "failed": 1, "provisional": 4}
 
 
@@ -81,28 +83,6 @@ def main(args: argparse.Namespace) -> int:
         raise InvalidRequest(str(exc)) from None
 
 
-def parse_shapes(text: str | None) -> list[dict] | None:
-    """"8x128,4x256p,2x512p/16" -> [{rows, seq_len, packed?, max_segments?}, ...]."""
-    if not text:
-        return None
-    shapes = []
-    for part in text.split(","):
-        spec, _, segs = part.strip().partition("/")
-        packed = spec.endswith("p")
-        rows, sep, seq = spec.rstrip("p").partition("x")
-        if not sep or not rows.isdigit() or not seq.isdigit() or (segs and not segs.isdigit()):
-            raise ValueError(f"shape {part!r}: expected ROWSxSEQ, ROWSxSEQp or ROWSxSEQp/SEGS")
-        shape: dict = {"rows": int(rows), "seq_len": int(seq)}
-        if packed:
-            shape["packed"] = True
-            if segs:
-                shape["max_segments"] = int(segs)
-        elif segs:
-            raise ValueError(f"shape {part!r}: /SEGS needs a packed shape (p)")
-        shapes.append(shape)
-    return shapes
-
-
 def parse_overrides(items: list[str], placement: float | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in items:
@@ -119,9 +99,11 @@ def parse_overrides(items: list[str], placement: float | None) -> dict[str, floa
 
 
 def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int:
+
+    from certification.modules import build_module
     from certification.runner import RunOptions, certify
     from certification.terminal import RichProgress
-    from host.module import Module, ModuleConfig
+    from host.module import ModuleConfig
     from ingest.defaults import ensure_defaults
 
     if not args.model:
@@ -140,7 +122,7 @@ def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int
 
     async def go():
         ensure_defaults()
-        async with Module(ModuleConfig()) as mod:
+        async with build_module(ModuleConfig()) as mod:
             with RichProgress(console if not args.json else err) as progress:
                 return await certify(mod, options, store, progress)
 

@@ -5,18 +5,19 @@ batching and worker as serving — never an engine in-process. This adapter is t
 that knows the Module's lane API:
 
 - llama lane (`lane="llama"`, always passed: a Module left to choose could serve another
-  lane): `load(name, lane=)`, `embed(..., model=name, lane=)`, `rerank(...)`; identity from
-  HELLO (`lane.hello.engine`), the device LOADED named, and the store's `ModelRecord`.
+  lane): `load(name, lane=)`, `tokenizer(name, lane=)`, `embed(..., model=name, lane=)`,
+  `rerank(...)`; identity from `lane_identity(name, lane)` (HELLO, the device LOADED named)
+  and the served `ModelRecord`.
 - Core ML lane: the same calls with `lane="ane"`, plus `load(..., runtime_config_extra=)`
-  (shapes, test-only build_options), `placement(name, lane=)` and `lane_identity(name, lane)`.
-  The `lane` keyword is only passed for non-llama lanes, so this works with a Module that
-  predates the Core ML wiring.
+  (shapes, test-only build_options) and `placement(name, lane=)`.
+
+`lane_identity` below reads only `host.lane_policy.LoadedLanes` (the loaded lane's identity
+and its manifest), so the certificate policy can call it with what the Module hands it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from typing import Any
 
@@ -24,7 +25,8 @@ import numpy as np
 
 from certification.errors import LaneUnavailable
 from certification.identity import LaneIdentity, canonical_json
-from host.module import Module, served_key
+from host.lane_policy import LoadedLanes
+from host.module import Module
 from host.tokenization import Tokenizer
 from ingest.owned import owned_dir
 from ingest.store import ModelRecord
@@ -57,7 +59,7 @@ class LaneClient:
     async def load(
         self, shapes: list[dict] | None = None, runtime_config_extra: dict | None = None
     ) -> None:
-        if served_key(self.model, self.lane) in self.module.lanes():
+        if self.module.supervisor(self.model, self.lane) is not None:
             # Module.load is idempotent and would ignore the requested shapes/options, so the
             # certificate could name a configuration that is not the one running.
             raise ValueError(f"{self.model} is already loaded on the {self.lane} lane of this "
@@ -67,10 +69,6 @@ class LaneClient:
                 raise ValueError("shapes and runtime_config_extra apply to the ane lane only")
             await self.module.load(self.model, lane="llama")
             return
-        if not _accepts(self.module.load, "lane"):
-            raise LaneUnavailable(
-                f"this Module has no {self.lane!r} lane yet (Module.load(..., lane=) missing)"
-            )
         extra = dict(runtime_config_extra or {})
         if shapes:
             extra["shapes"] = shapes
@@ -88,17 +86,7 @@ class LaneClient:
     async def tokenizer(self) -> Tokenizer:
         """The lane's module-side tokenizer (the one whose ids reach the worker)."""
         if self._tokenizer is None:
-            fn = self.module.tokenizer
-            if _accepts(fn, "lane"):
-                self._tokenizer = await fn(self.model, lane=self.lane)
-            else:
-                # Module.tokenizer would start a llama lane; build the same tokenizer the
-                # Module builds (host.module.Module._tokenizer) from the same record.
-                rec, man = self.record, self.record.manifest
-                assert rec.tokenizer_path is not None
-                self._tokenizer = Tokenizer.from_file(
-                    rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
-                )
+            self._tokenizer = await self.module.tokenizer(self.model, lane=self.lane)
         return self._tokenizer
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, float]:
@@ -153,7 +141,7 @@ class LaneClient:
 
 
 def lane_identity(
-    module: Module,
+    module: LoadedLanes,
     model: str,
     lane: str,
     shapes: list[dict] | None = None,
@@ -167,7 +155,7 @@ def lane_identity(
         return llama_identity(module, model, settings)
     raw = dict(module.lane_identity(model, lane))
     if not raw.get("shapes"):
-        raw["shapes"] = shapes or default_ane_shapes(module.store.get(model))
+        raw["shapes"] = shapes or default_ane_shapes(module.record(model))
     if build_options and not raw.get("build_options"):
         raw["build_options"] = build_options
     raw["settings"] = settings
@@ -194,26 +182,27 @@ def load_settings(lane: str, runtime_config_extra: dict | None) -> dict:
     return settings
 
 
-def llama_identity(module: Module, model: str, settings: dict | None = None) -> LaneIdentity:
-    lane = module.lanes()[model]
-    hello = lane.hello
-    if hello is None:
+def llama_identity(
+    module: LoadedLanes, model: str, settings: dict | None = None
+) -> LaneIdentity:
+    raw = module.lane_identity(model, "llama")  # KeyError when the lane is not loaded
+    if raw.get("engine") is None:
         raise LaneUnavailable(f"lane for {model!r} has no live worker (no HELLO)")
-    record = module.store.get(model)
+    record = module.record(model)
     man = record.manifest
     return LaneIdentity(
         model=model,
         lane="llama",
         precision=man.dtype or "unknown",
         artifact_digest=record.digest,
-        manifest_digest=hello.manifest_digest,
-        kernel_revision=hello.kernel_revision,
+        manifest_digest=raw["manifest_digest"],
+        kernel_revision=raw["kernel_revision"],
         # What shapes the numbers: the runtime context and the default truncation limit.
         shapes=(f"n_ctx={man.n_ctx}", f"max_tokens={man.max_tokens}"),
-        engine=hello.engine.engine,
-        engine_version=hello.engine.version,
-        build_flags=hello.engine.build_flags,
-        device=str(module.lane_identity(model, "llama").get("device") or ""),
+        engine=raw["engine"],
+        engine_version=raw["engine_version"],
+        build_flags=raw["build_flags"],
+        device=str(raw.get("device") or ""),
         settings=canonical_json(settings),
     )
 
@@ -227,10 +216,3 @@ def default_ane_shapes(record: ModelRecord) -> list[dict]:
     return [{"rows": rows, "seq_len": seq}
             for rows, seq in default_shapes(man.max_tokens, man.max_tokens_limit)]
 
-
-def _accepts(fn: object, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

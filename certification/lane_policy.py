@@ -8,8 +8,8 @@ the host tokenizer library) equal this machine's. That is checked before any wor
 the rest of the identity (artifact, kernel revision, engine, shapes) needs the lane's HELLO,
 so the Module loads the lane with the certificate's shapes and confirms with `require`.
 
-Certificates live beside the Module's artifact store (`<cache dir>/certificates`) unless a
-store is given.
+The policy reads the certificate store it is built with; `certification.modules` builds it
+with the store beside the Module's artifact store (`<cache dir>/certificates`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import json
 from typing import TYPE_CHECKING
 
 from certification.certificate import Certificate
-from certification.cli import parse_shapes
 from certification.identity import CertificateKey, os_name, runtime_versions
 from certification.lane_client import lane_identity
 from certification.policy import check_certificate, loosened
+from certification.shapes import parse_shapes
 from certification.store import CertificateStore
 from host.lane_policy import AneCandidate
 
 if TYPE_CHECKING:
-    from host.module import Module
+    from host.lane_policy import LoadedLanes
 
 
 def machine_fields() -> dict[str, object]:
@@ -42,14 +42,12 @@ def machine_differences(key: CertificateKey) -> list[str]:
 
 
 class CertificateLanePolicy:
-    def __init__(self, store: CertificateStore | None = None) -> None:
-        self._store = store
+    def __init__(self, certificates: CertificateStore) -> None:
+        self.certificates = certificates
 
-    def store(self, module: Module) -> CertificateStore:
-        return self._store or CertificateStore(module.store.root.parent / "certificates")
-
-    def ane_candidate(self, module: Module, model: str) -> AneCandidate | str:
-        certs = [c for c in self.store(module).ls() if c.key.model == model and c.key.lane == "ane"]
+    def ane_candidate(self, model: str) -> AneCandidate | str:
+        certs = [c for c in self.certificates.ls()
+                 if c.key.model == model and c.key.lane == "ane"]
         if not certs:
             return "no ANE certificate"
         usable = [c for c in certs if _certified(c)]
@@ -67,12 +65,12 @@ class CertificateLanePolicy:
         return f"ANE certificate {certs[0].id} is {_why_not(certs[0])}"
 
     def require(
-        self, module: Module, model: str, lane: str, runtime_config_extra: dict | None
+        self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
     ) -> Certificate | None:
         extra = runtime_config_extra or {}
-        identity = lane_identity(module, model, lane, extra.get("shapes"),
+        identity = lane_identity(lanes, model, lane, extra.get("shapes"),
                                  extra.get("build_options"), extra)
-        return check_certificate(self.store(module), identity, "strict")
+        return check_certificate(self.certificates, identity, "strict")
 
 
 def _certified(cert: Certificate) -> bool:

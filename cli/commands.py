@@ -126,8 +126,10 @@ def _widths(text: str) -> list[int]:
 
 
 def _module(args: argparse.Namespace) -> Module:
-    factory = getattr(args, "lane_policy", None)  # the CLI wires the certificate policy
-    return Module(ModuleConfig(), factory() if factory else None)
+    """The Module a command serves with: certified Core ML lanes, else llama.cpp."""
+    from certification.modules import build_module  # late: only commands that serve load it
+
+    return build_module(ModuleConfig())
 
 
 def _store() -> ArtifactStore:
@@ -258,7 +260,7 @@ def _embed(args: argparse.Namespace) -> int:
 
 def _served_lane(mod: Module, model: str, args: argparse.Namespace) -> str:
     """The lane that served the call: the one asked for, else the one the policy chose."""
-    return getattr(args, "lane", None) or mod.describe_lane(model).lane
+    return getattr(args, "lane", None) or mod.default_lane(model).lane
 
 
 def _print_embeddings(texts: list[str], result, lane: str) -> None:
@@ -349,7 +351,6 @@ def _quickstart(args: argparse.Namespace) -> int:
     console.rule("embedding through a supervised llama.cpp worker")
     code = _embed(
         argparse.Namespace(
-            lane_policy=getattr(args, "lane_policy", None),
             texts=QUICKSTART_SENTENCES,
             model=None,
             no_normalize=False,

@@ -121,16 +121,17 @@ def neural_engine() -> dict:
             else "MLComputeDevice.get_all_compute_devices"}
 
 
-def lane_choices(lane_policy, llama_device: str | None) -> dict[str, dict]:
+def lane_choices(llama_device: str | None) -> dict[str, dict]:
     """Which lane would serve each installed model and why, without starting a worker."""
-    from host.module import Module, ModuleConfig
+    from certification.modules import build_module
+    from host.module import ModuleConfig
 
-    mod = Module(ModuleConfig(), lane_policy)
+    mod = build_module(ModuleConfig())
     mod.llama_device = llama_device
-    return {r.name: mod.describe_lane(r.name).to_dict() for r in mod.store.ls()}
+    return {r.name: mod.default_lane(r.name).to_dict() for r in mod.store.ls()}
 
 
-def report(lane_policy=None) -> dict:
+def report() -> dict:
     from workers.ane import apple_device  # late, as above
     from workers.ane.config import ENV_COMPUTE_UNITS
 
@@ -152,12 +153,12 @@ def report(lane_policy=None) -> dict:
         # chip, macOS version/build, Neural Engine presence: None off macOS, with the reason.
         "apple": apple_device.describe(),
         "coreml_compute_units": os.environ.get(ENV_COMPUTE_UNITS) or "cpu_and_ne",
-        "lanes": lane_choices(lane_policy, llama.get("device")),
+        "lanes": lane_choices(llama.get("device")),
     }
 
 
-def main(as_json: bool, lane_policy=None) -> int:
-    data = report(lane_policy)
+def main(as_json: bool) -> int:
+    data = report()
     if as_json:
         print(json.dumps(data))
         return 0

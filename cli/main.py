@@ -4,8 +4,9 @@ Every command's typed error (`common.errors.SynapseError`) ends here, as one std
 `error[<code>]: <message>` and exit 2 (the caller's to fix) or 3 (an engine or host fault);
 see `exit_status`.
 
-The composition root above `host` and `certification`: the only host module that imports
-certification (lazily), to hand the Module its certificate-backed lane policy.
+
+Every command that serves a model builds its Module with `certification.modules.build_module`
+(the certificate-backed lane policy), as `synapse serve` and `synapse batch embed` do.
 """
 
 from __future__ import annotations
@@ -68,19 +69,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _doctor(as_json: bool) -> int:
     from cli.doctor import main as doctor_main
 
-    return doctor_main(as_json, lane_policy())
-
-
-def lane_policy():
-    """Which lane serves a model by default: certified Core ML lanes, else llama.cpp."""
-    from certification.lane_policy import CertificateLanePolicy
-
-    return CertificateLanePolicy()
+    return doctor_main(as_json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.lane_policy = lane_policy  # a factory: only commands that serve models build it
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(levelname)s %(name)s: %(message)s",

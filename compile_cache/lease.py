@@ -17,13 +17,27 @@ import fcntl
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from compile_cache.errors import EntryEvicted
 from compile_cache.layout import LEASE_NAME
 
-if TYPE_CHECKING:
-    from compile_cache.model import Entry
+
+class Leasable(Protocol):
+    """What a lease reads of a published object (compile_cache.model.Entry is one): its lease
+    file lives in `object_dir`, and holds `created` (see `lease_token`)."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def created(self) -> float: ...
+
+    @property
+    def object_dir(self) -> Path: ...
+
+
+E = TypeVar("E", bound=Leasable)
 
 
 def lease_token(created: float) -> bytes:
@@ -78,7 +92,7 @@ def is_leased(object_dir: Path) -> bool:
     return False
 
 
-class Lease:
+class Lease(Generic[E]):
     """Keeps one entry from eviction while held. Use as a context manager:
 
         with entry.lease():
@@ -87,7 +101,7 @@ class Lease:
     Raises `EntryEvicted` on acquire if the entry was evicted since it was looked up.
     """
 
-    def __init__(self, entry: Entry) -> None:
+    def __init__(self, entry: E) -> None:
         self.entry = entry
         self._fd: int | None = None
         self._pid = os.getpid()
@@ -96,7 +110,7 @@ class Lease:
     def held(self) -> bool:
         return self._fd is not None and self._pid == os.getpid()
 
-    def acquire(self) -> Lease:
+    def acquire(self) -> Lease[E]:
         if self.held:
             return self
         path = self.entry.object_dir / LEASE_NAME
@@ -123,7 +137,7 @@ class Lease:
         if fd is not None and self._pid == os.getpid():
             os.close(fd)  # closing drops the flock
 
-    def __enter__(self) -> Entry:
+    def __enter__(self) -> E:
         self.acquire()
         return self.entry
 

@@ -34,7 +34,7 @@ class Entry:
         names = os.listdir(self.path)
         return self.path / names[0] if len(names) == 1 else self.path
 
-    def lease(self) -> Lease:
+    def lease(self) -> Lease[Entry]:
         return Lease(self)
 
     def __eq__(self, other: object) -> bool:

@@ -2,12 +2,15 @@
 
 The Module does not read certificates itself: it asks a `LanePolicy` it is given. The
 certification package implements it (`certification.lane_policy.CertificateLanePolicy`) and
-the composition roots (the CLI, `synapse serve`) wire it in, so host never imports
-certification (the dependency runs host <- certification). Without a policy the Module
-serves every model on llama.cpp and says so.
+builds every entry point's Module with it (`certification.modules.build_module`), so host
+never imports certification (the dependency runs host <- certification). Without a policy
+the Module serves every model on llama.cpp and says so.
 
-Choice rule, per model on this machine (the faster lane only where it is proven right): a
-Core ML lane whose
+A policy is given what it reads explicitly: where its certificates are when it is built, and
+at each check the `LoadedLanes` view of the Module (a loaded lane's identity, a model's
+manifest). This module imports nothing of host.module, so neither imports the other.
+
+Choice rule, per model on this machine: a Core ML lane whose
 certificate is `certified` for this machine and whose exact identity still matches once
 loaded; otherwise the llama.cpp lane, on the GPU where the build offloads, else the CPU.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from host.module import Module
+    from ingest.store import ModelRecord
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,27 @@ class LaneChoice:
         return {"lane": self.lane, "device": self.device, "reason": self.reason}
 
 
+class LoadedLanes(Protocol):
+    """What a policy may read of the Module that asks it (host.module.Module is one)."""
+
+    def lane_identity(self, model: str, lane: str | None = None) -> dict:
+        """The loaded lane's identity: artifact, manifest, kernel, engine, device, OS."""
+        ...
+
+    def record(self, name: str) -> ModelRecord:
+        """The manifest `name` is served with."""
+        ...
+
+
 class LanePolicy(Protocol):
-    def ane_candidate(self, module: Module, model: str) -> AneCandidate | str:
+    def ane_candidate(self, model: str) -> AneCandidate | str:
         """A certified Core ML certificate of `model` for this machine, or why there is none
         (one short phrase: "no ANE certificate", "ANE certificate 3fa9 is provisional ...")."""
         ...
 
-    def require(self, module: Module, model: str, lane: str, runtime_config_extra: dict | None):
+    def require(
+        self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
+    ):
         """The loaded lane's exact identity against the certificates: returns the covering
         certificate, or raises `host.errors.CertificateRequired` saying what is missing."""
         ...
@@ -55,16 +72,18 @@ class LanePolicy(Protocol):
 class NoLanePolicy:
     """No certificates consulted: llama.cpp serves everything; strict mode cannot pass."""
 
-    def ane_candidate(self, module: Module, model: str) -> AneCandidate | str:
+    def ane_candidate(self, model: str) -> AneCandidate | str:
         return "no certificate policy configured"
 
-    def require(self, module: Module, model: str, lane: str, runtime_config_extra: dict | None):
+    def require(
+        self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
+    ):
         from host.errors import CertificateRequired
 
         raise CertificateRequired(
             f"{model} on the {lane} lane: require_certificate is set but this Module was given "
-            "no lane policy to check certificates with (pass "
-            "certification.lane_policy.CertificateLanePolicy)",
+            "no lane policy to check certificates with (build it with "
+            "certification.modules.build_module)",
             model=model, lane=lane,
         )
 

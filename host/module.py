@@ -8,8 +8,17 @@ supervised worker); llama.cpp workers get `n_threads = cores / workers`.
 Lane choice: a call that names no lane (`lane=None`, the default) is served by the lane the
 `LanePolicy` the Module was given picks for that model — a certified Core ML lane for this
 machine, else llama.cpp (GPU where the build offloads, else CPU); see host.lane_policy.
-`lane_choices()` says which lane serves each model and why. All lanes of a Module share one
-set of execution permits (`cpu` = cores, `gpu` 1, `ane` 1).
+Build a Module with `certification.modules.build_module` to get the certificate-backed
+policy. All lanes of a Module share one set of execution permits (`cpu` = cores, `gpu` 1,
+`ane` 1).
+
+What a caller can ask about lanes, each answering one question:
+- `load_default_lane(name)` -> LaneChoice: decide (once) and load the lane a call without
+  `lane=` reaches;
+- `default_lane(name)` -> LaneChoice: which lane serves or would serve it, never starting a
+  worker; `chosen_lanes()`: the choices made so far, by model;
+- `served_lanes()` -> [ServedLane]: every loaded (model, lane) and its supervisor;
+- `supervisor(name, lane=None)` -> Lane | None: the supervisor of one loaded lane.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import asyncio
 import json
 import logging
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -127,11 +136,22 @@ class _Served:
     device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
 
 
+@dataclass(frozen=True)
+class ServedLane:
+    """One loaded lane: the model, the lane kind serving it and the supervisor of its worker."""
+
+    model: str
+    lane: str  # "llama" | "ane"
+    supervisor: Lane
+
+
 # Lane kinds and the device whose execution permit their inference takes by default.
 LANES = {"llama": "cpu", "ane": "ane"}
 
 
 def served_key(name: str, lane: str) -> str:
+    """The label of a loaded lane in `health()` (and so in /health): `name` for llama.cpp,
+    `name@lane` for another lane."""
     return name if lane == "llama" else f"{name}@{lane}"
 
 
@@ -194,14 +214,15 @@ class Module:
         """Start a lane for model `name` and LOAD it (idempotent per (name, lane)).
 
         `lane`: "llama" (GGUF through llama.cpp), "ane" (the owned Core ML graph, built from
-        the same Hugging Face weights) or None: the lane the policy chooses (`choose_lane`).
+        the same Hugging Face weights) or None: the lane the policy chooses
+        (`load_default_lane`).
         `runtime_config_extra` merges into LOAD's runtime_config (explicit lanes only); for
         "ane" its `build_options` (test-only graph degradation) go to the worker's argv.
         """
         if lane is None:
             if runtime_config_extra:
                 raise InvalidRequest("runtime_config_extra needs an explicit lane")
-            await self.choose_lane(name)
+            await self.load_default_lane(name)
             return self._record(name)
         _check_lane(lane)
         key = served_key(name, lane)
@@ -299,9 +320,10 @@ class Module:
 
     # ---- lane choice ----------------------------------------------------------------------
 
-    async def choose_lane(self, name: str) -> LaneChoice:
-        """The lane that serves `name` when a call names none, loaded; decided once per model
-        (until unloaded). See host.lane_policy for the rule."""
+    async def load_default_lane(self, name: str) -> LaneChoice:
+        """The lane that serves `name` when a call names none, and why; decided once per
+        model (until unloaded) and loaded before this returns. See host.lane_policy for the
+        rule."""
         choice = self._choices.get(name)
         if choice is not None:  # every request asks: answer without the lock once decided
             return choice
@@ -317,7 +339,7 @@ class Module:
         if record.kind == "generate":
             why = "generation runs on llama.cpp only"
         else:
-            candidate = self.lane_policy.ane_candidate(self, name)
+            candidate = self.lane_policy.ane_candidate(name)
             if isinstance(candidate, AneCandidate):
                 refused = await self._try_ane(name, candidate)
                 if refused is None:
@@ -347,28 +369,37 @@ class Module:
             )
         return None
 
-    def describe_lane(self, name: str) -> LaneChoice:
-        """Which lane serves (or would serve) `name`, and why — never starts a worker. For a
-        model not chosen yet: the policy's answer, and the llama.cpp device a worker named."""
+    def default_lane(self, name: str) -> LaneChoice:
+        """Which lane serves (or would serve) `name` when a call names none, and why — never
+        starts a worker. For a model not chosen yet: the policy's answer, and the llama.cpp
+        device a worker named."""
         if name in self._choices:
             return self._choices[name]
         record = self._record(name)
         if record.kind == "generate":
             return LaneChoice("llama", self.llama_device,
                               llama_reason(self.llama_device, "generation runs on llama.cpp only"))
-        candidate = self.lane_policy.ane_candidate(self, name)
+        candidate = self.lane_policy.ane_candidate(name)
         if isinstance(candidate, AneCandidate):
             return LaneChoice("ane", "ane", ane_reason(candidate))
         return LaneChoice("llama", self.llama_device, llama_reason(self.llama_device, candidate))
 
-    def lane_choices(self) -> dict[str, LaneChoice]:
-        """The lane chosen for each model served without an explicit lane, and why."""
+    def chosen_lanes(self) -> dict[str, LaneChoice]:
+        """By model: the lane chosen for calls that name none, and why (models not used that
+        way yet are absent; `default_lane` answers for them)."""
         return dict(self._choices)
 
-    def lane_for(self, name: str) -> Lane | None:
-        """The lane a call without `lane=` reaches for `name`, if loaded."""
-        choice = self._choices.get(name)
-        served = self._served.get(served_key(name, choice.lane if choice else "llama"))
+    def served_lanes(self) -> list[ServedLane]:
+        """Every loaded lane, by model then lane kind."""
+        return sorted(
+            (ServedLane(s.record.name, s.lane_kind, s.lane) for s in self._served.values()),
+            key=lambda s: (s.model, s.lane),
+        )
+
+    def supervisor(self, name: str, lane: str | None = None) -> Lane | None:
+        """The supervisor of `name`'s worker on `lane` (None: the lane a call without `lane=`
+        reaches), or None when that lane is not loaded."""
+        served = self._served.get(served_key(name, self._resolve_lane(name, lane)))
         return served.lane if served else None
 
     def _record(self, name: str) -> ModelRecord:
@@ -379,7 +410,9 @@ class Module:
         except SynapseError as exc:
             raise ConfigInvalid(f"model {name!r}: {exc.message}") from None
 
-    def _lane_of(self, name: str, lane: str | None) -> str:
+    def _resolve_lane(self, name: str, lane: str | None) -> str:
+        """The lane kind a call with `lane=` reaches: that one (checked), else the chosen
+        default, else llama.cpp."""
         if lane is not None:
             return _check_lane(lane)
         choice = self._choices.get(name)
@@ -395,7 +428,7 @@ class Module:
     async def unload(self, name: str, lane: str | None = None) -> None:
         """UNLOAD and stop the lane (default: the chosen one, else llama); a reload starts
         fresh (clears any quarantine) and chooses again."""
-        lane = self._lane_of(name, lane)
+        lane = self._resolve_lane(name, lane)
         choice = self._choices.get(name)
         if choice is not None and choice.lane == lane:
             del self._choices[name]
@@ -422,19 +455,18 @@ class Module:
             out.setdefault(s.record.name, {})[s.lane_kind] = s
         return out
 
-    def models(self) -> list[str]:
-        return sorted(self._served)
-
     def health(self) -> dict[str, LaneState]:
-        """Cached lane states; never talks to a worker."""
+        """Cached lane states by `served_key` label; never talks to a worker."""
         return {name: s.lane.state() for name, s in self._served.items()}
 
-    async def _get(
+    async def _load_for_call(
         self, name: str | None, default: str, kind: str | None = None, lane: str | None = None
     ) -> _Served:
+        """The loaded lane a call reaches (`name` or `default`, on `lane` or the default
+        lane), loading it first when it is not; refused when the model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = (await self.choose_lane(name)).lane
+            lane = (await self.load_default_lane(name)).lane
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -469,7 +501,7 @@ class Module:
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
-        served = await self._get(model, DEFAULT_EMBED, "embed", lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane)
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -500,7 +532,7 @@ class Module:
     @uses_model(DEFAULT_EMBED)
     async def tokenizer(self, model: str | None = None, lane: str | None = None) -> Tokenizer:
         """The module-side tokenizer of `model` (loading it if needed)."""
-        return (await self._get(model, DEFAULT_EMBED, lane=lane)).tokenizer
+        return (await self._load_for_call(model, DEFAULT_EMBED, lane=lane)).tokenizer
 
     @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
     async def embed_token_ids(
@@ -513,24 +545,21 @@ class Module:
     ) -> np.ndarray:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
-        served = await self._get(model, DEFAULT_EMBED, "embed", lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane)
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
-    def lanes(self) -> dict[str, Lane]:
-        return {name: s.lane for name, s in self._served.items()}
-
     def dims(self, model: str, lane: str | None = None) -> int:
-        return self._served[served_key(model, self._lane_of(model, lane))].dims
+        return self._served[served_key(model, self._resolve_lane(model, lane))].dims
 
     async def placement(self, model: str, lane: str = "ane") -> tuple[float | None, str | None]:
         """(placement_share, source) from a fresh PONG; (None, None) where it means nothing."""
-        served = await self._get(model, DEFAULT_EMBED, lane=lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
         pong = await served.lane.ping()
         return pong.placement_share, pong.placement_source
 
     def lane_identity(self, model: str, lane: str | None = None) -> dict:
         """What a certificate is keyed by: artifact, manifest, kernel, engine, device, OS."""
-        lane = self._lane_of(model, lane)
+        lane = self._resolve_lane(model, lane)
         served = self._served[served_key(model, lane)]
         hello = served.lane.hello
         return {
@@ -555,15 +584,8 @@ class Module:
         deadline_s: float | None,
     ) -> np.ndarray:
         lengths = [len(x) for x in ids]
-        chunks = plan_chunks(
-            lengths,
-            self.config.max_worker_batch_tokens,
-            self.config.max_batch_items,
-            self.config.host.max_frame,
-            served.dims,
-        )
-        out = np.empty((len(ids), served.dims), dtype=np.float32)
-        for chunk in chunks:
+
+        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
             req = m.EMBED_BATCH(
                 req_id=0,
                 model_ref=served.record.name,
@@ -571,9 +593,37 @@ class Module:
                 normalize=normalize,
                 items=[m.EmbedItem(id=i, n_tokens=lengths[i]) for i in chunk],
             )
-            payload = np.concatenate([ids[i] for i in chunk])
-            _, vectors = await served.lane.request(req, payload, deadline_s=deadline_s)
-            out[chunk.start : chunk.stop] = vectors
+            return req, np.concatenate([ids[i] for i in chunk])
+
+        out = np.empty((len(ids), served.dims), dtype=np.float32)
+        return await self._request_in_chunks(served, lengths, served.dims, out, request,
+                                             deadline_s)
+
+    async def _request_in_chunks(
+        self,
+        served: _Served,
+        lengths: Sequence[int],
+        width: int,
+        out: np.ndarray,
+        request: Callable[[range], tuple[m.Request, np.ndarray]],
+        deadline_s: float | None,
+        max_tokens: int | None = None,
+    ) -> np.ndarray:
+        """Send inputs of `lengths` ids to `served`'s worker in protocol-sized chunks
+        (host.batching: at most `max_tokens` ids, default `max_worker_batch_tokens`, and
+        `max_batch_items` inputs a request, and a reply of `width` floats an input under
+        `max_frame`); `request(chunk)` builds a chunk's message and its i32 payload, and the
+        reply's rows land in `out[chunk]`. Returns `out`."""
+        for chunk in plan_chunks(
+            list(lengths),
+            max_tokens or self.config.max_worker_batch_tokens,
+            self.config.max_batch_items,
+            self.config.host.max_frame,
+            width,
+        ):
+            req, payload = request(chunk)
+            _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
+            out[chunk.start : chunk.stop] = got
         return out
 
     # ---- rerank ---------------------------------------------------------------------------
@@ -599,7 +649,7 @@ class Module:
         self.admission.check_inputs(docs, "document")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
-        served = await self._get(model, DEFAULT_EMBED, lane=lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
         cut = (truncate, truncation_direction, max_doc_tokens)
         if served.record.kind == "rerank" and served.lane_kind == "ane":
             scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
@@ -661,23 +711,23 @@ class Module:
         pairs = served.tokenizer.encode_pairs(
             query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens
         )
+
+        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
+            req = m.RERANK_SEQUENCES(
+                req_id=0,
+                model_ref=served.record.name,
+                sequences=[
+                    m.RerankSequence(n_tokens=pairs.n_tokens[i], n_first=pairs.n_first[i])
+                    for i in chunk
+                ],
+            )
+            return req, np.concatenate([pairs.ids[i] for i in chunk])
+
         with self.admission.reserve(pairs.total_tokens):
-            scores = np.empty(len(docs), dtype=np.float32)
-            for chunk in plan_chunks(
-                pairs.n_tokens, self.config.max_worker_batch_tokens,
-                self.config.max_batch_items, self.config.host.max_frame, 1,
-            ):
-                req = m.RERANK_SEQUENCES(
-                    req_id=0,
-                    model_ref=served.record.name,
-                    sequences=[
-                        m.RerankSequence(n_tokens=pairs.n_tokens[i], n_first=pairs.n_first[i])
-                        for i in chunk
-                    ],
-                )
-                payload = np.concatenate([pairs.ids[i] for i in chunk])
-                _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
-                scores[chunk.start : chunk.stop] = got
+            scores = await self._request_in_chunks(
+                served, pairs.n_tokens, 1, np.empty(len(docs), dtype=np.float32), request,
+                deadline_s,
+            )
         return scores, pairs
 
     async def _cross_encode(
@@ -687,22 +737,23 @@ class Module:
         seg = served.tokenizer.rerank_segments(
             query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens
         )
+        doc_lengths = [len(d) for d in seg.docs]
+
+        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
+            req = m.RERANK(
+                req_id=0,
+                model_ref=served.record.name,
+                query_n_tokens=len(seg.query),
+                candidates=[m.RerankCandidate(n_tokens=doc_lengths[i]) for i in chunk],
+            )
+            return req, np.concatenate([seg.query, *(seg.docs[i] for i in chunk)])
+
         with self.admission.reserve(seg.total_tokens):
-            scores = np.empty(len(docs), dtype=np.float32)
-            doc_lengths = [len(d) for d in seg.docs]
-            budget = max(1, self.config.max_worker_batch_tokens - len(seg.query))
-            for chunk in plan_chunks(
-                doc_lengths, budget, self.config.max_batch_items, self.config.host.max_frame, 1
-            ):
-                req = m.RERANK(
-                    req_id=0,
-                    model_ref=served.record.name,
-                    query_n_tokens=len(seg.query),
-                    candidates=[m.RerankCandidate(n_tokens=doc_lengths[i]) for i in chunk],
-                )
-                payload = np.concatenate([seg.query, *(seg.docs[i] for i in chunk)])
-                _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
-                scores[chunk.start : chunk.stop] = got
+            # Every request carries the query too: the documents get the rest of the budget.
+            scores = await self._request_in_chunks(
+                served, doc_lengths, 1, np.empty(len(docs), dtype=np.float32), request,
+                deadline_s, max_tokens=max(1, self.config.max_worker_batch_tokens - len(seg.query)),
+            )
         return scores, seg
 
     # ---- generation -----------------------------------------------------------------------
@@ -723,7 +774,7 @@ class Module:
         if grammar is not None and not isinstance(grammar, str):
             raise InvalidRequest("grammar must be a GBNF string")
         self.admission.check_inputs([prompt], "prompt")
-        served = await self._get(model, DEFAULT_GENERATE, "generate")
+        served = await self._load_for_call(model, DEFAULT_GENERATE, "generate")
         try:
             encoded = served.tokenizer.encode([prompt], truncate=False)
         except InvalidRequest as exc:  # generation has no truncate option to point at

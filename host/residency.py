@@ -42,10 +42,10 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import psutil
@@ -55,10 +55,29 @@ from host.errors import ConfigInvalid, InsufficientMemory
 
 if TYPE_CHECKING:
     from host.lane import Lane
-    from host.module import Module
     from ingest.store import ModelRecord
 
 log = logging.getLogger("synapse.residency")
+
+
+class ResidentLane(Protocol):
+    """One loaded lane as residency reads it."""
+
+    lane: Lane  # the supervisor of its worker
+    device: str  # what the worker's LOADED said it runs on
+
+
+class ResidentModels(Protocol):
+    """What residency reads and does of the Module it keeps under budget
+    (host.module.Module is one); this module imports nothing of host.module."""
+
+    residency: Residency
+
+    def residents(self) -> Mapping[str, Mapping[str, ResidentLane]]:
+        """Loaded models by name, each with its lanes by kind."""
+        ...
+
+    async def unload(self, name: str, lane: str | None = None) -> None: ...
 
 MIB = 2**20
 # RSS of a loaded llama.cpp worker beyond its GGUF's size, measured on this project's default
@@ -265,7 +284,7 @@ def uses_model(default: str, entry: bool = True) -> Callable:
         index = list(inspect.signature(method).parameters).index("model") - 1  # after self
 
         @functools.wraps(method)
-        async def run(self: Module, *args: Any, **kwargs: Any) -> Any:
+        async def run(self: ResidentModels, *args: Any, **kwargs: Any) -> Any:
             name = (args[index] if len(args) > index else kwargs.get("model")) or default
             res = self.residency
             task = asyncio.current_task()
@@ -303,7 +322,7 @@ class Ticket:
 
 
 class Residency:
-    def __init__(self, module: Module, config: ResidencyConfig | None = None) -> None:
+    def __init__(self, module: ResidentModels, config: ResidencyConfig | None = None) -> None:
         self.module = module
         self.config = config or ResidencyConfig()
         self._entries: dict[str, _Entry] = {}

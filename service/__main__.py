@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 
-from certification.lane_policy import CertificateLanePolicy
 from service.cli import add_serve_arguments, run_serve
 
 
@@ -14,7 +13,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     add_serve_arguments(parser)
     args = parser.parse_args()
-    args.lane_policy = CertificateLanePolicy  # a factory, as the synapse CLI wires it
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run_serve(args)
 

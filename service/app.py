@@ -36,7 +36,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import NotFound, SynapseError
 from host.errors import ConfigInvalid
-from host.lane_policy import LanePolicy
 from host.module import Module
 from service import disconnect, lifecycle, routes
 from service.auth import AuthenticationFailed, presented_key
@@ -239,7 +238,6 @@ def create_app(
     config: ServeConfig,
     on_ready: Callable[[ServerState], None] | None = None,
     on_stopped: Callable[[ServerState], None] | None = None,
-    lane_policy: LanePolicy | None = None,
 ) -> SynapseApp:
     state = ServerState(config)
 
@@ -249,7 +247,11 @@ def create_app(
             from ingest.defaults import ensure_defaults
 
             ensure_defaults(config.module.store_root)
-        module = Module(config.module, lane_policy, config.residency)
+        # Certified Core ML lanes, else llama.cpp: the lane choice every entry point makes.
+        # Imported here: importing the app loads no certification code until it starts.
+        from certification.modules import build_module
+
+        module = build_module(config.module, config.residency)
         state.module = module
         state.scheduler = Scheduler(module, config.scheduler, state.metrics.observe_batch)
         # Embedding requests queued for a model keep it busy: no keep-alive or budget unload.

@@ -62,5 +62,4 @@ def run_serve(args: argparse.Namespace) -> int:
         from service.ray_deployment import serve_on_ray
 
         return serve_on_ray(config, None if args.ray == "local" else args.ray)
-    factory = getattr(args, "lane_policy", None)  # wired by the CLI (certificates)
-    return serve(config, args.log_level, factory() if factory else None)
+    return serve(config, args.log_level)

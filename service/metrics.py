@@ -204,15 +204,15 @@ class _StateCollector(Collector):
         n_rejected = 0
         hits = misses = size = 0
         if module is not None:
-            for lane in module.lanes().values():
-                state = lane.state()
+            for served in module.served_lanes():
+                state = served.supervisor.state()
                 pong = state.health.last_pong or {}
                 hits += pong.get("cache_hits") or 0
                 misses += pong.get("cache_misses") or 0
                 size = max(size, pong.get("cache_bytes") or 0)
                 lid = [state.lane_id]
                 restarts.add_metric(lid, state.restarts)
-                quarantines.add_metric(lid, getattr(lane, "quarantines", 0))
+                quarantines.add_metric(lid, getattr(served.supervisor, "quarantines", 0))
                 strikes.add_metric(lid, state.strikes)
                 quarantined.add_metric(lid, int(state.quarantined))
                 up.add_metric(lid, int(state.health.status in ("ready", "busy")))

@@ -11,15 +11,28 @@ applies them only when the server has keys (and to `/metrics` only with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
 from service import schemas
 from service.config import ServeConfig
 
-if TYPE_CHECKING:  # the route table imports this module for its document handler
-    from service.routes import Route
+
+class Route(Protocol):
+    """What the document reads of a route (service.routes.Route, which imports this module
+    for its document handler: this module names no type of it)."""
+
+    path: str
+    method: str
+    summary: str
+    response: object
+    request: type | None
+    errors: tuple[int, ...]
+    ok_status: tuple[int, ...]
+    query: tuple[str, ...]
+
+    def protected(self, config: ServeConfig) -> bool: ...
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {"$ref": _REF.format(name="ErrorResponse")}

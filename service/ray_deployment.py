@@ -69,10 +69,9 @@ class SynapseReplica:
         self._config = msgspec.json.decode(config_json, type=ServeConfig)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        # Same lane choice as `synapse serve`: certified Core ML lanes on this node, else llama.
-        from certification.lane_policy import CertificateLanePolicy
-
-        app = create_app(self._config, lane_policy=CertificateLanePolicy())
+        # create_app builds the Module as `synapse serve` does (certification.modules): the
+        # lane its certificates choose on this node.
+        app = create_app(self._config)
         return _ReplicaHeader(app, replica=serve.get_replica_context().replica_tag)
 
 

@@ -50,7 +50,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> int:
+def serve(config: ServeConfig, log_level: str = "warning") -> int:
     states: list[ServerState] = []
 
     def ready(state: ServerState) -> None:
@@ -61,7 +61,7 @@ def serve(config: ServeConfig, log_level: str = "warning", lane_policy=None) -> 
         print("synapse serve: stopped; workers reaped", flush=True)
 
     try:
-        app = create_app(config, on_ready=ready, on_stopped=stopped, lane_policy=lane_policy)
+        app = create_app(config, on_ready=ready, on_stopped=stopped)
     except SynapseError as exc:  # e.g. an unreadable API key file: never start open
         print(f"error[{exc.code}]: {exc.message}", file=sys.stderr)
         return 2

@@ -593,6 +593,6 @@ class Scheduler:
 
     def _raise_if_quarantined(self, model: str) -> None:
         # Fail fast: don't queue work for a lane that will refuse it for minutes.
-        lane = self.module.lane_for(model)
+        lane = self.module.supervisor(model)
         if lane is not None:
             lane.raise_if_quarantined()

@@ -52,13 +52,13 @@ async def health(request: Request, state: ServerState) -> Response:
         headers = {"Retry-After": str(max(1, math.ceil(max(waits))))}
     code = 200 if status == "ok" else 503
     # Which lane serves each model (chosen when first used) and why.
-    models = {name: c.to_dict() for name, c in (module.lane_choices() if module else {}).items()}
+    models = {name: c.to_dict() for name, c in (module.chosen_lanes() if module else {}).items()}
     return _json({"status": status, "lanes": lanes, "models": models}, code, headers)
 
 
 def _model_entry(record, loaded: set[str], module) -> dict:
     man = record.manifest
-    choice = module.describe_lane(record.name)  # the lane that serves (or would) and why
+    choice = module.default_lane(record.name)  # the lane that serves (or would) and why
     return {
         "id": record.name,
         "object": "model",
@@ -91,7 +91,7 @@ def _alias_entry(alias: str, target: dict) -> dict:
 
 def _all_entries(state: ServerState) -> list[dict]:
     assert state.module is not None
-    loaded = set(state.module.models())
+    loaded = {served.model for served in state.module.served_lanes()}
     entries = [_model_entry(r, loaded, state.module) for r in state.module.store.ls()]
     by_name = {e["id"]: e for e in entries}
     for alias, target in sorted(state.config.aliases.items()):

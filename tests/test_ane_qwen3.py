@@ -354,7 +354,7 @@ def test_certify_is_provisional_off_a_mac_and_a_mac_run_would_flip_lane_choice(
         mac.save(as_compute_plan_run(cert))
         async with Module(config, CertificateLanePolicy(mac)) as mod:
             await mod.embed(TEXTS[:3], model="qwen3")
-            return cert, mod.lane_choices()["qwen3"]
+            return cert, mod.chosen_lanes()["qwen3"]
 
     try:
         cert, choice = asyncio.run(run())

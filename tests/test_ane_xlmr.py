@@ -433,7 +433,7 @@ async def _served_on_ane_once_certified(cache_dir: Path, certs) -> None:
             async with Module(config, CertificateLanePolicy(store)) as mod:
                 await mod.embed(TEXTS[:3], model="xlmr")
                 ranked = await mod.rerank("a cat on a mat", TEXTS[:3], model="xlmr-xenc")
-                choices = mod.lane_choices()
+                choices = mod.chosen_lanes()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     assert choices["xlmr"].lane == "ane" and choices["xlmr-xenc"].lane == "ane", choices

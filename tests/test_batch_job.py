@@ -74,7 +74,7 @@ async def test_a_worker_sigkilled_mid_batch_is_retried_and_no_row_is_lost(
         while not lanes:
             await asyncio.sleep(0.01)
         emb = lanes[0]
-        lane = emb.module.lanes()[emb._key]
+        lane = emb.supervisor
         while lane.state().health.status != "busy":  # a batch is on the wire
             await asyncio.sleep(0.002)
         pid = lane.state().pid

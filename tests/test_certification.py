@@ -26,7 +26,7 @@ import pytest
 from certification import report
 from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
-from certification.lane_policy import CertificateLanePolicy
+from certification.modules import build_module
 from certification.policy import check_certificate
 from certification.reference.cross_encoder import build_test_cross_encoder
 from certification.runner import RunOptions, certify
@@ -272,21 +272,21 @@ async def test_module_refuses_an_uncertified_lane_in_strict_mode(
         # No policy given: nothing can vouch for the lane, and the error says why.
         with pytest.raises(CertificateRequired, match="no lane policy"):
             await mod.load(model)
-        assert mod.models() == []
-    policy = CertificateLanePolicy()  # certificates beside the module's store
-    async with Module(module_config(cert_store_root, runtime, **strict), policy) as mod:
+        assert mod.served_lanes() == []
+    # Built as every entry point builds it: certificates beside the module's store.
+    async with build_module(module_config(cert_store_root, runtime, **strict)) as mod:
         with pytest.raises(CertificateRequired, match="never certified"):
             await mod.load(model)
-        assert mod.models() == []
+        assert mod.served_lanes() == []
     warn = {"require_certificate": "warn", "certificate_lanes": ["llama"]}
-    async with Module(module_config(cert_store_root, runtime, **warn), policy) as mod:
+    async with build_module(module_config(cert_store_root, runtime, **warn)) as mod:
         with caplog.at_level(logging.WARNING, logger="synapse.certification"):
             await mod.load(model)
         assert f"required for {model} on the llama lane" in caplog.text
-        assert "serving anyway" in caplog.text and mod.models() == [model]
+        assert "serving anyway" in caplog.text and [s.model for s in mod.served_lanes()] == [model]
     cert = await run(cert_store_root, cert_store, RunOptions(model=model, sample_stride=40))
     assert cert.status == "certified"
-    async with Module(module_config(cert_store_root, runtime, **strict), policy) as mod:
+    async with build_module(module_config(cert_store_root, runtime, **strict)) as mod:
         await mod.load(model)
         assert (await mod.embed(["certified"], model=model)).vectors.shape == (1, 384)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from certification.cli import parse_shapes
 from certification.fingerprint import MARGIN_FRACTION, digest_under, fingerprint
+from certification.shapes import parse_shapes
 
 GRID = 1 / 128
 

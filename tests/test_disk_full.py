@@ -339,7 +339,7 @@ async def go():
             return None
         except StorageFull as e:
             return {"code": e.code, "status": e.http_status, "msg": e.message,
-                    "models": mod.models()}
+                    "models": [[s.model, s.lane] for s in mod.served_lanes()]}
 
 err = asyncio.run(go())
 print(json.dumps({"err": err, "owned": sorted(os.listdir(d + "/owned"))}))

@@ -33,8 +33,9 @@ def test_importing_every_host_module_pulls_in_no_engine():
 
 def test_serving_imports_no_certification_until_a_policy_is_built():
     """The dependency runs host <- certification (tests/test_layout.py checks the imports):
-    the Module gets its LanePolicy from the composition root (cli/main.py,
-    service/__main__.py), so importing the serving stack loads no certification code."""
+    every entry point builds its Module with certification.modules.build_module when it runs
+    (the app at start-up, a CLI command when it serves), so importing the serving stack
+    loads no certification code."""
     code = "import host.module, service.app, cli.doctor, sys; " \
            "print(sorted(m for m in sys.modules if m.startswith('certification')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

@@ -143,14 +143,14 @@ async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtim
     monkeypatch.delenv(GPU_LAYERS_ENV, raising=False)
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama")
-        lane = mod.lanes()[MODEL]
+        lane = mod.supervisor(MODEL, "llama")
         flags = lane.hello.engine.build_flags
         assert flags.startswith("CPU : ") and flags.endswith(" | device=cpu")
         assert mod.lane_identity(MODEL, "llama")["device"] == "cpu"
         assert lane.config.device == "cpu" and mod.llama_device == "cpu"
         assert llama_identity(mod, MODEL).device == "cpu"
         await mod.load("minilm-l6-v2-f32", "llama")
-        assert mod.lanes()["minilm-l6-v2-f32"].permits is lane.permits is mod.permits
+        assert mod.supervisor("minilm-l6-v2-f32", "llama").permits is lane.permits is mod.permits
         with pytest.raises(KeyError, match="no execution permits configured for device 'tpu'"):
             lane.set_device("tpu")
         assert lane.config.device == "cpu"
@@ -225,7 +225,7 @@ async def test_metal_offload_is_used_and_agrees_with_the_cpu(store_root, short_r
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama")
         assert mod.lane_identity(MODEL, "llama")["device"] == "metal"
-        assert mod.lanes()[MODEL].config.device == "gpu"
+        assert mod.supervisor(MODEL, "llama").config.device == "gpu"
         gpu = (await mod.embed(texts, lane="llama")).vectors
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama", {"gpu_layers": 0})

@@ -99,7 +99,7 @@ async def test_worker_validates_ids_itself(store_root, short_runtime_dir):
 
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load("minilm-l6-v2")
-        lane = mod.lane_for("minilm-l6-v2")
+        lane = mod.supervisor("minilm-l6-v2")
         pid = lane.worker.pid
         req = m.EMBED_BATCH(
             req_id=0, model_ref="minilm-l6-v2", items=[m.EmbedItem(id=0, n_tokens=3)]
@@ -121,7 +121,7 @@ async def test_real_ggml_assert_is_engine_crashed_and_the_lane_recovers(
     cfg = module_config(store_root, short_runtime_dir)
     async with Module(cfg) as mod:
         await mod.load("minilm-l6-v2")
-        lane = mod.lane_for("minilm-l6-v2")
+        lane = mod.supervisor("minilm-l6-v2")
         lane.config.env["SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"] = "1"
         await lane.stop()
         await lane.start()  # the fresh worker runs without validation; LOAD is replayed
@@ -202,7 +202,7 @@ async def test_grammar_constrains_output_and_bad_grammar_is_refused(store_root, 
         assert re.fullmatch(r"answer: (yes|no)\.", result.text), result.text
         digits = await mod.generate("Count:", max_tokens=8, grammar="root ::= [0-9]+")
         assert re.fullmatch(r"[0-9]+", digits.text)
-        lane = mod.lane_for("gemma3-270m")
+        lane = mod.supervisor("gemma3-270m")
         pid = lane.worker.pid
         for bad in ['root ::= "unterminated', "root ::= missing_rule", "no rule here"]:
             with pytest.raises(WorkerError) as info:

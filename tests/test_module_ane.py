@@ -79,7 +79,7 @@ async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_
     shapes = [{"rows": 2, "seq_len": 64}]
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load("minilm-l6-v2", lane="ane", runtime_config_extra={"shapes": shapes})
-        lane = mod.lanes()["minilm-l6-v2@ane"]
+        lane = mod.supervisor("minilm-l6-v2", "ane")
         first_pid = lane.worker.pid
         admit = m.ADMIT_SHAPE(req_id=0, model_ref="minilm-l6-v2", rows=2, seq_len=64)
         reply, _ = await lane.request(admit)
@@ -87,7 +87,7 @@ async def test_a_second_worker_reuses_compiled_shapes(store_root, short_runtime_
         await mod.unload("minilm-l6-v2", lane="ane")
         # A new worker process: the shape comes from the compile cache, nothing is compiled.
         await mod.load("minilm-l6-v2", lane="ane", runtime_config_extra={"shapes": []})
-        lane = mod.lanes()["minilm-l6-v2@ane"]
+        lane = mod.supervisor("minilm-l6-v2", "ane")
         assert lane.worker.pid != first_pid
         reply, _ = await lane.request(admit)
         assert reply.cache_hit is True and reply.compile_ms == 0 and reply.build_ms == 0
@@ -108,7 +108,7 @@ async def test_a_core_ml_lane_allowed_on_the_gpu_holds_the_gpu_permit_too(
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load("minilm-l6-v2", "ane", {"backend": "reference", "compute_units": "all",
                                                "shapes": [{"rows": 2, "seq_len": 32}]})
-        lane = mod.lanes()["minilm-l6-v2@ane"]
+        lane = mod.supervisor("minilm-l6-v2", "ane")
         assert lane.config.device == "ane+gpu"
         assert mod.lane_identity("minilm-l6-v2", "ane")["device"] == "ane+gpu"
         await mod.embed(["warm"], lane="ane")

@@ -116,7 +116,7 @@ async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
     # One MiniLM (~155-175 MB) fits in 250 MB, two do not.
     async with _module(store_root, short_runtime_dir, max_resident_mb=250) as mod:
         await mod.embed(["first"], model=F32)
-        pid = mod.lanes()[F32].worker.pid
+        pid = mod.supervisor(F32, "llama").worker.pid
         long = asyncio.create_task(mod.embed(LONG_INPUT, model=F32))
         await _until(lambda: mod.residency.describe(F32, "llama", mod.store.get(F32))
                      ["in_flight"] == 1)
@@ -126,7 +126,7 @@ async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
         assert F16 not in mod.residents()  # refused before its worker started
         result = await long
         assert result.vectors.shape[0] == len(LONG_INPUT)
-        assert mod.lanes()[F32].worker.pid == pid  # it ran to the end on its own worker
+        assert mod.supervisor(F32, "llama").worker.pid == pid  # it ran to the end on its own worker
         # Idle now: the same load makes room by unloading it.
         await mod.embed(["second"], model=F16)
         assert set(mod.residents()) == {F16}
@@ -137,7 +137,7 @@ async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
 async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_runtime_dir):
     async with _module(store_root, short_runtime_dir) as mod:
         await mod.embed(["warm"], model=F32)
-        old_pid = mod.lanes()[F32].worker.pid
+        old_pid = mod.supervisor(F32, "llama").worker.pid
         long = asyncio.create_task(mod.embed(LONG_INPUT, model=F32))
         await _until(lambda: mod.residency._entries[F32].busy == 1)
         unload = asyncio.create_task(mod.residency.unload(F32))
@@ -148,7 +148,7 @@ async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_r
         assert not late.done() or F32 in mod.residents()
         result = await late  # went on after the unload: the model loaded again
         assert result.vectors.shape[0] == 1
-        assert mod.lanes()[F32].worker.pid != old_pid
+        assert mod.supervisor(F32, "llama").worker.pid != old_pid
         assert mod.residency.unloads == {"request": 1}
         assert await mod.residency.unload(F16) is False  # not loaded: nothing to do
 

@@ -57,7 +57,7 @@ async def _until(predicate, timeout_s: float = 60.0) -> None:
 
 
 def _busy(mod: Module) -> bool:
-    return mod.lanes()[MODEL].state().health.status == "busy"
+    return mod.supervisor(MODEL, "llama").state().health.status == "busy"
 
 
 @pytest.mark.model
@@ -231,7 +231,7 @@ async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recove
         await _until(lambda: _busy(mod))
         rest = [asyncio.create_task(sched.embed_texts([f"text {i}"])) for i in range(8)]
         await _until(lambda: sched.queue_depth()[MODEL] == 8)
-        lane = mod.lanes()[MODEL]
+        lane = mod.supervisor(MODEL, "llama")
         lane.clock = clock = Clock()  # the quarantine expires when the test says so
         pid = lane.state().pid
         os.kill(pid, signal.SIGKILL)
@@ -252,7 +252,7 @@ async def test_sigkill_mid_batch_fails_the_whole_batch_typed_and_the_lane_recove
         clock.advance(info.value.retry_after_s)
         result = await asyncio.wait_for(sched.embed_texts(["after quarantine"]), 60)
         assert result.vectors.shape == (1, 384)
-        state = mod.lanes()[MODEL].state()
+        state = mod.supervisor(MODEL, "llama").state()
         assert state.pid != pid and state.restarts >= 1 and not state.quarantined
 
 
@@ -261,7 +261,7 @@ async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(store
     """Host validation comes first; should some input still reach the worker and be refused,
     only its own caller gets the error — the batch is retried request by request."""
     async with running(store_root, ONE_AT_A_TIME) as (mod, sched, batches):
-        pid = mod.lanes()[MODEL].state().pid
+        pid = mod.supervisor(MODEL, "llama").state().pid
         blocker = asyncio.create_task(sched.embed_texts([LONG] * 4))  # so the rest queue up
         await _until(lambda: _busy(mod))
         good = [asyncio.create_task(sched.embed_texts([f"good {i}"])) for i in range(3)]
@@ -272,7 +272,7 @@ async def test_input_the_worker_refuses_does_not_fail_its_batch_neighbours(store
         results = await asyncio.wait_for(
             asyncio.gather(blocker, *good, bad, return_exceptions=True), 120
         )
-        state = mod.lanes()[MODEL].state()
+        state = mod.supervisor(MODEL, "llama").state()
     assert isinstance(results[-1], WorkerError) and results[-1].code == "invalid_request"
     for r in results[:-1]:
         assert not isinstance(r, BaseException), r
