@@ -146,6 +146,7 @@ class EmbedActor:
                                      strict=True)]
         cfg = self.module.config
         emb = self.embedder
+        assert emb.tokenizer is not None  # set when the embedder started
         window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
                                  cfg.max_batch_tokens, cfg.max_batch_items, emb.prompt)
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)

@@ -62,8 +62,9 @@ def _dtype_name(var: object) -> str:
 # ---- loading -----------------------------------------------------------------------------------
 
 
-def load_package_program(path: str | os.PathLike[str]) -> object:
-    """The MIL program saved in an `.mlpackage` (weights read from its weight directory)."""
+def load_package_program(path: str | os.PathLike[str]) -> Any:
+    """The MIL program saved in an `.mlpackage` (weights read from its weight directory): a
+    coremltools `Program` (Any: coremltools ships no types)."""
     from workers.ane.ct_quiet import ct  # coremltools, quietly, before its submodules
 
     load_spec = ct.models.utils.load_spec
@@ -103,7 +104,7 @@ def _val(op: object, name: str, default: object = None) -> Any:
     return v
 
 
-def _axes(value: object, rank: int) -> tuple[int, ...] | None:
+def _axes(value: Any, rank: int) -> tuple[int, ...] | None:  # a const value (see _val)
     if value is None:
         return None
     return tuple(sorted(int(a) % rank for a in np.atleast_1d(value)))

@@ -31,6 +31,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import llama_cpp
 import numpy as np
@@ -244,8 +245,8 @@ def context_params(offloaded: bool) -> llama_cpp.llama_context_params:
 
 def _batch_views(
     b: llama_cpp.llama_batch, n: int, with_tokens: bool = True
-) -> tuple[np.ndarray | None, ...]:
-    def view(ptr: object, ctype: type) -> np.ndarray:
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:  # tokens None: embd
+    def view(ptr: Any, ctype: type) -> np.ndarray:  # ptr: a llama_batch pointer field
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
 
     return (
@@ -707,7 +708,7 @@ class LlamaEngine(Engine):
         capacity = max(2 * n, 4096)
         batch = llama_cpp.llama_batch_init(capacity, 0, 1)
         tok, pos, nsid, out = _batch_views(batch, capacity)
-        return _Slot(ctx, batch, capacity, tok, pos, nsid, out)
+        return _Slot(ctx, batch, capacity, cast(np.ndarray, tok), pos, nsid, out)  # with tokens
 
     # ---- internals: requests -----------------------------------------------------------------
 
@@ -845,8 +846,9 @@ class LlamaEngine(Engine):
             k = len(s)
             if n + k > slot.capacity:  # unsafe mode only: never write past the batch
                 k = slot.capacity - n
-            if typed is not None:
-                typed.embd[n : n + k] = mdl.typed.embeddings(s[:k], types[idx][:k])
+            if typed is not None:  # so `types` was given, and the model has typed input
+                typed.embd[n : n + k] = cast(TypedPairs, mdl.typed).embeddings(
+                    s[:k], cast("list[np.ndarray]", types)[idx][:k])
             else:
                 slot.tok[n : n + k] = s[:k]
             pos[n : n + k] = np.arange(k, dtype=np.int32)
