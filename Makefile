@@ -48,6 +48,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/actionlint
 	$(BIN)/python -m pytest -q
 
@@ -60,6 +61,7 @@ test-fast: $(STAMP)
 # actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/actionlint
 
 bench: $(STAMP)

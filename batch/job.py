@@ -18,6 +18,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -283,7 +284,7 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=N
     errors = list(w.errors) + [error_record(w.rows[i], ENGINE_CRASHED, msg)
                                for i, msg in state.crashed.items()]
     errors.sort(key=lambda e: e["line"])
-    table = make_table([w.rows[i].id for i in keep],
+    table = make_table(cast("list[str]", [w.rows[i].id for i in keep]),  # ok rows have ids
                        convert(state.vectors[keep], opts.dtype, ranges),
                        [len(w.ids[i]) for i in keep], [w.truncated[i] for i in keep], schema)
     tokens = sum(len(w.ids[i]) for i in keep)

@@ -171,6 +171,7 @@ class EmbedActor:
                           strict=True))
         cfg = self.module.config
         emb = self.embedder
+        assert emb.tokenizer is not None  # set when the embedder started
         window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
                                  cfg.max_worker_batch_tokens, cfg.max_batch_items, emb.prompt)
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)
@@ -273,6 +274,7 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
             _usage_error_from(lambda: start_local_ray(
                 num_cpus=workers + 1, resources=node_resources(), log_to_driver=False))
         elif not ray.is_initialized():
+            assert address is not None  # `local` covers the no-address case
             _connect(address)
     except BaseException:
         _drop_if_empty(ckpt)  # no Ray, nothing done: the next run needs no --resume
@@ -329,6 +331,7 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     finally:
         progress.close()
     meta = committer.meta
+    assert meta is not None  # bound above: from the checkpoint, or from the model's actor
     _raise_if_over_max_errors(ckpt, opts)  # a resumed job whose last block broke it
     meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
     with _full_disk_aborts(output.parent, _resume_advice(ckpt)):

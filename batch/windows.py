@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -63,7 +64,8 @@ def tokenize_window(
     """`prompt` is prepended to every row's text (tokens and limit as `Tokenizer.encode`)."""
     good = [r for r in rows if r.ok]
     errors = [error_record(r) for r in rows if not r.ok]
-    enc = tokenizer.encode([r.text for r in good], truncate=True, prompt=prompt) if good else None
+    texts = cast("list[str | bytes]", [r.text for r in good])  # an ok row carries its text
+    enc = tokenizer.encode(texts, truncate=True, prompt=prompt) if good else None
     ids = enc.ids if enc else []
     cut = enc.truncated if enc else []
     if not truncate and any(cut):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from certification.certificate import Check, Status
+from certification.certificate import Check, CheckStatus, Status
 from certification.thresholds import Thresholds
 
 TOP_K = 10
@@ -106,6 +106,7 @@ def placement_check(
                      threshold=t.placement_share, op=">=",
                      detail="the lane reported no placement_share after admission")
     detail = f"source: {source}"
+    status: CheckStatus
     if share < t.placement_share:
         status = "fail"
     elif source == "compute_plan" and neural_engine:
@@ -140,5 +141,5 @@ def verdict(checks: list[Check]) -> tuple[Status, str, str, list[str]]:
     return status, quality, placement, failing
 
 
-def _ge(value: float, threshold: float) -> str:
+def _ge(value: float, threshold: float) -> CheckStatus:
     return "pass" if value >= threshold else "fail"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -177,7 +177,7 @@ def load_settings(lane: str, runtime_config_extra: dict | None) -> dict:
 
         units = settings.get("compute_units")
         settings["compute_units"] = resolve_compute_units(
-            AneRuntimeConfig(compute_units=units if isinstance(units, str) else None)
+            AneRuntimeConfig(compute_units=cast(Any, units) if isinstance(units, str) else None)
         )
     return settings
 

@@ -150,7 +150,7 @@ class Oracle:
         self,
         model_dir: str | Path,
         cache_dir: str | Path | None = None,
-        pooling: str = "mean",
+        pooling: str | None = "mean",
         reference: str = NUMPY,
     ) -> None:
         """`pooling`: how the lane pools (the artifact's manifest). The numpy reference pools
@@ -162,7 +162,8 @@ class Oracle:
         if reference not in REFERENCES:
             raise ValueError(f"reference {reference!r}: expected one of {REFERENCES}")
         allowed = POOLINGS if reference == NUMPY else ST_POOLINGS
-        if pooling not in allowed:  # refused before the run, not after the lane's half
+        # Refused before the run, not after the lane's half.
+        if pooling is None or pooling not in allowed:
             raise ValueError(f"pooling {pooling!r}: the reference computes "
                              + " or ".join(repr(p) for p in allowed))
         self.dir = Path(model_dir)

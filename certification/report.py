@@ -134,11 +134,11 @@ def _placement_plot(cert: Certificate) -> tuple[str, str]:
         rows = [(f"{op} {100 * sum(d.values()) / total:.2g}%",
                  {dev: c / (sum(d.values()) or 1.0) for dev, c in d.items()})
                 for op, d in ranked]
-        share = f"{m.placement_share:.4f}" if m.placement_share is not None else "?"
+        share_text = f"{m.placement_share:.4f}" if m.placement_share is not None else "?"
         return (svg.bars("placement", "Placement per op type (static estimate)", rows,
                          "fraction of the op type's work, by device"),
                 f"Per-op estimate over the admitted packages (top {len(rows)} op types by "
-                f"work). The gate used the lane's reported share {share} "
+                f"work). The gate used the lane's reported share {share_text} "
                 f"({m.placement_source}).")
     if m.placement_share is None:
         return svg.bars("placement", "Placement", []), "The lane reported no placement."

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -37,7 +39,7 @@ class RichProgress:
         self.bars.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:  # the with-statement's (type, value, traceback)
         self.bars.__exit__(*exc)
 
     def start(self, key: str, description: str, total: int) -> None:

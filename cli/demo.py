@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from typing import cast
 
 import numpy as np
 from rich.console import Console
@@ -30,7 +31,8 @@ async def _try(lane: Lane, model_ref: str) -> None:
     req, ids = _embed(model_ref)
     try:
         reply, vectors = await lane.request(req, ids)
-        console.print(f"  [green]ok[/] {reply} -> {vectors.tolist()}")
+        shown = vectors.tolist() if vectors is not None else None
+        console.print(f"  [green]ok[/] {reply} -> {shown}")
     except EngineCrashed as exc:
         console.print(f"  [red]{type(exc).__name__}[/] code={exc.code} {exc.message}")
         console.print(f"    quarantined={exc.quarantined} retry_after_s={exc.retry_after_s}")
@@ -49,11 +51,12 @@ async def run_demo() -> int:
         lane = Lane(LaneConfig(lane_id="demo", argv=["python", "-m", "workers.faulty"]), host)
         console.rule("start a supervised worker")
         await lane.start()
+        assert lane.worker is not None and lane.hello is not None  # started
         console.print(f"  worker pid {lane.worker.pid}, HELLO {lane.hello.engine}")
         console.rule("serve a request")
         await _try(lane, "ok")
         pong, _ = await lane.request(m.PING(req_id=0))
-        console.print(f"  PONG rss={pong.rss_mb:.1f} MiB")
+        console.print(f"  PONG rss={cast(m.PONG, pong).rss_mb:.1f} MiB")
         console.rule("the worker SIGKILLs itself mid-request")
         await _try(lane, "fault:sigkill")
         console.rule("the next request runs on a fresh worker (strike cleared)")
@@ -67,6 +70,7 @@ async def run_demo() -> int:
         lane.clear_quarantine()
         await _try(lane, "ok")
         worker = lane.worker
+        assert worker is not None  # running again after the quarantine was cleared
         await lane.stop()
         console.print(f"  worker {worker.pid}: {worker.process.exit_status()}")
     return 0

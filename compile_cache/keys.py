@@ -20,7 +20,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from compile_cache.errors import InvalidKey
 
@@ -49,7 +49,7 @@ def _check_value(value: object, depth: int) -> Any:
     t = type(value)
     if t is str:
         try:
-            value.encode("utf-8")  # type: ignore[union-attr]
+            cast(str, value).encode("utf-8")
         except UnicodeEncodeError as e:
             raise _Bad(f"string is not valid Unicode ({e.reason})") from e
         return value
@@ -62,8 +62,8 @@ def _check_value(value: object, depth: int) -> Any:
     if t is list or t is tuple:
         if depth >= _MAX_DEPTH:
             raise _Bad(f"lists nested deeper than {_MAX_DEPTH} levels")
-        out = []
-        for i, v in enumerate(value):  # type: ignore[arg-type]
+        out: list[Any] = []
+        for i, v in enumerate(cast("list[object] | tuple[object, ...]", value)):
             try:
                 out.append(_check_value(v, depth + 1))
             except _Bad as bad:

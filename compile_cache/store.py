@@ -228,9 +228,10 @@ class CompileCache:
         """
         for _ in range(5):
             if build is None:
-                entry = self.get(key)
-                if entry is None:
+                found = self.get(key)
+                if found is None:
                     raise EntryNotFound(f"no entry for key {key_digest(key)[:12]}")
+                entry = found
             else:
                 entry = self.get_or_build(key, build, timeout=timeout)
             try:

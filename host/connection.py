@@ -23,6 +23,7 @@ import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from workers.protocol import messages as m
 from workers.protocol.errors import ProtocolError
@@ -32,6 +33,7 @@ from workers.protocol.session import (
     HostSession,
     ProgressReceived,
     ReplyReceived,
+    RequestTracker,
 )
 
 EOF = "eof"
@@ -68,7 +70,7 @@ class WorkerConnection:
         self._events: deque[object] = deque()
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._transport: asyncio.BaseTransport | None = None
+        self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         # Sends go through a dup of the socket: the read side belongs to the transport (whose
         # reader stays registered, no per-read setup), while sock_sendall sends large payloads
@@ -156,7 +158,7 @@ class WorkerConnection:
             self._end(EOF, f"send failed: {exc}")
             raise ConnectionFault(EOF, f"send failed: {exc}") from None
 
-    async def _send(self, msg: object) -> None:
+    async def _send(self, msg: m.HostToWorker) -> None:
         """A control frame outside any exchange (HELLO_ACK, SHUTDOWN)."""
         body = m.encode(msg)
         await self._send_bytes(frame_header(len(body)) + body)
@@ -179,7 +181,7 @@ class WorkerConnection:
         return event.hello
 
     def start_exchange(
-        self, req: object, raw: memoryview | bytes | None, window_for: WindowFor
+        self, req: m.Request, raw: memoryview | bytes | None, window_for: WindowFor
     ) -> Exchange:
         """Record `req` as in flight and send what the socket takes now (usually all of it:
         no await, no timer). Raises ProtocolError if the request breaks the contract (then
@@ -211,7 +213,7 @@ class WorkerConnection:
         return ex
 
     async def exchange(
-        self, req: object, raw: memoryview | bytes | None, window_for: WindowFor
+        self, req: m.Request, raw: memoryview | bytes | None, window_for: WindowFor
     ) -> ReplyReceived:
         """Send `req` (+ raw frame) and wait for its terminal reply under the watchdog."""
         return await self.start_exchange(req, raw, window_for).wait()
@@ -259,7 +261,7 @@ class Exchange:
 
     def __init__(self, conn: WorkerConnection, window_for: WindowFor, parts: list) -> None:
         self.conn = conn
-        self.tracker = conn.session.current
+        self.tracker = cast(RequestTracker, conn.session.current)  # start_request just set it
         self.window_for = window_for
         # Bytes not yet sent, in order (an empty raw frame has nothing to send).
         self.out = [p for p in parts if len(p)]

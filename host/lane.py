@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -90,7 +91,8 @@ class _Held:
     __slots__ = ("stream", "permit")
 
     def __init__(self, stream: asyncio.Lock, permit: Permit | None) -> None:
-        self.stream, self.permit = stream, permit
+        self.stream: asyncio.Lock | None = stream
+        self.permit: Permit | None = permit
 
     def release(self) -> None:
         if self.permit is not None:
@@ -258,11 +260,12 @@ class Lane:
         None: the lane changed while this task waited for the stream (a woken waiter ran
         first and crashed the worker, or stop()), so the caller takes the general path."""
         await self._stream.acquire()  # free: usually returns without suspending
-        held: _Held | None = _Held(self._stream, None)
+        holding = _Held(self._stream, None)
+        held: _Held | None = holding  # None once another task owns the release
         try:
             if permit is not None:
                 await permit.acquire()  # free: usually returns without suspending
-                held.permit = permit
+                holding.permit = permit
             if (
                 self._worker is not worker
                 or not worker.usable()
@@ -276,18 +279,18 @@ class Lane:
             except ProtocolError as exc:  # the caller's request broke the contract; nothing sent
                 raise InvalidRequest(exc.reason) from None
             except ConnectionFault as fault:
-                held_now, held = held, None  # released by _fault_holding, after the reaping
-                raise await self._fault_holding(worker, fault, held_now) from None
+                held = None  # released by _fault_holding, after the reaping
+                raise await self._fault_holding(worker, fault, holding) from None
             # The request is on the wire: from here its reply must drain, whoever waits.
             try:
                 event = await ex.wait()
             except asyncio.CancelledError:
-                self._drain_later(worker, req, ex, held)
+                self._drain_later(worker, req, ex, holding)
                 held = None
                 raise
             except ConnectionFault as fault:
-                held_now, held = held, None
-                raise await self._fault_holding(worker, fault, held_now) from None
+                held = None
+                raise await self._fault_holding(worker, fault, holding) from None
             return self._accept(req, event)
         finally:
             if held is not None:
@@ -295,7 +298,7 @@ class Lane:
 
     async def _fault_holding(
         self, worker: WorkerHandle, fault: ConnectionFault, held: _Held
-    ) -> EngineCrashed:
+    ) -> EngineCrashed | LaneStopped:
         """`_fault` (kill, reap, strike) while still holding the stream, in a task of its own
         so that a cancelled caller cannot interrupt the reaping; releases `held` after."""
         task = asyncio.create_task(self._fault(worker, fault))
@@ -338,9 +341,10 @@ class Lane:
                     return await self._exchange(worker, message, raw)
             return await self._exchange(worker, message, raw)
 
-    def _stamp(self, message: object) -> object:
+    def _stamp(self, message: object) -> m.Request:
         self._req_ids += 1
-        return msgspec.structs.replace(message, req_id=self._req_ids)
+        # Every message a caller hands the lane is a request struct (they all carry req_id).
+        return msgspec.structs.replace(cast(m.Request, message), req_id=self._req_ids)
 
     async def _exchange(self, worker: WorkerHandle, message: object, raw: memoryview | None):
         req = self._stamp(message)
@@ -361,9 +365,9 @@ class Lane:
         kind = type(req)
         if kind in m.INFERENCE_REQUESTS:
             self._strikes = 0  # drained, successful serving work
-        elif kind is m.LOAD and type(reply) is m.LOADED:
+        elif type(req) is m.LOAD and type(reply) is m.LOADED:
             self._loads[reply.model_ref] = req
-        elif kind is m.UNLOAD:
+        elif type(req) is m.UNLOAD:
             self._loads.pop(req.model_ref, None)
         return reply, _reply_array(reply, event.raw)
 
@@ -401,7 +405,9 @@ class Lane:
             await self._exchange(worker, load, None)  # replay; a failure fails this request
         return worker
 
-    async def _fault(self, worker: WorkerHandle, fault: ConnectionFault) -> EngineCrashed:
+    async def _fault(
+        self, worker: WorkerHandle, fault: ConnectionFault
+    ) -> EngineCrashed | LaneStopped:
         """Kill and reap the worker, strike once, and build the typed error."""
         await worker.kill()
         if self._worker is worker:

@@ -29,7 +29,7 @@ import logging
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 import numpy as np
@@ -109,7 +109,7 @@ class RerankResult:
     results: list[tuple[int, float]]  # (document index, score), best first
     usage: Usage
     model: str
-    method: str  # "cross-encoder" or "bi-encoder-cosine"
+    method: Literal["cross-encoder", "bi-encoder-cosine"]
     # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
     # and whether the document (or the query, in its pair) was cut to fit.
     n_tokens: Sequence[int] = ()
@@ -166,7 +166,7 @@ def permit_for(lane: str, device: str) -> str:
 
 def _kind_and_pooling(record: ModelRecord) -> dict[str, str]:
     man = record.manifest
-    out = {"kind": man.kind}
+    out: dict[str, str] = {"kind": man.kind}
     if man.kind != "generate" and man.pooling:
         out["pooling"] = man.pooling
     return out
@@ -291,14 +291,15 @@ class Module:
                 self.residency.cancel(ticket)
                 await lane_obj.stop()
                 raise
-            device = reply.device or ("ane" if lane == "ane" else "cpu")
+            loaded = cast(m.LOADED, reply)  # a LOAD's reply; the worker's ERR raised
+            device = loaded.device or ("ane" if lane == "ane" else "cpu")
             lane_obj.set_device(permit_for(lane, device))
             if lane == "llama":
                 self.llama_device = hello_device(
                     lane_obj.hello.engine.build_flags if lane_obj.hello else None
                 ) or self.llama_device
             self._served[key] = _Served(
-                record, tokenizer, lane_obj, reply.dims, lane, digest, device
+                record, tokenizer, lane_obj, loaded.dims, lane, digest, device
             )
             await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
@@ -654,7 +655,7 @@ class Module:
         if served.record.kind == "rerank" and served.lane_kind == "ane":
             scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
-            method = "cross-encoder"
+            method: Literal["cross-encoder", "bi-encoder-cosine"] = "cross-encoder"
         elif served.record.kind == "rerank":
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens

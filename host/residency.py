@@ -447,7 +447,7 @@ class Residency:
                         f"model {name!r} needs {how}, more than max_resident_mb {budget:.0f}",
                         name, need, budget_mb=budget,
                     )
-                if not fits_budget and total - freeable + need > budget:
+                if budget is not None and not fits_budget and total - freeable + need > budget:
                     busy = sorted(n for n in self.module.residents() if n not in victims
                                   and n != name)
                     self._refuse(
@@ -456,7 +456,8 @@ class Residency:
                         f"({', '.join(busy) or 'none'}); retry when they are idle",
                         name, need, budget_mb=budget, resident_mb=round(total, 1),
                     )
-                if not fits_machine and need > room + freeable:
+                if (machine is not None and room is not None and not fits_machine
+                        and need > room + freeable):
                     self._refuse(
                         f"model {name!r} needs {how}; the machine has {machine:.0f} MB "
                         f"available and {cfg.min_free_mb:.0f} MB must stay free",
@@ -645,7 +646,7 @@ class Residency:
             "estimated_mb": round(estimate, 1),
             "estimate_source": source,
             "in_flight": e.busy if e is not None else 0,
-            "last_used": None if e is None or e.used_mono is None else round(e.last_used(), 3),
+            "last_used": None if e is None or (last := e.last_used()) is None else round(last, 3),
             "keep_alive_s": ttl if math.isfinite(ttl) else None,
             "expires_at": expires,
         }

@@ -256,7 +256,7 @@ class Tokenizer:
             # `truncate`/`post_process` consume an Encoding: give each pair its own copy.
             q_enc = tokenizers.Encoding.merge([raw[0]], growing_offsets=False)
             capped = max_doc_tokens is not None and len(d_enc.ids) > max_doc_tokens
-            if capped:
+            if capped and max_doc_tokens is not None:
                 d_enc.truncate(max_doc_tokens, direction=direction)
             over = q_len + len(d_enc.ids) > budget
             if over and not truncate:
@@ -314,7 +314,7 @@ class Tokenizer:
         for i, enc in enumerate(raw[1:]):
             doc = enc.ids
             capped = max_doc_tokens is not None and len(doc) > max_doc_tokens
-            if capped:
+            if capped and max_doc_tokens is not None:
                 doc = _cut(doc, max_doc_tokens, direction)
             over = len(doc) > budget
             if over and not truncate:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from tokenizers import (
@@ -107,7 +108,7 @@ class GGUFVocab:
             return fields.get(key, default)
 
         model = str(get("tokenizer.ggml.model", ""))
-        tokens = list(get("tokenizer.ggml.tokens", []))  # type: ignore[arg-type]
+        tokens = list(cast("list[str]", get("tokenizer.ggml.tokens", [])))
         n = len(tokens)
         scores = np.asarray(get("tokenizer.ggml.scores", [0.0] * n), dtype=np.float32)
         types = np.asarray(get("tokenizer.ggml.token_type", [TYPE_NORMAL] * n), dtype=np.int32)
@@ -302,7 +303,7 @@ _HANGUL_FIRST, _HANGUL_PER_INITIAL, _HANGUL_INITIALS = 0xAC00, 21 * 28, 19
 
 
 def _hangul_initials() -> list[normalizers.Normalizer]:
-    out = []
+    out: list[normalizers.Normalizer] = []
     for lead in range(_HANGUL_INITIALS):
         lo = _HANGUL_FIRST + lead * _HANGUL_PER_INITIAL
         hi = lo + _HANGUL_PER_INITIAL - 1

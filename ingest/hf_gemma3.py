@@ -306,7 +306,8 @@ def _special_ids(model_dir: Path, tok: dict, vocab: Vocab) -> tuple[dict[str, in
             ids[kind] = vocab.id_of(text, kind)
     post = tok.get("post_processor") or {}
     steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
-    single = next((s.get("single") for s in steps if s.get("type") == "TemplateProcessing"), [])
+    single: list[dict] = next(
+        (s.get("single") for s in steps if s.get("type") == "TemplateProcessing"), [])
     pieces = [("A" if "Sequence" in p else p.get("SpecialToken", {}).get("id")) for p in single]
     at = pieces.index("A") if "A" in pieces else 0
     add_bos, add_eos = at > 0, at < len(pieces) - 1

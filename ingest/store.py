@@ -580,7 +580,7 @@ class ArtifactStore:
         )
 
     def _replace_tokenizer(
-        self, rec: ModelRecord, write: Callable[[Path], None], need_bytes: int
+        self, rec: ModelRecord, write: Callable[[Path], object], need_bytes: int
     ) -> ModelRecord:
         """`write` the new tokenizer.json beside the old one, then swap it in and rewrite the
         manifest. A failure (a full disk: `StorageFull`) leaves the model as it was: writes

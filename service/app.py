@@ -161,7 +161,7 @@ def _refusal(state: ServerState, scope: Scope, open_paths: frozenset[str]) -> Re
     return error_response(AuthenticationFailed(message))
 
 
-def _install_key_reload(state: ServerState) -> Callable[[], None]:
+def _install_key_reload(state: ServerState) -> Callable[[], object]:
     """SIGHUP re-reads the key file; returns the undo. Silently absent where the loop cannot
     take signals (not the main thread, e.g. when another server hosts this app)."""
 

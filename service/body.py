@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from common.errors import InvalidRequest
 from service.errors import PayloadTooLarge, RequestTimeout
@@ -70,7 +70,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _content_length(scope: dict) -> int | None:
+def _content_length(scope: Scope) -> int | None:
     """The declared body size; None when absent or not a plain number (then the body is
     counted as it streams)."""
     for name, value in scope["headers"]:

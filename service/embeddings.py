@@ -163,6 +163,7 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     matryoshka = req.dimensions is not None and is_matryoshka(state, model)
     vectors = apply_dimensions(result.vectors, req.dimensions, model, matryoshka)
     fmt = req.encoding_format
+    assert state.module is not None
     ranges = await quantization_ranges(state.module, model, vectors.shape[1], (fmt,),
                                        normalize=req.normalize)
     rows = encode_embeddings(vectors, (fmt,), ranges)[fmt]

@@ -23,14 +23,22 @@ class Route(Protocol):
     """What the document reads of a route (service.routes.Route, which imports this module
     for its document handler: this module names no type of it)."""
 
-    path: str
-    method: str
-    summary: str
-    response: object
-    request: type | None
-    errors: tuple[int, ...]
-    ok_status: tuple[int, ...]
-    query: tuple[str, ...]
+    @property
+    def path(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def summary(self) -> str: ...
+    @property
+    def response(self) -> object: ...
+    @property
+    def request(self) -> type | None: ...
+    @property
+    def errors(self) -> tuple[int, ...]: ...
+    @property
+    def ok_status(self) -> tuple[int, ...]: ...
+    @property
+    def query(self) -> tuple[str, ...]: ...
 
     def protected(self, config: ServeConfig) -> bool: ...
 

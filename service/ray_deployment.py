@@ -89,7 +89,9 @@ def synapse_deployment(config: ServeConfig):
     else:
         options["num_replicas"] = settings.num_replicas
     deployment = serve.deployment(SynapseReplica, **options)
-    return deployment.bind(msgspec.json.encode(config))
+    # ray's overloads resolve **options to the decorator form; given a class it returns a
+    # Deployment, which has bind.
+    return deployment.bind(msgspec.json.encode(config))  # type: ignore[attr-defined]
 
 
 def start(config: ServeConfig, address: str | None = None) -> str:

@@ -89,7 +89,8 @@ def serve(config: ServeConfig, log_level: str = "warning") -> int:
         # would only add a layer to every request.
         proxy_headers=False,
         lifespan="on",
-        timeout_graceful_shutdown=config.graceful_timeout_s,
+        # uvicorn annotates int but waits with it as an asyncio timeout, where a float works.
+        timeout_graceful_shutdown=config.graceful_timeout_s,  # type: ignore[arg-type]
         timeout_keep_alive=30,
     )
     server = _Server(uv_config, states)

@@ -8,6 +8,7 @@ a lane is quarantined (then with Retry-After).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -27,7 +28,7 @@ def _json(payload: object, status: int = 200, headers: dict | None = None) -> Re
 
 
 async def health(request: Request, state: ServerState) -> Response:
-    lanes = {}
+    lanes: dict[str, dict[str, Any]] = {}
     module = state.module
     for model, s in (module.health() if module is not None else {}).items():
         lanes[model] = {

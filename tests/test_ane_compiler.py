@@ -137,6 +137,27 @@ def test_saved_program_round_trips_small_constants_and_refuses_a_truncated_weigh
         cache.close()
 
 
+def test_saved_program_without_weights_keeps_every_large_constant_out_of_the_file(
+    cache_root, tmp_path
+):
+    cache, compiled = _admit(cache_root)
+    try:
+        func = program_ir.load(compiled.entry.path / ReferenceBackend.PROGRAM_DIR)
+        big = {v.name: (v.shape, v.dtype) for op in func.operations for v in op.outputs
+               if v.mapped}
+        assert big  # the model's weight matrices are mapped
+        out = program_ir.save(func, tmp_path / "ops", weights=False)
+        assert (out / program_ir.WEIGHTS_NAME).stat().st_size == 0
+        structure = program_ir.load(out)
+        kept = {v.name: v for op in structure.operations for v in op.outputs}
+        for name, (shape, dtype) in big.items():
+            assert kept[name].val is None and (kept[name].shape, kept[name].dtype) == (
+                shape, dtype)
+    finally:
+        compiled.release()
+        cache.close()
+
+
 def test_gc_verify_and_ls_cover_both_kinds(cache_root):
     cache, held = _admit(cache_root)
     try:

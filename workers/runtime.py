@@ -170,9 +170,10 @@ class WorkerRuntime:
 
     def dispatch(
         self, req: object, raw: bytes | bytearray | None, progress: WireProgress
-    ) -> tuple[object, memoryview | None]:
+    ) -> tuple[m.WorkerToHost, memoryview | None]:
         engine = self.engine
-        ids = payloads.ids_view(raw) if raw is not None else None
+        # Every request the engine serves carries its ids frame (payloads.request_payload_tokens).
+        ids = payloads.ids_view(raw if raw is not None else b"")
         if isinstance(req, m.EMBED_BATCH):
             vectors = _check_f32(engine.embed(req, ids, progress), len(req.items), "embed")
             return m.VECTORS(req_id=req.req_id, dims=vectors.shape[1], n=vectors.shape[0]), (

@@ -61,7 +61,9 @@ def _fit_small() -> np.ndarray:
         z = np.sqrt((t + 1.0) / 2.0)
         return np.array([math.erf(v) / v if v > 0 else 2.0 / math.sqrt(math.pi) for v in z])
 
-    c = cheb.chebinterpolate(f, 10)
+    # numpy's stub bounds the function's return to scalars; it evaluates f on an array of
+    # points, as here (an ndarray in, an ndarray out).
+    c: np.ndarray = cheb.chebinterpolate(f, 10)  # type: ignore[type-var]
     # Re-express in powers of u (t = 2u - 1): well conditioned at this degree.
     return np.polynomial.Polynomial(cheb.cheb2poly(c))(np.polynomial.Polynomial([-1.0, 2.0])).coef
 
@@ -298,7 +300,7 @@ class BertReference:
     def score_many(
         self,
         sequences: Sequence[Sequence[int] | np.ndarray],
-        token_type_ids: Sequence[Sequence[int] | None] | None = None,
+        token_type_ids: Sequence[Sequence[int] | np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """Logits for many composed pairs: float32 (n,) for one label, else (n, num_labels)."""
         if not self.config.num_labels:

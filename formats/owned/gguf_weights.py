@@ -25,7 +25,7 @@ from gguf.constants import GGMLQuantizationType
 from formats.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_gguf_header
 from formats.owned.manifest import ManifestError, UnsupportedModel
 
-_FLOAT_TYPES = {
+_FLOAT_TYPES: dict[GGMLQuantizationType, np.dtype] = {
     GGMLQuantizationType.F32: np.dtype("<f4"),
     GGMLQuantizationType.F16: np.dtype("<f2"),
     GGMLQuantizationType.BF16: np.dtype("<u2"),  # the top half of an f32: widened below

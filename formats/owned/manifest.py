@@ -337,7 +337,7 @@ def tensor_digest(arr: np.ndarray) -> str:
     data = np.ascontiguousarray(arr)
     if data.dtype.byteorder == ">":
         data = data.byteswap().view(data.dtype.newbyteorder("<"))
-    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+    return hashlib.sha256(data.data.cast("B")).hexdigest()
 
 
 def _load_hf_tensors(src: Path, wanted: list[str]) -> dict[str, np.ndarray]:

@@ -99,7 +99,7 @@ def _pooling(hdr: GGUFHeader, given: str | None) -> str:
         return given
     raw = hdr.kv.get(_key(hdr, Keys.LLM.POOLING_TYPE))
     declared = _POOLING_BY_ID.get(raw) if isinstance(raw, int) else None
-    if declared in (None, "none"):
+    if declared is None or declared == "none":
         raise ManifestError(f"the {hdr.architecture} GGUF does not say how it pools, and no "
                             "pooling was given")
     return declared
@@ -174,7 +174,7 @@ _BERT_FAMILY = {"bert": "bert", "t5": "xlm-roberta"}
 def _bert(path: Path, hdr: GGUFHeader, given_pooling: str | None,
           max_seq_length: int | None) -> Loaded:
     vocab = hdr.kv.get(Keys.Tokenizer.MODEL)
-    family = _BERT_FAMILY.get(vocab)
+    family = _BERT_FAMILY.get(vocab) if isinstance(vocab, str) else None
     if family is None:
         raise UnsupportedModel(f"a bert GGUF with a {vocab!r} vocabulary: BERT (WordPiece, "
                                "'bert') or XLM-RoBERTa (Unigram, 't5') only")
@@ -203,9 +203,11 @@ def _bert(path: Path, hdr: GGUFHeader, given_pooling: str | None,
             else "BertForSequenceClassification"
         labels = _shape(path, hdr, "cls.output.weight")[0]
         head = Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
-    elif pooling in ("mean", "cls"):
+    elif pooling == "mean" or pooling == "cls":
         arch = "XLMRobertaModel" if family == "xlm-roberta" else "BertModel"
-        head = Head(type=f"embed_{pooling}", pooling=pooling, normalize=True, num_labels=0)
+        head = (Head(type="embed_mean", pooling="mean", normalize=True, num_labels=0)
+                if pooling == "mean" else
+                Head(type="embed_cls", pooling="cls", normalize=True, num_labels=0))
     else:
         raise UnsupportedModel(f"pooling {pooling!r}: BERT-family embedders pool by mean or cls "
                                "(rank for cross-encoders)")

@@ -83,6 +83,7 @@ def rotary_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndar
     both halves, and sin's first half is negated so that rotate_half(x) * sin equals
     swap_halves(x) * signed_sin."""
     d = cfg.head_dim
+    assert cfg.rope_theta is not None  # a Qwen3 config always sets it (manifest_qwen3)
     inv_freq = 1.0 / (float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
     # transformers computes the angles in float32; so do we, then the tables in float64.
     angles = (np.arange(positions, dtype=np.float32)[:, None]

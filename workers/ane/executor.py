@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -61,8 +62,9 @@ def _dtype_name(var: object) -> str:
 # ---- loading -----------------------------------------------------------------------------------
 
 
-def load_package_program(path: str | os.PathLike[str]) -> object:
-    """The MIL program saved in an `.mlpackage` (weights read from its weight directory)."""
+def load_package_program(path: str | os.PathLike[str]) -> Any:
+    """The MIL program saved in an `.mlpackage` (weights read from its weight directory): a
+    coremltools `Program` (Any: coremltools ships no types)."""
     from workers.ane.ct_quiet import ct  # coremltools, quietly, before its submodules
 
     load_spec = ct.models.utils.load_spec
@@ -90,8 +92,9 @@ class _Ctx:
         return self.slot_of[id(var)]
 
 
-def _val(op: object, name: str, default: object = None) -> object:
-    """A compile-time (const) input's value, or `default` if absent."""
+def _val(op: object, name: str, default: object = None) -> Any:
+    """A compile-time (const) input's value, or `default` if absent. Any: a numpy array or
+    scalar, a str or a bool, whichever the op's attribute is; each caller converts it."""
     var = getattr(op, name, None)
     if var is None:
         return default
@@ -101,7 +104,7 @@ def _val(op: object, name: str, default: object = None) -> object:
     return v
 
 
-def _axes(value: object, rank: int) -> tuple[int, ...] | None:
+def _axes(value: Any, rank: int) -> tuple[int, ...] | None:  # a const value (see _val)
     if value is None:
         return None
     return tuple(sorted(int(a) % rank for a in np.atleast_1d(value)))
@@ -261,7 +264,9 @@ def _make_slice_by_index(op, c: _Ctx):
     return lambda env: [env[x][key]]
 
 
-def _make_reduce(fn: Callable[..., np.ndarray]) -> Callable[[object, _Ctx], Step]:
+def _make_reduce(
+    fn: Callable[..., np.ndarray],
+) -> Callable[[object, _Ctx], Callable[[Env], list]]:
     def make(op, c: _Ctx):
         x = c.slot(op.x)
         axes = _axes(_val(op, "axes"), op.x.rank)
@@ -301,7 +306,9 @@ def _make_layer_norm(op, c: _Ctx):
     x = c.slot(op.x)
     rank = op.x.rank
     raw_axes = _val(op, "axes")
-    axes = _axes(raw_axes, rank) if raw_axes is not None else tuple(range(rank))
+    # _axes returns None only for None, which the condition excludes.
+    axes = (cast(tuple[int, ...], _axes(raw_axes, rank)) if raw_axes is not None
+            else tuple(range(rank)))
     if raw_axes is not None and [int(a) % rank for a in np.atleast_1d(raw_axes)] != list(axes):
         raise UnsupportedOp("layer_norm", "unsorted axes")
     bshape = [op.x.shape[i] if i in axes else 1 for i in range(rank)]
@@ -421,12 +428,12 @@ def _einsum_form(equation: str) -> int:
     if len(set(a + b)) != len(a) + 1 or len(set(a)) != len(a):
         return 0
     if len(a) == 4 and len(b) == 4 and len(out) == 4:
-        n, ch, h, w = a
+        n, ch, h, w = tuple(a)
         u = b[3]
         ok = b[0] == n and b[1] == w and b[2] == h and out == n + ch + h + u
         return 4 if ok else 0
     if len(a) == 3 and len(b) == 3 and len(out) == 3:
-        ch, h, w = a
+        ch, h, w = tuple(a)
         u = b[2]
         return 3 if b[0] == w and b[1] == h and out == ch + h + u else 0
     return 0
@@ -642,7 +649,7 @@ def _bind(
 
 
 def _input_vars(op: object) -> list[object]:
-    out = []
+    out: list[object] = []
     for v in op.inputs.values():  # type: ignore[attr-defined]
         if isinstance(v, (list, tuple)):
             out.extend(v)

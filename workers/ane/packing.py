@@ -65,9 +65,9 @@ def plan(lengths: Sequence[int], shapes: Sequence[Shape]) -> list[Chunk]:
             raise NoShapeFits(i, n, longest)
     chunks: list[Chunk] = []
     for shape in unpacked + packed:
-        rows = [r.items for r in rows_of[shape]]
-        for start in range(0, len(rows), shape.rows):
-            chunks.append(Chunk(shape, rows[start : start + shape.rows]))
+        item_rows = [r.items for r in rows_of[shape]]
+        for start in range(0, len(item_rows), shape.rows):
+            chunks.append(Chunk(shape, item_rows[start : start + shape.rows]))
     return chunks
 
 

@@ -37,6 +37,7 @@ estimate: Core ML can still split a graph differently, which is why it is labell
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from workers.ane import program_ir
 
@@ -76,8 +77,8 @@ def _static_shape(var: object) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape)
 
 
-def _vars(op: object) -> tuple[list[object], list[object]]:
-    ins: list[object] = []
+def _vars(op: object) -> tuple[list[Any], list[Any]]:  # Any: MIL (or program_ir) variables
+    ins: list[Any] = []
     for v in op.inputs.values():  # type: ignore[attr-defined]
         ins.extend(v if isinstance(v, (list, tuple)) else [v])
     return ins, list(op.outputs)  # type: ignore[attr-defined]

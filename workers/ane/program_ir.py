@@ -164,7 +164,7 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
     names: dict[int, str] = {}
     vars_json: dict[str, Any] = {}
     offset = 0
-    with open(out / WEIGHTS_NAME, "wb") as weights:
+    with open(out / WEIGHTS_NAME, "wb") as blob:  # not `weights`: that is the flag
 
         def name_of(v: Var) -> str:
             if id(v) in names:
@@ -184,9 +184,9 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
                     pass  # left out on purpose: val None
                 else:
                     pad = -offset % _ALIGN
-                    weights.write(b"\0" * pad)
+                    blob.write(b"\0" * pad)
                     offset += pad
-                    weights.write(arr.tobytes())
+                    blob.write(arr.tobytes())
                     entry["val"] = {"mapped": offset, "np": arr.dtype.str,
                                     "shape": list(arr.shape)}
                     offset += arr.nbytes
@@ -202,8 +202,8 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
             ops.append({"type": op.op_type, "name": op.name, "inputs": ins,
                         "outputs": [name_of(o) for o in op.outputs]})
         outputs = [name_of(v) for v in func.outputs]
-        weights.flush()
-        os.fsync(weights.fileno())
+        blob.flush()
+        os.fsync(blob.fileno())
     doc = {"format": FORMAT, "inputs": inputs, "outputs": outputs, "vars": vars_json,
            "ops": ops}
     (out / PROGRAM_NAME).write_text(json.dumps(doc, separators=(",", ":")))

@@ -32,6 +32,7 @@ class FaultRuntime(runtime.WorkerRuntime):
             return m.PROGRESS(req_id=0, completed=1, phase="setup")  # type: ignore[return-value]
         if self.fault == "hello_extra_frame":  # HELLO and, in the same write, one more frame
             extra = m.PONG(req_id=1, rss_mb=1.0)
+            assert self.channel is not None  # HELLO is sent on the open channel
             self.channel.sock.sendall(encode_frame(m.encode(hello)) + encode_frame(m.encode(extra)))
             time.sleep(3600)
         return hello

@@ -143,6 +143,7 @@ def _encode_group(
         if n + k > slot.capacity:  # unsafe mode only: never write past the batch
             k = slot.capacity - n
         if typed is not None:
+            assert mdl.typed is not None and types is not None  # typed slots exist only then
             typed.embd[n : n + k] = mdl.typed.embeddings(s[:k], types[idx][:k])
         else:
             slot.tok[n : n + k] = s[:k]

@@ -12,6 +12,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -110,18 +111,14 @@ def planned_context_params(
     return cparams
 
 
-def batch_views(
-    b: llama_cpp.llama_batch, n: int, with_tokens: bool = True
-) -> tuple[np.ndarray | None, ...]:
-    def view(ptr: object, ctype: type) -> np.ndarray:
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
+def _view(ptr: Any, ctype: type, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
 
-    return (
-        view(b.token, ctypes.c_int32) if with_tokens else None,
-        view(b.pos, ctypes.c_int32),
-        view(b.n_seq_id, ctypes.c_int32),
-        view(b.logits, ctypes.c_int8),
-    )
+
+def batch_views(b: llama_cpp.llama_batch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy views of a llama_batch's positions, sequence counts and output flags."""
+    return (_view(b.pos, ctypes.c_int32, n), _view(b.n_seq_id, ctypes.c_int32, n),
+            _view(b.logits, ctypes.c_int8, n))
 
 
 @dataclass
@@ -139,7 +136,7 @@ class EmbdBatch:
         b = llama_cpp.llama_batch_init(capacity, n_embd, 1)
         embd = np.ctypeslib.as_array(ctypes.cast(b.embd, ctypes.POINTER(ctypes.c_float)),
                                      shape=(capacity, n_embd))
-        _, pos, nsid, out = batch_views(b, capacity, with_tokens=False)
+        pos, nsid, out = batch_views(b, capacity)
         return cls(b, embd, pos, nsid, out)
 
 
@@ -176,7 +173,8 @@ def make_slot(model: ctypes.c_void_p, cparams: llama_cpp.llama_context_params) -
     # llama.cpp intact (and trip its own assert) instead of being cut short here.
     capacity = max(2 * n, 4096)
     batch = llama_cpp.llama_batch_init(capacity, 0, 1)
-    tok, pos, nsid, out = batch_views(batch, capacity)
+    pos, nsid, out = batch_views(batch, capacity)
+    tok = _view(batch.token, ctypes.c_int32, capacity)
     return Slot(ctx, batch, capacity, tok, pos, nsid, out)
 
 

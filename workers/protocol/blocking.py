@@ -19,7 +19,7 @@ class BlockingChannel:
     def set_max_frame(self, max_frame: int) -> None:
         self.decoder.max_frame = max_frame
 
-    def send(self, msg: object, raw: memoryview | bytes | None = None) -> None:
+    def send(self, msg: m.WorkerToHost, raw: memoryview | bytes | None = None) -> None:
         body = m.encode(msg)
         head = frame_header(len(body)) + body
         if raw is None:

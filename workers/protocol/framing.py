@@ -118,14 +118,14 @@ class FrameDecoder:
         if self._failed is not None:
             raise self._failed
 
-    def _large_buffer(self, length: int) -> bytearray | memoryview:
+    def _large_buffer(self, length: int) -> memoryview:
         if self._reuse is None:
             # Uninitialised memory: bytearray(n) would memset n bytes the socket overwrites
             # anyway (94 ms for 64 MiB here); numpy's empty maps pages lazily instead.
-            return memoryview(np.empty(length, dtype=np.uint8))
+            return np.empty(length, dtype=np.uint8).data
         if len(self._reuse) < length:
             self._reuse = np.empty(length, dtype=np.uint8)
-        return memoryview(self._reuse)[:length]
+        return self._reuse.data[:length]
 
     def _compact(self) -> None:
         pending = self._end - self._start

@@ -39,6 +39,8 @@ WORKER_ERROR_CODES = frozenset(
 )
 
 
+# Every subclass repeats frozen=True: msgspec inherits it at runtime, but a type checker reads
+# dataclass_transform keywords per class and would otherwise take the subclass as mutable.
 class _Msg(msgspec.Struct, tag_field="type", frozen=True):
     """Base for every control frame; the subclass name is the wire ``type``. Every field is
     written, defaults included: a foreign peer built from docs/protocol.md may require them."""
@@ -53,7 +55,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     build_flags: str = ""
 
 
-class HELLO(_Msg, tag="HELLO"):
+class HELLO(_Msg, tag="HELLO", frozen=True):
     # `v` stays a plain int so that a v2 worker decodes and is rejected by the session with a
     # clear reason ("version 2, expected 3") rather than an opaque schema error.
     v: int
@@ -66,7 +68,7 @@ class HELLO(_Msg, tag="HELLO"):
     packed: bool | None = None
 
 
-class HELLO_ACK(_Msg, tag="HELLO_ACK"):
+class HELLO_ACK(_Msg, tag="HELLO_ACK", frozen=True):
     v: int
     accept: bool
     max_frame: U32
@@ -75,7 +77,7 @@ class HELLO_ACK(_Msg, tag="HELLO_ACK"):
 # ---- requests (host -> worker) --------------------------------------------------------------
 
 
-class LOAD(_Msg, tag="LOAD"):
+class LOAD(_Msg, tag="LOAD", frozen=True):
     req_id: U64
     artifact_path: str
     artifact_digest: str
@@ -88,7 +90,7 @@ class EmbedItem(msgspec.Struct, frozen=True):
     n_tokens: Count
 
 
-class EMBED_BATCH(_Msg, tag="EMBED_BATCH"):
+class EMBED_BATCH(_Msg, tag="EMBED_BATCH", frozen=True):
     req_id: U64
     model_ref: str
     items: list[EmbedItem]
@@ -100,7 +102,7 @@ class RerankCandidate(msgspec.Struct, frozen=True):
     n_tokens: Count
 
 
-class RERANK(_Msg, tag="RERANK"):
+class RERANK(_Msg, tag="RERANK", frozen=True):
     req_id: U64
     model_ref: str
     query_n_tokens: Count
@@ -112,20 +114,20 @@ class RerankSequence(msgspec.Struct, frozen=True):
     n_first: Count
 
 
-class RERANK_SEQUENCES(_Msg, tag="RERANK_SEQUENCES"):
+class RERANK_SEQUENCES(_Msg, tag="RERANK_SEQUENCES", frozen=True):
     req_id: U64
     model_ref: str
     sequences: list[RerankSequence]
 
 
-class GENERATE(_Msg, tag="GENERATE"):
+class GENERATE(_Msg, tag="GENERATE", frozen=True):
     req_id: U64
     model_ref: str
     max_tokens: Count
     grammar: str | None = None
 
 
-class ADMIT_SHAPE(_Msg, tag="ADMIT_SHAPE"):
+class ADMIT_SHAPE(_Msg, tag="ADMIT_SHAPE", frozen=True):
     req_id: U64
     model_ref: str
     rows: Count
@@ -135,29 +137,29 @@ class ADMIT_SHAPE(_Msg, tag="ADMIT_SHAPE"):
     max_segments: Count | None = None
 
 
-class EVICT(_Msg, tag="EVICT"):
+class EVICT(_Msg, tag="EVICT", frozen=True):
     req_id: U64
     model_ref: str
     shape_id: str | None = None
 
 
-class UNLOAD(_Msg, tag="UNLOAD"):
+class UNLOAD(_Msg, tag="UNLOAD", frozen=True):
     req_id: U64
     model_ref: str
 
 
-class PING(_Msg, tag="PING"):
+class PING(_Msg, tag="PING", frozen=True):
     req_id: U64
 
 
-class SHUTDOWN(_Msg, tag="SHUTDOWN"):
+class SHUTDOWN(_Msg, tag="SHUTDOWN", frozen=True):
     pass
 
 
 # ---- replies (worker -> host) --------------------------------------------------------------
 
 
-class LOADED(_Msg, tag="LOADED"):
+class LOADED(_Msg, tag="LOADED", frozen=True):
     req_id: U64
     model_ref: str
     dims: Count
@@ -167,17 +169,17 @@ class LOADED(_Msg, tag="LOADED"):
     device: str | None = None
 
 
-class VECTORS(_Msg, tag="VECTORS"):
+class VECTORS(_Msg, tag="VECTORS", frozen=True):
     req_id: U64
     dims: Count
     n: Count
 
 
-class SCORES(_Msg, tag="SCORES"):
+class SCORES(_Msg, tag="SCORES", frozen=True):
     req_id: U64
 
 
-class TEXT(_Msg, tag="TEXT"):
+class TEXT(_Msg, tag="TEXT", frozen=True):
     req_id: U64
     text: str
     n_prompt: Count
@@ -185,7 +187,7 @@ class TEXT(_Msg, tag="TEXT"):
     finish_reason: str
 
 
-class SHAPE_ADMITTED(_Msg, tag="SHAPE_ADMITTED"):
+class SHAPE_ADMITTED(_Msg, tag="SHAPE_ADMITTED", frozen=True):
     req_id: U64
     shape_id: str
     cache_hit: bool
@@ -196,17 +198,17 @@ class SHAPE_ADMITTED(_Msg, tag="SHAPE_ADMITTED"):
     warmup_ms: float = 0.0
 
 
-class EVICTED(_Msg, tag="EVICTED"):
+class EVICTED(_Msg, tag="EVICTED", frozen=True):
     req_id: U64
     shape_ids: list[str] = []
     freed_bytes: Count = 0
 
 
-class UNLOADED(_Msg, tag="UNLOADED"):
+class UNLOADED(_Msg, tag="UNLOADED", frozen=True):
     req_id: U64
 
 
-class PONG(_Msg, tag="PONG"):
+class PONG(_Msg, tag="PONG", frozen=True):
     req_id: U64
     rss_mb: float
     models_loaded: list[str] = []
@@ -220,13 +222,13 @@ class PONG(_Msg, tag="PONG"):
     cache_bytes: int | None = None
 
 
-class PROGRESS(_Msg, tag="PROGRESS"):
+class PROGRESS(_Msg, tag="PROGRESS", frozen=True):
     req_id: U64
     completed: U64
     phase: Phase
 
 
-class ERR(_Msg, tag="ERR"):
+class ERR(_Msg, tag="ERR", frozen=True):
     req_id: U64
     code: str
     msg: str = ""

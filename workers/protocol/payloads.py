@@ -23,14 +23,13 @@ F32 = np.dtype("<f4")
 
 def request_payload_tokens(req: object) -> int | None:
     """Number of i32 ids the raw frame after `req` carries; None if no raw frame follows."""
-    kind = type(req)
-    if kind is m.EMBED_BATCH:
+    if type(req) is m.EMBED_BATCH:
         return sum(item.n_tokens for item in req.items)
-    if kind is m.RERANK:
+    if type(req) is m.RERANK:
         return req.query_n_tokens + sum(c.n_tokens for c in req.candidates)
-    if kind is m.RERANK_SEQUENCES:
+    if type(req) is m.RERANK_SEQUENCES:
         return sum(s.n_tokens for s in req.sequences)
-    if kind is m.GENERATE:
+    if type(req) is m.GENERATE:
         # GENERATE's header does not state the prompt length; its raw frame is "the prompt
         # ids", so any whole number of i32 is valid. -1 marks "length from the frame".
         return -1
@@ -39,10 +38,9 @@ def request_payload_tokens(req: object) -> int | None:
 
 def reply_payload_floats(reply: object, req: object) -> int | None:
     """Number of f32 values the raw frame after `reply` must carry; None if none follows."""
-    kind = type(reply)
-    if kind is m.VECTORS:
+    if type(reply) is m.VECTORS:
         return reply.n * reply.dims
-    if kind is m.SCORES:
+    if type(reply) is m.SCORES:
         if type(req) is m.RERANK:
             return len(req.candidates)
         if type(req) is m.RERANK_SEQUENCES:
@@ -75,7 +73,7 @@ def floats_view(frame: bytes | bytearray | memoryview, shape: tuple[int, ...]) -
 def as_wire(array: np.ndarray, dtype: np.dtype) -> memoryview:
     """Little-endian contiguous bytes of `array` as `dtype` (copies only if it must)."""
     arr = np.ascontiguousarray(array, dtype=dtype)
-    return memoryview(arr).cast("B")
+    return arr.data.cast("B")
 
 
 def ids_to_wire(ids: np.ndarray | list[int]) -> memoryview:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 
@@ -222,7 +223,7 @@ class HostSession(_Base):
 
     def _receive_reply(self, msg: object) -> ReplyReceived | None:
         req = self.current.request  # type: ignore[union-attr]
-        req_id = req.req_id
+        req_id = cast(m.Request, req).req_id
         if getattr(msg, "req_id", None) != req_id:
             raise ProtocolError(
                 f"{m.message_name(msg)} for req_id {getattr(msg, 'req_id', None)}, "
@@ -231,7 +232,7 @@ class HostSession(_Base):
         kind = type(msg)
         if kind is not m.REPLY_FOR[type(req)] and kind is not m.ERR:
             raise ProtocolError(f"{m.message_name(msg)} does not answer {m.message_name(req)}")
-        if kind is m.VECTORS and type(req) is m.EMBED_BATCH:
+        if type(msg) is m.VECTORS and type(req) is m.EMBED_BATCH:
             if msg.n != len(req.items):
                 raise ProtocolError(f"VECTORS n={msg.n} for {len(req.items)} items")
         floats = payloads.reply_payload_floats(msg, req)
