@@ -130,10 +130,6 @@ def _runtime_config(record: ModelRecord, threads: int) -> dict:
 def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target: Target,
                 texts: list[str], generate: bool):
     from host.tokenization import Tokenizer
-    from workers.llama import openblas_core
-
-    # The same kernel choice the lane's workers make, before llama_cpp loads OpenBLAS here.
-    openblas_core.apply()
     from workers.llama.engine import LlamaEngine
 
     engine = LlamaEngine()
@@ -257,6 +253,11 @@ async def _bench(
     prompt_name: str | None = None,
     baselines: bool = True,
 ) -> dict:
+    from workers.llama import openblas_core
+
+    # The kernel choice the lane's workers make, made here before anything in this process
+    # loads llama_cpp (and with it OpenBLAS): the in-process engine runs on the same kernels.
+    openblas_core.apply()
     from workers.llama.native import registered_backends  # llama.cpp, as in _in_process
 
     store = ArtifactStore(store_root)

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from ingest.model_packages import minilm_dir
+from workers.llama import openblas_core
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# Tests that run llama.cpp in this process get the OpenBLAS kernels its workers get: decided
+# before any test loads llama_cpp (and with it OpenBLAS).
+openblas_core.apply()
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the test Ray never phones home
 
 

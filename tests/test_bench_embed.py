@@ -33,6 +33,23 @@ def _check_cosines(result: dict) -> None:
                   ort["ort_min_cos_vs_sentence_transformers"]):
         assert 0.999 <= value <= 1.000001, result
     assert st["lane_ratio_vs_sentence_transformers"] > 0 and ort["lane_vs_ort"] > 0
+    _check_kernels(result)
+
+
+def _check_kernels(result: dict) -> None:
+    """The in-process engine runs on the OpenBLAS kernels the lane's workers get: no loaded
+    OpenBLAS is left on a fallback the kernel rule would replace (it must be applied before
+    anything in the bench process loads llama_cpp)."""
+    import sys
+
+    from workers.llama import openblas_core as oc
+
+    if not sys.platform.startswith("linux"):
+        return
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        flags = oc.cpu_flags(f.read())
+    for lib, core in result["openblas_core"].items():
+        assert oc.choose(core, flags, {}) is None, (lib, core)
 
 
 def test_texts_are_fixed_and_can_be_kept_short():
