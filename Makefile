@@ -48,6 +48,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/actionlint
 	$(BIN)/python -m pytest -q
@@ -61,6 +62,7 @@ test-fast: $(STAMP)
 # actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/actionlint
 

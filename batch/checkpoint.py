@@ -65,8 +65,16 @@ class Checkpoint:
             raise BatchUsageError(
                 f"cannot write in the output directory {parent}: {exc.strerror or exc}"
             ) from None
-        state = {"job": job, "next_line": 1, "parts": 0, "rows": 0, "tokens": 0,
-                 "errors": 0, "errors_bytes": 0, "artifact_digest": None}
+        state = {
+            "job": job,
+            "next_line": 1,
+            "parts": 0,
+            "rows": 0,
+            "tokens": 0,
+            "errors": 0,
+            "errors_bytes": 0,
+            "artifact_digest": None,
+        }
         ckpt = cls(root, state)
         (root / ERRORS).write_bytes(b"")
         ckpt._write_state()
@@ -152,8 +160,11 @@ class Checkpoint:
 
     def _check_same_job(self, job: dict) -> None:
         old = self.state.get("job", {})
-        diffs = [f"{k}: {old.get(k)!r} -> {job.get(k)!r}" for k in sorted(set(old) | set(job))
-                 if old.get(k) != job.get(k)]
+        diffs = [
+            f"{k}: {old.get(k)!r} -> {job.get(k)!r}"
+            for k in sorted(set(old) | set(job))
+            if old.get(k) != job.get(k)
+        ]
         if diffs:
             raise BatchUsageError(
                 f"the checkpoint at {self.root} belongs to another job ({'; '.join(diffs)}); "

@@ -35,32 +35,62 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--lane", choices=["ane", "llama"], help="engine lane")
     embed.add_argument("--text-field", default="text")
     embed.add_argument("--id-field", default="id")
-    embed.add_argument("--workers", type=_positive, default=None,
-                       help="lanes on this machine, threads split between them (default: "
-                            "2, or the cores if fewer); with --ray, embedding actors (default 1)")
-    embed.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint (OUTPUT.partial/) an interrupted "
-                            "run left, with or without --ray: the same layout either way")
-    embed.add_argument("--max-errors", type=_non_negative, default=1000,
-                       help="abort (exit 1) when more rows than this fail (default 1000)")
-    embed.add_argument("--no-truncate", action="store_true",
-                       help="a text over the model's limit is a row error, not cut")
+    embed.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        help="lanes on this machine, threads split between them (default: "
+        "2, or the cores if fewer); with --ray, embedding actors (default 1)",
+    )
+    embed.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint (OUTPUT.partial/) an interrupted "
+        "run left, with or without --ray: the same layout either way",
+    )
+    embed.add_argument(
+        "--max-errors",
+        type=_non_negative,
+        default=1000,
+        help="abort (exit 1) when more rows than this fail (default 1000)",
+    )
+    embed.add_argument(
+        "--no-truncate",
+        action="store_true",
+        help="a text over the model's limit is a row error, not cut",
+    )
     embed.add_argument("--no-normalize", action="store_true")
-    embed.add_argument("--prompt-name", metavar="NAME",
-                       help="prepend the model's prompt NAME to every text (default: the "
-                            "model's default prompt, if it has one)")
-    embed.add_argument("--dtype", default="float32",
-                       choices=["float32", "float16", "int8", "uint8", "binary", "ubinary"],
-                       help="the embedding column's type (default float32): float16 halves "
-                            "it; int8/uint8 bucket each dimension over the model's "
-                            "calibration ranges; binary/ubinary pack one sign bit a "
-                            "dimension (sentence-transformers' quantize_embeddings)")
-    embed.add_argument("--window-rows", type=_positive, default=4096,
-                       help="rows per commit and per output row group (default 4096)")
-    embed.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                       help="run on Ray Data: a Ray of our own on this machine (loopback "
-                            "only, token authentication on), or the cluster at ADDRESS "
-                            "(RAY_AUTH_MODE=token and its token, see docs/operations.md)")
+    embed.add_argument(
+        "--prompt-name",
+        metavar="NAME",
+        help="prepend the model's prompt NAME to every text (default: the "
+        "model's default prompt, if it has one)",
+    )
+    embed.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "int8", "uint8", "binary", "ubinary"],
+        help="the embedding column's type (default float32): float16 halves "
+        "it; int8/uint8 bucket each dimension over the model's "
+        "calibration ranges; binary/ubinary pack one sign bit a "
+        "dimension (sentence-transformers' quantize_embeddings)",
+    )
+    embed.add_argument(
+        "--window-rows",
+        type=_positive,
+        default=4096,
+        help="rows per commit and per output row group (default 4096)",
+    )
+    embed.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray Data: a Ray of our own on this machine (loopback "
+        "only, token authentication on), or the cluster at ADDRESS "
+        "(RAY_AUTH_MODE=token and its token, see docs/operations.md)",
+    )
     embed.add_argument("--json", action="store_true", help="print the summary as JSON")
     embed.set_defaults(func=run_batch_embed)
 
@@ -124,12 +154,20 @@ def _options(args: argparse.Namespace):
     from batch.job import JobOptions, default_workers
 
     return JobOptions(
-        input=args.input, output=args.output, model=args.model, lane=args.lane,
-        text_field=args.text_field, id_field=args.id_field,
-        workers=args.workers or default_workers(), resume=args.resume,
-        max_errors=args.max_errors, normalize=not args.no_normalize,
-        truncate=not args.no_truncate, window_rows=args.window_rows,
-        prompt_name=args.prompt_name, dtype=args.dtype,
+        input=args.input,
+        output=args.output,
+        model=args.model,
+        lane=args.lane,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        workers=args.workers or default_workers(),
+        resume=args.resume,
+        max_errors=args.max_errors,
+        normalize=not args.no_normalize,
+        truncate=not args.no_truncate,
+        window_rows=args.window_rows,
+        prompt_name=args.prompt_name,
+        dtype=args.dtype,
     )
 
 
@@ -189,16 +227,31 @@ def _abs(path: str):
 def _print_summary(summary, as_json: bool) -> None:
     rate = summary.rows / summary.seconds if summary.seconds > 0 else 0.0
     if as_json:
-        print(json.dumps({
-            "output": summary.output, "rows": summary.rows, "errors": summary.errors,
-            "errors_file": summary.errors_file, "tokens": summary.tokens,
-            "seconds": round(summary.seconds, 3), "rows_per_s": round(rate, 1),
-            "resumed_from_line": summary.resumed_from_line, "metadata": summary.metadata,
-        }))
+        print(
+            json.dumps(
+                {
+                    "output": summary.output,
+                    "rows": summary.rows,
+                    "errors": summary.errors,
+                    "errors_file": summary.errors_file,
+                    "tokens": summary.tokens,
+                    "seconds": round(summary.seconds, 3),
+                    "rows_per_s": round(rate, 1),
+                    "resumed_from_line": summary.resumed_from_line,
+                    "metadata": summary.metadata,
+                }
+            )
+        )
         return
-    failed = (f"; {summary.errors} rows failed, see {summary.errors_file}"
-              if summary.errors else "; no row failed")
-    resumed = (f" (resumed at line {summary.resumed_from_line})"
-               if summary.resumed_from_line > 1 else "")
-    print(f"synapse batch: wrote {summary.rows} rows to {summary.output}{resumed}{failed}; "
-          f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:,.0f} rows/s)")
+    failed = (
+        f"; {summary.errors} rows failed, see {summary.errors_file}"
+        if summary.errors
+        else "; no row failed"
+    )
+    resumed = (
+        f" (resumed at line {summary.resumed_from_line})" if summary.resumed_from_line > 1 else ""
+    )
+    print(
+        f"synapse batch: wrote {summary.rows} rows to {summary.output}{resumed}{failed}; "
+        f"{summary.tokens} tokens in {summary.seconds:.1f} s ({rate:,.0f} rows/s)"
+    )

@@ -79,6 +79,11 @@ def dtype_metadata(dtype: str, ranges: np.ndarray | None, calibration: str = "")
     if needs_ranges(dtype) and ranges is not None:
         r = np.asarray(ranges, dtype=np.float32)
         meta["quantization_ranges"] = json.dumps(
-            {"calibration": calibration, "min": [float(str(x)) for x in r[0]],
-             "max": [float(str(x)) for x in r[1]]}, separators=(",", ":"))
+            {
+                "calibration": calibration,
+                "min": [float(str(x)) for x in r[0]],
+                "max": [float(str(x)) for x in r[1]],
+            },
+            separators=(",", ":"),
+        )
     return meta

@@ -140,4 +140,3 @@ def _crash_message(exc: EngineCrashed) -> str:
     tail = exc.log_tail.strip().splitlines()[-1:] if exc.log_tail else []
     last = f" (worker's last words: {tail[0][:200]})" if tail else ""
     return f"this row crashed the engine twice: {exc.message}{last}"
-

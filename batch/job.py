@@ -67,13 +67,20 @@ class JobOptions:
 
     def job_key(self, spec: InputSpec) -> dict:
         """What must match for `--resume` to continue a checkpoint."""
-        return {"input": spec.identity(), "format": spec.format, "text_field": self.text_field,
-                "id_field": self.id_field, "model": self.model, "lane": self.lane,
-                "normalize": self.normalize, "truncate": self.truncate,
-                "prompt_name": self.prompt_name,
-                # Only when not the default: a checkpoint from before --dtype has no key and
-                # was embedded as float32, so it still resumes.
-                **({"dtype": self.dtype} if self.dtype != "float32" else {})}
+        return {
+            "input": spec.identity(),
+            "format": spec.format,
+            "text_field": self.text_field,
+            "id_field": self.id_field,
+            "model": self.model,
+            "lane": self.lane,
+            "normalize": self.normalize,
+            "truncate": self.truncate,
+            "prompt_name": self.prompt_name,
+            # Only when not the default: a checkpoint from before --dtype has no key and
+            # was embedded as float32, so it still resumes.
+            **({"dtype": self.dtype} if self.dtype != "float32" else {}),
+        }
 
 
 @dataclass
@@ -131,8 +138,14 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
     modules = [build_module(config) for _ in range(opts.workers)]
     try:
         embedders = [
-            LaneEmbedder(mod, opts.model, opts.lane, opts.normalize, opts.runtime_config,
-                         prompt_name=opts.prompt_name)
+            LaneEmbedder(
+                mod,
+                opts.model,
+                opts.lane,
+                opts.normalize,
+                opts.runtime_config,
+                prompt_name=opts.prompt_name,
+            )
             for mod in modules
         ]
         await asyncio.gather(*(e.start() for e in embedders))
@@ -148,7 +161,10 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
             on_ready(embedders)
         start_line = ckpt.next_line
         progress = JobProgress(
-            count_records(spec), ckpt.state["rows"], ckpt.state["tokens"], ckpt.state["errors"],
+            count_records(spec),
+            ckpt.state["rows"],
+            ckpt.state["tokens"],
+            ckpt.state["errors"],
             opts.progress_interval_s,
         )
         try:
@@ -161,8 +177,16 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
     s = ckpt.state
     with _full_disk_aborts(output.parent, _resume_advice(ckpt)):
         errors_file = _publish(opts, ckpt, output, meta)
-    return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], loop.time() - t0, meta,
-                      errors_file, start_line)
+    return JobSummary(
+        str(output),
+        s["rows"],
+        s["errors"],
+        s["tokens"],
+        loop.time() - t0,
+        meta,
+        errors_file,
+        start_line,
+    )
 
 
 def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> str | None:
@@ -178,8 +202,7 @@ def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> st
     return errors_file
 
 
-async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress,
-                    ranges=None) -> None:
+async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress, ranges=None) -> None:
     loop = asyncio.get_running_loop()
     cfg = embedders[0].module.config
     ready: asyncio.Queue = asyncio.Queue(maxsize=opts.ahead)  # windows, in order, or the end
@@ -189,9 +212,17 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress,
 
     def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
         try:
-            source = windows(spec, ckpt.next_line, opts.window_rows, embedders[0].tokenizer,
-                             opts.truncate, cfg.max_worker_batch_tokens, cfg.max_batch_items,
-                             ckpt.state["parts"], embedders[0].prompt)
+            source = windows(
+                spec,
+                ckpt.next_line,
+                opts.window_rows,
+                embedders[0].tokenizer,
+                opts.truncate,
+                cfg.max_worker_batch_tokens,
+                cfg.max_batch_items,
+                ckpt.state["parts"],
+                embedders[0].prompt,
+            )
             for window in source:
                 if stop_reader.is_set():
                     return
@@ -281,12 +312,17 @@ class _Progress:
 def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=None) -> None:
     w = state.window
     keep = [i for i in range(len(w.rows)) if i not in state.crashed]
-    errors = list(w.errors) + [error_record(w.rows[i], ENGINE_CRASHED, msg)
-                               for i, msg in state.crashed.items()]
+    errors = list(w.errors) + [
+        error_record(w.rows[i], ENGINE_CRASHED, msg) for i, msg in state.crashed.items()
+    ]
     errors.sort(key=lambda e: e["line"])
-    table = make_table(cast("list[str]", [w.rows[i].id for i in keep]),  # ok rows have ids
-                       convert(state.vectors[keep], opts.dtype, ranges),
-                       [len(w.ids[i]) for i in keep], [w.truncated[i] for i in keep], schema)
+    table = make_table(
+        cast("list[str]", [w.rows[i].id for i in keep]),  # ok rows have ids
+        convert(state.vectors[keep], opts.dtype, ranges),
+        [len(w.ids[i]) for i in keep],
+        [w.truncated[i] for i in keep],
+        schema,
+    )
     tokens = sum(len(w.ids[i]) for i in keep)
     with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
         ckpt.commit(table, errors, w.next_line, tokens)
@@ -297,13 +333,19 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=N
 def _full_disk_aborts(where: Path, advice: str):
     """A write under `where` that fails for want of space stops the job as `StorageFull`,
     saying what to do; any other I/O failure stays what it is."""
-    return full_disk_as(lambda exc: StorageFull(
-        f"no space left on the device of {where} ({exc.strerror or exc}); {advice}"), where)
+    return full_disk_as(
+        lambda exc: StorageFull(
+            f"no space left on the device of {where} ({exc.strerror or exc}); {advice}"
+        ),
+        where,
+    )
 
 
 def _resume_advice(ckpt: Checkpoint) -> str:
-    return (f"the checkpoint at {ckpt.root} keeps every committed row: free some space and "
-            f"rerun the same command with --resume")
+    return (
+        f"the checkpoint at {ckpt.root} keeps every committed row: free some space and "
+        f"rerun the same command with --resume"
+    )
 
 
 def _raise_if_over_max_errors(ckpt: Checkpoint, opts: JobOptions) -> None:

@@ -45,22 +45,32 @@ def output_schema(
 
 
 def make_table(
-    ids: list[str], vectors: np.ndarray, n_tokens: Iterable[int], truncated: Iterable[bool],
+    ids: list[str],
+    vectors: np.ndarray,
+    n_tokens: Iterable[int],
+    truncated: Iterable[bool],
     schema: pa.Schema,
 ) -> pa.Table:
     """`vectors` in the embedding column's dtype (batch.dtypes.convert), float32 by default."""
     embedding = embedding_array(vectors, schema.field("embedding").type)
     return pa.Table.from_arrays(
-        [pa.array(ids, pa.string()), embedding, pa.array(list(n_tokens), pa.int32()),
-         pa.array(list(truncated), pa.bool_())],
+        [
+            pa.array(ids, pa.string()),
+            embedding,
+            pa.array(list(n_tokens), pa.int32()),
+            pa.array(list(truncated), pa.bool_()),
+        ],
         schema=schema,
     )
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     raw = pq.read_schema(path).metadata or {}
-    return {k.decode().removeprefix("synapse."): v.decode() for k, v in raw.items()
-            if k.startswith(b"synapse.")}
+    return {
+        k.decode().removeprefix("synapse."): v.decode()
+        for k, v in raw.items()
+        if k.startswith(b"synapse.")
+    }
 
 
 def write_part(path: Path, table: pa.Table) -> None:
@@ -109,4 +119,3 @@ def publish_copy(src: Path, dest: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-

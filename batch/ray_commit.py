@@ -26,8 +26,13 @@ from batch.output import make_table, output_schema
 
 
 class BlockCommitter:
-    def __init__(self, ckpt: Checkpoint, opts: JobOptions, ranges: np.ndarray | None = None,
-                 on_commit: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        opts: JobOptions,
+        ranges: np.ndarray | None = None,
+        on_commit: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         self.ckpt, self.opts, self.ranges = ckpt, opts, ranges
         self.on_commit = on_commit  # (rows, tokens, errors) of each committed block
         self.next_block = 0
@@ -57,8 +62,10 @@ class BlockCommitter:
             self._have[block] = self._have.get(block, 0) + piece.num_rows
             self._expect[block] = piece.column("block_rows")[0].as_py()
             if self._have[block] > self._expect[block]:
-                raise JobAborted(f"block {block} came back with {self._have[block]} rows, "
-                                 f"{self._expect[block]} were read")
+                raise JobAborted(
+                    f"block {block} came back with {self._have[block]} rows, "
+                    f"{self._expect[block]} were read"
+                )
         while self._have.get(self.next_block, -1) == self._expect.get(self.next_block):
             self._commit(self.next_block)
             self.next_block += 1
@@ -69,14 +76,23 @@ class BlockCommitter:
         self._check_provenance(table)
         bad = table.filter(pc.is_valid(table.column("error_code")))
         good = table.filter(pc.is_null(table.column("error_code")))
-        errors = [{"line": r["line"], "id": r["id"],
-                   "error": {"code": r["error_code"], "message": r["error_message"]}}
-                  for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()]
+        errors = [
+            {
+                "line": r["line"],
+                "id": r["id"],
+                "error": {"code": r["error_code"], "message": r["error_message"]},
+            }
+            for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()
+        ]
         vectors = float_vectors(good.column("embedding"))
         n_tokens = good.column("n_tokens").to_pylist()
-        part = make_table(good.column("id").to_pylist(),
-                          convert(vectors, self.opts.dtype, self.ranges), n_tokens,
-                          good.column("truncated").to_pylist(), self._schema)
+        part = make_table(
+            good.column("id").to_pylist(),
+            convert(vectors, self.opts.dtype, self.ranges),
+            n_tokens,
+            good.column("truncated").to_pylist(),
+            self._schema,
+        )
         tokens = sum(n_tokens)
         next_line = table.column("line")[-1].as_py() + 1
         with _full_disk_aborts(self.ckpt.root, _resume_advice(self.ckpt)):
@@ -91,8 +107,7 @@ class BlockCommitter:
         if self.meta_json is not None:
             metas.add(self.meta_json)
         if len(metas) > 1:
-            raise JobAborted(
-                f"the nodes embedded with different models/artifacts: {sorted(metas)}")
+            raise JobAborted(f"the nodes embedded with different models/artifacts: {sorted(metas)}")
         if self.meta_json is None:
             self.bind(metas.pop())
 

@@ -76,9 +76,17 @@ _ROW_COLUMNS = ("line", "id", "text", "error_code", "error_message")
 
 
 def _row_schema() -> pa.Schema:
-    return pa.schema([("line", pa.int64()), ("id", pa.string()), ("text", pa.string()),
-                      ("error_code", pa.string()), ("error_message", pa.string()),
-                      ("block", pa.int64()), ("block_rows", pa.int64())])
+    return pa.schema(
+        [
+            ("line", pa.int64()),
+            ("id", pa.string()),
+            ("text", pa.string()),
+            ("error_code", pa.string()),
+            ("error_message", pa.string()),
+            ("block", pa.int64()),
+            ("block_rows", pa.int64()),
+        ]
+    )
 
 
 class RowsDatasource(Datasource):
@@ -88,8 +96,13 @@ class RowsDatasource(Datasource):
     feeding one actor; the rows and their line numbers are exactly the local job's. Every
     row names its block (numbered from 0) and the block's row count, for the committer."""
 
-    def __init__(self, spec: InputSpec, stripes: int = 1,
-                 block_rows: int = _READ_BLOCK_ROWS, start_line: int = 1) -> None:
+    def __init__(
+        self,
+        spec: InputSpec,
+        stripes: int = 1,
+        block_rows: int = _READ_BLOCK_ROWS,
+        start_line: int = 1,
+    ) -> None:
         self.spec, self.stripes, self.block_rows = spec, max(1, stripes), block_rows
         self.start_line = start_line
 
@@ -98,17 +111,25 @@ class RowsDatasource(Datasource):
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
         spec, n, rows, start = self.spec, self.stripes, self.block_rows, self.start_line
-        meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None,
-                             input_files=(spec.path,))
-        return [ReadTask(lambda k=k: _read_blocks(spec, k, n, rows, start), meta,
-                         schema=_row_schema()) for k in range(n)]
+        meta = BlockMetadata(
+            num_rows=None, size_bytes=None, exec_stats=None, input_files=(spec.path,)
+        )
+        return [
+            ReadTask(lambda k=k: _read_blocks(spec, k, n, rows, start), meta, schema=_row_schema())
+            for k in range(n)
+        ]
 
     def get_name(self) -> str:
         return "SynapseRows"
 
 
-def _read_blocks(spec: InputSpec, stripe: int = 0, stripes: int = 1,
-                 block_rows: int = _READ_BLOCK_ROWS, start_line: int = 1):
+def _read_blocks(
+    spec: InputSpec,
+    stripe: int = 0,
+    stripes: int = 1,
+    block_rows: int = _READ_BLOCK_ROWS,
+    start_line: int = 1,
+):
     buf: list[Row] = []
     block = 0
     for row in read_rows(spec, start_line):
@@ -123,10 +144,15 @@ def _read_blocks(spec: InputSpec, stripe: int = 0, stripes: int = 1,
 
 def _rows_table(rows: list[Row], block: int) -> pa.Table:
     return pa.Table.from_pydict(
-        {"line": [r.line for r in rows], "id": [r.id for r in rows],
-         "text": [r.text for r in rows], "error_code": [r.error_code for r in rows],
-         "error_message": [r.error_message for r in rows],
-         "block": [block] * len(rows), "block_rows": [len(rows)] * len(rows)},
+        {
+            "line": [r.line for r in rows],
+            "id": [r.id for r in rows],
+            "text": [r.text for r in rows],
+            "error_code": [r.error_code for r in rows],
+            "error_message": [r.error_message for r in rows],
+            "block": [block] * len(rows),
+            "block_rows": [len(rows)] * len(rows),
+        },
         schema=_row_schema(),
     )
 
@@ -134,8 +160,17 @@ def _rows_table(rows: list[Row], block: int) -> pa.Table:
 class EmbedActor:
     """One engine per actor: a `Module` whose supervised worker runs on the actor's node."""
 
-    def __init__(self, model, lane, normalize, truncate, module_config: bytes,
-                 planned_workers, runtime_config=None, prompt_name=None) -> None:
+    def __init__(
+        self,
+        model,
+        lane,
+        normalize,
+        truncate,
+        module_config: bytes,
+        planned_workers,
+        runtime_config=None,
+        prompt_name=None,
+    ) -> None:
         import msgspec
 
         from batch.embedder import LaneEmbedder
@@ -150,8 +185,9 @@ class EmbedActor:
         config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
         config = msgspec.structs.replace(config, planned_workers=planned_workers)
         self.module = build_module(config)  # the lane choice `synapse serve` makes
-        self.embedder = LaneEmbedder(self.module, model, lane, normalize, runtime_config,
-                                     prompt_name=prompt_name)
+        self.embedder = LaneEmbedder(
+            self.module, model, lane, normalize, runtime_config, prompt_name=prompt_name
+        )
         self._run(self.embedder.start())
         self.truncate = truncate
         self.meta = json.dumps(describe(self.embedder, normalize), sort_keys=True)
@@ -162,18 +198,34 @@ class EmbedActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         from batch.windows import tokenize_window
 
-        rows = [Row(*v) for v in zip(*(batch.column(c).to_pylist() for c in _ROW_COLUMNS),
-                                     strict=True)]
+        rows = [
+            Row(*v) for v in zip(*(batch.column(c).to_pylist() for c in _ROW_COLUMNS), strict=True)
+        ]
         # A batch may span blocks: each row keeps its own, by line.
-        blocks = dict(zip(batch.column("line").to_pylist(),
-                          zip(batch.column("block").to_pylist(),
-                              batch.column("block_rows").to_pylist(), strict=True),
-                          strict=True))
+        blocks = dict(
+            zip(
+                batch.column("line").to_pylist(),
+                zip(
+                    batch.column("block").to_pylist(),
+                    batch.column("block_rows").to_pylist(),
+                    strict=True,
+                ),
+                strict=True,
+            )
+        )
         cfg = self.module.config
         emb = self.embedder
         assert emb.tokenizer is not None  # set when the embedder started
-        window = tokenize_window(0, rows, 0, emb.tokenizer, self.truncate,
-                                 cfg.max_worker_batch_tokens, cfg.max_batch_items, emb.prompt)
+        window = tokenize_window(
+            0,
+            rows,
+            0,
+            emb.tokenizer,
+            self.truncate,
+            cfg.max_worker_batch_tokens,
+            cfg.max_batch_items,
+            emb.prompt,
+        )
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)
         crashed: dict[int, str] = {}
         for group in window.batches:
@@ -233,23 +285,28 @@ def _result_table(window, vectors, crashed, dims, meta, blocks: dict) -> pa.Tabl
     all_vectors[: len(keep)] = vectors
     flat = pa.array(all_vectors.reshape(-1))
     n = len(lines)
-    table = pa.table({
-        "line": pa.array(lines, pa.int64()), "id": pa.array(ids, pa.string()),
-        "embedding": pa.FixedSizeListArray.from_arrays(flat, dims),
-        "n_tokens": pa.array(n_tok, pa.int32()), "truncated": pa.array(cut, pa.bool_()),
-        "error_code": pa.array(codes, pa.string()),
-        "error_message": pa.array(messages, pa.string()),
-        # Provenance on every row, so the committer can refuse a run whose nodes embedded
-        # with different artifacts.
-        "_meta": pa.array([meta] * n, pa.string()),
-        "block": pa.array([blocks[line][0] for line in lines], pa.int64()),
-        "block_rows": pa.array([blocks[line][1] for line in lines], pa.int64()),
-    })
+    table = pa.table(
+        {
+            "line": pa.array(lines, pa.int64()),
+            "id": pa.array(ids, pa.string()),
+            "embedding": pa.FixedSizeListArray.from_arrays(flat, dims),
+            "n_tokens": pa.array(n_tok, pa.int32()),
+            "truncated": pa.array(cut, pa.bool_()),
+            "error_code": pa.array(codes, pa.string()),
+            "error_message": pa.array(messages, pa.string()),
+            # Provenance on every row, so the committer can refuse a run whose nodes embedded
+            # with different artifacts.
+            "_meta": pa.array([meta] * n, pa.string()),
+            "block": pa.array([blocks[line][0] for line in lines], pa.int64()),
+            "block_rows": pa.array([blocks[line][1] for line in lines], pa.int64()),
+        }
+    )
     return table.sort_by("line")
 
 
-def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = None,
-                timings: dict | None = None) -> JobSummary:
+def run_ray_job(
+    opts: JobOptions, address: str | None, workers: int | None = None, timings: dict | None = None
+) -> JobSummary:
     """Run on Ray (connecting, or starting a local Ray); raise like `run_job`: a
     `BatchUsageError` before anything is done, else `JobAborted` with the checkpoint left
     for `opts.resume`.
@@ -271,8 +328,11 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     workers = workers or 1
     try:
         if local:
-            _usage_error_from(lambda: start_local_ray(
-                num_cpus=workers + 1, resources=node_resources(), log_to_driver=False))
+            _usage_error_from(
+                lambda: start_local_ray(
+                    num_cpus=workers + 1, resources=node_resources(), log_to_driver=False
+                )
+            )
         elif not ray.is_initialized():
             assert address is not None  # `local` covers the no-address case
             _connect(address)
@@ -294,8 +354,9 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     actor_kwargs = _actor_kwargs(opts, workers, cores)
     start_line = ckpt.next_line
     s = ckpt.state
-    progress = JobProgress(count_records(spec), s["rows"], s["tokens"], s["errors"],
-                           opts.progress_interval_s)
+    progress = JobProgress(
+        count_records(spec), s["rows"], s["tokens"], s["errors"], opts.progress_interval_s
+    )
     committer: BlockCommitter | None = None
     try:
         with _interrupts_abort(ckpt):
@@ -305,27 +366,39 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
                     # One node's ranges for every row: the actors return float32 and the
                     # driver quantizes at the commit, so nodes with their own stores cannot
                     # disagree.
-                    ranges = np.array(ray.get(
-                        _calibrate.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
-                        .remote(actor_kwargs)), np.float32)
+                    ranges = np.array(
+                        ray.get(
+                            _calibrate.options(
+                                num_cpus=_ACTOR_CPUS, resources=resources or None
+                            ).remote(actor_kwargs)
+                        ),
+                        np.float32,
+                    )
                 committer = BlockCommitter(ckpt, opts, ranges, progress.update)
                 # Closed at once on the way out, not when an exception's traceback goes:
                 # that stops the dataset's execution and its actors.
-                with contextlib.closing(_results(spec, start_line, opts, workers, resources,
-                                                 actor_kwargs)) as results:
+                with contextlib.closing(
+                    _results(spec, start_line, opts, workers, resources, actor_kwargs)
+                ) as results:
                     for table in results:
                         if timings is not None and "first_row_s" not in timings:
                             timings["first_row_s"] = time.time() - t0
                         committer.add(table)
                 if committer.held_blocks:
-                    raise JobAborted(f"the run ended with {committer.held_blocks} blocks "
-                                     f"uncommitted (rows missing before them)")
+                    raise JobAborted(
+                        f"the run ended with {committer.held_blocks} blocks "
+                        f"uncommitted (rows missing before them)"
+                    )
                 if committer.meta_json is None:
                     # No row in this run (an empty input, or a resume with nothing left):
                     # the lane where the actors would have run says what a full one would.
-                    committer.bind(ray.get(
-                        _describe.options(num_cpus=_ACTOR_CPUS, resources=resources or None)
-                        .remote(actor_kwargs)))
+                    committer.bind(
+                        ray.get(
+                            _describe.options(
+                                num_cpus=_ACTOR_CPUS, resources=resources or None
+                            ).remote(actor_kwargs)
+                        )
+                    )
             except (ray.exceptions.RayError, RuntimeError) as exc:
                 raise _ray_failed(exc, ckpt) from exc
     finally:
@@ -336,8 +409,16 @@ def run_ray_job(opts: JobOptions, address: str | None, workers: int | None = Non
     meta.update(dtype_metadata(opts.dtype, ranges, calibration_set()))
     with _full_disk_aborts(output.parent, _resume_advice(ckpt)):
         errors_file = _publish(opts, ckpt, output, meta)
-    return JobSummary(str(output), s["rows"], s["errors"], s["tokens"], time.time() - t0, meta,
-                      errors_file, start_line)
+    return JobSummary(
+        str(output),
+        s["rows"],
+        s["errors"],
+        s["tokens"],
+        time.time() - t0,
+        meta,
+        errors_file,
+        start_line,
+    )
 
 
 def _usage_error_from(start) -> None:
@@ -395,7 +476,9 @@ def _ray_failed(exc: BaseException, ckpt: Checkpoint) -> JobAborted:
 
 def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
     return {
-        "model": opts.model, "lane": opts.lane, "normalize": opts.normalize,
+        "model": opts.model,
+        "lane": opts.lane,
+        "normalize": opts.normalize,
         "truncate": opts.truncate,
         "module_config": msgspec.json.encode(opts.module or ModuleConfig()),
         "planned_workers": max(1, min(workers, cores)),
@@ -425,15 +508,17 @@ def _describe(actor_kwargs: dict) -> str:
         actor.close()
 
 
-def _results(spec, start_line: int, opts, workers: int, resources: dict,
-             actor_kwargs: dict):
+def _results(spec, start_line: int, opts, workers: int, resources: dict, actor_kwargs: dict):
     """The actors' result tables as they finish, in any order (the committer orders them).
     Closing this generator closes Ray Data's iterator, which shuts its execution down."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = False  # ordering would hold every block back
     rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
-    ds = ray.data.read_datasource(RowsDatasource(spec, workers, rows, start_line),
-                                  num_cpus=_IO_CPUS, override_num_blocks=workers)
+    ds = ray.data.read_datasource(
+        RowsDatasource(spec, workers, rows, start_line),
+        num_cpus=_IO_CPUS,
+        override_num_blocks=workers,
+    )
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",

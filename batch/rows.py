@@ -38,8 +38,13 @@ from typing import BinaryIO
 from batch.errors import BatchUsageError
 from host.sanitize import is_utf8_encodable
 
-FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet",
-           ".csv": "csv"}
+FORMATS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".txt": "txt",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 _ARROW_BATCH = 4096  # rows per Parquet read batch: bounded memory
 
 
@@ -97,8 +102,11 @@ class InputSpec:
         if self.path == "-":
             return {"path": "-"}
         st = Path(self.path).stat()
-        return {"path": str(Path(self.path).resolve()), "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns}
+        return {
+            "path": str(Path(self.path).resolve()),
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+        }
 
 
 def read_rows(
@@ -141,10 +149,16 @@ def parse_json_line(line: int, text: str, text_field: str, id_field: str) -> Row
     except ValueError as exc:
         return Row(line, str(line), None, "invalid_json", f"line {line} is not JSON: {exc}")
     if not isinstance(obj, dict):
-        return Row(line, str(line), None, "invalid_json",
-                   f"line {line} is a JSON {type(obj).__name__}, expected an object")
-    return _row_from(line, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING),
-                     text_field, id_field)
+        return Row(
+            line,
+            str(line),
+            None,
+            "invalid_json",
+            f"line {line} is a JSON {type(obj).__name__}, expected an object",
+        )
+    return _row_from(
+        line, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING), text_field, id_field
+    )
 
 
 _MISSING = object()
@@ -154,18 +168,33 @@ def _row_from(line: int, text: object, rid: object, text_field: str, id_field: s
     if rid is _MISSING or rid is None:
         row_id = str(line)
     elif isinstance(rid, bool) or not isinstance(rid, str | int):
-        return Row(line, None, None, "invalid_id",
-                   f"{id_field!r} is {type(rid).__name__}; ids are strings or integers")
+        return Row(
+            line,
+            None,
+            None,
+            "invalid_id",
+            f"{id_field!r} is {type(rid).__name__}; ids are strings or integers",
+        )
     else:
         row_id = str(rid)
         if not is_utf8_encodable(row_id):
-            return Row(line, None, None, "invalid_id",
-                       f"{id_field!r} is not valid Unicode (it holds a lone surrogate)")
+            return Row(
+                line,
+                None,
+                None,
+                "invalid_id",
+                f"{id_field!r} is not valid Unicode (it holds a lone surrogate)",
+            )
     if text is _MISSING or text is None:
         return Row(line, row_id, None, "missing_field", f"no {text_field!r} field")
     if not isinstance(text, str):
-        return Row(line, row_id, None, "not_a_string",
-                   f"{text_field!r} is {type(text).__name__}, expected a string")
+        return Row(
+            line,
+            row_id,
+            None,
+            "not_a_string",
+            f"{text_field!r} is {type(text).__name__}, expected a string",
+        )
     return _check_text(line, row_id, text)
 
 
@@ -199,8 +228,13 @@ def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[R
                 if line < start_line:
                     continue  # resuming: committed already
                 if len(fields) != len(header):
-                    yield Row(line, None, None, "malformed_row",
-                              f"row {line} has {len(fields)} fields, the header {len(header)}")
+                    yield Row(
+                        line,
+                        None,
+                        None,
+                        "malformed_row",
+                        f"row {line} has {len(fields)} fields, the header {len(header)}",
+                    )
                     continue
                 rid = fields[id_at] if id_at is not None else _MISSING
                 yield _row_from(line, fields[text_at], rid, spec.text_field, spec.id_field)
@@ -235,8 +269,11 @@ def _parquet_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterat
             line += n
             continue
         texts = batch.column(spec.text_field).to_pylist()
-        ids = (batch.column(spec.id_field).to_pylist()
-               if spec.id_field in batch.schema.names else [None] * n)
+        ids = (
+            batch.column(spec.id_field).to_pylist()
+            if spec.id_field in batch.schema.names
+            else [None] * n
+        )
         for text, rid in zip(texts, ids, strict=True):
             line += 1
             if line >= start_line:

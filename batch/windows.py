@@ -35,8 +35,11 @@ class Window:
 
 
 def error_record(row: Row, code: str | None = None, message: str | None = None) -> dict:
-    return {"line": row.line, "id": row.id,
-            "error": {"code": code or row.error_code, "message": message or row.error_message}}
+    return {
+        "line": row.line,
+        "id": row.id,
+        "error": {"code": code or row.error_code, "message": message or row.error_message},
+    }
 
 
 def plan_batches(lengths: list[int], max_tokens: int, max_items: int) -> list[list[int]]:
@@ -58,8 +61,14 @@ def plan_batches(lengths: list[int], max_tokens: int, max_items: int) -> list[li
 
 
 def tokenize_window(
-    index: int, rows: list[Row], next_line: int, tokenizer: Tokenizer, truncate: bool,
-    max_tokens: int, max_items: int, prompt: str = "",
+    index: int,
+    rows: list[Row],
+    next_line: int,
+    tokenizer: Tokenizer,
+    truncate: bool,
+    max_tokens: int,
+    max_items: int,
+    prompt: str = "",
 ) -> Window:
     """`prompt` is prepended to every row's text (tokens and limit as `Tokenizer.encode`)."""
     good = [r for r in rows if r.ok]
@@ -71,10 +80,14 @@ def tokenize_window(
     if not truncate and any(cut):
         keep = [i for i, c in enumerate(cut) if not c]
         errors += [
-            error_record(good[i], TOO_LONG,
-                         f"the text is over the model's limit of {tokenizer.max_tokens} tokens "
-                         f"and --no-truncate is set")
-            for i, c in enumerate(cut) if c
+            error_record(
+                good[i],
+                TOO_LONG,
+                f"the text is over the model's limit of {tokenizer.max_tokens} tokens "
+                f"and --no-truncate is set",
+            )
+            for i, c in enumerate(cut)
+            if c
         ]
         errors.sort(key=lambda e: e["line"])
         good = [good[i] for i in keep]
@@ -86,17 +99,26 @@ def tokenize_window(
 
 
 def windows(
-    spec: InputSpec, start_line: int, window_rows: int, tokenizer: Tokenizer, truncate: bool,
-    max_tokens: int, max_items: int, first_index: int = 0, prompt: str = "",
+    spec: InputSpec,
+    start_line: int,
+    window_rows: int,
+    tokenizer: Tokenizer,
+    truncate: bool,
+    max_tokens: int,
+    max_items: int,
+    first_index: int = 0,
+    prompt: str = "",
 ) -> Iterator[Window]:
     buf: list[Row] = []
     index = first_index
     for row in read_rows(spec, start_line):
         buf.append(row)
         if len(buf) >= window_rows:
-            yield tokenize_window(index, buf, row.line + 1, tokenizer, truncate, max_tokens,
-                                  max_items, prompt)
+            yield tokenize_window(
+                index, buf, row.line + 1, tokenizer, truncate, max_tokens, max_items, prompt
+            )
             buf, index = [], index + 1
     if buf:
-        yield tokenize_window(index, buf, buf[-1].line + 1, tokenizer, truncate, max_tokens,
-                              max_items, prompt)
+        yield tokenize_window(
+            index, buf, buf[-1].line + 1, tokenizer, truncate, max_tokens, max_items, prompt
+        )

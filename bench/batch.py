@@ -53,7 +53,7 @@ def write_corpus(path: Path, n: int) -> None:
         for i in range(n):
             k = rng.choice(WORDS_PER_ROW)
             start = rng.randrange(0, len(words) - k)
-            f.write(json.dumps({"id": f"r{i}", "text": " ".join(words[start:start + k])}) + "\n")
+            f.write(json.dumps({"id": f"r{i}", "text": " ".join(words[start : start + k])}) + "\n")
 
 
 def ceiling(path: Path, config: ModuleConfig, workers: int) -> dict:
@@ -64,10 +64,23 @@ def ceiling(path: Path, config: ModuleConfig, workers: int) -> dict:
     shared machine CFS gives both sides the same number of autogroup shares."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.batch", "--shard", f"{k}/{workers}", "--corpus",
-             str(path), "--max-worker-batch-tokens", str(config.max_worker_batch_tokens),
-             "--max-batch-items", str(config.max_batch_items)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "bench.batch",
+                "--shard",
+                f"{k}/{workers}",
+                "--corpus",
+                str(path),
+                "--max-worker-batch-tokens",
+                str(config.max_worker_batch_tokens),
+                "--max-batch-items",
+                str(config.max_batch_items),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         for k in range(workers)
     ]
@@ -93,37 +106,63 @@ def run_shard(shard: str, corpus_path: str, max_tokens: int, max_items: int) -> 
     rec = ArtifactStore().get(DEFAULT_EMBED)
     threads = max(1, (os.cpu_count() or 1) // n)
     engine = LlamaEngine()
-    engine.load(m.LOAD(req_id=0, artifact_path=str(rec.artifact_path),
-                       artifact_digest=rec.digest, format="gguf",
-                       runtime_config={"model_ref": DEFAULT_EMBED, "n_ctx": rec.manifest.n_ctx,
-                                       "n_threads": threads, "n_threads_batch": threads}),
-                NullProgress())
+    engine.load(
+        m.LOAD(
+            req_id=0,
+            artifact_path=str(rec.artifact_path),
+            artifact_digest=rec.digest,
+            format="gguf",
+            runtime_config={
+                "model_ref": DEFAULT_EMBED,
+                "n_ctx": rec.manifest.n_ctx,
+                "n_threads": threads,
+                "n_threads_batch": threads,
+            },
+        ),
+        NullProgress(),
+    )
     man = rec.manifest
-    tok = Tokenizer.from_file(rec.tokenizer_path, max_tokens=man.max_tokens,
-                              hard_limit=man.max_tokens_limit)
+    tok = Tokenizer.from_file(
+        rec.tokenizer_path, max_tokens=man.max_tokens, hard_limit=man.max_tokens_limit
+    )
     ids = tok.encode([r.text for r in read_rows(InputSpec(corpus_path))], truncate=True).ids
     work = []
     window = 4096  # the job's window: batches are planned the same way
     for w in range(0, len(ids), window):
-        part = ids[w:w + window]
+        part = ids[w : w + window]
         lengths = [len(x) for x in part]
         for batch in plan_batches(lengths, max_tokens, max_items):
-            req = m.EMBED_BATCH(req_id=0, model_ref=DEFAULT_EMBED, normalize=True,
-                                items=[m.EmbedItem(id=j, n_tokens=lengths[i])
-                                       for j, i in enumerate(batch)])
+            req = m.EMBED_BATCH(
+                req_id=0,
+                model_ref=DEFAULT_EMBED,
+                normalize=True,
+                items=[m.EmbedItem(id=j, n_tokens=lengths[i]) for j, i in enumerate(batch)],
+            )
             work.append((req, np.concatenate([part[i] for i in batch])))
     mine = work[k::n]
     print("ready", flush=True)
     sys.stdin.readline()
     for req, payload in mine:
         engine.embed(req, payload, NullProgress())
-    print(json.dumps({"rows": sum(len(r.items) for r, _ in mine),
-                      "tokens": int(sum(len(p) for _, p in mine)), "threads": threads}))
+    print(
+        json.dumps(
+            {
+                "rows": sum(len(r.items) for r, _ in mine),
+                "tokens": int(sum(len(p) for _, p in mine)),
+                "threads": threads,
+            }
+        )
+    )
 
 
 def _rates(rows: int, tokens: int, seconds: float) -> dict:
-    return {"rows": rows, "tokens": tokens, "seconds": round(seconds, 2),
-            "rows_per_s": round(rows / seconds, 1), "tokens_per_s": round(tokens / seconds)}
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(rows / seconds, 1),
+        "tokens_per_s": round(tokens / seconds),
+    }
 
 
 def _load() -> list[float]:
@@ -152,20 +191,34 @@ def main() -> None:
         config = ModuleConfig(host=HostConfig(runtime_dir=str(tmpdir), ping_interval_s=0))
         ceil = ceiling(path, config, args.workers)
 
-        opts = JobOptions(input=str(path), output=str(tmpdir / "job.parquet"),
-                          workers=args.workers, module=config, progress_interval_s=3600)
+        opts = JobOptions(
+            input=str(path),
+            output=str(tmpdir / "job.parquet"),
+            workers=args.workers,
+            module=config,
+            progress_interval_s=3600,
+        )
         start = time.perf_counter()
         summary = asyncio.run(run_job(opts))
         job = _rates(summary.rows, summary.tokens, time.perf_counter() - start)
         job["workers"] = args.workers
-        result = {"corpus_rows": args.rows, "cores": os.cpu_count(), "ceiling": ceil,
-                  "job": job, "job_ratio": round(job["rows_per_s"] / ceil["rows_per_s"], 3)}
+        result = {
+            "corpus_rows": args.rows,
+            "cores": os.cpu_count(),
+            "ceiling": ceil,
+            "job": job,
+            "job_ratio": round(job["rows_per_s"] / ceil["rows_per_s"], 3),
+        }
         if not args.skip_ray:
             from batch.ray_job import run_ray_job
 
             timings: dict = {}
-            opts = JobOptions(input=str(path), output=str(tmpdir / "ray.parquet"),
-                              workers=args.workers, module=config)
+            opts = JobOptions(
+                input=str(path),
+                output=str(tmpdir / "ray.parquet"),
+                workers=args.workers,
+                module=config,
+            )
             start = time.perf_counter()
             rsum = run_ray_job(opts, None, workers=args.workers, timings=timings)
             ray = _rates(rsum.rows, rsum.tokens, time.perf_counter() - start)

@@ -106,8 +106,10 @@ def resolve_target(store: ArtifactStore, name: str, prompt_name: str | None) -> 
         skip = ""
     except SynapseError:
         hf_dir = None
-        skip = (f"{name!r} was ingested from {record.manifest.source!r}: no Hugging Face "
-                "directory to load")
+        skip = (
+            f"{name!r} was ingested from {record.manifest.source!r}: no Hugging Face "
+            "directory to load"
+        )
     if hf_dir is not None and not (hf_dir / "config.json").is_file():
         hf_dir, skip = None, f"its Hugging Face source {hf_dir} is gone"
     return Target(record, prompt, prompt_name, hf_dir, skip)
@@ -127,8 +129,14 @@ def _runtime_config(record: ModelRecord, threads: int) -> dict:
     return out
 
 
-def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target: Target,
-                texts: list[str], generate: bool):
+def _in_process(
+    store: ArtifactStore,
+    config: ModuleConfig,
+    threads: int,
+    target: Target,
+    texts: list[str],
+    generate: bool,
+):
     from host.tokenization import Tokenizer
     from workers.llama.engine import LlamaEngine
 
@@ -138,8 +146,13 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target
     for name in (embed_model, DEFAULT_GENERATE) if generate else (embed_model,):
         rec = store.get(name)
         engine.load(
-            m.LOAD(req_id=0, artifact_path=str(rec.artifact_path), artifact_digest=rec.digest,
-                   format="gguf", runtime_config=_runtime_config(rec, threads)),
+            m.LOAD(
+                req_id=0,
+                artifact_path=str(rec.artifact_path),
+                artifact_digest=rec.digest,
+                format="gguf",
+                runtime_config=_runtime_config(rec, threads),
+            ),
             NullProgress(),
         )
         man = rec.manifest
@@ -152,10 +165,19 @@ def _in_process(store: ArtifactStore, config: ModuleConfig, threads: int, target
         enc = out[embed_model].encode(texts, truncate=True, prompt=target.prompt)
         lengths = enc.n_tokens
         vectors = []
-        for chunk in plan_chunks(lengths, config.max_worker_batch_tokens, config.max_batch_items,
-                                 config.host.max_frame, dims):
-            req = m.EMBED_BATCH(req_id=0, model_ref=embed_model, pooling=target.pooling,
-                                items=[m.EmbedItem(id=i, n_tokens=lengths[i]) for i in chunk])
+        for chunk in plan_chunks(
+            lengths,
+            config.max_worker_batch_tokens,
+            config.max_batch_items,
+            config.host.max_frame,
+            dims,
+        ):
+            req = m.EMBED_BATCH(
+                req_id=0,
+                model_ref=embed_model,
+                pooling=target.pooling,
+                items=[m.EmbedItem(id=i, n_tokens=lengths[i]) for i in chunk],
+            )
             vectors.append(
                 engine.embed(req, np.concatenate([enc.ids[i] for i in chunk]), NullProgress())
             )
@@ -176,15 +198,21 @@ def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> d
     from workers.llama.decode_plan import plan_decodes
 
     man = target.record.manifest
-    chunks = plan_chunks(lengths, config.max_worker_batch_tokens, config.max_batch_items,
-                         config.host.max_frame, man.dims)
+    chunks = plan_chunks(
+        lengths,
+        config.max_worker_batch_tokens,
+        config.max_batch_items,
+        config.host.max_frame,
+        man.dims,
+    )
     mdl = engine._models[target.record.name]  # a bench reads the engine's plan
     budget = min(mdl.n_batch, mdl.n_ubatch)
     per_decode: list[int] = []
     for c in chunks:
         sub = [lengths[i] for i in c]
-        for group in plan_decodes(sub, budget, mdl.n_seq_max, engine._decode_tokens,
-                                  len(mdl.slots)):
+        for group in plan_decodes(
+            sub, budget, mdl.n_seq_max, engine._decode_tokens, len(mdl.slots)
+        ):
             per_decode.append(sum(sub[i] for i in group))
     return {
         "embed_batches": len(chunks),
@@ -227,8 +255,11 @@ def openblas_cores() -> dict[str, str]:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for fn in ("openblas_get_corename", "scipy_openblas_get_corename64_",
-                   "openblas_get_corename64_"):
+        for fn in (
+            "openblas_get_corename",
+            "scipy_openblas_get_corename64_",
+            "openblas_get_corename64_",
+        ):
             get = getattr(lib, fn, None)
             if get is not None:
                 get.restype = ctypes.c_char_p
@@ -274,8 +305,9 @@ async def _bench(
             host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0),
             planned_workers=max(1, (os.cpu_count() or 1) // threads),
         )
-        engine, embed_once, generate_once = _in_process(store, config, threads, target, texts,
-                                                        generate)
+        engine, embed_once, generate_once = _in_process(
+            store, config, threads, target, texts, generate
+        )
         async with Module(config) as mod:
             await mod.load(embed_model)
             if generate:
@@ -284,15 +316,15 @@ async def _bench(
             result = await mod.embed(texts, model=embed_model, prompt=target.prompt)  # warm
             enc = tokenizer.encode(texts, truncate=True, prompt=target.prompt)
             plan = _plan(engine, config, target, enc.n_tokens)
-            same_ids = (_same_ids_as_hf(tokenizer, texts, target)
-                        if target.hf_dir is not None else None)
+            same_ids = (
+                _same_ids_as_hf(tokenizer, texts, target) if target.hf_dir is not None else None
+            )
             tokens = result.usage.total_tokens
             vectors = {"lane": result.vectors, "in_process": embed_once()}
             contenders: dict[str, Callable[[], object]] = {"in_process": embed_once}
             # ORT first: its export loads the HF model once more, best before ST holds one.
             ort = _onnx_runtime(threads, target, store) if baselines else (None, "--no-baselines")
-            st = _sentence_transformers(threads, target) if baselines else (
-                None, "--no-baselines")
+            st = _sentence_transformers(threads, target) if baselines else (None, "--no-baselines")
             for name, (run, _why) in (("sentence_transformers", st), ("ort", ort)):
                 if run is not None:
                     vectors[name] = np.asarray(run(texts))  # warm
@@ -305,7 +337,7 @@ async def _bench(
                 # Interleaved so machine noise hits every contender alike, and rotated so no
                 # contender always runs right after the same other one (e.g. the lane after
                 # the in-process generation, whose caches it would find cold).
-                for name in names[r % len(names):] + names[: r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     t = time.perf_counter()
                     if name == "lane":
                         await mod.embed(texts, model=embed_model, prompt=target.prompt)
@@ -356,8 +388,7 @@ async def _bench(
             "lane_ratio": round(inproc_s / lane_s, 3),
             "lane_min_cos_vs_in_process": _min_cos(vectors["lane"], vectors["in_process"]),
         },
-        "targets": {"lane_ratio": ">= 0.95", "lane_vs_ort": ">= 1.0",
-                    "generate_ratio": ">= 0.95"},
+        "targets": {"lane_ratio": ">= 0.95", "lane_vs_ort": ">= 1.0", "generate_ratio": ">= 0.95"},
     }
     ref = vectors.get("sentence_transformers")
     if same_ids is not None:
@@ -371,25 +402,29 @@ async def _bench(
         result["sentence_transformers"] = {
             "sentences_per_s": round(rate["sentence_transformers"], 2),
             "lane_ratio_vs_sentence_transformers": round(
-                rate["lane"] / rate["sentence_transformers"], 3),
+                rate["lane"] / rate["sentence_transformers"], 3
+            ),
             "lane_mean_cos_vs_sentence_transformers": _mean_cos(vectors["lane"], ref),
             "lane_min_cos_vs_sentence_transformers_same_ids": _min_cos(
-                vectors["lane"][same_ids], ref[same_ids]),
+                vectors["lane"][same_ids], ref[same_ids]
+            ),
             "items_tokenized_differently": int(np.sum(~same_ids)),
         }
     if ort[0] is None:
         result["ort"] = {"skipped": ort[1]}
     else:
         assert same_ids is not None
-        result["ort"] = {"ort_sentences_per_s": round(rate["ort"], 2),
-                         "lane_vs_ort": round(rate["lane"] / rate["ort"], 3),
-                         "in_process_vs_ort": round(rate["in_process"] / rate["ort"], 3),
-                         "lane_min_cos_vs_ort_same_ids": _min_cos(
-                             vectors["lane"][same_ids], vectors["ort"][same_ids])}
+        result["ort"] = {
+            "ort_sentences_per_s": round(rate["ort"], 2),
+            "lane_vs_ort": round(rate["lane"] / rate["ort"], 3),
+            "in_process_vs_ort": round(rate["in_process"] / rate["ort"], 3),
+            "lane_min_cos_vs_ort_same_ids": _min_cos(
+                vectors["lane"][same_ids], vectors["ort"][same_ids]
+            ),
+        }
         if ref is not None:
             result["ort"]["ort_min_cos_vs_sentence_transformers"] = _min_cos(vectors["ort"], ref)
-            result["ort"]["ort_mean_cos_vs_sentence_transformers"] = _mean_cos(
-                vectors["ort"], ref)
+            result["ort"]["ort_mean_cos_vs_sentence_transformers"] = _mean_cos(vectors["ort"], ref)
     if generate:
         lane_gs, inproc_gs = statistics.median(lane_g), statistics.median(inproc_g)
         result["generate"] = {
@@ -402,11 +437,16 @@ async def _bench(
     return result
 
 
-def run_bench(model: str = DEFAULT_EMBED, *, repeats: int = 3, threads: int | None = None,
-              generate: bool = False, **kwargs) -> dict:
+def run_bench(
+    model: str = DEFAULT_EMBED,
+    *,
+    repeats: int = 3,
+    threads: int | None = None,
+    generate: bool = False,
+    **kwargs,
+) -> dict:
     """One bench.embed run as a dict (see `_bench` for the keyword arguments)."""
-    return asyncio.run(_bench(repeats, threads or os.cpu_count() or 1, model, generate,
-                              **kwargs))
+    return asyncio.run(_bench(repeats, threads or os.cpu_count() or 1, model, generate, **kwargs))
 
 
 def _same_ids_as_hf(tokenizer, texts: list[str], target: Target) -> np.ndarray:
@@ -450,8 +490,11 @@ def _sentence_transformers(threads: int, target: Target) -> Contender:
     torch.set_num_threads(threads)
     model = SentenceTransformer(str(target.hf_dir), device="cpu")
     model.max_seq_length = target.record.manifest.max_tokens  # the lane's truncation
-    return (lambda texts: model.encode(texts, prompt=target.prompt, batch_size=ST_BATCH,
-                                       normalize_embeddings=True)), ""
+    return (
+        lambda texts: model.encode(
+            texts, prompt=target.prompt, batch_size=ST_BATCH, normalize_embeddings=True
+        )
+    ), ""
 
 
 def _onnx_runtime(threads: int, target: Target, store: ArtifactStore) -> Contender:
@@ -472,10 +515,15 @@ def _onnx_runtime(threads: int, target: Target, store: ArtifactStore) -> Contend
     if layout.dense_dirs:
         return None, "the directory has Dense modules, which the ONNX export leaves out"
     torch.set_num_threads(threads)
-    embedder = OrtEmbedder(threads, target.record.manifest.max_tokens, target.hf_dir,
-                           pooling=target.pooling, normalize=layout.normalize,
-                           prompt=target.prompt,
-                           cache_root=store.root.parent / "bench" / "onnx")
+    embedder = OrtEmbedder(
+        threads,
+        target.record.manifest.max_tokens,
+        target.hf_dir,
+        pooling=target.pooling,
+        normalize=layout.normalize,
+        prompt=target.prompt,
+        cache_root=store.root.parent / "bench" / "onnx",
+    )
     return embedder.embed, ""
 
 
@@ -484,21 +532,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--model", default=DEFAULT_EMBED, help="embedding model in the store")
-    parser.add_argument("--store-root", default=None,
-                        help="the store's models dir (default: the user cache's)")
-    parser.add_argument("--sentences", type=int, default=N_SENTENCES,
-                        help="texts per repeat (corpus items, cycled)")
-    parser.add_argument("--max-chars", type=int, default=None,
-                        help="only corpus items at most this long (a shorter run)")
-    parser.add_argument("--prompt-name", default=None,
-                        help="the model's prompt to prepend (default: its default prompt)")
-    parser.add_argument("--skip-generate", action="store_true",
-                        help="embedding only (e.g. where the generation model cannot run)")
+    parser.add_argument(
+        "--store-root", default=None, help="the store's models dir (default: the user cache's)"
+    )
+    parser.add_argument(
+        "--sentences", type=int, default=N_SENTENCES, help="texts per repeat (corpus items, cycled)"
+    )
+    parser.add_argument(
+        "--max-chars",
+        type=int,
+        default=None,
+        help="only corpus items at most this long (a shorter run)",
+    )
+    parser.add_argument(
+        "--prompt-name",
+        default=None,
+        help="the model's prompt to prepend (default: its default prompt)",
+    )
+    parser.add_argument(
+        "--skip-generate",
+        action="store_true",
+        help="embedding only (e.g. where the generation model cannot run)",
+    )
     args = parser.parse_args(argv)
-    result = asyncio.run(_bench(
-        args.repeats, args.threads, args.model, not args.skip_generate,
-        store_root=args.store_root, sentences=args.sentences, max_chars=args.max_chars,
-        prompt_name=args.prompt_name))
+    result = asyncio.run(
+        _bench(
+            args.repeats,
+            args.threads,
+            args.model,
+            not args.skip_generate,
+            store_root=args.store_root,
+            sentences=args.sentences,
+            max_chars=args.max_chars,
+            prompt_name=args.prompt_name,
+        )
+    )
     print(json.dumps(result))
     return 0
 

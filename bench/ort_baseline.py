@@ -36,8 +36,6 @@ OPSET = 17
 POOLINGS = ("mean", "cls", "last")
 
 
-
-
 def _weights_key(model_dir: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(model_dir.iterdir()):
@@ -52,8 +50,10 @@ def _weights_key(model_dir: Path) -> str:
 def onnx_path(model_dir: Path, pooling: str, normalize: bool, root: Path | None = None) -> Path:
     """Where the export of `model_dir` with this head lives (one directory per export, under
     `root`, default `<synapse cache>/bench/onnx`)."""
-    key = (f"{model_dir.name}-{_weights_key(model_dir)}-{pooling}{'-norm' if normalize else ''}"
-           f"-torch-{version('torch')}-opset{OPSET}")
+    key = (
+        f"{model_dir.name}-{_weights_key(model_dir)}-{pooling}{'-norm' if normalize else ''}"
+        f"-torch-{version('torch')}-opset{OPSET}"
+    )
     root = root or default_root().parent / "bench" / "onnx"
     return root / key / "model.onnx"
 
@@ -66,8 +66,11 @@ class _Pooled:
         import torch
 
         # A decoder (Qwen3) would build a KV cache the graph never reads.
-        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(
-            model.forward).parameters else {}
+        kwargs = (
+            {"use_cache": False}
+            if "use_cache" in inspect.signature(model.forward).parameters
+            else {}
+        )
 
         class Pooled(torch.nn.Module):
             def __init__(self) -> None:
@@ -75,8 +78,7 @@ class _Pooled:
                 self.model = model
 
             def forward(self, input_ids, attention_mask):
-                hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                    **kwargs)[0]
+                hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[0]
                 if pooling == "mean":
                     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
                     pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -102,7 +104,8 @@ def export_onnx(model_dir: Path, out: Path, pooling: str, normalize: bool) -> Pa
     from transformers import AutoModel
 
     model = _Pooled.build(
-        AutoModel.from_pretrained(str(model_dir), dtype=torch.float32), pooling, normalize)
+        AutoModel.from_pretrained(str(model_dir), dtype=torch.float32), pooling, normalize
+    )
     ids = torch.ones((2, 8), dtype=torch.int64)
     out.parent.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent.with_name(out.parent.name + ".tmp")
@@ -111,10 +114,14 @@ def export_onnx(model_dir: Path, out: Path, pooling: str, normalize: bool) -> Pa
     axes = {0: "batch", 1: "sequence"}
     with torch.no_grad():
         torch.onnx.export(
-            model, (ids, torch.ones_like(ids)), str(tmp / out.name),
-            input_names=["input_ids", "attention_mask"], output_names=["embedding"],
+            model,
+            (ids, torch.ones_like(ids)),
+            str(tmp / out.name),
+            input_names=["input_ids", "attention_mask"],
+            output_names=["embedding"],
             dynamic_axes={"input_ids": axes, "attention_mask": axes, "embedding": {0: "batch"}},
-            opset_version=OPSET, dynamo=False,
+            opset_version=OPSET,
+            dynamo=False,
         )
     del model
     # Atomic: a concurrent run never loads a half-written export (external data included).
@@ -150,8 +157,9 @@ class OrtEmbedder:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # ORT's default thread wait policy (spinning), as fastembed/TEI users run it: turning
         # spinning off made ORT 2x slower here, which would flatter the lane.
-        path = export_onnx(model_dir, onnx_path(model_dir, pooling, normalize, cache_root),
-                           pooling, normalize)
+        path = export_onnx(
+            model_dir, onnx_path(model_dir, pooling, normalize, cache_root), pooling, normalize
+        )
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.no_padding()

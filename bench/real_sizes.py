@@ -60,12 +60,14 @@ SEED = 0
 E5_PROMPTS = {"query": "query: ", "passage": "passage: "}
 QWEN3_PROMPTS = {
     "query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
-             "query\nQuery:",
+    "query\nQuery:",
     "document": "",
 }
 # Qwen2's pre-tokenizer split, as its tokenizer.json (and llama.cpp's "qwen2") spells it.
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
-               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 QWEN3_MAX_SEQ = 8192
 QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -138,28 +140,53 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _st_files(out: Path, dims: int, pooling_key: str, max_seq_length: int,
-              prompts: dict[str, str]) -> None:
+def _st_files(
+    out: Path, dims: int, pooling_key: str, max_seq_length: int, prompts: dict[str, str]
+) -> None:
     """The hub's (sentence-transformers <= 5) layout: Transformer, Pooling, Normalize."""
-    _write_json(out / "modules.json", [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ])
-    modes = ["cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
-             "weightedmean_tokens", "lasttoken"]
-    _write_json(out / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": dims,
-        **{f"pooling_mode_{m}": m == pooling_key for m in modes},
-        "include_prompt": True,
-    })
+    _write_json(
+        out / "modules.json",
+        [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {
+                "idx": 1,
+                "name": "1",
+                "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling",
+            },
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            },
+        ],
+    )
+    modes = [
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    ]
+    _write_json(
+        out / "1_Pooling" / "config.json",
+        {
+            "word_embedding_dimension": dims,
+            **{f"pooling_mode_{m}": m == pooling_key for m in modes},
+            "include_prompt": True,
+        },
+    )
     (out / "2_Normalize").mkdir(exist_ok=True)
-    _write_json(out / "sentence_bert_config.json",
-                {"max_seq_length": max_seq_length, "do_lower_case": False})
-    _write_json(out / "config_sentence_transformers.json", {
-        "prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"})
+    _write_json(
+        out / "sentence_bert_config.json",
+        {"max_seq_length": max_seq_length, "do_lower_case": False},
+    )
+    _write_json(
+        out / "config_sentence_transformers.json",
+        {"prompts": prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"},
+    )
 
 
 def _save_weights(model, out: Path) -> None:
@@ -179,19 +206,37 @@ def xlmr_tokenizer(out: Path, max_seq_length: int) -> int:
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3), model_writer=buf, vocab_size=8000,
-        model_type="unigram", character_coverage=1.0, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
-        hard_vocab_limit=False, num_threads=1, minloglevel=2)
+        sentence_iterator=iter(list(corpus()) * 3),
+        model_writer=buf,
+        vocab_size=8000,
+        model_type="unigram",
+        character_coverage=1.0,
+        bos_id=0,
+        pad_id=1,
+        eos_id=2,
+        unk_id=3,
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
     proto = pb.ModelProto()
     proto.ParseFromString(buf.getvalue())
     tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
     tok.model_max_length = max_seq_length
     tok.save_pretrained(str(out))
     spec = json.loads((out / "tokenizer.json").read_text())
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [
-        {"type": "Precompiled", "precompiled_charsmap":
-            base64.b64encode(proto.normalizer_spec.precompiled_charsmap).decode()},
-        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {
+                "type": "Precompiled",
+                "precompiled_charsmap": base64.b64encode(
+                    proto.normalizer_spec.precompiled_charsmap
+                ).decode(),
+            },
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        ],
+    }
     spec["truncation"] = spec["padding"] = None
     (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     return len(tok)
@@ -213,34 +258,52 @@ def qwen3_tokenizer(out: Path) -> int:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(corpus()), trainers.BpeTrainer(
-        vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        list(corpus()),
+        trainers.BpeTrainer(
+            vocab_size=8000,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.add_special_tokens(QWEN3_SPECIALS)
     eos = tok.token_to_id("<|endoftext|>")
     tok.post_processor = processors.TemplateProcessing(
-        single="$A:0 <|endoftext|>:0", pair="$A:0 <|endoftext|>:0 $B:1 <|endoftext|>:1",
-        special_tokens=[("<|endoftext|>", eos)])
+        single="$A:0 <|endoftext|>:0",
+        pair="$A:0 <|endoftext|>:0 $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", eos)],
+    )
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "add_prefix_space": False,
-        "bos_token": None,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "padding_side": "left",  # Qwen3-Embedding's; sentence-transformers' lasttoken copes
-        "model_max_length": 131072,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-    })
-    _write_json(out / "special_tokens_map.json", {
-        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": QWEN3_SPECIALS[1:]})
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "add_prefix_space": False,
+            "bos_token": None,
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "padding_side": "left",  # Qwen3-Embedding's; sentence-transformers' lasttoken copes
+            "model_max_length": 131072,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "additional_special_tokens": QWEN3_SPECIALS[1:],
+        },
+    )
     return eos
 
 
@@ -275,13 +338,23 @@ def build_qwen3(out: Path, config: dict, seed: int) -> None:
 
 SHAPES = {
     "xlmr": Shape(
-        "xlmr", "e5-small-random", "intfloat/multilingual-e5-small", build_xlmr, XLMR_CONFIG,
+        "xlmr",
+        "e5-small-random",
+        "intfloat/multilingual-e5-small",
+        build_xlmr,
+        XLMR_CONFIG,
         bench={"prompt_name": "passage"},
-        target=("ort", "lane_vs_ort", 1.0)),
+        target=("ort", "lane_vs_ort", 1.0),
+    ),
     "qwen3": Shape(
-        "qwen3", "qwen3-embedding-0.6b-random", "Qwen/Qwen3-Embedding-0.6B", build_qwen3,
-        QWEN3_CONFIG, bench={"prompt_name": "document", "sentences": 96, "max_chars": 200},
-        target=("sentence_transformers", "lane_ratio_vs_sentence_transformers", 1.2)),
+        "qwen3",
+        "qwen3-embedding-0.6b-random",
+        "Qwen/Qwen3-Embedding-0.6B",
+        build_qwen3,
+        QWEN3_CONFIG,
+        bench={"prompt_name": "document", "sentences": 96, "max_chars": 200},
+        target=("sentence_transformers", "lane_ratio_vs_sentence_transformers", 1.2),
+    ),
 }
 
 
@@ -332,8 +405,14 @@ def ensure_model(store: ArtifactStore, hf_dir: Path, name: str, dtype: str | Non
     return record
 
 
-def run_shape(shape: Shape, repeats: int, threads: int | None = None,
-              root: Path | None = None, config: dict | None = None, **bench_kwargs) -> dict:
+def run_shape(
+    shape: Shape,
+    repeats: int,
+    threads: int | None = None,
+    root: Path | None = None,
+    config: dict | None = None,
+    **bench_kwargs,
+) -> dict:
     from bench.embed import run_bench
 
     root = root or cache_dir()
@@ -341,14 +420,19 @@ def run_shape(shape: Shape, repeats: int, threads: int | None = None,
     store = ArtifactStore(root / "models")
     record = ensure_model(store, hf_dir, shape.name)
     kwargs = {**shape.bench, **bench_kwargs}
-    result = run_bench(record.name, repeats=repeats, threads=threads,
-                       store_root=str(store.root), **kwargs)
+    result = run_bench(
+        record.name, repeats=repeats, threads=threads, store_root=str(store.root), **kwargs
+    )
     result["shape_of"] = shape.real
     result["hf_dir"] = str(hf_dir)
     section, key, floor = shape.target
     got = result.get(section, {}).get(key)
-    result["target"] = {"ratio": f"{section}.{key}", "at_least": floor, "value": got,
-                        "met": None if got is None else got >= floor}
+    result["target"] = {
+        "ratio": f"{section}.{key}",
+        "at_least": floor,
+        "value": got,
+        "met": None if got is None else got >= floor,
+    }
     return result
 
 
@@ -376,8 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--which", choices=["xlmr", "qwen3", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--sentences", type=int, default=None,
-                        help="texts per repeat (default: 512 for xlmr, 96 for qwen3)")
+    parser.add_argument(
+        "--sentences",
+        type=int,
+        default=None,
+        help="texts per repeat (default: 512 for xlmr, 96 for qwen3)",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     keys = ["xlmr", "qwen3"] if args.which == "both" else [args.which]

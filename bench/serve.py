@@ -291,7 +291,12 @@ def _raw_request(url: str, text: str, encoding_format: str) -> bytes:
 
 
 async def _slice(
-    url: str, texts: list[str], concurrency: int, n: int, max_s: float, encoding_format: str,
+    url: str,
+    texts: list[str],
+    concurrency: int,
+    n: int,
+    max_s: float,
+    encoding_format: str,
     mark: Callable[[], None] | None = None,
 ) -> tuple[list[float], int, float]:
     """Latencies of `n` requests at `concurrency` (one connection each), errors, wall time.

@@ -65,7 +65,8 @@ class Calibrations:
         task = self._resolving.get(key)
         if task is None:
             task = self._resolving[key] = asyncio.ensure_future(
-                self._resolve(model, digest, width, lane))
+                self._resolve(model, digest, width, lane)
+            )
             task.add_done_callback(lambda t: self._finished(key, t))
         return await asyncio.shield(task)
 
@@ -89,8 +90,14 @@ class Calibrations:
         computed = {w: calibration_ranges(vectors, w) for w in sorted(widths)}
         served_by = lane or self.module.default_lane(model).lane
         kept = await asyncio.to_thread(
-            record_ranges, self.module.store, model, digest, computed, calibration_set(),
-            served_by, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            record_ranges,
+            self.module.store,
+            model,
+            digest,
+            computed,
+            calibration_set(),
+            served_by,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         for w, r in kept.items():
             self._ranges.setdefault((model, digest, w), r)

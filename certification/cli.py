@@ -27,29 +27,54 @@ EXIT = {"certified": 0, "failed": 1, "provisional": 4}
 
 def add_certify_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "certify", help="certify a lane: quality and placement gated together",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "certify",
+        help="certify a lane: quality and placement gated together",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="model name in the artifact store")
     p.add_argument("--lane", choices=["llama", "ane"], default="llama")
-    p.add_argument("--shapes", help="Core ML shapes to admit: ROWSxSEQ[p[/SEGS]],... "
-                   "(p = packed); default: the worker's default shapes")
+    p.add_argument(
+        "--shapes",
+        help="Core ML shapes to admit: ROWSxSEQ[p[/SEGS]],... "
+        "(p = packed); default: the worker's default shapes",
+    )
     p.add_argument("--json", action="store_true", help="print the certificate as JSON")
     p.add_argument("--report", metavar="PATH.html", help="write the HTML report here")
-    p.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one threshold of the gate table (recorded in the "
-                   "certificate), e.g. min_cosine=0.99999")
-    p.add_argument("--placement-threshold", type=float, metavar="SHARE",
-                   help="minimum Neural Engine share (default from the table: 0.9)")
-    p.add_argument("--sample", type=int, default=1, metavar="K",
-                   help="judge every K-th corpus item only (smoke runs; recorded)")
+    p.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one threshold of the gate table (recorded in the "
+        "certificate), e.g. min_cosine=0.99999",
+    )
+    p.add_argument(
+        "--placement-threshold",
+        type=float,
+        metavar="SHARE",
+        help="minimum Neural Engine share (default from the table: 0.9)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=1,
+        metavar="K",
+        help="judge every K-th corpus item only (smoke runs; recorded)",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="items per lane request")
-    p.add_argument("--reference-dir", help="HF directory of the fp32 reference "
-                   "(default: the one the artifact was converted from; required for a model "
-                   "ingested from a GGUF file)")
-    p.add_argument("--reference", choices=["sentence-transformers", "numpy"],
-                   help="the forward that judges the lane (default: sentence-transformers "
-                   "where installed, else the numpy BERT reference, which covers BERT only)")
+    p.add_argument(
+        "--reference-dir",
+        help="HF directory of the fp32 reference "
+        "(default: the one the artifact was converted from; required for a model "
+        "ingested from a GGUF file)",
+    )
+    p.add_argument(
+        "--reference",
+        choices=["sentence-transformers", "numpy"],
+        help="the forward that judges the lane (default: sentence-transformers "
+        "where installed, else the numpy BERT reference, which covers BERT only)",
+    )
     p.add_argument("--no-save", action="store_true", help="do not store the certificate")
     p.set_defaults(func=main)
     csub = p.add_subparsers(dest="certify_command")
@@ -136,9 +161,21 @@ def _ls(store, args: argparse.Namespace, console: Console) -> int:
 
     certs = store.ls()
     if args.json:
-        sys.stdout.write(msgspec.json.encode(
-            [{"id": c.id, "status": c.status, "failing": c.failing, "created_at": c.created_at,
-              "key": msgspec.to_builtins(c.key)} for c in certs]).decode() + "\n")
+        sys.stdout.write(
+            msgspec.json.encode(
+                [
+                    {
+                        "id": c.id,
+                        "status": c.status,
+                        "failing": c.failing,
+                        "created_at": c.created_at,
+                        "key": msgspec.to_builtins(c.key),
+                    }
+                    for c in certs
+                ]
+            ).decode()
+            + "\n"
+        )
         return 0
     if not certs:
         console.print(f"no certificates in {store.root}")

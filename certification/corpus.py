@@ -88,12 +88,12 @@ SENTENCES = [
     "for (int i = 0; i < n; ++i) { sum += arr[i]; }",
     "SELECT name, COUNT(*) FROM users GROUP BY name HAVING COUNT(*) > 1;",
     "const greet = (name) => `Hello, ${name}!`;",
-    "fn main() { println!(\"hello {}\", 42); }",
-    "<div class=\"card\"><p>Hello</p></div>",
-    "git commit -m \"fix: handle empty input\" && git push origin main",
-    "{\"key\": [1, 2, 3], \"nested\": {\"ok\": true, \"value\": null}}",
+    'fn main() { println!("hello {}", 42); }',
+    '<div class="card"><p>Hello</p></div>',
+    'git commit -m "fix: handle empty input" && git push origin main',
+    '{"key": [1, 2, 3], "nested": {"ok": true, "value": null}}',
     "import numpy as np\nx = np.linspace(0, 1, 100)\nprint(x.mean())",
-    "#include <stdio.h>\nint main(void) { printf(\"hi\\n\"); return 0; }",
+    '#include <stdio.h>\nint main(void) { printf("hi\\n"); return 0; }',
     # Whitespace and punctuation oddities
     "   leading and trailing spaces   ",
     "tabs\tbetween\twords\tand\nnew\nlines",
@@ -106,8 +106,26 @@ SENTENCES = [
 ]
 
 SHORT = [
-    "a", "I", "ok", "yes", "no", "cat", "Hi!", "?", "42", "🙂", "猫", "кот", "ñ", "über",
-    "x = 1", "[SEP]", "[CLS] text", "<s>", "\u00a0", "done.",
+    "a",
+    "I",
+    "ok",
+    "yes",
+    "no",
+    "cat",
+    "Hi!",
+    "?",
+    "42",
+    "🙂",
+    "猫",
+    "кот",
+    "ñ",
+    "über",
+    "x = 1",
+    "[SEP]",
+    "[CLS] text",
+    "<s>",
+    "\u00a0",
+    "done.",
 ]
 
 

@@ -25,12 +25,24 @@ def cosine_checks(cosines: np.ndarray, t: Thresholds) -> list[Check]:
     worst = int(np.argmin(cosines))
     lo, mean = float(cosines.min()), float(cosines.mean())
     return [
-        Check(name="quality.min_cosine", gate="quality", status=_ge(lo, t.min_cosine),
-              value=lo, threshold=t.min_cosine, op=">=",
-              detail=f"worst item #{worst} of {len(cosines)}"),
-        Check(name="quality.mean_cosine", gate="quality", status=_ge(mean, t.mean_cosine),
-              value=mean, threshold=t.mean_cosine, op=">=",
-              detail=f"over {len(cosines)} items"),
+        Check(
+            name="quality.min_cosine",
+            gate="quality",
+            status=_ge(lo, t.min_cosine),
+            value=lo,
+            threshold=t.min_cosine,
+            op=">=",
+            detail=f"worst item #{worst} of {len(cosines)}",
+        ),
+        Check(
+            name="quality.mean_cosine",
+            gate="quality",
+            status=_ge(mean, t.mean_cosine),
+            value=mean,
+            threshold=t.mean_cosine,
+            op=">=",
+            detail=f"over {len(cosines)} items",
+        ),
     ]
 
 
@@ -55,39 +67,63 @@ def top_k_overlap(
 
 def retrieval_check(overlap: np.ndarray, t: Thresholds) -> Check:
     mean = float(overlap.mean())
-    return Check(name="quality.retrieval_top10", gate="quality",
-                 status=_ge(mean, t.retrieval_top10), value=mean, threshold=t.retrieval_top10,
-                 op=">=", detail=f"{len(overlap)} queries, worst {float(overlap.min()):.2f}")
+    return Check(
+        name="quality.retrieval_top10",
+        gate="quality",
+        status=_ge(mean, t.retrieval_top10),
+        value=mean,
+        threshold=t.retrieval_top10,
+        op=">=",
+        detail=f"{len(overlap)} queries, worst {float(overlap.min()):.2f}",
+    )
 
 
 def rerank_check(errors: np.ndarray, t: Thresholds, note: str) -> Check:
     worst = float(errors.max())
-    return Check(name="quality.rerank_max_abs_error", gate="quality",
-                 status="pass" if worst <= t.rerank_max_abs else "fail", value=worst,
-                 threshold=t.rerank_max_abs, op="<=",
-                 detail=f"{len(errors)} pairs, mean {float(errors.mean()):.2e}; {note}")
+    return Check(
+        name="quality.rerank_max_abs_error",
+        gate="quality",
+        status="pass" if worst <= t.rerank_max_abs else "fail",
+        value=worst,
+        threshold=t.rerank_max_abs,
+        op="<=",
+        detail=f"{len(errors)} pairs, mean {float(errors.mean()):.2e}; {note}",
+    )
 
 
 def rerank_not_applicable(kind: str) -> Check:
-    return Check(name="quality.rerank_max_abs_error", gate="quality", status="n/a",
-                 detail=f"{kind} model, not a cross-encoder")
+    return Check(
+        name="quality.rerank_max_abs_error",
+        gate="quality",
+        status="n/a",
+        detail=f"{kind} model, not a cross-encoder",
+    )
 
 
 def embedding_not_applicable(kind: str) -> list[Check]:
-    return [Check(name=name, gate="quality", status="n/a", detail=f"{kind} model")
-            for name in ("quality.min_cosine", "quality.mean_cosine", "quality.retrieval_top10")]
+    return [
+        Check(name=name, gate="quality", status="n/a", detail=f"{kind} model")
+        for name in ("quality.min_cosine", "quality.mean_cosine", "quality.retrieval_top10")
+    ]
 
 
 def tokenizer_check(mismatches: int, n_items: int, t: Thresholds) -> Check:
     ok = mismatches <= t.tokenizer_mismatches
-    return Check(name="quality.tokenizer_agreement", gate="quality",
-                 status="pass" if ok else "fail", value=mismatches,
-                 threshold=t.tokenizer_mismatches, op="<=",
-                 detail=f"{mismatches} of {n_items} items tokenized differently")
+    return Check(
+        name="quality.tokenizer_agreement",
+        gate="quality",
+        status="pass" if ok else "fail",
+        value=mismatches,
+        threshold=t.tokenizer_mismatches,
+        op="<=",
+        detail=f"{mismatches} of {n_items} items tokenized differently",
+    )
 
 
-NO_NEURAL_ENGINE = ("Core ML lists no Neural Engine on this machine (a VM?): its compute "
-                    "plan proves nothing about Neural Engine placement")
+NO_NEURAL_ENGINE = (
+    "Core ML lists no Neural Engine on this machine (a VM?): its compute "
+    "plan proves nothing about Neural Engine placement"
+)
 
 
 def placement_check(
@@ -99,12 +135,21 @@ def placement_check(
 ) -> Check:
     """`neural_engine`: whether Core ML lists a Neural Engine here (None: not macOS)."""
     if t.placement_share is None:
-        return Check(name="placement.share", gate="placement", status="n/a",
-                     detail=f"{lane} lane runs on the CPU: no Neural Engine placement to gate")
+        return Check(
+            name="placement.share",
+            gate="placement",
+            status="n/a",
+            detail=f"{lane} lane runs on the CPU: no Neural Engine placement to gate",
+        )
     if share is None:
-        return Check(name="placement.share", gate="placement", status="fail",
-                     threshold=t.placement_share, op=">=",
-                     detail="the lane reported no placement_share after admission")
+        return Check(
+            name="placement.share",
+            gate="placement",
+            status="fail",
+            threshold=t.placement_share,
+            op=">=",
+            detail="the lane reported no placement_share after admission",
+        )
     detail = f"source: {source}"
     status: CheckStatus
     if share < t.placement_share:
@@ -115,8 +160,15 @@ def placement_check(
         status, detail = "provisional", f"{detail}; {NO_NEURAL_ENGINE}"
     else:  # a static estimate (or an unknown source) cannot prove where Core ML runs it
         status = "provisional"
-    return Check(name="placement.share", gate="placement", status=status, value=float(share),
-                 threshold=t.placement_share, op=">=", detail=detail)
+    return Check(
+        name="placement.share",
+        gate="placement",
+        status=status,
+        value=float(share),
+        threshold=t.placement_share,
+        op=">=",
+        detail=detail,
+    )
 
 
 def verdict(checks: list[Check]) -> tuple[Status, str, str, list[str]]:

@@ -143,8 +143,9 @@ def os_identity(system: str, machine: str, apple: dict) -> str:
     """The certificate's `os` field from `apple_device.describe()`'s answers."""
     if system == "Darwin":
         chip = (apple.get("chip") or "unknown-chip").replace(" ", "_")
-        return (f"macOS-{apple.get('macos') or '?'}-{apple.get('macos_build') or '?'}"
-                f"-{machine}-{chip}")
+        return (
+            f"macOS-{apple.get('macos') or '?'}-{apple.get('macos_build') or '?'}-{machine}-{chip}"
+        )
     return f"{system}-{machine}"
 
 

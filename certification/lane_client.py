@@ -62,8 +62,10 @@ class LaneClient:
         if self.module.supervisor(self.model, self.lane) is not None:
             # Module.load is idempotent and would ignore the requested shapes/options, so the
             # certificate could name a configuration that is not the one running.
-            raise ValueError(f"{self.model} is already loaded on the {self.lane} lane of this "
-                             "Module; certify on a fresh Module")
+            raise ValueError(
+                f"{self.model} is already loaded on the {self.lane} lane of this "
+                "Module; certify on a fresh Module"
+            )
         if self.lane == "llama":
             if shapes or runtime_config_extra:
                 raise ValueError("shapes and runtime_config_extra apply to the ane lane only")
@@ -120,8 +122,9 @@ class LaneClient:
     # ---- identity -------------------------------------------------------------------------
 
     def identity(self) -> LaneIdentity:
-        return lane_identity(self.module, self.model, self.lane, self._shapes,
-                             self._build_options, self._extra)
+        return lane_identity(
+            self.module, self.model, self.lane, self._shapes, self._build_options, self._extra
+        )
 
     async def placement_ops(self) -> dict[str, dict[str, float]] | None:
         """Per-op placement: from the lane's identity if it carries `placement_ops`, else the
@@ -135,8 +138,11 @@ class LaneClient:
 
         shapes = self._shapes or default_ane_shapes(self.record)
         return await asyncio.to_thread(
-            per_op_estimate, owned_dir(self.module.store, self.record), shapes,
-            self._build_options, self._cache_root,
+            per_op_estimate,
+            owned_dir(self.module.store, self.record),
+            shapes,
+            self._build_options,
+            self._cache_root,
         )
 
 
@@ -182,9 +188,7 @@ def load_settings(lane: str, runtime_config_extra: dict | None) -> dict:
     return settings
 
 
-def llama_identity(
-    module: LoadedLanes, model: str, settings: dict | None = None
-) -> LaneIdentity:
+def llama_identity(module: LoadedLanes, model: str, settings: dict | None = None) -> LaneIdentity:
     raw = module.lane_identity(model, "llama")  # KeyError when the lane is not loaded
     if raw.get("engine") is None:
         raise LaneUnavailable(f"lane for {model!r} has no live worker (no HELLO)")
@@ -213,6 +217,7 @@ def default_ane_shapes(record: ModelRecord) -> list[dict]:
     from workers.ane.config import default_shapes  # msgspec-only module: no coremltools
 
     man = record.manifest
-    return [{"rows": rows, "seq_len": seq}
-            for rows, seq in default_shapes(man.max_tokens, man.max_tokens_limit)]
-
+    return [
+        {"rows": rows, "seq_len": seq}
+        for rows, seq in default_shapes(man.max_tokens, man.max_tokens_limit)
+    ]

@@ -37,8 +37,11 @@ def machine_fields() -> dict[str, object]:
 
 def machine_differences(key: CertificateKey) -> list[str]:
     here = machine_fields()
-    return [f"{name}: {getattr(key, name)} here {value}"
-            for name, value in here.items() if getattr(key, name) != value]
+    return [
+        f"{name}: {getattr(key, name)} here {value}"
+        for name, value in here.items()
+        if getattr(key, name) != value
+    ]
 
 
 class CertificateLanePolicy:
@@ -46,8 +49,7 @@ class CertificateLanePolicy:
         self.certificates = certificates
 
     def ane_candidate(self, model: str) -> AneCandidate | str:
-        certs = [c for c in self.certificates.ls()
-                 if c.key.model == model and c.key.lane == "ane"]
+        certs = [c for c in self.certificates.ls() if c.key.model == model and c.key.lane == "ane"]
         if not certs:
             return "no ANE certificate"
         usable = [c for c in certs if _certified(c)]
@@ -68,8 +70,9 @@ class CertificateLanePolicy:
         self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
     ) -> Certificate | None:
         extra = runtime_config_extra or {}
-        identity = lane_identity(lanes, model, lane, extra.get("shapes"),
-                                 extra.get("build_options"), extra)
+        identity = lane_identity(
+            lanes, model, lane, extra.get("shapes"), extra.get("build_options"), extra
+        )
         return check_certificate(self.certificates, identity, "strict")
 
 

@@ -58,7 +58,8 @@ def reference_dir_for(record: ModelRecord) -> Path:
         raise ValueError(
             f"{record.name} was ingested from a GGUF file ({source.removeprefix('gguf:')}) and "
             "has no Hugging Face directory to judge it against: pass --reference-dir DIR, the "
-            "HF / sentence-transformers directory the GGUF was converted from")
+            "HF / sentence-transformers directory the GGUF was converted from"
+        )
     try:
         path = hf_source_dir(record)
     except ArtifactInvalid as exc:
@@ -91,7 +92,8 @@ def select_reference(model_dir: str | Path, *, st_available: bool | None = None)
         return NUMPY
     raise ReferenceUnavailable(
         f"{model_dir} is a {model_type!r} model: the numpy reference judges BERT models only, "
-        f"and sentence-transformers is not installed. Install the reference: {ST_INSTALL}")
+        f"and sentence-transformers is not installed. Install the reference: {ST_INSTALL}"
+    )
 
 
 def _model_type(path: Path) -> str:
@@ -164,8 +166,10 @@ class Oracle:
         allowed = POOLINGS if reference == NUMPY else ST_POOLINGS
         # Refused before the run, not after the lane's half.
         if pooling is None or pooling not in allowed:
-            raise ValueError(f"pooling {pooling!r}: the reference computes "
-                             + " or ".join(repr(p) for p in allowed))
+            raise ValueError(
+                f"pooling {pooling!r}: the reference computes "
+                + " or ".join(repr(p) for p in allowed)
+            )
         self.dir = Path(model_dir)
         _check_reference_dir(self.dir)  # --reference-dir too, not only the store's source
         config = _config(self.dir)
@@ -173,7 +177,8 @@ class Oracle:
         if reference == NUMPY and model_type != "bert":
             raise ReferenceUnavailable(
                 f"{self.dir} is a {model_type!r} model: the numpy reference judges BERT models "
-                f"only. Install the reference: {ST_INSTALL}")
+                f"only. Install the reference: {ST_INSTALL}"
+            )
         self.reference = reference
         self.pooling = pooling
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -186,7 +191,8 @@ class Oracle:
             except (ImportError, OSError) as exc:
                 raise ReferenceUnavailable(
                     f"the sentence-transformers reference does not import here ({exc}). "
-                    f"Install it: {ST_INSTALL}") from None
+                    f"Install it: {ST_INSTALL}"
+                ) from None
             self.reference_name = st_model.describe()
             self._tag = st_model.cache_tag()
             files += _st_module_files(self.dir)
@@ -205,8 +211,7 @@ class Oracle:
         )
         # A pair's document half has type 1 only where the model has two token types; BERT
         # has them by default, the other families only where their config says so.
-        self.n_token_types = int(config.get("type_vocab_size",
-                                            2 if model_type == "bert" else 1))
+        self.n_token_types = int(config.get("type_vocab_size", 2 if model_type == "bert" else 1))
 
     @property
     def bert(self) -> BertReference:
@@ -247,7 +252,8 @@ class Oracle:
             compute = lambda: self.st.embed(list(ids))  # noqa: E731
         else:
             compute = lambda: self.bert.embed(  # noqa: E731
-                list(ids), pooling=self.pooling, normalize=True)
+                list(ids), pooling=self.pooling, normalize=True
+            )
         return self._cached(f"embed-{self.pooling}-l2", ids, None, compute)
 
     def scores(self, ids: Sequence[np.ndarray], types: Sequence[np.ndarray]) -> np.ndarray:
@@ -256,9 +262,11 @@ class Oracle:
         if self.reference == ST:
             compute = lambda: self.st.scores(list(ids), list(types))  # noqa: E731
         else:
+
             def compute() -> np.ndarray:
                 out = np.asarray(self.bert.score_many(list(ids), list(types)))
                 return out if out.ndim == 1 else np.ascontiguousarray(out[:, 0])
+
         return self._cached("score", ids, types, compute)
 
     def _cached(self, call, ids, types, compute) -> np.ndarray:

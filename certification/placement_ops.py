@@ -48,7 +48,8 @@ def per_op_estimate(
                 packed = bool(spec.get("packed"))
                 seq = int(spec["seq_len"])
                 segs = spec.get("max_segments") or (
-                    min(_SEGMENTS_CAP, max(2, seq // 16)) if packed else 1)
+                    min(_SEGMENTS_CAP, max(2, seq // 16)) if packed else 1
+                )
                 shape = Shape(int(spec["rows"]), seq, packed, int(segs))
                 entry = cache.get(cache_key(manifest, shape, options))
                 if entry is None:

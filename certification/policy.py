@@ -86,8 +86,10 @@ def loosened(cert: Certificate) -> list[str]:
         base = getattr(table, name, None)
         if base is None:
             continue
-        if not math.isfinite(value) or (name in _AT_LEAST and value < base) or (
-            name in _AT_MOST and value > base
+        if (
+            not math.isfinite(value)
+            or (name in _AT_LEAST and value < base)
+            or (name in _AT_MOST and value > base)
         ):
             out.append(f"{name} {value:g} vs table {base:g}")
     return out
@@ -97,10 +99,12 @@ def _missing(
     store: CertificateStore, key: CertificateKey, found: Certificate | None
 ) -> tuple[str, str]:
     """(the full message, the short why) for a key without a certificate that applies."""
-    head = (f"certificate {key.id} required for {key.model} on the {key.lane} lane "
-            f"(artifact {key.artifact_digest[:12]}, kernel_revision {key.kernel_revision}, "
-            f"shapes {','.join(key.shapes) or '-'}, {key.engine} {key.engine_version}, "
-            f"{key.os})")
+    head = (
+        f"certificate {key.id} required for {key.model} on the {key.lane} lane "
+        f"(artifact {key.artifact_digest[:12]}, kernel_revision {key.kernel_revision}, "
+        f"shapes {','.join(key.shapes) or '-'}, {key.engine} {key.engine_version}, "
+        f"{key.os})"
+    )
     if found is not None:
         why = f"certificate {found.id} is {found.status}"
         if loosened(found):
@@ -113,8 +117,9 @@ def _missing(
     else:
         other = store.latest_for(key.model, key.lane)
         if other is not None:
-            why = (f"certificate {other.id} was issued for a different identity: "
-                   + "; ".join(key.differences(other.key)))
+            why = f"certificate {other.id} was issued for a different identity: " + "; ".join(
+                key.differences(other.key)
+            )
         else:
             why = "this model was never certified on this lane"
     shapes = f" --shapes {','.join(key.shapes)}" if key.lane == "ane" and key.shapes else ""

@@ -81,9 +81,12 @@ def render(cert: Certificate) -> str:
         placement_plot=placement_plot,
         placement_note=note,
         latency_plot=svg.histogram(
-            "latency", cert.measurements.latencies_ms,
+            "latency",
+            cert.measurements.latencies_ms,
             f"Latency per lane request ({len(cert.measurements.latencies_ms)} requests)",
-            "milliseconds per request", bins=20, y_label="requests",
+            "milliseconds per request",
+            bins=20,
+            y_label="requests",
         ),
         raw=msgspec.json.format(msgspec.json.encode(cert), indent=2).decode(),
     )
@@ -104,50 +107,76 @@ def _cosine_plot(cert: Certificate) -> str:
         gaps = [math.log10(max(1.0 - c, 1e-12)) for c in cosines]
         limit = math.log10(max(1.0 - cert.thresholds.min_cosine, 1e-12))
         return svg.histogram(
-            "cosine", gaps,
+            "cosine",
+            gaps,
             f"Per-item cosine vs the fp32 reference ({len(gaps)} items{bad})",
-            "log10(1 - cosine)   (left is better)", marker=limit,
-            marker_label=f"min cosine {cert.thresholds.min_cosine:g}", y_label="items",
+            "log10(1 - cosine)   (left is better)",
+            marker=limit,
+            marker_label=f"min cosine {cert.thresholds.min_cosine:g}",
+            y_label="items",
         )
     rerank, bad = _finite(m.rerank_errors)
     errors = [math.log10(max(e, 1e-12)) for e in rerank]
     limit = math.log10(max(cert.thresholds.rerank_max_abs, 1e-12))
     return svg.histogram(
-        "cosine", errors,
+        "cosine",
+        errors,
         f"Rerank |score error| vs the fp32 reference ({len(errors)} pairs{bad})",
-        "log10 |lane - reference|", marker=limit,
-        marker_label=f"max {cert.thresholds.rerank_max_abs:g}", y_label="pairs",
+        "log10 |lane - reference|",
+        marker=limit,
+        marker_label=f"max {cert.thresholds.rerank_max_abs:g}",
+        y_label="pairs",
     )
 
 
 def _placement_plot(cert: Certificate) -> tuple[str, str]:
     m = cert.measurements
     if cert.thresholds.placement_share is None:
-        return (svg.bars("placement", "Placement by device", [("whole graph", {"cpu": 1.0})]),
-                f"n/a: the {cert.key.lane} lane runs on the CPU; the placement gate does not "
-                "apply.")
+        return (
+            svg.bars("placement", "Placement by device", [("whole graph", {"cpu": 1.0})]),
+            f"n/a: the {cert.key.lane} lane runs on the CPU; the placement gate does not apply.",
+        )
     if m.placement_ops:
         # Rows normalized per op type (one conv dwarfs everything else in absolute cost);
         # each label carries the op type's share of the whole graph's estimated work.
         total = sum(sum(d.values()) for d in m.placement_ops.values()) or 1.0
         ranked = sorted(m.placement_ops.items(), key=lambda kv: -sum(kv[1].values()))[:16]
-        rows = [(f"{op} {100 * sum(d.values()) / total:.2g}%",
-                 {dev: c / (sum(d.values()) or 1.0) for dev, c in d.items()})
-                for op, d in ranked]
+        rows = [
+            (
+                f"{op} {100 * sum(d.values()) / total:.2g}%",
+                {dev: c / (sum(d.values()) or 1.0) for dev, c in d.items()},
+            )
+            for op, d in ranked
+        ]
         share_text = f"{m.placement_share:.4f}" if m.placement_share is not None else "?"
-        return (svg.bars("placement", "Placement per op type (static estimate)", rows,
-                         "fraction of the op type's work, by device"),
-                f"Per-op estimate over the admitted packages (top {len(rows)} op types by "
-                f"work). The gate used the lane's reported share {share_text} "
-                f"({m.placement_source}).")
+        return (
+            svg.bars(
+                "placement",
+                "Placement per op type (static estimate)",
+                rows,
+                "fraction of the op type's work, by device",
+            ),
+            f"Per-op estimate over the admitted packages (top {len(rows)} op types by "
+            f"work). The gate used the lane's reported share {share_text} "
+            f"({m.placement_source}).",
+        )
     if m.placement_share is None:
         return svg.bars("placement", "Placement", []), "The lane reported no placement."
     share = m.placement_share
-    note = ("Share from a static estimate (not Core ML's compute plan): at most provisional; "
-            "the lane reports no per-op breakdown." if m.placement_source != "compute_plan"
-            else "Share from Core ML's MLComputePlan.")
-    return (svg.bars("placement", f"Placement, whole graph ({m.placement_source})",
-                     [("whole graph", {"ane": share, "cpu": 1.0 - share})]), note)
+    note = (
+        "Share from a static estimate (not Core ML's compute plan): at most provisional; "
+        "the lane reports no per-op breakdown."
+        if m.placement_source != "compute_plan"
+        else "Share from Core ML's MLComputePlan."
+    )
+    return (
+        svg.bars(
+            "placement",
+            f"Placement, whole graph ({m.placement_source})",
+            [("whole graph", {"ane": share, "cpu": 1.0 - share})],
+        ),
+        note,
+    )
 
 
 def _fmt(value: object) -> str:

@@ -94,44 +94,57 @@ async def certify(
     record = client.record
     ref_dir = options.reference_dir or str(reference_dir_for(record))
     reference = options.reference or select_reference(ref_dir)
-    oracle = Oracle(ref_dir, store.root / "reference-cache",
-                    pooling=record.manifest.pooling if record.kind == "embed" else "mean",
-                    reference=reference)
+    oracle = Oracle(
+        ref_dir,
+        store.root / "reference-cache",
+        pooling=record.manifest.pooling if record.kind == "embed" else "mean",
+        reference=reference,
+    )
     progress.start("load", f"load {options.model} on the {options.lane} lane", 1)
     await client.load(options.shapes, options.runtime_config_extra)
     progress.advance("load")
     identity = client.identity()
     key = key_for(identity)
-    thresholds = thresholds_for(identity.lane, identity.precision).with_overrides(
-        options.overrides
-    )
+    thresholds = thresholds_for(identity.lane, identity.precision).with_overrides(options.overrides)
     tok = await client.tokenizer()
     texts = list(corpus())[:: options.sample_stride]
     measured = Measurements()
 
     checks = [_tokenizer_agreement(tok, oracle, thresholds, measured, progress)]
     if record.kind == "embed":
-        judged = await _judge_embeddings(client, tok, oracle, texts, options, thresholds,
-                                         measured, progress)
+        judged = await _judge_embeddings(
+            client, tok, oracle, texts, options, thresholds, measured, progress
+        )
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
     elif record.kind == "rerank":
         if not oracle.is_cross_encoder:
-            raise ValueError(f"reference dir {ref_dir} is not a sequence-classification model "
-                             "(config.json architectures *ForSequenceClassification)")
-        judged = await _judge_rerank(client, tok, oracle, texts, options, thresholds,
-                                     measured, progress)
+            raise ValueError(
+                f"reference dir {ref_dir} is not a sequence-classification model "
+                "(config.json architectures *ForSequenceClassification)"
+            )
+        judged = await _judge_rerank(
+            client, tok, oracle, texts, options, thresholds, measured, progress
+        )
         checks += gates.embedding_not_applicable("cross-encoder") + judged.checks
     else:
-        raise ValueError(f"model {options.model!r} is a {record.kind} model: certification "
-                         "covers embedding and sequence-classification (rerank) models")
+        raise ValueError(
+            f"model {options.model!r} is a {record.kind} model: certification "
+            "covers embedding and sequence-classification (rerank) models"
+        )
 
     progress.start("placement", "placement after admission", 1)
     share, source = await client.placement()
     measured.placement_share, measured.placement_source = share, source
     measured.placement_ops = await client.placement_ops()
-    checks.append(gates.placement_check(identity.lane, share, source, thresholds,
-                                        apple_device.neural_engine_present()
-                                        if identity.lane == "ane" else None))
+    checks.append(
+        gates.placement_check(
+            identity.lane,
+            share,
+            source,
+            thresholds,
+            apple_device.neural_engine_present() if identity.lane == "ane" else None,
+        )
+    )
     progress.advance("placement")
 
     fp = fingerprint(judged.probe_values, judged.grid)
@@ -181,8 +194,11 @@ def _tokenizer_agreement(
     progress.start("tokenize", "tokenizer agreement", 1)
     lane_ids = tok.encode(items, truncate=True).ids
     ref_ids = oracle.tokenize(items)
-    bad = [i for i, (a, b) in enumerate(zip(lane_ids, ref_ids, strict=True))
-           if not np.array_equal(a, b)]
+    bad = [
+        i
+        for i, (a, b) in enumerate(zip(lane_ids, ref_ids, strict=True))
+        if not np.array_equal(a, b)
+    ]
     measured.tokenizer_mismatch_items = bad
     progress.advance("tokenize")
     return gates.tokenizer_check(len(bad), len(items), t)
@@ -270,8 +286,11 @@ async def _judge_rerank(
     progress.start("reference", "fp32 reference forward", len(texts))
     lane_scores, ref_scores = [], []
     for qi, docs in groups.items():
-        ref_task = asyncio.create_task(asyncio.to_thread(
-            lambda q=qs[qi], d=docs: oracle.scores(*composer(q, d))))  # type: ignore[misc]
+        # The reference scores this group while the lane does: mypy cannot type the default-
+        # argument lambda that binds the loop's values.
+        ref_task = asyncio.create_task(
+            asyncio.to_thread(lambda q=qs[qi], d=docs: oracle.scores(*composer(q, d)))  # type: ignore[misc]
+        )
         scores, ms = await client.rerank(qs[qi], docs)
         measured.latencies_ms.append(round(ms, 3))
         measured.request_items.append(len(docs))
@@ -279,8 +298,10 @@ async def _judge_rerank(
         lane_scores.append(scores)
         ref_scores.append(await ref_task)
         progress.advance("reference", len(docs))
-    errors = np.abs(np.concatenate(lane_scores).astype(np.float64)
-                    - np.concatenate(ref_scores).astype(np.float64))
+    errors = np.abs(
+        np.concatenate(lane_scores).astype(np.float64)
+        - np.concatenate(ref_scores).astype(np.float64)
+    )
     measured.rerank_errors = [float(e) for e in errors]
     note = "reference with the model's own token types (1 on the document half)"
     progress.start("probe", "probe set (fingerprint)", 1)
@@ -307,11 +328,12 @@ def _pair_composer(
 
     def llama(query: str, docs: list[str]):
         seg = tok.rerank_segments(query, docs, truncate=True)
-        ids = [np.concatenate([pre, seg.query, mid, d, post]).astype(np.int32)
-               for d in seg.docs]
+        ids = [np.concatenate([pre, seg.query, mid, d, post]).astype(np.int32) for d in seg.docs]
         first = len(pre) + len(seg.query) + len(mid)
-        types = [np.where(np.arange(len(x)) < first, 0, 1 if n_types > 1 else 0)
-                 .astype(np.int32) for x in ids]
+        types = [
+            np.where(np.arange(len(x)) < first, 0, 1 if n_types > 1 else 0).astype(np.int32)
+            for x in ids
+        ]
         return ids, types
 
     def ane(query: str, docs: list[str]):
@@ -332,10 +354,12 @@ def _pair_template(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for n_mid in range(n_special - n_pre + 1):
             at_d = n_pre + len(q) + n_mid
             if pair[n_pre : n_pre + len(q)] == q and pair[at_d : at_d + len(d)] == d:
-                pre, mid, post = (pair[:n_pre], pair[n_pre + len(q) : at_d],
-                                  pair[at_d + len(d) :])
-                return (np.asarray(pre, np.int32), np.asarray(mid, np.int32),
-                        np.asarray(post, np.int32))
+                pre, mid, post = (pair[:n_pre], pair[n_pre + len(q) : at_d], pair[at_d + len(d) :])
+                return (
+                    np.asarray(pre, np.int32),
+                    np.asarray(mid, np.int32),
+                    np.asarray(post, np.int32),
+                )
     raise ValueError(f"the tokenizer's pair template {pair} does not hold the pair's own ids")
 
 
@@ -364,15 +388,27 @@ def _drift(store: CertificateStore, key: CertificateKey, values: np.ndarray) -> 
 def _drift_check(fp: Fingerprint, drift: Drift | None) -> Check:
     # Informational: quality is judged by the gates; drift says the numbers moved.
     if drift is None:
-        return Check(name="fingerprint.drift", gate="info", status="info",
-                     detail=f"first certificate of this lane; fingerprint {fp.short}")
+        return Check(
+            name="fingerprint.drift",
+            gate="info",
+            status="info",
+            detail=f"first certificate of this lane; fingerprint {fp.short}",
+        )
     where = "same key" if drift.same_key else "key changed: " + "; ".join(drift.key_changes)
     if drift.drifted:
-        return Check(name="fingerprint.drift", gate="info", status="drift",
-                     detail=f"outputs moved since {drift.previous_id} "
-                            f"({drift.previous_created_at}, {where})")
-    return Check(name="fingerprint.drift", gate="info", status="pass",
-                 detail=f"stable since {drift.previous_id} ({where})")
+        return Check(
+            name="fingerprint.drift",
+            gate="info",
+            status="drift",
+            detail=f"outputs moved since {drift.previous_id} "
+            f"({drift.previous_created_at}, {where})",
+        )
+    return Check(
+        name="fingerprint.drift",
+        gate="info",
+        status="pass",
+        detail=f"stable since {drift.previous_id} ({where})",
+    )
 
 
 def _synapse_version() -> str:

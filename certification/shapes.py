@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def parse_shapes(text: str | None) -> list[dict] | None:
-    """"8x128,4x256p,2x512p/16" -> [{rows, seq_len, packed?, max_segments?}, ...]."""
+    """ "8x128,4x256p,2x512p/16" -> [{rows, seq_len, packed?, max_segments?}, ...]."""
     if not text:
         return None
     shapes = []

@@ -101,8 +101,10 @@ def bars(
             f'fill="{COLORS.get(device, COLORS["other"])}"/>'
             f'<text x="{lx + 14}" y="{legend_y}" font-size="11">{escape(device)}</text>'
         )
-    parts.append(f'<text x="{W - PAD_R}" y="{legend_y}" font-size="10" text-anchor="end">'
-                 f"{escape(x_label)}</text></svg>")
+    parts.append(
+        f'<text x="{W - PAD_R}" y="{legend_y}" font-size="10" text-anchor="end">'
+        f"{escape(x_label)}</text></svg>"
+    )
     return "".join(parts)
 
 
@@ -134,6 +136,8 @@ def _axes(x_lo: str, x_hi: str, x_label: str, y_top: str, y_label: str) -> str:
 
 
 def _empty(name: str, title: str, why: str) -> str:
-    return (_open(name, title, 0, height=60)
-            + f'<text x="{W / 2}" y="40" font-size="12" text-anchor="middle">{escape(why)}'
-            + "</text></svg>")
+    return (
+        _open(name, title, 0, height=60)
+        + f'<text x="{W / 2}" y="40" font-size="12" text-anchor="middle">{escape(why)}'
+        + "</text></svg>"
+    )

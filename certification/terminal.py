@@ -19,8 +19,14 @@ from rich.table import Table
 from certification.certificate import Certificate
 
 STYLE = {
-    "certified": "bold green", "pass": "green", "provisional": "bold yellow",
-    "failed": "bold red", "fail": "bold red", "drift": "bold red", "n/a": "dim", "info": "dim",
+    "certified": "bold green",
+    "pass": "green",
+    "provisional": "bold yellow",
+    "failed": "bold red",
+    "fail": "bold red",
+    "drift": "bold red",
+    "n/a": "dim",
+    "info": "dim",
 }
 
 
@@ -30,8 +36,12 @@ class RichProgress:
 
     def __init__(self, console: Console) -> None:
         self.bars = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
         )
         self._tasks: dict[str, TaskID] = {}
 
@@ -44,8 +54,7 @@ class RichProgress:
 
     def start(self, key: str, description: str, total: int) -> None:
         if key in self._tasks:
-            self.bars.update(self._tasks[key], description=description, total=total,
-                             completed=0)
+            self.bars.update(self._tasks[key], description=description, total=total, completed=0)
         else:
             self._tasks[key] = self.bars.add_task(description, total=total)
 
@@ -69,8 +78,12 @@ def print_certificate(console: Console, cert: Certificate) -> None:
     if wide:
         table.add_column("detail")
     for c in cert.checks:
-        row = [c.name, f"[{STYLE.get(c.status, '')}]{c.status}[/]", _fmt(c.value),
-               f"{c.op} {_fmt(c.threshold)}".strip()]
+        row = [
+            c.name,
+            f"[{STYLE.get(c.status, '')}]{c.status}[/]",
+            _fmt(c.value),
+            f"{c.op} {_fmt(c.threshold)}".strip(),
+        ]
         table.add_row(*row, *([escape(c.detail)] if wide else []))
     console.print(table)
     if not wide:
@@ -79,24 +92,36 @@ def print_certificate(console: Console, cert: Certificate) -> None:
                 console.print(f"  [dim]{c.name}:[/] {escape(c.detail)}")
     if cert.failing:
         console.print(f"[bold red]failing:[/] {', '.join(cert.failing)}")
-    notes = [f"quality gate {cert.quality}", f"placement gate {cert.placement}",
-             f"fingerprint {cert.fingerprint.short}"]
+    notes = [
+        f"quality gate {cert.quality}",
+        f"placement gate {cert.placement}",
+        f"fingerprint {cert.fingerprint.short}",
+    ]
     if cert.corpus.sample_stride > 1:
-        notes.append(f"SAMPLED: every {cert.corpus.sample_stride}th corpus item "
-                     f"({cert.corpus.n_items}/{cert.corpus.n_total})")
+        notes.append(
+            f"SAMPLED: every {cert.corpus.sample_stride}th corpus item "
+            f"({cert.corpus.n_items}/{cert.corpus.n_total})"
+        )
     if cert.overrides:
         notes.append(f"overrides {cert.overrides}")
     console.print("; ".join(notes))
-    console.print(f"[dim]judged by[/] {escape(cert.reference)}"
-                  + (f" [dim]on[/] {escape(cert.reference_dir)}" if cert.reference_dir else ""))
+    console.print(
+        f"[dim]judged by[/] {escape(cert.reference)}"
+        + (f" [dim]on[/] {escape(cert.reference_dir)}" if cert.reference_dir else "")
+    )
 
 
 def print_list(console: Console, certs: list[Certificate]) -> None:
     table = Table("id", "model", "lane", "status", "failing", "shapes", "engine", "created")
     for c in certs:
         table.add_row(
-            c.id, c.key.model, c.key.lane, f"[{STYLE[c.status]}]{c.status}[/]",
-            ", ".join(c.failing), ",".join(c.key.shapes), f"{c.key.engine} {c.key.engine_version}",
+            c.id,
+            c.key.model,
+            c.key.lane,
+            f"[{STYLE[c.status]}]{c.status}[/]",
+            ", ".join(c.failing),
+            ",".join(c.key.shapes),
+            f"{c.key.engine} {c.key.engine_version}",
             c.created_at,
         )
     console.print(table)

@@ -36,8 +36,10 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             return self
         unknown = set(overrides) - set(self.__struct_fields__)
         if unknown:
-            raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: "
-                             f"{', '.join(self.__struct_fields__)}")
+            raise ValueError(
+                f"unknown threshold(s) {sorted(unknown)}; known: "
+                f"{', '.join(self.__struct_fields__)}"
+            )
         merged = msgspec.to_builtins(self)
         for name, value in overrides.items():
             if not math.isfinite(float(value)):  # NaN passes no comparison: it would disable

@@ -23,11 +23,24 @@ from workers.llama.vocab_probe import ProbeFailed, tokenize_with_llama
 # Edges the corpus does not stress: spacing, case, accents, marks, format characters,
 # special-token strings written as text, symbols and ligatures.
 EDGE_TEXTS = (
-    "", " ", "  lots   of\tspace\n\nand lines\r\n", "Hello, World!", "HELLO world",
-    "naïve café résumé", "nai\u0308ve cafe\u0301", "İstanbul ΣΟΦΙΑ straße", "Ǆemal ﬁne Ⅻ",
-    "[CLS] text [SEP] <s> </s> <unk>", "a\u200db\u00adc\ufeffd", "ab$cd+ef<gh>=ij^k`l|m~",
-    "日本語のテキスト", "고양이가 창가에서 자고 있습니다", "नमस्ते दुनिया", "🙂👍🏽 ❤️",
-    "x" * 300, "word " * 50,
+    "",
+    " ",
+    "  lots   of\tspace\n\nand lines\r\n",
+    "Hello, World!",
+    "HELLO world",
+    "naïve café résumé",
+    "nai\u0308ve cafe\u0301",
+    "İstanbul ΣΟΦΙΑ straße",
+    "Ǆemal ﬁne Ⅻ",
+    "[CLS] text [SEP] <s> </s> <unk>",
+    "a\u200db\u00adc\ufeffd",
+    "ab$cd+ef<gh>=ij^k`l|m~",
+    "日本語のテキスト",
+    "고양이가 창가에서 자고 있습니다",
+    "नमस्ते दुनिया",
+    "🙂👍🏽 ❤️",
+    "x" * 300,
+    "word " * 50,
 )
 
 
@@ -52,12 +65,15 @@ def prove_gguf_tokenizer(gguf: str | Path, tokenizer_json: str | Path) -> int:
         for i, (enc, ref) in enumerate(zip(ours, llama, strict=True)):
             if enc.ids != ref[key]:
                 pairs = zip(enc.ids, ref[key], strict=False)  # the shorter one ends the walk
-                at = next((k for k, (a, b) in enumerate(pairs) if a != b),
-                          min(len(enc.ids), len(ref[key])))
+                at = next(
+                    (k for k, (a, b) in enumerate(pairs) if a != b),
+                    min(len(enc.ids), len(ref[key])),
+                )
                 raise TokenizerMismatch(
                     f"the tokenizer derived from {Path(gguf).name} differs from llama.cpp's on "
                     f"text {i} ({texts[i][:40]!r}, {'with' if add_special else 'without'} "
-                    f"special tokens) at token {at}: {enc.ids[at:at + 5]} vs "
-                    f"{ref[key][at:at + 5]}; refusing a model that would be tokenized "
-                    "differently from llama.cpp")
+                    f"special tokens) at token {at}: {enc.ids[at : at + 5]} vs "
+                    f"{ref[key][at : at + 5]}; refusing a model that would be tokenized "
+                    "differently from llama.cpp"
+                )
     return len(texts)

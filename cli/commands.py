@@ -41,29 +41,45 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_models_ls)
     ingest = models_sub.add_parser(
-        "ingest", help="add a model: a Hugging Face / sentence-transformers dir (BERT, "
-        "XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 embedding; converted to GGUF) or a GGUF file")
-    ingest.add_argument("path", nargs="?",
-                        help="model dir or .gguf file; omit to install the defaults")
+        "ingest",
+        help="add a model: a Hugging Face / sentence-transformers dir (BERT, "
+        "XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 embedding; converted to GGUF) or a GGUF file",
+    )
+    ingest.add_argument(
+        "path", nargs="?", help="model dir or .gguf file; omit to install the defaults"
+    )
     ingest.add_argument("--name")
     ingest.add_argument(
         "--dtype", choices=["f16", "f32"], help="default: this platform's (see `models ls`)"
     )
-    ingest.add_argument("--kind", choices=["embed", "rerank"],
-                        help="GGUF only: default from its metadata (a classifier head reranks)")
-    ingest.add_argument("--pooling", choices=["mean", "cls", "last"],
-                        help="GGUF only: an embedder's pooling, when its metadata does not say")
-    ingest.add_argument("--max-tokens", type=int,
-                        help="GGUF only: default truncation (default: the model's limit)")
     ingest.add_argument(
-        "--prompt", action="append", type=_named_prompt, metavar="NAME=TEXT",
-        help="a prompt prepended to inputs embedded with --prompt-name NAME; adds to or "
-             "replaces the model's own (repeatable)",
+        "--kind",
+        choices=["embed", "rerank"],
+        help="GGUF only: default from its metadata (a classifier head reranks)",
     )
-    ingest.add_argument("--default-prompt", metavar="NAME",
-                        help="the prompt applied when a call names none")
     ingest.add_argument(
-        "--matryoshka-dims", type=_widths, metavar="D1,D2,...",
+        "--pooling",
+        choices=["mean", "cls", "last"],
+        help="GGUF only: an embedder's pooling, when its metadata does not say",
+    )
+    ingest.add_argument(
+        "--max-tokens", type=int, help="GGUF only: default truncation (default: the model's limit)"
+    )
+    ingest.add_argument(
+        "--prompt",
+        action="append",
+        type=_named_prompt,
+        metavar="NAME=TEXT",
+        help="a prompt prepended to inputs embedded with --prompt-name NAME; adds to or "
+        "replaces the model's own (repeatable)",
+    )
+    ingest.add_argument(
+        "--default-prompt", metavar="NAME", help="the prompt applied when a call names none"
+    )
+    ingest.add_argument(
+        "--matryoshka-dims",
+        type=_widths,
+        metavar="D1,D2,...",
         help="widths the model was trained to be cut to (Matryoshka), e.g. 512,256,128",
     )
     ingest.set_defaults(func=_models_ingest)
@@ -79,10 +95,14 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     embed.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
     prompt = embed.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt-name", metavar="NAME",
-                        help="prepend the model's prompt NAME (default: its default prompt)")
-    prompt.add_argument("--prompt", metavar="TEXT",
-                        help="prepend TEXT to every input instead ('' for none)")
+    prompt.add_argument(
+        "--prompt-name",
+        metavar="NAME",
+        help="prepend the model's prompt NAME (default: its default prompt)",
+    )
+    prompt.add_argument(
+        "--prompt", metavar="TEXT", help="prepend TEXT to every input instead ('' for none)"
+    )
     embed.set_defaults(func=_embed)
 
     rerank = sub.add_parser("rerank", help="rank documents against a query")
@@ -106,8 +126,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 
 
 # One model on either lane: how a user compares the Core ML graph with llama.cpp on it.
-_LANE_HELP = ("serve on this lane: ane (the Core ML graph), llama (llama.cpp); default: the "
-              "lane the certificates choose")
+_LANE_HELP = (
+    "serve on this lane: ane (the Core ML graph), llama (llama.cpp); default: the "
+    "lane the certificates choose"
+)
 
 
 def _named_prompt(text: str) -> tuple[str, str]:
@@ -122,7 +144,8 @@ def _widths(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected comma-separated widths, e.g. 512,256,128") from None
+            f"{text!r}: expected comma-separated widths, e.g. 512,256,128"
+        ) from None
 
 
 def _module(args: argparse.Namespace) -> Module:
@@ -179,39 +202,56 @@ def _manifest_dict(record) -> dict:
 
     man = record.manifest
     # The manifest omits empty fields; a script reading the list finds them on every model.
-    return {**msgspec.to_builtins(man), "prompts": man.prompts,
-            "default_prompt_name": man.default_prompt_name,
-            "matryoshka_dims": man.matryoshka_dims,
-            "precision": lane_precisions(man.kind, man.dtype)}
+    return {
+        **msgspec.to_builtins(man),
+        "prompts": man.prompts,
+        "default_prompt_name": man.default_prompt_name,
+        "matryoshka_dims": man.matryoshka_dims,
+        "precision": lane_precisions(man.kind, man.dtype),
+    }
 
 
 def _models_ingest(args: argparse.Namespace) -> int:
     if args.path is None:
         if args.prompt or args.default_prompt or args.matryoshka_dims:
-            raise InvalidRequest("--prompt, --default-prompt and --matryoshka-dims need "
-                                 "a model PATH")
+            raise InvalidRequest(
+                "--prompt, --default-prompt and --matryoshka-dims need a model PATH"
+            )
         ensure_defaults()
     elif Path(args.path).is_file():
         if args.dtype is not None:
-            raise InvalidRequest("--dtype converts a Hugging Face directory; a GGUF "
-                                 "keeps its own precision")
+            raise InvalidRequest(
+                "--dtype converts a Hugging Face directory; a GGUF keeps its own precision"
+            )
         from certification.tokenizer_proof import prove_gguf_tokenizer  # spawns llama.cpp
 
         rec = _store().ingest_gguf(
-            args.path, name=args.name, kind=args.kind, pooling=args.pooling,
-            max_tokens=args.max_tokens, prove=prove_gguf_tokenizer,
+            args.path,
+            name=args.name,
+            kind=args.kind,
+            pooling=args.pooling,
+            max_tokens=args.max_tokens,
+            prove=prove_gguf_tokenizer,
             prompts=dict(args.prompt) if args.prompt else None,
-            default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims)
-        console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
-                      f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)")
+            default_prompt_name=args.default_prompt,
+            matryoshka_dims=args.matryoshka_dims,
+        )
+        console.print(
+            f"ingested {rec.name} ({rec.kind}, {rec.manifest.pooling} pooling, "
+            f"{rec.manifest.dims} dims; tokenizer proven equal to llama.cpp's)"
+        )
     else:
         if args.kind or args.pooling or args.max_tokens:
-            raise InvalidRequest("--kind, --pooling and --max-tokens apply to GGUF "
-                                 "files; a directory says its own")
+            raise InvalidRequest(
+                "--kind, --pooling and --max-tokens apply to GGUF files; a directory says its own"
+            )
         rec = _store().ingest_hf_dir(
-            args.path, name=args.name, dtype=args.dtype,
+            args.path,
+            name=args.name,
+            dtype=args.dtype,
             prompts=dict(args.prompt) if args.prompt else None,
-            default_prompt_name=args.default_prompt, matryoshka_dims=args.matryoshka_dims,
+            default_prompt_name=args.default_prompt,
+            matryoshka_dims=args.matryoshka_dims,
         )
         console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     return _models_ls(argparse.Namespace(json=False))
@@ -287,8 +327,9 @@ def _rerank(args: argparse.Namespace) -> int:
     async def go() -> int:
         ensure_defaults()
         async with _module(args) as mod:
-            result = await mod.rerank(args.query, args.documents, args.model,
-                                      lane=getattr(args, "lane", None))
+            result = await mod.rerank(
+                args.query, args.documents, args.model, lane=getattr(args, "lane", None)
+            )
             lane = _served_lane(mod, result.model, args)
         if args.json:
             print(

@@ -116,9 +116,13 @@ def neural_engine() -> dict:
     from workers.ane import apple_device
 
     present, cores = apple_device.neural_engine()
-    return {"present": present, "cores": cores,
-            "source": "not macOS" if sys.platform != "darwin"
-            else "MLComputeDevice.get_all_compute_devices"}
+    return {
+        "present": present,
+        "cores": cores,
+        "source": "not macOS"
+        if sys.platform != "darwin"
+        else "MLComputeDevice.get_all_compute_devices",
+    }
 
 
 def lane_choices(llama_device: str | None) -> dict[str, dict]:
@@ -180,16 +184,21 @@ def main(as_json: bool) -> int:
         table.add_row(
             "llama.cpp GPU offload",
             f"{'yes' if llama['gpu_offload'] else 'no'}; lanes run on {llama['device']}"
-            + (f" (SYNAPSE_LLAMA_GPU_LAYERS: {llama['gpu_layers_env']})"
-               if llama["gpu_layers_env"] is not None else ""),
+            + (
+                f" (SYNAPSE_LLAMA_GPU_LAYERS: {llama['gpu_layers_env']})"
+                if llama["gpu_layers_env"] is not None
+                else ""
+            ),
         )
     ne, apple, cm = data["neural_engine"], data["apple"], data["coreml"]
     if ne["present"] is None:
         ne_text = f"unknown — {apple['reason'] or ne['source']}"
     else:
         cores = f", {ne['cores']} cores" if ne["cores"] is not None else ""
-        ne_text = (f"{'present' if ne['present'] else 'absent'}{cores} ({apple['chip']}, macOS "
-                   f"{apple['macos']} {apple['macos_build']}; {ne['source']})")
+        ne_text = (
+            f"{'present' if ne['present'] else 'absent'}{cores} ({apple['chip']}, macOS "
+            f"{apple['macos']} {apple['macos_build']}; {ne['source']})"
+        )
     table.add_row("Neural Engine", ne_text)
     table.add_row("Core ML runtime", "yes" if cm.get("runtime") else f"no — {cm['reason']}")
     table.add_row("coremltools", str(cm["coremltools"]))

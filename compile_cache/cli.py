@@ -107,8 +107,9 @@ def _ls(cache: CompileCache, args: argparse.Namespace, as_json: bool) -> int:
         _print_json(
             {
                 "root": str(cache.root),
-                "entries": [{**e.to_json(), "kind": _kind(e), "leased": leased[e.digest]}
-                            for e in entries],
+                "entries": [
+                    {**e.to_json(), "kind": _kind(e), "leased": leased[e.digest]} for e in entries
+                ],
             }
         )
         return EXIT_OK

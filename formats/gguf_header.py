@@ -25,8 +25,19 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 # GGUF value types -> struct format (strings=8, arrays=9 handled apart).
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-           10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 _MAX_COUNT = 1 << 32
 _ALIGN_KEY = "general.alignment"
@@ -157,8 +168,9 @@ def read_gguf_header(path: str | Path, want_arrays: frozenset[str] = frozenset()
                     raise GGUFFormatError(f"tensor {name!r}: {n_dims} dims")
                 shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
                 ttype, offset = cur.unpack("<I"), cur.unpack("<Q")
-                hdr.tensors.append(TensorInfo(name, shape, ttype, offset,
-                                              _nbytes(shape, ttype, name)))
+                hdr.tensors.append(
+                    TensorInfo(name, shape, ttype, offset, _nbytes(shape, ttype, name))
+                )
             align = hdr.kv.get(_ALIGN_KEY, 32)
             if not isinstance(align, int) or align <= 0 or align & (align - 1):
                 raise GGUFFormatError(f"bad alignment {align!r}")

@@ -65,8 +65,9 @@ class Layout:
         if not self.pooling_modes:
             return None
         if len(self.pooling_modes) > 1:
-            raise LayoutError(f"pooling modes {list(self.pooling_modes)} concatenated: "
-                              "only one mode is supported")
+            raise LayoutError(
+                f"pooling modes {list(self.pooling_modes)} concatenated: only one mode is supported"
+            )
         return self.pooling_modes[0]
 
 
@@ -87,7 +88,7 @@ def _optional_json(path: Path) -> dict:
 
 
 def module_kind(type_name: str) -> str:
-    """"Pooling" for both `sentence_transformers.models.Pooling` and
+    """ "Pooling" for both `sentence_transformers.models.Pooling` and
     `sentence_transformers.sentence_transformer.modules.pooling.Pooling`."""
     return type_name.rsplit(".", 1)[-1]
 
@@ -136,18 +137,21 @@ def read_layout(model_dir: str | Path) -> Layout:
         max_seq = _optional_json(d / "tokenizer_config.json").get("model_max_length")
     if isinstance(max_seq, (int, float)) and not isinstance(max_seq, bool) and max_seq > 1 << 20:
         max_seq = None  # transformers' "no limit" sentinel (1e30)
-    if max_seq is not None and (not isinstance(max_seq, int) or isinstance(max_seq, bool)
-                                or max_seq <= 0):
+    if max_seq is not None and (
+        not isinstance(max_seq, int) or isinstance(max_seq, bool) or max_seq <= 0
+    ):
         raise LayoutError(f"{d}: max_seq_length {max_seq!r} is not a positive integer")
     st = _optional_json(d / "config_sentence_transformers.json")
     prompts = st.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
         raise LayoutError("config_sentence_transformers.json: prompts must map names to text")
     default = st.get("default_prompt_name")
     if default is not None and default not in prompts:
-        raise LayoutError(f"default_prompt_name {default!r} is not one of the prompts "
-                          f"{sorted(prompts)}")
+        raise LayoutError(
+            f"default_prompt_name {default!r} is not one of the prompts {sorted(prompts)}"
+        )
     return Layout(
         pooling_modes=pooling,
         include_prompt=include_prompt,

@@ -20,5 +20,6 @@ def require_extra(extra: str, module: str, feature: str) -> None:
         raise MissingExtra(
             f"{feature} needs the '{extra}' extra ({missing} is not installed): "
             f"pip install 'synapse[{extra}]'",
-            extra=extra, missing=missing,
+            extra=extra,
+            missing=missing,
         ) from None

@@ -517,8 +517,10 @@ class Lane:
             status = "stopped"
         elif quarantined:
             status = "quarantined"
-        elif (worker is None or not worker.usable()) and self._restarter is not None and (
-            not self._restarter.done()
+        elif (
+            (worker is None or not worker.usable())
+            and self._restarter is not None
+            and (not self._restarter.done())
         ):
             status = "starting"
         elif worker is None or not worker.usable():

@@ -61,9 +61,7 @@ class LanePolicy(Protocol):
         (one short phrase: "no ANE certificate", "ANE certificate 3fa9 is provisional ...")."""
         ...
 
-    def require(
-        self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
-    ):
+    def require(self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None):
         """The loaded lane's exact identity against the certificates: returns the covering
         certificate, or raises `host.errors.CertificateRequired` saying what is missing."""
         ...
@@ -75,16 +73,15 @@ class NoLanePolicy:
     def ane_candidate(self, model: str) -> AneCandidate | str:
         return "no certificate policy configured"
 
-    def require(
-        self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None
-    ):
+    def require(self, lanes: LoadedLanes, model: str, lane: str, runtime_config_extra: dict | None):
         from host.errors import CertificateRequired
 
         raise CertificateRequired(
             f"{model} on the {lane} lane: require_certificate is set but this Module was given "
             "no lane policy to check certificates with (build it with "
             "certification.modules.build_module)",
-            model=model, lane=lane,
+            model=model,
+            lane=lane,
         )
 
 

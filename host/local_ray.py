@@ -61,7 +61,6 @@ def start_local_ray(**init_kwargs) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         # "local": a new instance even if RAY_ADDRESS or a running Ray is found.
-        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False,
-                 **init_kwargs)
+        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode

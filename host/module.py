@@ -83,8 +83,12 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
 
     def __post_init__(self) -> None:
-        for name in ("max_worker_batch_tokens", "max_batch_items", "max_generate_tokens",
-                     "planned_workers"):
+        for name in (
+            "max_worker_batch_tokens",
+            "max_batch_items",
+            "max_generate_tokens",
+            "planned_workers",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"module.{name} must be >= 1")
 
@@ -265,9 +269,7 @@ class Module:
                     **extra,
                 }
             lane_obj = Lane(
-                LaneConfig(
-                    lane_id=f"{lane}.{name}"[:48], argv=argv, device=LANES[lane]
-                ),
+                LaneConfig(lane_id=f"{lane}.{name}"[:48], argv=argv, device=LANES[lane]),
                 self.config.host,
                 self.permits,
             )
@@ -295,9 +297,10 @@ class Module:
             device = loaded.device or ("ane" if lane == "ane" else "cpu")
             lane_obj.set_device(permit_for(lane, device))
             if lane == "llama":
-                self.llama_device = hello_device(
-                    lane_obj.hello.engine.build_flags if lane_obj.hello else None
-                ) or self.llama_device
+                self.llama_device = (
+                    hello_device(lane_obj.hello.engine.build_flags if lane_obj.hello else None)
+                    or self.llama_device
+                )
             self._served[key] = _Served(
                 record, tokenizer, lane_obj, loaded.dims, lane, digest, device
             )
@@ -378,8 +381,11 @@ class Module:
             return self._choices[name]
         record = self._record(name)
         if record.kind == "generate":
-            return LaneChoice("llama", self.llama_device,
-                              llama_reason(self.llama_device, "generation runs on llama.cpp only"))
+            return LaneChoice(
+                "llama",
+                self.llama_device,
+                llama_reason(self.llama_device, "generation runs on llama.cpp only"),
+            )
         candidate = self.lane_policy.ane_candidate(name)
         if isinstance(candidate, AneCandidate):
             return LaneChoice("ane", "ane", ane_reason(candidate))
@@ -597,8 +603,7 @@ class Module:
             return req, np.concatenate([ids[i] for i in chunk])
 
         out = np.empty((len(ids), served.dims), dtype=np.float32)
-        return await self._request_in_chunks(served, lengths, served.dims, out, request,
-                                             deadline_s)
+        return await self._request_in_chunks(served, lengths, served.dims, out, request, deadline_s)
 
     async def _request_in_chunks(
         self,
@@ -673,8 +678,12 @@ class Module:
             order = order[:top_n]
         results = [(int(i), float(scores[i])) for i in order]
         return RerankResult(
-            results, Usage(tokens, tokens), served.record.name, method,
-            list(encoded.n_tokens), list(encoded.truncated),
+            results,
+            Usage(tokens, tokens),
+            served.record.name,
+            method,
+            list(encoded.n_tokens),
+            list(encoded.truncated),
         )
 
     async def _bi_encode(
@@ -698,8 +707,11 @@ class Module:
             if cap < tok.max_tokens and cap < max(d.n_tokens, default=0):
                 capped = tok.encode(docs, True, cap, prompt=prompt, direction=direction)
                 was = d.truncated
-                d = Encoded(capped.ids, capped.n_tokens,
-                            [a or b for a, b in zip(was, capped.truncated, strict=True)])
+                d = Encoded(
+                    capped.ids,
+                    capped.n_tokens,
+                    [a or b for a, b in zip(was, capped.truncated, strict=True)],
+                )
         with self.admission.reserve(q.total_tokens + d.total_tokens):
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
@@ -726,7 +738,11 @@ class Module:
 
         with self.admission.reserve(pairs.total_tokens):
             scores = await self._request_in_chunks(
-                served, pairs.n_tokens, 1, np.empty(len(docs), dtype=np.float32), request,
+                served,
+                pairs.n_tokens,
+                1,
+                np.empty(len(docs), dtype=np.float32),
+                request,
                 deadline_s,
             )
         return scores, pairs
@@ -752,8 +768,13 @@ class Module:
         with self.admission.reserve(seg.total_tokens):
             # Every request carries the query too: the documents get the rest of the budget.
             scores = await self._request_in_chunks(
-                served, doc_lengths, 1, np.empty(len(docs), dtype=np.float32), request,
-                deadline_s, max_tokens=max(1, self.config.max_worker_batch_tokens - len(seg.query)),
+                served,
+                doc_lengths,
+                1,
+                np.empty(len(docs), dtype=np.float32),
+                request,
+                deadline_s,
+                max_tokens=max(1, self.config.max_worker_batch_tokens - len(seg.query)),
             )
         return scores, seg
 
@@ -813,11 +834,13 @@ def _check_prompt_args(prompt_name: str | None, prompt: str | None) -> None:
     if prompt_name is not None and prompt is not None:
         raise InvalidRequest("pass prompt_name or prompt, not both", param="prompt")
     if prompt_name is not None and not isinstance(prompt_name, str):
-        raise InvalidRequest(f"prompt_name must be a string, got {type(prompt_name).__name__}",
-                             param="prompt_name")
+        raise InvalidRequest(
+            f"prompt_name must be a string, got {type(prompt_name).__name__}", param="prompt_name"
+        )
     if prompt is not None and not isinstance(prompt, str):
-        raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
-                             param="prompt")
+        raise InvalidRequest(
+            f"prompt must be a string, got {type(prompt).__name__}", param="prompt"
+        )
 
 
 def resolve_prompt(record: ModelRecord, prompt_name: str | None, prompt: str | None) -> str:

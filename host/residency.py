@@ -79,6 +79,7 @@ class ResidentModels(Protocol):
 
     async def unload(self, name: str, lane: str | None = None) -> None: ...
 
+
 MIB = 2**20
 # RSS of a loaded llama.cpp worker beyond its GGUF's size, measured on this project's default
 # models after LOAD and a first request (compute buffers grow on first use), rounded up ~10%:
@@ -149,8 +150,10 @@ class ResidencyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         parse_keep_alive(self.keep_alive)
-        for name, value in (("max_resident_mb", self.max_resident_mb),
-                            ("load_overhead_mb", self.load_overhead_mb)):
+        for name, value in (
+            ("max_resident_mb", self.max_resident_mb),
+            ("load_overhead_mb", self.load_overhead_mb),
+        ):
             if value is not None and not 0 < value < math.inf:
                 raise ConfigInvalid(f"residency.{name} must be finite and > 0")
         if not 0 <= self.min_free_mb < math.inf:
@@ -200,9 +203,7 @@ def _cgroup_available_mb() -> float | None:
         if limit == "max":
             return None
         usage = int((base / "memory.current").read_text())
-        stat = dict(
-            line.split() for line in (base / "memory.stat").read_text().splitlines()
-        )
+        stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines())
         cache = int(stat.get("inactive_file", 0))
         return max(0.0, (int(limit) - usage + cache) / MIB)
     except (OSError, ValueError, StopIteration, IndexError):
@@ -210,6 +211,7 @@ def _cgroup_available_mb() -> float | None:
 
 
 # ---- in-use tracking -----------------------------------------------------------------------
+
 
 @dataclass
 class _Entry:
@@ -445,27 +447,40 @@ class Residency:
                 if budget is not None and need > budget:
                     self._refuse(
                         f"model {name!r} needs {how}, more than max_resident_mb {budget:.0f}",
-                        name, need, budget_mb=budget,
+                        name,
+                        need,
+                        budget_mb=budget,
                     )
                 if budget is not None and not fits_budget and total - freeable + need > budget:
-                    busy = sorted(n for n in self.module.residents() if n not in victims
-                                  and n != name)
+                    busy = sorted(
+                        n for n in self.module.residents() if n not in victims and n != name
+                    )
                     self._refuse(
                         f"model {name!r} needs {how}; {total - freeable:.0f} MB of "
                         f"max_resident_mb {budget:.0f} are held by models in use or loading "
                         f"({', '.join(busy) or 'none'}); retry when they are idle",
-                        name, need, budget_mb=budget, resident_mb=round(total, 1),
+                        name,
+                        need,
+                        budget_mb=budget,
+                        resident_mb=round(total, 1),
                     )
-                if (machine is not None and room is not None and not fits_machine
-                        and need > room + freeable):
+                if (
+                    machine is not None
+                    and room is not None
+                    and not fits_machine
+                    and need > room + freeable
+                ):
                     self._refuse(
                         f"model {name!r} needs {how}; the machine has {machine:.0f} MB "
                         f"available and {cfg.min_free_mb:.0f} MB must stay free",
-                        name, need, available_mb=round(machine, 1),
+                        name,
+                        need,
+                        available_mb=round(machine, 1),
                     )
                 victim = victims[0]
-                log.warning("unloading idle %r (least recently used) to make room for %r",
-                            victim, name)
+                log.warning(
+                    "unloading idle %r (least recently used) to make room for %r", victim, name
+                )
                 await self._evict(victim, "budget")
             self._reserved[key] = need
             self._fallback[key] = need
@@ -497,7 +512,9 @@ class Residency:
                         f"model {ticket.name!r} measured {measured:.0f} MB once loaded "
                         f"(estimated {ticket.estimate_mb:.0f} MB): {total:.0f} MB would exceed "
                         f"max_resident_mb {budget:.0f}; it was unloaded again",
-                        ticket.name, measured, budget_mb=budget,
+                        ticket.name,
+                        measured,
+                        budget_mb=budget,
                     )
         self._start()
 
@@ -516,8 +533,9 @@ class Residency:
             victims = self._lru_idle(exclude=exclude or "")
             if not victims:
                 return
-            log.warning("resident workers over max_resident_mb %.0f: unloading idle %r",
-                        budget, victims[0])
+            log.warning(
+                "resident workers over max_resident_mb %.0f: unloading idle %r", budget, victims[0]
+            )
             await self._evict(victims[0], "budget")
 
     # ---- unloading ------------------------------------------------------------------------
@@ -630,9 +648,15 @@ class Residency:
         for kind, served in lanes.items():
             state = served.lane.state()
             rss = self._lane_rss(name, kind, served.lane)
-            workers.append({"lane": kind, "device": served.device, "pid": state.pid,
-                            "status": state.health.status,
-                            "rss_mb": None if rss is None else round(rss, 1)})
+            workers.append(
+                {
+                    "lane": kind,
+                    "device": served.device,
+                    "pid": state.pid,
+                    "status": state.health.status,
+                    "rss_mb": None if rss is None else round(rss, 1),
+                }
+            )
         estimate, source = self.estimate(name, lane, record)
         ttl = self.keep_alive_s(name)
         expires = None

@@ -347,12 +347,15 @@ class Tokenizer:
             return []
         out = []
         for text, enc in zip(
-            clean, self._tok.encode_batch(clean, add_special_tokens=add_special_tokens),
+            clean,
+            self._tok.encode_batch(clean, add_special_tokens=add_special_tokens),
             strict=True,
         ):
             special = [bool(x) for x in enc.special_tokens_mask]
-            offsets = [None if sp else (int(a), int(b))
-                       for sp, (a, b) in zip(special, enc.offsets, strict=True)]
+            offsets = [
+                None if sp else (int(a), int(b))
+                for sp, (a, b) in zip(special, enc.offsets, strict=True)
+            ]
             out.append(Tokenized(text, list(enc.ids), list(enc.tokens), offsets, special))
         return out
 

@@ -100,9 +100,7 @@ async def spawn_worker(
     try:
         argv = [*resolve_argv(lane.argv), "--socket", str(path), "--nonce", nonce]
         try:
-            process = await WorkerProcess.spawn(
-                argv, worker_env(lane, worker_id), lane.cwd, ring
-            )
+            process = await WorkerProcess.spawn(argv, worker_env(lane, worker_id), lane.cwd, ring)
         except OSError as exc:  # no such program, not executable, bad cwd: the lane's config
             raise ConfigInvalid(f"lane {lane.lane_id}: cannot start {argv[0]!r}: {exc}") from None
         deadline = time.monotonic() + config.hello_timeout_s

@@ -85,8 +85,12 @@ _LAYER = {
     "output.dense": MODEL_TENSOR.FFN_DOWN,
     "output.LayerNorm": MODEL_TENSOR.LAYER_OUT_NORM,
 }
-_HEAD = {"pooler.dense": MODEL_TENSOR.CLS, "classifier": MODEL_TENSOR.CLS_OUT,
-         "classifier.dense": MODEL_TENSOR.CLS, "classifier.out_proj": MODEL_TENSOR.CLS_OUT}
+_HEAD = {
+    "pooler.dense": MODEL_TENSOR.CLS,
+    "classifier": MODEL_TENSOR.CLS_OUT,
+    "classifier.dense": MODEL_TENSOR.CLS,
+    "classifier.out_proj": MODEL_TENSOR.CLS_OUT,
+}
 # Keys that carry no inference weights for our use (MLM/NSP heads, a buffer).
 _IGNORED = re.compile(
     r"^(embeddings\.position_ids|embeddings\.token_type_ids|cls\.predictions\..*"
@@ -106,7 +110,8 @@ def _model_kind(config: dict) -> Literal["embed", "rerank"]:
         raise ArtifactInvalid(f"expected one architecture, got {archs}")
     if not archs[0].startswith(_DEFAULT_ARCH[model_type].removesuffix("Model")):
         raise ArtifactInvalid(
-            f"unsupported architecture {archs[0]!r} for model_type {model_type!r}")
+            f"unsupported architecture {archs[0]!r} for model_type {model_type!r}"
+        )
     if archs[0] in _EMBED_ARCHS:
         return "embed"
     if archs[0] in _RERANK_ARCHS:
@@ -175,16 +180,17 @@ def _wordpiece_vocab(model_dir: Path, n_vocab: int) -> Vocab:
 def _unigram_vocab(model_dir: Path, n_vocab: int) -> Vocab:
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
-        raise ArtifactInvalid(f"{model_dir} has no tokenizer.json (an XLM-RoBERTa model needs "
-                              "its Unigram tokenizer.json)")
+        raise ArtifactInvalid(
+            f"{model_dir} has no tokenizer.json (an XLM-RoBERTa model needs "
+            "its Unigram tokenizer.json)"
+        )
     return unigram_vocab(load_json(tok_path), n_vocab)
 
 
 # The special tokens each family names by default (tokenizer_config.json may rename them).
 _SPECIAL_DEFAULTS = {
     "bert": {"cls": "[CLS]", "sep": "[SEP]", "unk": "[UNK]", "pad": "[PAD]", "mask": "[MASK]"},
-    "xlm-roberta": {"cls": "<s>", "sep": "</s>", "unk": "<unk>", "pad": "<pad>",
-                    "mask": "<mask>"},
+    "xlm-roberta": {"cls": "<s>", "sep": "</s>", "unk": "<unk>", "pad": "<pad>", "mask": "<mask>"},
 }
 
 
@@ -234,11 +240,21 @@ def _map_tensors(
     names = {n for _, n, _ in out}
     if len(names) != len(out):
         raise ArtifactInvalid("duplicate tensors after name mapping (prefixed and bare keys?)")
-    required = [f"{_name(t)}.{s}" for t in _EMBEDDINGS.values() for s in ("weight", "bias")
-                if not (t in (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.TOKEN_TYPES,
-                              MODEL_TENSOR.POS_EMBD) and s == "bias")]
-    required += [f"{_name(t, b)}.{s}" for b in range(n_layers) for t in _LAYER.values()
-                 for s in ("weight", "bias")]
+    required = [
+        f"{_name(t)}.{s}"
+        for t in _EMBEDDINGS.values()
+        for s in ("weight", "bias")
+        if not (
+            t in (MODEL_TENSOR.TOKEN_EMBD, MODEL_TENSOR.TOKEN_TYPES, MODEL_TENSOR.POS_EMBD)
+            and s == "bias"
+        )
+    ]
+    required += [
+        f"{_name(t, b)}.{s}"
+        for b in range(n_layers)
+        for t in _LAYER.values()
+        for s in ("weight", "bias")
+    ]
     if kind == "rerank":
         required += [f"{_name(t)}.{s}" for t in _HEAD.values() for s in ("weight", "bias")]
     missing = [n for n in required if n not in names]
@@ -285,8 +301,14 @@ def convert_bert_dir(
     return convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)
 
 
-def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
-            pooling: PoolingName | None, name: str) -> ConvertedModel:
+def convert(
+    model_dir: Path,
+    config: dict,
+    out_path: Path,
+    dtype: Dtype,
+    pooling: PoolingName | None,
+    name: str,
+) -> ConvertedModel:
     model_type = config.get("model_type", "bert")
     kind = _model_kind(config)
     _check_config(config)
@@ -323,8 +345,19 @@ def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
     max_seq = st_layout(model_dir).max_seq_length
 
     def fill(w: gguf.GGUFWriter) -> None:
-        _fill(w, mapped, config, n_ctx_train, dtype, pooling, vocab, special, labels, name,
-              add_sep=model_type == "xlm-roberta")
+        _fill(
+            w,
+            mapped,
+            config,
+            n_ctx_train,
+            dtype,
+            pooling,
+            vocab,
+            special,
+            labels,
+            name,
+            add_sep=model_type == "xlm-roberta",
+        )
 
     write_gguf(out_path, gguf.MODEL_ARCH_NAMES[MODEL_ARCH.BERT], fill)
     return ConvertedModel(
@@ -387,8 +420,11 @@ def _fill(
     w.add_bos_token_id(special["cls"])
     w.add_eos_token_id(special["sep"])
     w.add_sep_token_id(special["sep"])
-    for kind, add in (("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id),
-                      ("mask", w.add_mask_token_id)):
+    for kind, add in (
+        ("unk", w.add_unk_token_id),
+        ("pad", w.add_pad_token_id),
+        ("mask", w.add_mask_token_id),
+    ):
         if kind in special:
             add(special[kind])
     w.add_add_bos_token(True)

@@ -59,8 +59,10 @@ def require_space(path: Path, need_bytes: int, what: str, retry: str) -> None:
     """Refuse, before writing, a write of `need_bytes` under `path` that cannot fit."""
     free = free_bytes(path)
     if need_bytes > free:
-        raise StorageFull(f"{what} needs about {mib(need_bytes)} under {path}, and {mib(free)} "
-                          f"are free; free some space and {retry}")
+        raise StorageFull(
+            f"{what} needs about {mib(need_bytes)} under {path}, and {mib(free)} "
+            f"are free; free some space and {retry}"
+        )
 
 
 @contextlib.contextmanager

@@ -42,8 +42,13 @@ def encode_options(
         layout = read_layout(model_dir)
     except LayoutError as e:
         raise ArtifactInvalid(str(e)) from e
-    return given_options(prompts, default_prompt_name, matryoshka_dims,
-                         own_prompts=layout.prompts, own_default=layout.default_prompt_name)
+    return given_options(
+        prompts,
+        default_prompt_name,
+        matryoshka_dims,
+        own_prompts=layout.prompts,
+        own_default=layout.default_prompt_name,
+    )
 
 
 def given_options(
@@ -73,8 +78,9 @@ def fitted(options: EncodeOptions, kind: str, dims: int) -> EncodeOptions:
     and no width may exceed its own."""
     if kind != "embed":
         if options.asked:
-            raise InvalidRequest(f"prompts and Matryoshka dims are for embedding models; this "
-                                 f"is a {kind} model")
+            raise InvalidRequest(
+                f"prompts and Matryoshka dims are for embedding models; this is a {kind} model"
+            )
         return EncodeOptions({}, None, [], False)  # a cross-encoder never applies them
     wider = [d for d in options.matryoshka_dims if d > dims]
     if wider:

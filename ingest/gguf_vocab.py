@@ -129,24 +129,36 @@ class GGUFVocab:
             # Unigram (t5) adds EOS only and no prefix, byte-level BPE (gpt2) neither.
             add_bos=bool(get("tokenizer.ggml.add_bos_token", model not in ("t5", "gpt2"))),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", model == "t5")),
-            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix",
-                                      model not in ("t5", "gpt2"))),
+            add_space_prefix=bool(
+                get("tokenizer.ggml.add_space_prefix", model not in ("t5", "gpt2"))
+            ),
             name=str(get("general.name", "")),
             sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
-            charsmap=bytes(np.asarray(get("tokenizer.ggml.precompiled_charsmap", []),
-                                      dtype=np.uint8)),
+            charsmap=bytes(
+                np.asarray(get("tokenizer.ggml.precompiled_charsmap", []), dtype=np.uint8)
+            ),
             remove_extra_whitespaces=bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
             merges=tuple(get("tokenizer.ggml.merges", ())),  # type: ignore[arg-type]
             pre=str(get("tokenizer.ggml.pre", "")),
             lowercase=bool(get("tokenizer.ggml.normalizer.lowercase", True)),
-            strip_accents=bool(get("tokenizer.ggml.normalizer.strip_accents",
-                                   get("tokenizer.ggml.normalizer.lowercase", True))),
+            strip_accents=bool(
+                get(
+                    "tokenizer.ggml.normalizer.strip_accents",
+                    get("tokenizer.ggml.normalizer.lowercase", True),
+                )
+            ),
         )
 
 
-_VOCAB_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                           "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap",
-                           "tokenizer.ggml.merges"})
+_VOCAB_ARRAYS = frozenset(
+    {
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.scores",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.precompiled_charsmap",
+        "tokenizer.ggml.merges",
+    }
+)
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:
@@ -187,19 +199,63 @@ def spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
 _FORCED_CONTROL = frozenset(
     {
         # end of turn / generation
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
-        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
-        "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
-        "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+        "[e~[",
         # fill-in-the-middle
-        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
-        "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
-        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
-        "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
-        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
-        "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>",
-        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
-        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>",
+        "\u2581<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>",
+        "\u2581<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<\uff5cfim\u2581end\uff5c>",
+        "<MID>",
+        "\u2581<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+        "<|fim_pad|>",
+        "<fim-pad>",
+        "<fim_pad>",
+        "<PAD>",
+        "[PAD]",
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
         "<|file_sep|>",
     }
 )
@@ -241,8 +297,11 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         return _build_ugm(vocab)
     if vocab.model == "gpt2" and vocab.pre in BPE_PRE_TOKENIZERS:
         return _build_bpe(vocab)
-    what = (f"tokenizer.ggml.model={vocab.model!r}" if vocab.model != "gpt2"
-            else f"byte-level BPE with pre-tokenizer {vocab.pre!r}")
+    what = (
+        f"tokenizer.ggml.model={vocab.model!r}"
+        if vocab.model != "gpt2"
+        else f"byte-level BPE with pre-tokenizer {vocab.pre!r}"
+    )
     raise UnsupportedVocab(
         f"{what}: derived are SentencePiece ('llama'), WordPiece ('bert'), Unigram ('t5') and "
         f"byte-level BPE with the {', '.join(sorted(BPE_PRE_TOKENIZERS))} pre-tokenizers; "
@@ -253,8 +312,10 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
 
 def _build_spm(vocab: GGUFVocab) -> Tokenizer:
     if any(n in vocab.name.lower() for n in _REFUSED_NAMES):
-        raise UnsupportedVocab(f"{vocab.name!r}: llama.cpp strips spaces around its special "
-                               "tokens by model name; not reproduced, so refused")
+        raise UnsupportedVocab(
+            f"{vocab.name!r}: llama.cpp strips spaces around its special "
+            "tokens by model name; not reproduced, so refused"
+        )
     known = set(vocab.tokens)
     missing_bytes = [b for b in range(256) if f"<0x{b:02X}>" not in known]
     if missing_bytes:
@@ -307,8 +368,7 @@ def _hangul_initials() -> list[normalizers.Normalizer]:
     for lead in range(_HANGUL_INITIALS):
         lo = _HANGUL_FIRST + lead * _HANGUL_PER_INITIAL
         hi = lo + _HANGUL_PER_INITIAL - 1
-        out.append(normalizers.Replace(Regex(f"[\\x{{{lo:X}}}-\\x{{{hi:X}}}]"),
-                                       chr(0x1100 + lead)))
+        out.append(normalizers.Replace(Regex(f"[\\x{{{lo:X}}}-\\x{{{hi:X}}}]"), chr(0x1100 + lead)))
     return out
 
 
@@ -317,15 +377,16 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
     storing word-initial pieces with "▁" and continuations bare (HF's "##"); a word with no
     full match becomes [UNK]; [CLS] ... [SEP] around (add_special)."""
     if vocab.bos_id is None or vocab.sep_id is None or vocab.unk_id is None:
-        raise UnsupportedVocab("a WordPiece vocabulary needs bos ([CLS]), separator and unknown "
-                               "token ids")
+        raise UnsupportedVocab(
+            "a WordPiece vocabulary needs bos ([CLS]), separator and unknown token ids"
+        )
     kinds = effective_types(vocab)
     wordpiece: dict[str, int] = {}
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
         if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_USER_DEFINED):
             key = text  # added tokens below, matched before the model
         elif text.startswith(SPACE_ESCAPE):
-            key = text[len(SPACE_ESCAPE):]
+            key = text[len(SPACE_ESCAPE) :]
             if not key:  # a bare "▁" piece: llama.cpp may match it where HF cannot
                 raise UnsupportedVocab("a bare word-start piece (\u2581) is not reproduced")
         else:
@@ -333,9 +394,14 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
         if key in wordpiece:
             raise UnsupportedVocab(f"two GGUF tokens map to the WordPiece piece {key!r}")
         wordpiece[key] = i
-    tok = Tokenizer(models.WordPiece(
-        vocab=wordpiece, unk_token=vocab.tokens[vocab.unk_id], continuing_subword_prefix="##",
-        max_input_chars_per_word=1 << 30))  # llama.cpp has no per-word length limit
+    tok = Tokenizer(
+        models.WordPiece(
+            vocab=wordpiece,
+            unk_token=vocab.tokens[vocab.unk_id],
+            continuing_subword_prefix="##",
+            max_input_chars_per_word=1 << 30,
+        )
+    )  # llama.cpp has no per-word length limit
     steps: list[normalizers.Normalizer] = []
     if vocab.strip_accents:
         steps += [*_hangul_initials(), normalizers.NFD()]
@@ -347,15 +413,19 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
         steps.append(normalizers.Replace(Regex(r"\p{M}"), ""))
     steps.append(normalizers.Replace(Regex(_WPM_DROPPED), ""))
     tok.normalizer = normalizers.Sequence(steps)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Split(Regex(_WPM_ISOLATED), behavior="isolated"),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(Regex(_WPM_ISOLATED), behavior="isolated"),
+        ]
+    )
     _add_vocabulary_tokens(tok, vocab.tokens, kinds)
     cls_text, sep_text = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.sep_id]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls_text} $A {sep_text}", pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
-        special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)])
+        single=f"{cls_text} $A {sep_text}",
+        pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
+        special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)],
+    )
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok
 
@@ -382,15 +452,16 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
             pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])))
     normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
     if normal and min(normal) > min(score for _, score in pieces):
-        raise UnsupportedVocab("a non-normal piece scores below every normal one: the unknown "
-                               "penalty would differ from llama.cpp's")
+        raise UnsupportedVocab(
+            "a non-normal piece scores below every normal one: the unknown "
+            "penalty would differ from llama.cpp's"
+        )
     tok = Tokenizer(models.Unigram(pieces, unk_id=vocab.unk_id, byte_fallback=False))
     steps: list[normalizers.Normalizer] = []
     if vocab.charsmap:
         steps.append(normalizers.Precompiled(vocab.charsmap))
     if vocab.remove_extra_whitespaces:  # one space per run, none at the ends
-        steps += [normalizers.Replace(Regex(" {2,}"), " "),
-                  normalizers.Replace(Regex("^ | $"), "")]
+        steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
     if vocab.add_space_prefix or vocab.remove_extra_whitespaces:
         steps.append(normalizers.Prepend(" "))
     steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
@@ -398,14 +469,22 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     tok.pre_tokenizer = None  # one Viterbi over the whole fragment, as llama.cpp runs it
     # Control pieces are unreachable in the model and get their ids from the template only.
     _add_vocabulary_tokens(tok, vocab.tokens, kinds, control=False)
-    prefix = [(vocab.tokens[vocab.bos_id], vocab.bos_id)] if (
-        vocab.add_bos and vocab.bos_id is not None) else []
-    suffix = [(vocab.tokens[vocab.eos_id], vocab.eos_id)] if (
-        vocab.add_eos and vocab.eos_id is not None) else []
+    prefix = (
+        [(vocab.tokens[vocab.bos_id], vocab.bos_id)]
+        if (vocab.add_bos and vocab.bos_id is not None)
+        else []
+    )
+    suffix = (
+        [(vocab.tokens[vocab.eos_id], vocab.eos_id)]
+        if (vocab.add_eos and vocab.eos_id is not None)
+        else []
+    )
     head, tail = [t for t, _ in prefix], [t for t, _ in suffix]
     tok.post_processor = processors.TemplateProcessing(
-        single=" ".join([*head, "$A", *tail]), pair=" ".join([*head, "$A", "$B:1", *tail]),
-        special_tokens=list(dict(prefix + suffix).items()))
+        single=" ".join([*head, "$A", *tail]),
+        pair=" ".join([*head, "$A", "$B:1", *tail]),
+        special_tokens=list(dict(prefix + suffix).items()),
+    )
     tok.decoder = decoders.Metaspace(replacement=SPACE_ESCAPE, prepend_scheme="always")
     return tok
 
@@ -414,7 +493,7 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
 # Oniguruma: the ones reproduced so far. Qwen2's is Qwen2/2.5/3's (Qwen3-Embedding).
 BPE_PRE_TOKENIZERS = {
     "qwen2": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
-             r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 
 
@@ -429,13 +508,21 @@ def _build_bpe(vocab: GGUFVocab) -> Tokenizer:
         if not sep or not left or not right:
             raise UnsupportedVocab(f"unreadable merge {m!r}")
         merges.append((left, right))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges,
-                               ignore_merges=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(vocab.tokens)},
+            merges=merges,
+            ignore_merges=False,
+            byte_fallback=False,
+        )
+    )
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZERS[vocab.pre]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BPE_PRE_TOKENIZERS[vocab.pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     _add_vocabulary_tokens(tok, vocab.tokens, effective_types(vocab))
     tok.post_processor = _template(vocab)
     tok.decoder = decoders.ByteLevel()
@@ -450,11 +537,20 @@ def _add_vocabulary_tokens(
     `encode_special_tokens` leaves as text, llama.cpp's `special=False`). Ids are kept because
     every added token already is a piece of the model's vocabulary."""
     if control:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, kinds, strict=True)
-                                if k in (TYPE_CONTROL, TYPE_UNKNOWN)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, kinds, strict=True) if k == TYPE_USER_DEFINED])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, kinds, strict=True)
+                if k in (TYPE_CONTROL, TYPE_UNKNOWN)
+            ]
+        )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, kinds, strict=True)
+            if k == TYPE_USER_DEFINED
+        ]
+    )
 
 
 def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:

@@ -78,8 +78,9 @@ def st_pooling(model_dir: Path) -> PoolingName | None:
     if mode is None:
         return None
     if mode not in ST_TO_LLAMA_POOLING:
-        raise ArtifactInvalid(f"unsupported sentence-transformers pooling {mode!r} "
-                              "(mean/cls/lasttoken only)")
+        raise ArtifactInvalid(
+            f"unsupported sentence-transformers pooling {mode!r} (mean/cls/lasttoken only)"
+        )
     return ST_TO_LLAMA_POOLING[mode]
 
 
@@ -102,8 +103,11 @@ def embed_pooling(model_dir: Path, pooling: PoolingName | None) -> PoolingName:
 
 def positive_ints(config: dict, keys: Iterable[str]) -> None:
     for key in keys:
-        if not isinstance(config.get(key), int) or isinstance(config[key], bool) \
-                or config[key] <= 0:
+        if (
+            not isinstance(config.get(key), int)
+            or isinstance(config[key], bool)
+            or config[key] <= 0
+        ):
             raise ArtifactInvalid(f"config.json: {key} missing or not a positive integer")
 
 
@@ -141,8 +145,12 @@ def file_type(dtype: Dtype) -> int:
     return int(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
 
 
-def map_names(weights: dict[str, np.ndarray], arch: gguf.MODEL_ARCH, n_layers: int,
-              ignored: Callable[[str], bool]) -> dict[str, np.ndarray]:
+def map_names(
+    weights: dict[str, np.ndarray],
+    arch: gguf.MODEL_ARCH,
+    n_layers: int,
+    ignored: Callable[[str], bool],
+) -> dict[str, np.ndarray]:
     """HF tensor names -> llama.cpp's, through the pinned gguf package's own map for `arch`
     (never spelled by hand). A tensor neither mapped nor `ignored` is refused, named: loading
     a model with a part we silently dropped would compute something else."""
@@ -168,4 +176,5 @@ def require(tensors: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) 
             raise ArtifactInvalid(f"missing tensor {name!r}")
         if tuple(tensors[name].shape) != shape:
             raise ArtifactInvalid(
-                f"{name} has shape {tuple(tensors[name].shape)}, config.json says {shape}")
+                f"{name} has shape {tuple(tensors[name].shape)}, config.json says {shape}"
+            )

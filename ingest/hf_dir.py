@@ -44,5 +44,6 @@ def convert_hf_dir(
     convert = FAMILIES.get(model_type)
     if convert is None:
         raise ArtifactInvalid(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})"
+        )
     return convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)

@@ -85,35 +85,52 @@ def _int(config: dict, key: str) -> int:
 def _check_config(config: dict) -> None:
     archs = config.get("architectures") or ["Gemma3TextModel"]
     if archs != ["Gemma3TextModel"]:
-        raise ArtifactInvalid(f"architectures {archs}: only Gemma3TextModel (a text encoder) "
-                              "is converted")
-    positive_ints(config, ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size"))
+        raise ArtifactInvalid(
+            f"architectures {archs}: only Gemma3TextModel (a text encoder) is converted"
+        )
+    positive_ints(
+        config,
+        (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        ),
+    )
     for key in ("head_dim", "num_key_value_heads", "max_position_embeddings"):
         _int(config, key)
     if config["num_attention_heads"] % _int(config, "num_key_value_heads"):
         raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
     if config.get("use_bidirectional_attention") is not True:
-        raise ArtifactInvalid("use_bidirectional_attention is not true: a causal Gemma 3 is a "
-                              "decoder, and llama.cpp's gemma-embedding attends both ways")
+        raise ArtifactInvalid(
+            "use_bidirectional_attention is not true: a causal Gemma 3 is a "
+            "decoder, and llama.cpp's gemma-embedding attends both ways"
+        )
     if config.get("attn_logit_softcapping") is not None:
-        raise ArtifactInvalid("attn_logit_softcapping is set: llama.cpp's gemma-embedding "
-                              "does not cap attention logits")
+        raise ArtifactInvalid(
+            "attn_logit_softcapping is set: llama.cpp's gemma-embedding "
+            "does not cap attention logits"
+        )
     if _get(config, "query_pre_attn_scalar") != _int(config, "head_dim"):
         raise ArtifactInvalid(
             f"query_pre_attn_scalar {_get(config, 'query_pre_attn_scalar')} != head_dim "
             f"{_get(config, 'head_dim')}: llama.cpp's gemma-embedding scales queries by "
-            "1/sqrt(head_dim)")
+            "1/sqrt(head_dim)"
+        )
     act = _get(config, "hidden_activation")
     if act not in _TANH_GELU:
-        raise ArtifactInvalid(f"hidden_activation {act!r}: llama.cpp's gemma-embedding "
-                              "computes tanh-approximated GELU only")
+        raise ArtifactInvalid(
+            f"hidden_activation {act!r}: llama.cpp's gemma-embedding "
+            "computes tanh-approximated GELU only"
+        )
     eps = _get(config, "rms_norm_eps")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
         raise ArtifactInvalid(f"config.json: rms_norm_eps {eps!r} is not a small positive number")
     if config.get("attention_bias"):
-        raise ArtifactInvalid("attention_bias is true: llama.cpp's gemma-embedding has no "
-                              "attention biases")
+        raise ArtifactInvalid(
+            "attention_bias is true: llama.cpp's gemma-embedding has no attention biases"
+        )
 
 
 def _layer_types(config: dict) -> list[bool]:
@@ -125,19 +142,23 @@ def _layer_types(config: dict) -> list[bool]:
         slides = [bool((i + 1) % pattern) for i in range(n)]
     else:
         if not isinstance(types, list) or len(types) != n:
-            raise ArtifactInvalid(f"config.json: layer_types must list one type for each of "
-                                  f"the {n} layers")
-        unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")},
-                         key=str)
+            raise ArtifactInvalid(
+                f"config.json: layer_types must list one type for each of the {n} layers"
+            )
+        unknown = sorted(
+            {t for t in types if t not in ("sliding_attention", "full_attention")}, key=str
+        )
         if unknown:
             raise ArtifactInvalid(f"config.json: unknown layer type {unknown[0]!r}")
         slides = [t == "sliding_attention" for t in types]
     if all(slides) or not any(slides):
         # llama.cpp fills both attention masks of gemma-embedding on every batch; the one no
         # layer uses is never allocated, and the worker aborts on it.
-        raise ArtifactInvalid(f"{'every' if all(slides) else 'no'} layer uses sliding "
-                              "attention: llama.cpp's gemma-embedding needs both local and "
-                              "global layers")
+        raise ArtifactInvalid(
+            f"{'every' if all(slides) else 'no'} layer uses sliding "
+            "attention: llama.cpp's gemma-embedding needs both local and "
+            "global layers"
+        )
     return slides
 
 
@@ -150,25 +171,37 @@ def _rope_bases(config: dict) -> dict[str, float]:
         if not isinstance(scaling, dict):
             raise ArtifactInvalid(f"config.json: rope_scaling {scaling!r} is not an object")
         full = {"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}
-        local = ({"rope_theta": config["rope_local_base_freq"]}
-                 if "rope_local_base_freq" in config else {})
+        local = (
+            {"rope_theta": config["rope_local_base_freq"]}
+            if "rope_local_base_freq" in config
+            else {}
+        )
         params = {"full_attention": full | scaling, "sliding_attention": local}
-    if not isinstance(params, dict) or not params.keys() <= set(_THETA) \
-            or not all(isinstance(v, dict) for v in params.values()):
-        raise ArtifactInvalid(f"config.json: rope_parameters {params!r} is not one entry per "
-                              f"layer type ({', '.join(_THETA)})")
+    if (
+        not isinstance(params, dict)
+        or not params.keys() <= set(_THETA)
+        or not all(isinstance(v, dict) for v in params.values())
+    ):
+        raise ArtifactInvalid(
+            f"config.json: rope_parameters {params!r} is not one entry per "
+            f"layer type ({', '.join(_THETA)})"
+        )
     bases: dict[str, float] = {}
     for kind, default in _THETA.items():
         entry = params.get(kind) or {}
         # rope_scaling may say "type" (older) or "rope_type"; either one scaling is refused.
-        scaled = [t for t in (entry.get("rope_type"), entry.get("type")) if t not in
-                  (None, "default")]
+        scaled = [
+            t for t in (entry.get("rope_type"), entry.get("type")) if t not in (None, "default")
+        ]
         if scaled:
-            raise ArtifactInvalid(f"rope_type {scaled[0]!r} for {kind} layers: only unscaled "
-                                  "RoPE is converted")
+            raise ArtifactInvalid(
+                f"rope_type {scaled[0]!r} for {kind} layers: only unscaled RoPE is converted"
+            )
         if entry.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ArtifactInvalid(f"partial_rotary_factor for {kind} layers: llama.cpp's "
-                                  "gemma-embedding rotates the whole head")
+            raise ArtifactInvalid(
+                f"partial_rotary_factor for {kind} layers: llama.cpp's "
+                "gemma-embedding rotates the whole head"
+            )
         theta = entry.get("rope_theta")
         theta = default if theta is None else theta
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
@@ -188,25 +221,33 @@ def _check_modules(model_dir: Path) -> None:
         return
     other = [k for k in kinds if k not in _ST_MODULES]
     if other:
-        raise ArtifactInvalid(f"sentence-transformers module {other[0]!r}: llama.cpp's "
-                              "gemma-embedding computes Transformer, Pooling, Dense, Normalize "
-                              "only")
+        raise ArtifactInvalid(
+            f"sentence-transformers module {other[0]!r}: llama.cpp's "
+            "gemma-embedding computes Transformer, Pooling, Dense, Normalize "
+            "only"
+        )
     order = [_ST_MODULES.index(k) for k in kinds]
     if order != sorted(order) or kinds.count("Transformer") != 1 or kinds[0] != "Transformer":
-        raise ArtifactInvalid(f"sentence-transformers modules {kinds}: llama.cpp pools first, "
-                              "then projects, then normalizes")
+        raise ArtifactInvalid(
+            f"sentence-transformers modules {kinds}: llama.cpp pools first, "
+            "then projects, then normalizes"
+        )
     st_cfg = model_dir / "sentence_bert_config.json"
     if st_cfg.is_file() and load_json(st_cfg).get("do_lower_case"):
-        raise ArtifactInvalid("sentence_bert_config.json do_lower_case: sentence-transformers "
-                              "lowercases inputs the served tokenizer would not")
+        raise ArtifactInvalid(
+            "sentence_bert_config.json do_lower_case: sentence-transformers "
+            "lowercases inputs the served tokenizer would not"
+        )
 
 
 def _dense_layers(dense_dirs: tuple[Path, ...], hidden: int) -> list[np.ndarray]:
     """Each Dense module's weight (out, in), checked to be a plain linear map that llama.cpp's
     dense_2 / dense_3 apply, the chain starting and ending at the hidden width."""
     if len(dense_dirs) > len(_DENSE_NAMES):
-        raise ArtifactInvalid(f"{len(dense_dirs)} Dense modules: llama.cpp's gemma-embedding "
-                              f"applies at most {len(_DENSE_NAMES)}")
+        raise ArtifactInvalid(
+            f"{len(dense_dirs)} Dense modules: llama.cpp's gemma-embedding "
+            f"applies at most {len(_DENSE_NAMES)}"
+        )
     out: list[np.ndarray] = []
     width = hidden
     for d in dense_dirs:
@@ -214,39 +255,51 @@ def _dense_layers(dense_dirs: tuple[Path, ...], hidden: int) -> list[np.ndarray]
         positive_ints(cfg, ("in_features", "out_features"))
         # sentence-transformers' own defaults: a bias, tanh.
         if cfg.get("bias", True):
-            raise ArtifactInvalid(f"{d.name}: a Dense with a bias; llama.cpp's gemma-embedding "
-                                  "projects without one")
+            raise ArtifactInvalid(
+                f"{d.name}: a Dense with a bias; llama.cpp's gemma-embedding projects without one"
+            )
         act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
         if act not in _IDENTITY:
-            raise ArtifactInvalid(f"{d.name}: Dense activation {act!r}; llama.cpp's "
-                                  "gemma-embedding applies none")
+            raise ArtifactInvalid(
+                f"{d.name}: Dense activation {act!r}; llama.cpp's gemma-embedding applies none"
+            )
         if cfg.get("use_residual"):
-            raise ArtifactInvalid(f"{d.name}: a Dense with a residual connection; llama.cpp's "
-                                  "gemma-embedding has none")
+            raise ArtifactInvalid(
+                f"{d.name}: a Dense with a residual connection; llama.cpp's "
+                "gemma-embedding has none"
+            )
         for key in ("module_input_name", "module_output_name"):
             if cfg.get(key, "sentence_embedding") != "sentence_embedding":
-                raise ArtifactInvalid(f"{d.name}: Dense {key} {cfg[key]!r}; llama.cpp projects "
-                                      "the pooled sentence embedding")
+                raise ArtifactInvalid(
+                    f"{d.name}: Dense {key} {cfg[key]!r}; llama.cpp projects "
+                    "the pooled sentence embedding"
+                )
         if cfg["in_features"] != width:
-            raise ArtifactInvalid(f"{d.name}: Dense in_features {cfg['in_features']}, but its "
-                                  f"input is {width} wide")
+            raise ArtifactInvalid(
+                f"{d.name}: Dense in_features {cfg['in_features']}, but its input is {width} wide"
+            )
         path = d / "model.safetensors"
         if not path.is_file():
-            raise ArtifactInvalid(f"{d.name} has no model.safetensors (pytorch .bin checkpoints "
-                                  "are not read: no torch)")
+            raise ArtifactInvalid(
+                f"{d.name} has no model.safetensors (pytorch .bin checkpoints "
+                "are not read: no torch)"
+            )
         weights = read_safetensors(path)
         if set(weights) != {"linear.weight"}:
-            raise ArtifactInvalid(f"{d.name}: expected only linear.weight, found "
-                                  f"{sorted(weights)}")
+            raise ArtifactInvalid(f"{d.name}: expected only linear.weight, found {sorted(weights)}")
         w = weights["linear.weight"]
         if tuple(w.shape) != (cfg["out_features"], cfg["in_features"]):
-            raise ArtifactInvalid(f"{d.name}: linear.weight has shape {tuple(w.shape)}, its "
-                                  f"config says {(cfg['out_features'], cfg['in_features'])}")
+            raise ArtifactInvalid(
+                f"{d.name}: linear.weight has shape {tuple(w.shape)}, its "
+                f"config says {(cfg['out_features'], cfg['in_features'])}"
+            )
         out.append(w)
         width = cfg["out_features"]
     if width != hidden:
-        raise ArtifactInvalid(f"the Dense modules end {width} wide: llama.cpp's gemma-embedding "
-                              f"serves vectors of the hidden width {hidden}")
+        raise ArtifactInvalid(
+            f"the Dense modules end {width} wide: llama.cpp's gemma-embedding "
+            f"serves vectors of the hidden width {hidden}"
+        )
     return out
 
 
@@ -258,12 +311,15 @@ def _tensors(model_dir: Path, config: dict, dense: list[np.ndarray]) -> dict[str
     if clash:
         raise ArtifactInvalid(f"unexpected tensor {clash[0]!r} in the transformer's weights")
     # A text encoder has no LM head; if one was saved, embeddings never read it.
-    tensors = map_names(weights | projections, ARCH, n_layers,
-                        ignored=lambda key: key == "lm_head.weight")
+    tensors = map_names(
+        weights | projections, ARCH, n_layers, ignored=lambda key: key == "lm_head.weight"
+    )
     h, ff, hd = config["hidden_size"], config["intermediate_size"], _int(config, "head_dim")
     q, kv = config["num_attention_heads"] * hd, _int(config, "num_key_value_heads") * hd
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (config["vocab_size"], h),
-                                          "output_norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (config["vocab_size"], h),
+        "output_norm.weight": (h,),
+    }
     shapes |= {name: tuple(w.shape) for name, w in projections.items()}
     for b in range(n_layers):
         shapes |= {
@@ -307,12 +363,15 @@ def _special_ids(model_dir: Path, tok: dict, vocab: Vocab) -> tuple[dict[str, in
     post = tok.get("post_processor") or {}
     steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
     single: list[dict] = next(
-        (s.get("single") for s in steps if s.get("type") == "TemplateProcessing"), [])
+        (s.get("single") for s in steps if s.get("type") == "TemplateProcessing"), []
+    )
     pieces = [("A" if "Sequence" in p else p.get("SpecialToken", {}).get("id")) for p in single]
     at = pieces.index("A") if "A" in pieces else 0
     add_bos, add_eos = at > 0, at < len(pieces) - 1
-    for kind, piece in (("bos", pieces[0] if add_bos else None),
-                        ("eos", pieces[-1] if add_eos else None)):
+    for kind, piece in (
+        ("bos", pieces[0] if add_bos else None),
+        ("eos", pieces[-1] if add_eos else None),
+    ):
         if isinstance(piece, str):
             ids.setdefault(kind, vocab.id_of(piece, kind))
     return ids, add_bos, add_eos
@@ -340,8 +399,10 @@ def convert(
     _check_modules(model_dir)
     layout = st_layout(model_dir)
     if not layout.include_prompt:
-        raise ArtifactInvalid("the Pooling module excludes the prompt's tokens: llama.cpp "
-                              "pools over every token it is given")
+        raise ArtifactInvalid(
+            "the Pooling module excludes the prompt's tokens: llama.cpp "
+            "pools over every token it is given"
+        )
     hidden = config["hidden_size"]
     dense = _dense_layers(layout.dense_dirs, hidden)
     tensors = _tensors(model_dir, config, dense)
@@ -377,8 +438,12 @@ def convert(
 
         vocab.add_to(w)
         w.add_add_space_prefix(_space_prefix(tok))
-        for kind, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
-                          ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
+        for kind, add in (
+            ("bos", w.add_bos_token_id),
+            ("eos", w.add_eos_token_id),
+            ("unk", w.add_unk_token_id),
+            ("pad", w.add_pad_token_id),
+        ):
             if kind in special:
                 add(special[kind])
         w.add_add_bos_token(add_bos)

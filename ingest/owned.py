@@ -46,8 +46,10 @@ def hf_source_dir(record: ModelRecord) -> Path:
     """The Hugging Face directory a GGUF record was converted from."""
     src = hf_source(record)
     if src is None:
-        raise ArtifactInvalid(f"{record.name}: no Hugging Face source directory (its source "
-                              f"is {record.manifest.source!r})")
+        raise ArtifactInvalid(
+            f"{record.name}: no Hugging Face source directory (its source "
+            f"is {record.manifest.source!r})"
+        )
     return src
 
 
@@ -73,8 +75,11 @@ def _ingest_args(record: ModelRecord) -> tuple[Path, dict]:
     tok = record.tokenizer_path
     if tok is None or not tok.is_file():
         raise ArtifactInvalid(f"{record.name}: no tokenizer.json to build a Core ML model with")
-    return record.artifact_path, {"tokenizer": str(tok), "pooling": record.manifest.pooling,
-                                  "max_seq_length": record.manifest.max_tokens}
+    return record.artifact_path, {
+        "tokenizer": str(tok),
+        "pooling": record.manifest.pooling,
+        "max_seq_length": record.manifest.max_tokens,
+    }
 
 
 def owned_dir(store: ArtifactStore, record: ModelRecord) -> Path:
@@ -92,8 +97,9 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
         if not manifest.is_file():
             src, kwargs = _ingest_args(record)
             need = owned_build_bytes(record)
-            require_space(out.parent, need, f"the Core ML build of {record.name!r}",
-                          "load it again")
+            require_space(
+                out.parent, need, f"the Core ML build of {record.name!r}", "load it again"
+            )
             try:
                 ingest_owned(src, out, **kwargs)
             # Any failure of the build is this model's as given (an unsupported config, a
@@ -106,8 +112,9 @@ def ensure_owned(store: ArtifactStore, record: ModelRecord) -> tuple[Path, str]:
                         f"{record.name!r}; nothing of it was kept, {mib(free_bytes(out.parent))}"
                         f" are free: free some space and load it again"
                     ) from None
-                raise ArtifactInvalid(f"{record.name}: Core ML ingest failed: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                raise ArtifactInvalid(
+                    f"{record.name}: Core ML ingest failed: {type(exc).__name__}: {exc}"
+                ) from exc
     try:
         return out, json.loads(manifest.read_text())["manifest_digest"]
     except (OSError, ValueError, KeyError) as exc:

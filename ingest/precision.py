@@ -43,7 +43,7 @@ class PrecisionChoice:
 def lane_device(
     machine: str | None = None, system: str | None = None, environ: dict | None = None
 ) -> str:
-    """"metal" or "cpu": where this machine's llama.cpp lane computes by default."""
+    """ "metal" or "cpu": where this machine's llama.cpp lane computes by default."""
     machine = (machine if machine is not None else platform.machine()).lower()
     system = system if system is not None else platform.system()
     env = os.environ if environ is None else environ
@@ -58,8 +58,10 @@ def embed_precision(device: str | None = None) -> PrecisionChoice:
     device = device or lane_device()
     if device == "cpu":
         return PrecisionChoice(
-            "f32", "CPU lane: llama.cpp converts f16 weights to float on every matmul (BLAS "
-            "and x86 kernels); f32 measured 1.1-1.7x faster")
+            "f32",
+            "CPU lane: llama.cpp converts f16 weights to float on every matmul (BLAS "
+            "and x86 kernels); f32 measured 1.1-1.7x faster",
+        )
     return PrecisionChoice("f16", f"{device} lane: the GPU computes in f16 natively")
 
 

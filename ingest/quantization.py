@@ -143,20 +143,25 @@ def record_ranges(
         if old is not None:
             q = msgspec.structs.replace(old, widths=widths)
         else:
-            q = QuantizationRanges(calibration=calibration, lane=lane, created_at=created_at,
-                                   widths=widths)
+            q = QuantizationRanges(
+                calibration=calibration, lane=lane, created_at=created_at, widths=widths
+            )
         return msgspec.structs.replace(manifest, quantization=q)
 
     mine = {w: np.asarray(r, dtype=np.float32) for w, r in computed.items()}
     try:
         rec = store.update_manifest(name, digest, merge)
     except OSError as exc:
-        log.warning("%s: int8 ranges not recorded in the manifest (%s); this process keeps "
-                    "its own", name, exc)
+        log.warning(
+            "%s: int8 ranges not recorded in the manifest (%s); this process keeps its own",
+            name,
+            exc,
+        )
         return mine
     except Exception as exc:  # the store's typed errors: replaced, removed, full
-        log.warning("%s: int8 ranges not recorded in the manifest (%s)", name,
-                    getattr(exc, "msg", exc))
+        log.warning(
+            "%s: int8 ranges not recorded in the manifest (%s)", name, getattr(exc, "msg", exc)
+        )
         return mine
     if rec is None:  # replaced by another artifact while calibrating
         return mine

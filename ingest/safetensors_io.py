@@ -76,8 +76,11 @@ def _entries(path: Path) -> tuple[np.memmap, dict[str, tuple[str, list[int], int
 def weight_elements(model_dir: Path) -> int:
     """How many weight elements `model_dir`'s safetensors hold, from their headers alone (no
     tensor data read): what sizes a conversion before it writes anything."""
-    return sum(math.prod(shape) for path in _weight_files(model_dir)
-               for _kind, shape, _b, _e in _entries(path)[1].values())
+    return sum(
+        math.prod(shape)
+        for path in _weight_files(model_dir)
+        for _kind, shape, _b, _e in _entries(path)[1].values()
+    )
 
 
 def read_model_weights(model_dir: Path) -> dict[str, np.ndarray]:

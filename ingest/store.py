@@ -266,8 +266,9 @@ class ArtifactStore:
             self._sweep()
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
-            return self._build_hf(path, name, dtype, pooling, source or f"hf-dir:{path}",
-                                  options=options)
+            return self._build_hf(
+                path, name, dtype, pooling, source or f"hf-dir:{path}", options=options
+            )
 
     def ingest_gguf(
         self,
@@ -292,8 +293,9 @@ class ArtifactStore:
         give them (see ingest.encode_options)."""
         path = Path(path)
         info = inspect_gguf(path, kind, pooling)
-        options = fitted(given_options(prompts, default_prompt_name, matryoshka_dims),
-                         info.kind, info.dims)
+        options = fitted(
+            given_options(prompts, default_prompt_name, matryoshka_dims), info.kind, info.dims
+        )
         if max_tokens is not None and not 1 <= max_tokens <= info.item_limit:
             raise InvalidRequest(f"max_tokens must be between 1 and {info.item_limit}")
         if name is None:
@@ -395,8 +397,9 @@ class ArtifactStore:
                     self._discard(name)
                     # general.name is the model's, not the entry's: both names of one
                     # precision are then the same bytes.
-                    rec = self._build_hf(minilm_dir(), name, dtype, None, minilm_src,
-                                         model_name=DEFAULT_EMBED)
+                    rec = self._build_hf(
+                        minilm_dir(), name, dtype, None, minilm_src, model_name=DEFAULT_EMBED
+                    )
                 out[name] = rec
             rec = self._present(DEFAULT_EMBED, minilm_src, embed_dtype)
             if rec is None:
@@ -408,8 +411,7 @@ class ArtifactStore:
                 self._discard(DEFAULT_GENERATE)
                 rec = self._build_gemma(DEFAULT_GENERATE, tokenizer_builder)
             elif rec.manifest.tokenizer is None and tokenizer_builder is not None:
-                rec = self._derive_tokenizer(rec, tokenizer_builder,
-                                             gemma.DERIVED_TOKENIZER_BYTES)
+                rec = self._derive_tokenizer(rec, tokenizer_builder, gemma.DERIVED_TOKENIZER_BYTES)
             out[DEFAULT_GENERATE] = rec
         return out
 
@@ -503,8 +505,7 @@ class ArtifactStore:
         options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
-            info = convert_hf_dir(path, artifact, dtype, pooling=pooling,
-                                    name=model_name or name)
+            info = convert_hf_dir(path, artifact, dtype, pooling=pooling, name=model_name or name)
             options = fitted(options, info.kind, info.dims)
             tok_src = path / "tokenizer.json"
             tokenizer = None
@@ -575,9 +576,7 @@ class ArtifactStore:
     def _derive_tokenizer(
         self, rec: ModelRecord, builder: TokenizerBuilder, need_bytes: int
     ) -> ModelRecord:
-        return self._replace_tokenizer(
-            rec, lambda tmp: builder(rec.artifact_path, tmp), need_bytes
-        )
+        return self._replace_tokenizer(rec, lambda tmp: builder(rec.artifact_path, tmp), need_bytes)
 
     def _replace_tokenizer(
         self, rec: ModelRecord, write: Callable[[Path], object], need_bytes: int
@@ -588,8 +587,9 @@ class ArtifactStore:
         rewritten, so a manifest write that fails leaves a tokenizer the manifest ignores.
         `need_bytes`, what `write` writes, is checked against the free space before anything
         is written."""
-        require_space(self.root, need_bytes, f"{rec.name!r}'s tokenizer",
-                      "try again (the model is as it was)")
+        require_space(
+            self.root, need_bytes, f"{rec.name!r}'s tokenizer", "try again (the model is as it was)"
+        )
         tmp = rec.dir / (TOKENIZER_FILE + ".tmp")
         manifest = msgspec.structs.replace(rec.manifest, tokenizer=TOKENIZER_FILE)
         full = lambda exc: StorageFull(  # noqa: E731

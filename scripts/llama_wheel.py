@@ -103,8 +103,12 @@ def cpu_features(system: str | None = None) -> str:
         return features_from_cpuinfo(text)
     if system == "Darwin":
         try:
-            out = subprocess.run(["sysctl", "hw.optional", "machdep.cpu.brand_string"],
-                                 capture_output=True, text=True, timeout=10).stdout
+            out = subprocess.run(
+                ["sysctl", "hw.optional", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
         return " ".join(sorted(line.strip() for line in out.splitlines() if line.strip()))
@@ -147,8 +151,19 @@ def main() -> int:
         env = dict(os.environ)
         env["CMAKE_ARGS"] = " ".join(filter(None, [env.get("CMAKE_ARGS", ""), cmake_args]))
         print(f"llama_wheel: building llama-cpp-python {version} ({name})", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
-               "--no-binary", "llama-cpp-python", "-w", str(out), f"llama-cpp-python=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-cache-dir",
+            "--no-binary",
+            "llama-cpp-python",
+            "-w",
+            str(out),
+            f"llama-cpp-python=={version}",
+        ]
         subprocess.run(cmd, stdout=sys.stderr, env=env, check=True)
     print(out)
     return 0

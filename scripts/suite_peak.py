@@ -64,14 +64,20 @@ def main(argv: list[str]) -> int:
         grown = sum(shutil.disk_usage(p).used - base[d] for d, p in devices.items())
         peak_disk = max(peak_disk, grown)
         time.sleep(0.25)
-    print(json.dumps({
-        "command": argv[1:], "returncode": child.returncode,
-        "seconds": round(time.monotonic() - start, 1),
-        "peak_tree_pss_mib": round(peak_pss / 2**20),
-        "peak_tree_rss_mib": round(peak_rss / 2**20), "peak_processes": peak_procs,
-        "peak_disk_growth_mib": round(peak_disk / 2**20),
-        "disk_watched": sorted(devices.values()),
-    }))
+    print(
+        json.dumps(
+            {
+                "command": argv[1:],
+                "returncode": child.returncode,
+                "seconds": round(time.monotonic() - start, 1),
+                "peak_tree_pss_mib": round(peak_pss / 2**20),
+                "peak_tree_rss_mib": round(peak_rss / 2**20),
+                "peak_processes": peak_procs,
+                "peak_disk_growth_mib": round(peak_disk / 2**20),
+                "disk_watched": sorted(devices.values()),
+            }
+        )
+    )
     return child.returncode
 
 

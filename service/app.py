@@ -50,6 +50,7 @@ log = logging.getLogger("synapse.serve")
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
 Endpoint = Callable[[Request], Awaitable[Response]]
 
+
 def _endpoint(state: ServerState, handler: Handler) -> Endpoint:
     async def run(request: Request) -> Response:
         try:
@@ -294,9 +295,12 @@ def create_app(
 
     direct = {r.path: _endpoint(state, r.handler) for r in routes.ROUTES if r.direct}
     # Starlette keeps the direct routes too: a GET to one of them is its 405, with Allow.
-    table = [Route(r.path, direct[r.path], methods=["POST"]) if r.direct
-             else Route(r.path, _endpoint(state, r.handler), methods=[r.method.upper()])
-             for r in routes.ROUTES]
+    table = [
+        Route(r.path, direct[r.path], methods=["POST"])
+        if r.direct
+        else Route(r.path, _endpoint(state, r.handler), methods=[r.method.upper()])
+        for r in routes.ROUTES
+    ]
     starlette = Starlette(
         routes=table,
         lifespan=lifespan,

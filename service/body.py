@@ -36,9 +36,7 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     except TimeoutError:
         if request.scope.get(_OVER_LIMIT):  # timed out while draining a refused body
             raise _too_large(limit) from None
-        raise RequestTimeout(
-            f"the request body was not complete within {timeout_s:g} s"
-        ) from None
+        raise RequestTimeout(f"the request body was not complete within {timeout_s:g} s") from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

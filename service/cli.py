@@ -10,8 +10,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, help="TCP port (default 8080; 0 picks a free one)")
     parser.add_argument("--config", help="a TOML or JSON file mapping to ServeConfig")
-    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="serve on Ray Serve: a local Ray, or the cluster at ADDRESS")
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="serve on Ray Serve: a local Ray, or the cluster at ADDRESS",
+    )
     parser.add_argument(
         "--api-key-file",
         help="API keys, one per line (SIGHUP re-reads it); keys are never taken as arguments",
@@ -55,8 +61,10 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = install_defaults(config)
     except SynapseError as exc:
-        print(f"synapse serve: cannot install the default models: error[{exc.code}]: "
-              f"{exc.message}", file=sys.stderr)
+        print(
+            f"synapse serve: cannot install the default models: error[{exc.code}]: {exc.message}",
+            file=sys.stderr,
+        )
         return 2
     if getattr(args, "ray", None) is not None:
         from service.ray_deployment import serve_on_ray

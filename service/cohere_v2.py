@@ -161,14 +161,16 @@ def prompt_for(input_type: str | None, prompts: dict[str, str]) -> str | None:
     return None
 
 
-async def embeddings_by_type(state: ServerState, model: str, vectors: np.ndarray,
-                             types: list[str]) -> CohereEmbeddings:
+async def embeddings_by_type(
+    state: ServerState, model: str, vectors: np.ndarray, types: list[str]
+) -> CohereEmbeddings:
     """`vectors` in every requested embedding type (the request's `embedding_types`); int8 and
     uint8 use the model's ranges at the served width (a Matryoshka cut included)."""
     assert state.module is not None
     types = list(dict.fromkeys(types))
-    ranges = await quantization_ranges(state.module, model, vectors.shape[1], types,
-                                       param="embedding_types")
+    ranges = await quantization_ranges(
+        state.module, model, vectors.shape[1], types, param="embedding_types"
+    )
     encoded = encode_embeddings(vectors, types, ranges)
     out = CohereEmbeddings()
     for t, rows in encoded.items():
@@ -192,21 +194,29 @@ def _json(body: object) -> Response:
 async def embed(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, CohereEmbedRequest)
     if req.images is not None or req.inputs is not None:
-        raise Unsupported("this server embeds text only: send `texts`",
-                          param="images" if req.images is not None else "inputs")
+        raise Unsupported(
+            "this server embeds text only: send `texts`",
+            param="images" if req.images is not None else "inputs",
+        )
     if req.texts is None:
         raise InvalidRequest("texts is required", param="texts")
     if req.input_type == "image":
-        raise Unsupported("input_type 'image' needs images; this server embeds text only",
-                          param="input_type")
+        raise Unsupported(
+            "input_type 'image' needs images; this server embeds text only", param="input_type"
+        )
     model = state.resolve(req.model, DEFAULT_EMBED)
     assert state.module is not None and state.scheduler is not None
     prompt_name = prompt_for(req.input_type, state.module.record(model).manifest.prompts)
     max_tokens = await _limit(state, model, req.max_tokens)
     try:
         result = await state.scheduler.embed_texts(
-            req.texts, model, True, req.truncate != "NONE", prompt_name=prompt_name,
-            direction=_CUT.get(req.truncate, "right"), max_tokens=max_tokens,
+            req.texts,
+            model,
+            True,
+            req.truncate != "NONE",
+            prompt_name=prompt_name,
+            direction=_CUT.get(req.truncate, "right"),
+            max_tokens=max_tokens,
         )
     except SynapseError as exc:
         if exc.details.get("param") == "input":  # the scheduler names OpenAI's field
@@ -219,16 +229,20 @@ async def embed(request: Request, state: ServerState) -> Response:
                 vectors, req.output_dimension, model, is_matryoshka(state, model)
             )
         except InvalidRequest as exc:
-            raise InvalidRequest(exc.message.replace("dimensions", "output_dimension"),
-                                 param="output_dimension") from None
-    applied = prompt_name if prompt_name is not None else (
-        state.module.record(model).manifest.default_prompt_name if result.prompt else None
+            raise InvalidRequest(
+                exc.message.replace("dimensions", "output_dimension"), param="output_dimension"
+            ) from None
+    applied = (
+        prompt_name
+        if prompt_name is not None
+        else (state.module.record(model).manifest.default_prompt_name if result.prompt else None)
     )
     body = CohereEmbedResponse(
         id=str(uuid.uuid4()),
         response_type="embeddings_by_type",
-        embeddings=await embeddings_by_type(state, model, vectors,
-                                            list(req.embedding_types or ["float"])),
+        embeddings=await embeddings_by_type(
+            state, model, vectors, list(req.embedding_types or ["float"])
+        ),
         texts=req.texts,
         meta=_meta(result.total_tokens, input_tokens=result.total_tokens),
         model=result.model,
@@ -275,7 +289,12 @@ async def rerank_v2(request: Request, state: ServerState) -> Response:
     ]
     warning = rerank.BI_ENCODER_NOTE if result.method == "bi-encoder-cosine" else None
     meta = _meta(result.usage.total_tokens, warning, search_units=1)
-    return _json(CohereRerankResponse(
-        id=str(uuid.uuid4()), results=results, meta=meta, model=result.model,
-        method=result.method,  # type: ignore[arg-type]
-    ))
+    return _json(
+        CohereRerankResponse(
+            id=str(uuid.uuid4()),
+            results=results,
+            meta=meta,
+            model=result.model,
+            method=result.method,  # type: ignore[arg-type]
+        )
+    )

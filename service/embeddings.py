@@ -154,8 +154,13 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     assert sched is not None
     if texts is not None:
         result = await sched.embed_texts(
-            texts, model, req.normalize, req.truncate, prompt_name=req.prompt_name,
-            prompt=req.prompt, direction=direction(req.truncation_direction),
+            texts,
+            model,
+            req.normalize,
+            req.truncate,
+            prompt_name=req.prompt_name,
+            prompt=req.prompt,
+            direction=direction(req.truncation_direction),
         )
     else:
         refuse_prompt_for_ids(req.prompt_name, req.prompt)
@@ -164,16 +169,20 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     vectors = apply_dimensions(result.vectors, req.dimensions, model, matryoshka)
     fmt = req.encoding_format
     assert state.module is not None
-    ranges = await quantization_ranges(state.module, model, vectors.shape[1], (fmt,),
-                                       normalize=req.normalize)
+    ranges = await quantization_ranges(
+        state.module, model, vectors.shape[1], (fmt,), normalize=req.normalize
+    )
     rows = encode_embeddings(vectors, (fmt,), ranges)[fmt]
     tokens = result.total_tokens
     body = EmbeddingResponse(
         object="list",
         data=[
             EmbeddingData(
-                object="embedding", index=i, embedding=row,
-                n_tokens=result.n_tokens[i], truncated=result.truncated[i],
+                object="embedding",
+                index=i,
+                embedding=row,
+                n_tokens=result.n_tokens[i],
+                truncated=result.truncated[i],
             )
             for i, row in enumerate(rows)
         ],

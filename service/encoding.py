@@ -97,7 +97,8 @@ async def quantization_ranges(
         raise Calibrating(
             f"{model!r} is computing its int8/uint8 ranges (once: it embeds its calibration "
             f"corpus); retry in a few seconds",
-            retry_after_s=CALIBRATION_RETRY_S, param=param,
+            retry_after_s=CALIBRATION_RETRY_S,
+            param=param,
         ) from None
 
 
@@ -126,8 +127,9 @@ def encode_embeddings(
             # each number parses back to exactly the float32 the model computed, in about 10
             # characters where float64's repr of the same value takes 17-19, and it costs the
             # serving loop a third less. Non-finite -> null.
-            rows: list = [msgspec.Raw(orjson.dumps(np.ascontiguousarray(r), option=_NUMPY))
-                          for r in v]
+            rows: list = [
+                msgspec.Raw(orjson.dumps(np.ascontiguousarray(r), option=_NUMPY)) for r in v
+            ]
         elif t == "base64":
             rows = [base64.b64encode(r.astype("<f4").tobytes()).decode("ascii") for r in v]
         elif t in ("int8", "uint8", "binary", "ubinary"):

@@ -49,6 +49,4 @@ def check_models(state: ServerState) -> None:
     installed = {r.name for r in state.module.store.ls()}
     for name in state.config.residency.models:
         if name not in installed:
-            raise ConfigInvalid(
-                f"residency.models: {name!r} is not an installed model"
-            )
+            raise ConfigInvalid(f"residency.models: {name!r} is not an installed model")

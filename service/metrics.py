@@ -226,5 +226,16 @@ class _StateCollector(Collector):
         cache_hits.add_metric([], hits)
         cache_misses.add_metric([], misses)
         cache_bytes.add_metric([], size)
-        yield from (restarts, quarantines, strikes, quarantined, up, depth, inflight, rejected,
-                    cache_hits, cache_misses, cache_bytes)
+        yield from (
+            restarts,
+            quarantines,
+            strikes,
+            quarantined,
+            up,
+            depth,
+            inflight,
+            rejected,
+            cache_hits,
+            cache_misses,
+            cache_bytes,
+        )

@@ -42,6 +42,7 @@ class Route(Protocol):
 
     def protected(self, config: ServeConfig) -> bool: ...
 
+
 _REF = "#/components/schemas/{name}"
 _ERROR = {"$ref": _REF.format(name="ErrorResponse")}
 _JSON = "application/json"
@@ -62,6 +63,8 @@ _STATUS_TEXT = {
     507: "The engine ran out of memory, or a model build out of disk space",
 }
 _OK_TEXT = {503: "Not every lane serves (the same body, with each lane's state)"}
+
+
 def _error_responses(statuses: tuple[int, ...]) -> dict:
     out = {}
     for status in statuses:
@@ -95,8 +98,7 @@ def build_document(ops: Sequence[Route], config: ServeConfig, auth_enabled: bool
         else:
             content = {_JSON: {"schema": schema_of[repr(op.response)]}}
         responses: dict = {
-            str(s): {"description": _OK_TEXT.get(s, "OK"), "content": content}
-            for s in op.ok_status
+            str(s): {"description": _OK_TEXT.get(s, "OK"), "content": content} for s in op.ok_status
         }
         protected = op.protected(config)
         errors = op.errors + ((401,) if protected and auth_enabled else ())

@@ -78,8 +78,13 @@ def _json(payload: object, headers: dict | None = None) -> Response:
 
 
 async def _rerank(
-    state: ServerState, req, docs: list[str], top_n: int | None, param: str,
-    max_doc_tokens: int | None = None, hint: str | None = None,
+    state: ServerState,
+    req,
+    docs: list[str],
+    top_n: int | None,
+    param: str,
+    max_doc_tokens: int | None = None,
+    hint: str | None = None,
 ) -> Ranked:
     """`Module.rerank` for a decoded request (`query`, `model`, `truncate`,
     `truncation_direction`); an over-the-limit error names the request's `param` field."""
@@ -89,7 +94,11 @@ async def _rerank(
 
     def call():
         return module.rerank(
-            req.query, docs, name, top_n=top_n, truncate=req.truncate,
+            req.query,
+            docs,
+            name,
+            top_n=top_n,
+            truncate=req.truncate,
             truncation_direction=direction(req.truncation_direction),
             max_doc_tokens=max_doc_tokens,
         )

@@ -74,8 +74,11 @@ def serve(config: ServeConfig, log_level: str = "warning") -> int:
         sock = bind(config.host, config.port)
     except OSError as exc:  # in use, not ours to bind, no such address: one line, not a trace
         reason = exc.strerror or str(exc)
-        print(f"synapse serve: cannot listen on {config.host}:{config.port}: {reason}",
-              file=sys.stderr, flush=True)
+        print(
+            f"synapse serve: cannot listen on {config.host}:{config.port}: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -71,8 +71,13 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pending: int = 64  # rerank / completion requests in flight, each; over it -> 429
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_batch_items", "max_queue_items", "max_pending",
-                     "batches_in_flight"):
+        for name in (
+            "max_batch_tokens",
+            "max_batch_items",
+            "max_queue_items",
+            "max_pending",
+            "batches_in_flight",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"scheduler.{name} must be >= 1")
         # Written so that NaN fails too (every comparison with NaN is false).
@@ -344,9 +349,7 @@ class _Deadline:
     def _expire(self) -> None:
         self.expired = True
         if self.future is not None and not self.future.done():
-            self.future.set_exception(
-                DeadlineExceeded(f"no result within {self.timeout_s:g} s")
-            )
+            self.future.set_exception(DeadlineExceeded(f"no result within {self.timeout_s:g} s"))
 
 
 def _fail(batch: list[_Pending], exc: BaseException) -> None:
@@ -456,8 +459,7 @@ class Scheduler:
             if arr is None or ((arr < 0) | (arr >= vocab)).any():
                 bad = next(t for t in seq if not 0 <= t < vocab)
                 raise InvalidRequest(
-                    f"input {i}: token id {bad} is outside {name!r}'s vocabulary "
-                    f"(0..{vocab - 1})",
+                    f"input {i}: token id {bad} is outside {name!r}'s vocabulary (0..{vocab - 1})",
                     param="input",
                 )
             arrays.append(arr.astype(np.int32))

@@ -48,10 +48,16 @@ class EmbeddingData(_Body):
     object: Literal["embedding"]
     index: int
     # JSON Schema's "number" takes integers too: the quantized formats fit list[float].
-    embedding: Annotated[list[float] | str, msgspec.Meta(description=(
-        "float: numbers; base64: little-endian float32 bytes, base64; int8 / binary: integers "
-        "-128..127; uint8 / ubinary: integers 0..255 (binary and ubinary: ceil(dims/8) "
-        "packed bytes)"))]
+    embedding: Annotated[
+        list[float] | str,
+        msgspec.Meta(
+            description=(
+                "float: numbers; base64: little-endian float32 bytes, base64; int8 / binary: "
+                "integers -128..127; uint8 / ubinary: integers 0..255 (binary and ubinary: "
+                "ceil(dims/8) packed bytes)"
+            )
+        ),
+    ]
     # Extensions OpenAI clients ignore: what was embedded, and whether the input was cut.
     n_tokens: int
     truncated: bool

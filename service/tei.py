@@ -106,8 +106,13 @@ async def embed(request: Request, state: ServerState) -> Response:
     try:
         if texts is not None:
             result = await sched.embed_texts(
-                texts, model, req.normalize, truncate, prompt_name=req.prompt_name,
-                prompt=req.prompt, direction=direction(req.truncation_direction),
+                texts,
+                model,
+                req.normalize,
+                truncate,
+                prompt_name=req.prompt_name,
+                prompt=req.prompt,
+                direction=direction(req.truncation_direction),
             )
         else:
             refuse_prompt_for_ids(req.prompt_name, req.prompt)
@@ -138,14 +143,13 @@ async def info(request: Request, state: ServerState) -> Response:
         concurrent = state.config.scheduler.max_queue_items
     elif man.kind == "rerank":
         # One relevance logit: what TEI reports for a sequence-classification reranker.
-        kind = TeiModelType(reranker=TeiClassifierModel(
-            id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}
-        ))
+        kind = TeiModelType(
+            reranker=TeiClassifierModel(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        )
         concurrent = state.config.scheduler.max_pending
     else:
         raise InvalidRequest(
-            f"model {model!r} is a {man.kind} model; /info describes embedding and rerank "
-            "models",
+            f"model {model!r} is a {man.kind} model; /info describes embedding and rerank models",
             param="model",
         )
     body = TeiInfo(

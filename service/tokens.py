@@ -112,8 +112,7 @@ def _texts(req: TokenizeRequest) -> tuple[list[str], bool]:
         return [req.inputs], True
     if isinstance(req.inputs, list) and req.inputs and all(isinstance(x, str) for x in req.inputs):
         return req.inputs, True
-    raise InvalidRequest("inputs must be a string or a non-empty list of strings",
-                         param="inputs")
+    raise InvalidRequest("inputs must be a string or a non-empty list of strings", param="inputs")
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
@@ -135,51 +134,60 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         out = tokenizer.tokenize(texts, req.add_special_tokens, prompt)
     if not tei:
         (one,) = out
-        return _json(VllmTokenizeResponse(
-            count=len(one.ids),
-            max_model_len=tokenizer.max_tokens,
-            tokens=one.ids,
-            token_strs=one.tokens if req.return_token_strs else None,
-        ))
-    return _json([
+        return _json(
+            VllmTokenizeResponse(
+                count=len(one.ids),
+                max_model_len=tokenizer.max_tokens,
+                tokens=one.ids,
+                token_strs=one.tokens if req.return_token_strs else None,
+            )
+        )
+    return _json(
         [
-            TeiToken(id=i, text=tok, special=True, start=None, stop=None) if span is None
-            else TeiToken(id=i, text=t.text[span[0]:span[1]], special=False,
-                          start=span[0], stop=span[1])
-            for i, tok, span in zip(t.ids, t.tokens, t.offsets, strict=True)
+            [
+                TeiToken(id=i, text=tok, special=True, start=None, stop=None)
+                if span is None
+                else TeiToken(
+                    id=i, text=t.text[span[0] : span[1]], special=False, start=span[0], stop=span[1]
+                )
+                for i, tok, span in zip(t.ids, t.tokens, t.offsets, strict=True)
+            ]
+            for t in out
         ]
-        for t in out
-    ])
+    )
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, DetokenizeRequest)
     if (req.tokens is None) == (req.ids is None):
-        raise InvalidRequest("exactly one of `tokens` (vLLM shape) and `ids` (TEI shape)",
-                             param="tokens")
+        raise InvalidRequest(
+            "exactly one of `tokens` (vLLM shape) and `ids` (TEI shape)", param="tokens"
+        )
     sequences = [req.tokens] if req.tokens is not None else _id_batch(req.ids)
     model = state.resolve(req.model, DEFAULT_EMBED)
     module = state.module
     assert module is not None
     limit = module.admission.budgets.max_inputs
     if len(sequences) > limit:
-        raise InvalidRequest(f"{len(sequences)} sequences; at most {limit} per request",
-                             param="ids")
+        raise InvalidRequest(
+            f"{len(sequences)} sequences; at most {limit} per request", param="ids"
+        )
     tokenizer = await module.tokenizer(model)
     vocab = tokenizer.vocab_size
     for i, seq in enumerate(sequences):
         bad = next((t for t in seq if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(
-                f"sequence {i}: token id {bad} is outside {model!r}'s vocabulary "
-                f"(0..{vocab - 1})",
+                f"sequence {i}: token id {bad} is outside {model!r}'s vocabulary (0..{vocab - 1})",
                 param="tokens" if req.tokens is not None else "ids",
             )
     skip = req.skip_special_tokens
     if req.tokens is not None:
-        return _json(VllmDetokenizeResponse(
-            prompt=tokenizer.decode(req.tokens, skip_special_tokens=bool(skip))
-        ))
+        return _json(
+            VllmDetokenizeResponse(
+                prompt=tokenizer.decode(req.tokens, skip_special_tokens=bool(skip))
+            )
+        )
     skip = True if skip is None else skip
     return _json([tokenizer.decode(seq, skip_special_tokens=skip) for seq in sequences])
 
@@ -192,6 +200,4 @@ def _id_batch(ids: Any) -> list[list[int]]:
         return [ids]
     if isinstance(ids, list) and ids and all(is_ids(x) for x in ids):
         return ids
-    raise InvalidRequest(
-        "ids must be a list of token ids or a non-empty list of them", param="ids"
-    )
+    raise InvalidRequest("ids must be a list of token ids or a non-empty list of them", param="ids")

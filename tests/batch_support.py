@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-WORDS = ("the cat sat on a mat while stock markets fell sharply and le chat dort sur le "
-         "tapis rouge near the old river bank").split()
+WORDS = (
+    "the cat sat on a mat while stock markets fell sharply and le chat dort sur le "
+    "tapis rouge near the old river bank"
+).split()
 
 
 def texts(n: int, seed: int = 0, lengths=(3, 12, 40, 120)) -> list[str]:
@@ -38,26 +40,39 @@ def cli_env(cache_dir, runtime_dir: str | None = None, extra: dict | None = None
     return env
 
 
-def batch_cli(cache_dir, *args: str, input: str | None = None, runtime_dir: str | None = None,
-              timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def batch_cli(
+    cache_dir,
+    *args: str,
+    input: str | None = None,
+    runtime_dir: str | None = None,
+    timeout: float = 300,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", "batch", "embed", *args],
-        capture_output=True, text=True, timeout=timeout, input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
         env=cli_env(cache_dir, runtime_dir, env),
     )
 
 
-def start_batch_cli(cache_dir, *args: str, runtime_dir: str | None = None,
-                    env: dict | None = None) -> subprocess.Popen:
+def start_batch_cli(
+    cache_dir, *args: str, runtime_dir: str | None = None, env: dict | None = None
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cli.main", "batch", "embed", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=cli_env(cache_dir, runtime_dir, env),
     )
 
 
-def wait_for_commits(output: Path, parts: int, proc: subprocess.Popen,
-                     timeout_s: float = 120) -> dict:
+def wait_for_commits(
+    output: Path, parts: int, proc: subprocess.Popen, timeout_s: float = 120
+) -> dict:
     """Block until the job's checkpoint records `parts` committed windows."""
     state = output.with_name(output.name + ".partial") / "state.json"
     deadline = time.monotonic() + timeout_s

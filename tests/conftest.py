@@ -90,8 +90,11 @@ def write_prompted_dir(dst):
     import json
 
     shutil.copytree(minilm_dir(), dst)
-    (dst / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": PROMPTS, "default_prompt_name": "query", "similarity_fn_name": "cosine"}))
+    (dst / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {"prompts": PROMPTS, "default_prompt_name": "query", "similarity_fn_name": "cosine"}
+        )
+    )
     return dst
 
 
@@ -126,8 +129,14 @@ def ray_session():
 # layout and docs tests: the fast inner loop. `make test` runs everything.
 # The shared fixtures below build or load real models; a test that asks for one without the
 # mark is a collection error, so the fast loop can never start a model by accident.
-MODEL_FIXTURES = {"synapse_cache_dir", "store_root", "ray_session", "test_cross_encoder_dir",
-                  "prompted_model", "own_certificates_cache"}
+MODEL_FIXTURES = {
+    "synapse_cache_dir",
+    "store_root",
+    "ray_session",
+    "test_cross_encoder_dir",
+    "prompted_model",
+    "own_certificates_cache",
+}
 
 
 def pytest_configure(config):
@@ -135,12 +144,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    unmarked = [f"{item.nodeid} (uses {', '.join(sorted(MODEL_FIXTURES & set(item.fixturenames)))})"
-                for item in items if MODEL_FIXTURES & set(item.fixturenames)
-                and item.get_closest_marker("model") is None]
+    unmarked = [
+        f"{item.nodeid} (uses {', '.join(sorted(MODEL_FIXTURES & set(item.fixturenames)))})"
+        for item in items
+        if MODEL_FIXTURES & set(item.fixturenames) and item.get_closest_marker("model") is None
+    ]
     if unmarked:
-        raise pytest.UsageError("tests that use a model fixture must be marked `model` "
-                                "(pytestmark = pytest.mark.model):\n  " + "\n  ".join(unmarked))
+        raise pytest.UsageError(
+            "tests that use a model fixture must be marked `model` "
+            "(pytestmark = pytest.mark.model):\n  " + "\n  ".join(unmarked)
+        )
 
 
 def _declares_model_mark(path: Path) -> bool:
@@ -149,10 +162,15 @@ def _declares_model_mark(path: Path) -> bool:
     tree = ast.parse(path.read_text(), str(path))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
-            return any(isinstance(n, ast.Attribute) and n.attr == "model"
-                       and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
-                       for n in ast.walk(node.value))
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+        ):
+            return any(
+                isinstance(n, ast.Attribute)
+                and n.attr == "model"
+                and isinstance(n.value, ast.Attribute)
+                and n.value.attr == "mark"
+                for n in ast.walk(node.value)
+            )
     return False
 
 
@@ -162,7 +180,10 @@ def pytest_ignore_collect(collection_path: Path, config):
     # module is not collected at all. Any other selection collects as usual.
     if (config.getoption("markexpr") or "").strip() != "not model":
         return None
-    if collection_path.suffix == ".py" and collection_path.name.startswith("test_") \
-            and _declares_model_mark(collection_path):
+    if (
+        collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and _declares_model_mark(collection_path)
+    ):
         return True
     return None

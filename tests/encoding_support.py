@@ -41,8 +41,9 @@ def st_quantize(vectors: np.ndarray, precision: str, ranges=None, calibration=No
     """sentence-transformers' `quantize_embeddings` (imported here: it brings torch)."""
     from sentence_transformers.util.quantization import quantize_embeddings
 
-    return quantize_embeddings(vectors, precision, ranges=ranges,
-                               calibration_embeddings=calibration)
+    return quantize_embeddings(
+        vectors, precision, ranges=ranges, calibration_embeddings=calibration
+    )
 
 
 def top_k(scores: np.ndarray, k: int) -> np.ndarray:

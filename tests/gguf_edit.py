@@ -11,9 +11,16 @@ import gguf
 _INTERNAL = ("GGUF.", "general.architecture")
 
 
-def rewrite_gguf(src: Path, dst: Path, *, set_kv: dict | None = None, drop_kv: tuple = (),
-                 drop_tensors: tuple = (), arch: str | None = None,
-                 replace_tensors: dict | None = None) -> Path:
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    set_kv: dict | None = None,
+    drop_kv: tuple = (),
+    drop_tensors: tuple = (),
+    arch: str | None = None,
+    replace_tensors: dict | None = None,
+) -> Path:
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
     arch = arch or old_arch
@@ -21,7 +28,7 @@ def rewrite_gguf(src: Path, dst: Path, *, set_kv: dict | None = None, drop_kv: t
     for name, field in reader.fields.items():
         if name.startswith(_INTERNAL) or name in drop_kv or name in (set_kv or {}):
             continue
-        new_name = arch + name[len(old_arch):] if name.startswith(old_arch + ".") else name
+        new_name = arch + name[len(old_arch) :] if name.startswith(old_arch + ".") else name
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(new_name, field.contents(), field.types[0], sub)
     for name, (value, vtype, *sub) in (set_kv or {}).items():  # (value, type[, item type])

@@ -51,8 +51,9 @@ def start_ray(attempts: int = 3):
         temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         started = time.monotonic()
         try:
-            start_local_ray(num_cpus=2, log_to_driver=False, _temp_dir=temp_dir,
-                            configure_logging=False)
+            start_local_ray(
+                num_cpus=2, log_to_driver=False, _temp_dir=temp_dir, configure_logging=False
+            )
             return ray, temp_dir, time.monotonic() - started
         except Exception as exc:
             if attempt == attempts or "timed out during startup" not in str(exc):
@@ -84,8 +85,7 @@ def listening_sockets(root: psutil.Process | None = None) -> list[tuple[str, str
             conns = proc.net_connections(kind="tcp")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        found += [(name, c.laddr.ip, c.laddr.port) for c in conns
-                  if c.status == psutil.CONN_LISTEN]
+        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
     return found
 
 

@@ -32,7 +32,7 @@ def unavailable() -> str | None:
     if shutil.which("unshare") is None:
         return "needs util-linux's unshare for a small real filesystem"
     with tempfile.TemporaryDirectory() as d:
-        probe = run_on_small_disk(Path(d), "1M", "touch \"$DISK/x\"", timeout=30)
+        probe = run_on_small_disk(Path(d), "1M", 'touch "$DISK/x"', timeout=30)
     if probe.returncode != 0:
         return f"cannot mount a private tmpfs here: {probe.stderr.strip()[-300:]}"
     return None
@@ -51,7 +51,11 @@ def run_on_small_disk(
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", prelude + script],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -76,6 +80,7 @@ def fill_disk(disk: str | Path) -> Path:
 def fill_disk_when(disk: str | Path, ready: Callable[[], bool]) -> threading.Thread:
     """A started thread that waits until `ready()` (say, a build made its temp dir), then
     fills `disk`; join it before looking at the result."""
+
     def run() -> None:
         while not ready():
             time.sleep(0.001)

@@ -70,8 +70,10 @@ def test_every_linear_layer_is_a_1x1_conv_in_channels_first_form(programs) -> No
         encoder = convs[: 6 * cfg.num_layers]
         assert all(op.x.shape == (ROWS, op.x.shape[1], 1, SEQ) for op in encoder)
         widths = collections.Counter(op.outputs[0].shape[1] for op in encoder)
-        assert widths == {cfg.hidden_size: 5 * cfg.num_layers,
-                          cfg.intermediate_size: cfg.num_layers}
+        assert widths == {
+            cfg.hidden_size: 5 * cfg.num_layers,
+            cfg.intermediate_size: cfg.num_layers,
+        }
 
 
 def test_attention_runs_per_head_without_relayouts(programs) -> None:
@@ -118,12 +120,16 @@ def test_static_shapes_everywhere(programs) -> None:
 def test_inputs_outputs_and_heads(programs) -> None:
     hidden = h.minilm().config.hidden_size
     io = {
-        name: (list(p.functions["main"].inputs),
-               {v.name: v.shape for v in p.functions["main"].outputs})
+        name: (
+            list(p.functions["main"].inputs),
+            {v.name: v.shape for v in p.functions["main"].outputs},
+        )
         for name, p in programs.items()
     }
-    assert io["embed"] == (["input_ids", "token_type_ids", "attention_mask"],
-                           {"embedding": (ROWS, hidden), "embedding_l2": (ROWS, hidden)})
+    assert io["embed"] == (
+        ["input_ids", "token_type_ids", "attention_mask"],
+        {"embedding": (ROWS, hidden), "embedding_l2": (ROWS, hidden)},
+    )
     assert io["embed_packed"] == (
         ["input_ids", "token_type_ids", "segment_ids", "position_ids"],
         {"embedding": (ROWS, SEGS, hidden), "embedding_l2": (ROWS, SEGS, hidden)},
@@ -141,8 +147,14 @@ def test_inputs_outputs_and_heads(programs) -> None:
 def test_converted_package_is_static_and_keeps_the_form() -> None:
     manifest = h.minilm()
     with CompileCache(h.CACHE_ROOT) as cache:
-        entry, _hit = package_entry(cache, manifest, Shape(**h.EMBED_UNPACKED), BuildOptions(),
-                                    lambda _stage: None, AdmitTimings())
+        entry, _hit = package_entry(
+            cache,
+            manifest,
+            Shape(**h.EMBED_UNPACKED),
+            BuildOptions(),
+            lambda _stage: None,
+            AdmitTimings(),
+        )
         with entry.lease().acquire():
             prog = load_package_program(entry.path / PACKAGE_NAME)
     for var in _all_vars(prog):
@@ -164,8 +176,7 @@ def test_conversion_writes_the_package_in_place_and_nothing_in_tmp(
     tmp.mkdir()
     build.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    with Function({"x": mb.placeholder(shape=(1, 4), dtype=types.fp32)},
-                  ct.target.macOS14) as func:
+    with Function({"x": mb.placeholder(shape=(1, 4), dtype=types.fp32)}, ct.target.macOS14) as func:
         func.set_outputs([mb.relu(x=func.inputs["x"], name="y")])
     prog = Program()
     prog.add_function("main", func)

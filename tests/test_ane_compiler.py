@@ -33,8 +33,14 @@ def cache_root(module_tmp) -> Path:
 
 def _admit(root: Path, stages: list[str] | None = None, budget: int | None = None):
     cache = CompileCache(root, budget_bytes=budget)
-    compiled = admit(cache, h.minilm(), SHAPE, ReferenceBackend(), BuildOptions(),
-                     stages.append if stages is not None else None)
+    compiled = admit(
+        cache,
+        h.minilm(),
+        SHAPE,
+        ReferenceBackend(),
+        BuildOptions(),
+        stages.append if stages is not None else None,
+    )
     return cache, compiled
 
 
@@ -52,8 +58,9 @@ def test_cold_admission_publishes_both_kinds_then_hits_the_compiled_form(cache_r
         assert t.build_ms > 0 and t.compile_ms > 0 and t.load_ms > 0 and t.warmup_ms == 0
         assert _kinds(cache) == [PACKAGE_KIND, "reference-program"]
         assert cold.entry.key["kind"] == "reference-program"
-        assert cold.entry.key == compiled_key(cache_key(h.minilm(), SHAPE, BuildOptions()),
-                                              ReferenceBackend())
+        assert cold.entry.key == compiled_key(
+            cache_key(h.minilm(), SHAPE, BuildOptions()), ReferenceBackend()
+        )
     finally:
         cold.release()
         cache.close()
@@ -79,12 +86,14 @@ def test_compiled_form_runs_like_the_package_and_maps_its_weights(cache_root):
         mapped = [v for op in func.operations for v in op.outputs if v.mapped]
         assert sum(v.val.nbytes for v in mapped) > 40_000_000  # the weights, not copied
         assert all(not v.val.flags.writeable for v in mapped)
-        seqs = [h.encode("a compiled form is a program")[:SHAPE.seq_len]]
-        feeds = {"input_ids": np.zeros(SHAPE.dims, np.int32),
-                 "token_type_ids": np.zeros(SHAPE.dims, np.int32),
-                 "attention_mask": np.zeros(SHAPE.dims, np.int32)}
-        feeds["input_ids"][0, :len(seqs[0])] = seqs[0]
-        feeds["attention_mask"][0, :len(seqs[0])] = 1
+        seqs = [h.encode("a compiled form is a program")[: SHAPE.seq_len]]
+        feeds = {
+            "input_ids": np.zeros(SHAPE.dims, np.int32),
+            "token_type_ids": np.zeros(SHAPE.dims, np.int32),
+            "attention_mask": np.zeros(SHAPE.dims, np.int32),
+        }
+        feeds["input_ids"][0, : len(seqs[0])] = seqs[0]
+        feeds["attention_mask"][0, : len(seqs[0])] = 1
         got = compiled.runner.run(feeds)
         want = from_package.run(feeds)
         assert got.keys() == want.keys()
@@ -119,17 +128,23 @@ def test_saved_program_round_trips_small_constants_and_refuses_a_truncated_weigh
     try:
         src = compiled.entry.path / ReferenceBackend.PROGRAM_DIR
         func = program_ir.load(src)
-        kinds = {type(v.val).__name__ for op in func.operations for v in op.outputs
-                 if v.val is not None}
+        kinds = {
+            type(v.val).__name__ for op in func.operations for v in op.outputs if v.val is not None
+        }
         assert {"ndarray", "str"} <= kinds  # weights, scalars and strings (e.g. pad_type)
-        assert all(v.val.ndim == 0 for op in func.operations if op.op_type == "const"
-                   for v in op.outputs if isinstance(v.val, np.ndarray) and v.shape == ())
+        assert all(
+            v.val.ndim == 0
+            for op in func.operations
+            if op.op_type == "const"
+            for v in op.outputs
+            if isinstance(v.val, np.ndarray) and v.shape == ()
+        )
         broken = tmp_path / "broken"
         broken.mkdir()
-        (broken / program_ir.PROGRAM_NAME).write_bytes((src / program_ir.PROGRAM_NAME)
-                                                        .read_bytes())
+        (broken / program_ir.PROGRAM_NAME).write_bytes((src / program_ir.PROGRAM_NAME).read_bytes())
         (broken / program_ir.WEIGHTS_NAME).write_bytes(
-            (src / program_ir.WEIGHTS_NAME).read_bytes()[:1000])
+            (src / program_ir.WEIGHTS_NAME).read_bytes()[:1000]
+        )
         with pytest.raises(program_ir.ProgramFormatError, match="past the end"):
             program_ir.load(broken)
     finally:
@@ -143,16 +158,14 @@ def test_saved_program_without_weights_keeps_every_large_constant_out_of_the_fil
     cache, compiled = _admit(cache_root)
     try:
         func = program_ir.load(compiled.entry.path / ReferenceBackend.PROGRAM_DIR)
-        big = {v.name: (v.shape, v.dtype) for op in func.operations for v in op.outputs
-               if v.mapped}
+        big = {v.name: (v.shape, v.dtype) for op in func.operations for v in op.outputs if v.mapped}
         assert big  # the model's weight matrices are mapped
         out = program_ir.save(func, tmp_path / "ops", weights=False)
         assert (out / program_ir.WEIGHTS_NAME).stat().st_size == 0
         structure = program_ir.load(out)
         kept = {v.name: v for op in structure.operations for v in op.outputs}
         for name, (shape, dtype) in big.items():
-            assert kept[name].val is None and (kept[name].shape, kept[name].dtype) == (
-                shape, dtype)
+            assert kept[name].val is None and (kept[name].shape, kept[name].dtype) == (shape, dtype)
     finally:
         compiled.release()
         cache.close()
@@ -166,8 +179,12 @@ def test_gc_verify_and_ls_cover_both_kinds(cache_root):
         assert report.skipped_leased == [held.entry.digest]
         assert _kinds(cache) == ["reference-program"]
         # ls through the CLI names the kind of every entry.
-        out = subprocess.run([sys.executable, "-m", "compile_cache", "ls", "--json", "--root",
-                              str(cache_root)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "compile_cache", "ls", "--json", "--root", str(cache_root)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert [e["kind"] for e in json.loads(out.stdout)["entries"]] == ["reference-program"]
     finally:
         held.release()

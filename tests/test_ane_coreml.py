@@ -18,11 +18,14 @@ from workers.ane.engine import AneEngine
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 
-pytestmark = [pytest.mark.model, pytest.mark.skipif(
-    sys.platform != "darwin",
-    reason="needs macOS: Core ML's runtime (compile_model, CompiledMLModel, MLComputePlan) "
-           "does not exist on Linux",
-)]
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        sys.platform != "darwin",
+        reason="needs macOS: Core ML's runtime (compile_model, CompiledMLModel, MLComputePlan) "
+        "does not exist on Linux",
+    ),
+]
 
 # What the lane serves out of the box (config.DEFAULT_SHAPES, seq 0 = max_seq_length) plus the
 # packed shape the tests use.
@@ -31,8 +34,10 @@ SERVED = [{"rows": 8, "seq_len": 128}, {"rows": 4, "seq_len": 256}, h.EMBED_PACK
 
 def _engine(backend: str, shape: dict, cache_root) -> AneEngine:
     engine = AneEngine(h.minilm().dir, backend=backend)
-    engine.load(h.load_request(h.minilm(), shapes=[shape], backend=backend,
-                               cache_root=str(cache_root)), NullProgress())
+    engine.load(
+        h.load_request(h.minilm(), shapes=[shape], backend=backend, cache_root=str(cache_root)),
+        NullProgress(),
+    )
     return engine
 
 
@@ -77,10 +82,13 @@ def test_warm_cache_admission_opens_the_compiled_model_without_compiling(tmp_pat
     assert sorted(before.values()) == ["mlmodelc", "mlpackage"]
     warm = AneEngine(h.minilm().dir, backend="coreml")
     try:
-        warm.load(h.load_request(h.minilm(), shapes=[], backend="coreml",
-                                 cache_root=str(tmp_path)), NullProgress())
-        reply = warm.admit_shape(m.ADMIT_SHAPE(req_id=3, model_ref="minilm", rows=2, seq_len=32),
-                                 NullProgress())
+        warm.load(
+            h.load_request(h.minilm(), shapes=[], backend="coreml", cache_root=str(tmp_path)),
+            NullProgress(),
+        )
+        reply = warm.admit_shape(
+            m.ADMIT_SHAPE(req_id=3, model_ref="minilm", rows=2, seq_len=32), NullProgress()
+        )
         assert reply.cache_hit and reply.build_ms == 0 and reply.compile_ms == 0
         assert reply.load_ms > 0 and reply.warmup_ms > 0  # opened, then one prediction
         with CompileCache(tmp_path) as cache:

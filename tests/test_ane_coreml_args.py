@@ -27,9 +27,13 @@ def test_a_single_function_package_is_opened_without_a_function_name(macos):
 def test_a_multifunction_package_names_its_function_on_macos_15_only():
     functions = ["embed_8x128", "embed_4x256"]
     assert compiled_model_arguments("all", functions, "embed_4x256", "15.0") == {
-        "compute_units": "ALL", "function_name": "embed_4x256"}
-    assert compiled_model_arguments("all", functions, "embed_4x256", "26.1")["function_name"] \
+        "compute_units": "ALL",
+        "function_name": "embed_4x256",
+    }
+    assert (
+        compiled_model_arguments("all", functions, "embed_4x256", "26.1")["function_name"]
         == "embed_4x256"
+    )
     for old in ("14.7", "13.0", None):
         with pytest.raises(FunctionSelectionUnsupported, match="only on macOS >= 15.0"):
             compiled_model_arguments("all", functions, "embed_4x256", old)

@@ -52,8 +52,12 @@ def rerank_engine() -> AneEngine:
     engine.close()
 
 
-def _embed(engine: AneEngine, seqs: list[np.ndarray], normalize: bool = False,
-           progress: object | None = None) -> np.ndarray:
+def _embed(
+    engine: AneEngine,
+    seqs: list[np.ndarray],
+    normalize: bool = False,
+    progress: object | None = None,
+) -> np.ndarray:
     req, ids = h.embed_request(h.minilm(), seqs, normalize=normalize)
     return engine.embed(req, ids, progress or NullProgress())
 
@@ -70,8 +74,9 @@ def test_embeddings_match_fp32_reference(embed_engine: AneEngine) -> None:
     got = _embed(embed_engine, seqs, normalize=False, progress=progress)
     want = h.minilm_reference().embed(seqs, pooling="mean", normalize=True)
     cos = h.cosines(got, want)
-    print(f"\nembed fidelity over {len(seqs)} items: min cos {cos.min():.7f}, "
-          f"mean {cos.mean():.7f}")
+    print(
+        f"\nembed fidelity over {len(seqs)} items: min cos {cos.min():.7f}, mean {cos.mean():.7f}"
+    )
     assert cos.min() >= 0.9995, texts[int(cos.argmin())]
     assert cos.mean() >= 0.9999
     # Progress: one "inference" unit per executed chunk, strictly increasing.
@@ -121,8 +126,9 @@ def test_cross_encoder_scores_match_reference(rerank_engine: AneEngine) -> None:
     # Unpacked only, then packed only (evicting the other), so both graphs are checked.
     for keep in ("4x128", "2x128p8"):
         other = "2x128p8" if keep == "4x128" else "4x128"
-        rerank_engine.evict(m.EVICT(req_id=9, model_ref=req.model_ref, shape_id=other),
-                            NullProgress())
+        rerank_engine.evict(
+            m.EVICT(req_id=9, model_ref=req.model_ref, shape_id=other), NullProgress()
+        )
         got = rerank_engine.rerank_sequences(req, ids, NullProgress())
         err = np.abs(got - want).max()
         print(f"\ncross-encoder ({keep}): max |score error| {err:.2e}, score std {want.std():.2f}")
@@ -175,15 +181,17 @@ def test_evict_frees_the_shape() -> None:
     engine = h.new_engine(h.minilm(), [h.EMBED_UNPACKED, h.EMBED_PACKED])
     try:
         seqs = [h.encode("the engine still works")]
-        reply = engine.evict(m.EVICT(req_id=7, model_ref="minilm", shape_id="4x256p16"),
-                             NullProgress())
+        reply = engine.evict(
+            m.EVICT(req_id=7, model_ref="minilm", shape_id="4x256p16"), NullProgress()
+        )
         assert reply.shape_ids == ["4x256p16"]
         assert reply.freed_bytes > 1_000_000  # the package: weights + program
         assert engine.loaded_shapes() == ["4x256"]
         assert _embed(engine, seqs).shape == (1, 384)
         # Evicting a shape that is not loaded is a no-op; a malformed id is refused.
-        none = engine.evict(m.EVICT(req_id=8, model_ref="minilm", shape_id="4x256p16"),
-                            NullProgress())
+        none = engine.evict(
+            m.EVICT(req_id=8, model_ref="minilm", shape_id="4x256p16"), NullProgress()
+        )
         assert none.shape_ids == [] and none.freed_bytes == 0
         with pytest.raises(EngineError) as bad:
             engine.evict(m.EVICT(req_id=9, model_ref="minilm", shape_id="four"), NullProgress())
@@ -250,8 +258,9 @@ def test_unknown_op_is_a_typed_compile_failure_and_the_engine_survives() -> None
     engine = h.new_engine(manifest, [h.EMBED_UNPACKED])
     try:
         with pytest.raises(EngineError) as e:
-            engine.admit_shape(m.ADMIT_SHAPE(req_id=13, model_ref="minilm", rows=1, seq_len=8),
-                               NullProgress())
+            engine.admit_shape(
+                m.ADMIT_SHAPE(req_id=13, model_ref="minilm", rows=1, seq_len=8), NullProgress()
+            )
         assert e.value.code == "compile_failed"
         assert "sin" in e.value.msg
         assert engine.loaded_shapes() == ["4x256"]
@@ -268,23 +277,64 @@ def test_load_refusals() -> None:
     engine = AneEngine(backend="reference")
     good = h.load_request(manifest, shapes=[])
     cases = [
-        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
-                format="gguf"), "artifact_invalid"),
-        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest="0" * 64,
-                format="coreml-owned"), "artifact_invalid"),
-        (m.LOAD(req_id=1, artifact_path=str(h.ROOT / "missing"), artifact_digest="0" * 64,
-                format="coreml-owned"), "artifact_invalid"),
-        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
-                format="coreml-owned", runtime_config={"max_loaded_shape": 2}),
-         "config_invalid"),
-        (m.LOAD(req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest,
-                format="coreml-owned", runtime_config={"shapes": [{"rows": "8"}]}),
-         "config_invalid"),
+        (
+            m.LOAD(
+                req_id=1, artifact_path=manifest.dir, artifact_digest=manifest.digest, format="gguf"
+            ),
+            "artifact_invalid",
+        ),
+        (
+            m.LOAD(
+                req_id=1,
+                artifact_path=manifest.dir,
+                artifact_digest="0" * 64,
+                format="coreml-owned",
+            ),
+            "artifact_invalid",
+        ),
+        (
+            m.LOAD(
+                req_id=1,
+                artifact_path=str(h.ROOT / "missing"),
+                artifact_digest="0" * 64,
+                format="coreml-owned",
+            ),
+            "artifact_invalid",
+        ),
+        (
+            m.LOAD(
+                req_id=1,
+                artifact_path=manifest.dir,
+                artifact_digest=manifest.digest,
+                format="coreml-owned",
+                runtime_config={"max_loaded_shape": 2},
+            ),
+            "config_invalid",
+        ),
+        (
+            m.LOAD(
+                req_id=1,
+                artifact_path=manifest.dir,
+                artifact_digest=manifest.digest,
+                format="coreml-owned",
+                runtime_config={"shapes": [{"rows": "8"}]},
+            ),
+            "config_invalid",
+        ),
     ]
     if sys.platform != "darwin":
-        cases.append((m.LOAD(req_id=1, artifact_path=manifest.dir,
-                             artifact_digest=manifest.digest, format="coreml-owned",
-                             runtime_config={"backend": "coreml"}), "config_invalid"))
+        cases.append(
+            (
+                m.LOAD(
+                    req_id=1,
+                    artifact_path=manifest.dir,
+                    artifact_digest=manifest.digest,
+                    format="coreml-owned",
+                    runtime_config={"backend": "coreml"},
+                ),
+                "config_invalid",
+            )
+        )
     for req, code in cases:
         with pytest.raises(EngineError) as e:
             engine.load(req, NullProgress())
@@ -306,19 +356,22 @@ def test_compute_units_are_validated_and_the_environment_overrides(monkeypatch) 
     engine = AneEngine(backend="reference")
     try:
         with pytest.raises(EngineError) as e:
-            engine.load(h.load_request(manifest, shapes=[], compute_units="ane_only"),
-                        NullProgress())
+            engine.load(
+                h.load_request(manifest, shapes=[], compute_units="ane_only"), NullProgress()
+            )
         assert e.value.code == "config_invalid" and "compute_units" in e.value.msg
         monkeypatch.setenv(ENV_COMPUTE_UNITS, "gpu_please")
         with pytest.raises(EngineError) as e:
-            engine.load(h.load_request(manifest, shapes=[], compute_units="cpu_only"),
-                        NullProgress())
+            engine.load(
+                h.load_request(manifest, shapes=[], compute_units="cpu_only"), NullProgress()
+            )
         assert e.value.code == "config_invalid"
         assert "SYNAPSE_COREML_COMPUTE_UNITS='gpu_please'" in e.value.msg
         assert "cpu_and_ne" in e.value.msg  # the message lists the valid values
         monkeypatch.setenv(ENV_COMPUTE_UNITS, "cpu_only")
-        loaded = engine.load(h.load_request(manifest, shapes=[], compute_units="all"),
-                             NullProgress())
+        loaded = engine.load(
+            h.load_request(manifest, shapes=[], compute_units="all"), NullProgress()
+        )
         assert loaded.model_ref == "minilm"  # the reference backend accepts any valid value
     finally:
         engine.close()
@@ -338,11 +391,15 @@ def test_worker_started_for_one_artifact_refuses_another() -> None:
 
 
 def test_hello_and_argv() -> None:
-    engine = AneEngine.from_argv(["--artifact", h.minilm().dir, "--backend", "reference",
-                                  "--cache-root", str(h.CACHE_ROOT)])
+    engine = AneEngine.from_argv(
+        ["--artifact", h.minilm().dir, "--backend", "reference", "--cache-root", str(h.CACHE_ROOT)]
+    )
     extras = engine.hello_extras()
-    assert extras == {"manifest_digest": h.minilm().digest, "kernel_revision": KERNEL_REVISION,
-                      "packed": True}
+    assert extras == {
+        "manifest_digest": h.minilm().digest,
+        "kernel_revision": KERNEL_REVISION,
+        "packed": True,
+    }
     hello = m.HELLO(v=3, nonce="n", engine=engine.info(), pid=1, **extras)
     assert m.decode_from_worker(m.encode(hello)) == hello
     assert AneEngine().hello_extras() == {"kernel_revision": KERNEL_REVISION, "packed": True}
@@ -365,30 +422,42 @@ def test_request_validation(embed_engine: AneEngine, rerank_engine: AneEngine) -
         embed_engine.embed(req, ids[:-1], NullProgress())
     assert e.value.code == "invalid_request"
     with pytest.raises(EngineError) as e:
-        embed_engine.embed(m.EMBED_BATCH(req_id=1, model_ref="nope", items=[]), ids,
-                           NullProgress())
+        embed_engine.embed(m.EMBED_BATCH(req_id=1, model_ref="nope", items=[]), ids, NullProgress())
     assert e.value.code == "model_not_loaded"
     with pytest.raises(EngineError) as e:
-        embed_engine.embed(m.EMBED_BATCH(req_id=1, model_ref="minilm", pooling="cls",
-                                         items=[m.EmbedItem(id=0, n_tokens=len(good))]),
-                           good, NullProgress())
+        embed_engine.embed(
+            m.EMBED_BATCH(
+                req_id=1,
+                model_ref="minilm",
+                pooling="cls",
+                items=[m.EmbedItem(id=0, n_tokens=len(good))],
+            ),
+            good,
+            NullProgress(),
+        )
     assert e.value.code == "unsupported"
     ce = h.model_ref(h.cross_encoder())
     with pytest.raises(EngineError) as e:  # a cross-encoder does not embed
-        rerank_engine.embed(m.EMBED_BATCH(req_id=1, model_ref=ce,
-                                          items=[m.EmbedItem(id=0, n_tokens=len(good))]),
-                            good, NullProgress())
+        rerank_engine.embed(
+            m.EMBED_BATCH(req_id=1, model_ref=ce, items=[m.EmbedItem(id=0, n_tokens=len(good))]),
+            good,
+            NullProgress(),
+        )
     assert e.value.code == "unsupported"
     with pytest.raises(EngineError) as e:
         rerank_engine.rerank_sequences(
-            m.RERANK_SEQUENCES(req_id=1, model_ref=ce,
-                               sequences=[m.RerankSequence(n_tokens=len(good), n_first=0)]),
-            good, NullProgress())
+            m.RERANK_SEQUENCES(
+                req_id=1, model_ref=ce, sequences=[m.RerankSequence(n_tokens=len(good), n_first=0)]
+            ),
+            good,
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request"
 
 
-def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
-                                                 rerank_engine: AneEngine) -> None:
+def test_compiled_packages_use_only_executor_ops(
+    embed_engine: AneEngine, rerank_engine: AneEngine
+) -> None:
     seen: set[str] = set()
     for engine in (embed_engine, rerank_engine):
         for loaded in engine._model.shapes.values():  # inspection only
@@ -402,8 +471,9 @@ def test_compiled_packages_use_only_executor_ops(embed_engine: AneEngine,
 
 
 def test_a_packed_shape_with_zero_segments_is_refused_typed(embed_engine: AneEngine) -> None:
-    req = m.ADMIT_SHAPE(req_id=20, model_ref="minilm", rows=1, seq_len=16, packed=True,
-                        max_segments=0)
+    req = m.ADMIT_SHAPE(
+        req_id=20, model_ref="minilm", rows=1, seq_len=16, packed=True, max_segments=0
+    )
     with pytest.raises(EngineError) as e:  # an untyped ValueError made the worker exit
         embed_engine.admit_shape(req, NullProgress())
     assert e.value.code == "invalid_request"
@@ -430,8 +500,10 @@ def test_a_model_with_fewer_positions_loads_with_the_default_shapes(tmp_path: Pa
     name = "embeddings.position_embeddings.weight"
     weights[name] = np.ascontiguousarray(weights[name][:64])
     save_file(weights, str(d / "model.safetensors"))
-    for file, key in (("config.json", "max_position_embeddings"),
-                      ("sentence_bert_config.json", "max_seq_length")):
+    for file, key in (
+        ("config.json", "max_position_embeddings"),
+        ("sentence_bert_config.json", "max_seq_length"),
+    ):
         doc = json.loads((d / file).read_text())
         doc[key] = 64
         (d / file).write_text(json.dumps(doc))
@@ -455,8 +527,9 @@ def test_a_compiled_form_the_runtime_cannot_open_is_a_typed_compile_failure(monk
     monkeypatch.setattr(ReferenceBackend, "open", native_open_fails)
     try:
         with pytest.raises(EngineError) as e:
-            engine.admit_shape(m.ADMIT_SHAPE(req_id=14, model_ref="minilm", rows=1, seq_len=16),
-                               NullProgress())
+            engine.admit_shape(
+                m.ADMIT_SHAPE(req_id=14, model_ref="minilm", rows=1, seq_len=16), NullProgress()
+            )
         assert e.value.code == "compile_failed"
         assert "opening the compiled form failed" in e.value.msg
         assert "RuntimeError: The 'functionName' property" in e.value.msg

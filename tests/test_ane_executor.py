@@ -36,8 +36,7 @@ def _program(inputs: dict[str, tuple[tuple[int, ...], type]], body: Callable) ->
 
 def _run(inputs: dict[str, np.ndarray], body: Callable) -> list[np.ndarray]:
     spec = {
-        n: (a.shape, types.int32 if a.dtype.kind == "i" else types.fp32)
-        for n, a in inputs.items()
+        n: (a.shape, types.int32 if a.dtype.kind == "i" else types.fp32) for n, a in inputs.items()
     }
     prog = CompiledProgram(_program(spec, body))
     out = prog.run(inputs)
@@ -60,10 +59,29 @@ def test_round_fp16_is_bit_exact_with_ieee_half() -> None:
     vals = np.sort(_all_fp16_values())
     mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)  # ties
     up, down = np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, -np.float32(np.inf))
-    scales = [RNG.standard_normal(20000).astype(np.float32) * s
-              for s in (1e-8, 1e-6, 1e-4, 1e-2, 1, 1e2, 1e4, 6e4, 1e6)]
-    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 65504, 65519.99, 65520, -65520,
-                        3e38, 1e-30, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25], np.float32)
+    scales = [
+        RNG.standard_normal(20000).astype(np.float32) * s
+        for s in (1e-8, 1e-6, 1e-4, 1e-2, 1, 1e2, 1e4, 6e4, 1e6)
+    ]
+    special = np.array(
+        [
+            np.inf,
+            -np.inf,
+            np.nan,
+            0.0,
+            -0.0,
+            65504,
+            65519.99,
+            65520,
+            -65520,
+            3e38,
+            1e-30,
+            2.0**-24,
+            2.0**-25,
+            1.5 * 2.0**-25,
+        ],
+        np.float32,
+    )
     for arr in [vals, mids, up, down, special, *scales]:
         with np.errstate(all="ignore"):
             want = arr.astype(np.float16).astype(np.float32)
@@ -139,8 +157,18 @@ def test_linear_algebra_ops() -> None:
     a, bb = _f32(2, 3, 5, 4), _f32(2, 3, 5, 6)
     pool_x, pool_w = _f32(2, 6, 1, 5), _f32(2, 1, 5, 3)
     outs = _run(
-        {"x4": x4, "y4": y4, "xh": xh, "yh": yh, "x3": x3, "y3": y3, "a": a, "bb": bb,
-         "px": pool_x, "pw": pool_w},
+        {
+            "x4": x4,
+            "y4": y4,
+            "xh": xh,
+            "yh": yh,
+            "x3": x3,
+            "y3": y3,
+            "a": a,
+            "bb": bb,
+            "px": pool_x,
+            "pw": pool_w,
+        },
         lambda x4, y4, xh, yh, x3, y3, a, bb, px, pw: [
             mb.einsum(values=(x4, y4), equation="nchw,nwhu->nchu"),
             mb.einsum(values=(xh, yh), equation="abcd,adce->abce"),  # renamed letters
@@ -164,15 +192,18 @@ def test_linear_algebra_ops() -> None:
 def test_normalization_and_activation_ops() -> None:
     x = _f32(2, 8, 1, 5) * 2
     g, b = _f32(8), _f32(8)
-    outs = _run({"x": x}, lambda x: [
-        mb.layer_norm(x=x, axes=[1], gamma=g, beta=b, epsilon=1e-5),
-        mb.layer_norm(x=x, axes=[-1], epsilon=1e-3),
-        mb.softmax(x=x, axis=1),
-        mb.gelu(x=x, mode="EXACT"),
-        mb.gelu(x=x, mode="TANH_APPROXIMATION"),
-        mb.tanh(x=x),
-        mb.rsqrt(x=mb.add(x=mb.mul(x=x, y=x), y=1.0), epsilon=1e-6),
-    ])
+    outs = _run(
+        {"x": x},
+        lambda x: [
+            mb.layer_norm(x=x, axes=[1], gamma=g, beta=b, epsilon=1e-5),
+            mb.layer_norm(x=x, axes=[-1], epsilon=1e-3),
+            mb.softmax(x=x, axis=1),
+            mb.gelu(x=x, mode="EXACT"),
+            mb.gelu(x=x, mode="TANH_APPROXIMATION"),
+            mb.tanh(x=x),
+            mb.rsqrt(x=mb.add(x=mb.mul(x=x, y=x), y=1.0), epsilon=1e-6),
+        ],
+    )
     mu, var = x.mean(1, keepdims=True), x.var(1, keepdims=True)
     ln = (x - mu) / np.sqrt(var + 1e-5) * g[None, :, None, None] + b[None, :, None, None]
     assert np.allclose(outs[0], ln, atol=1e-5)
@@ -190,19 +221,41 @@ def test_normalization_and_activation_ops() -> None:
 
 def test_elementwise_reduction_and_logic_ops() -> None:
     x, y = _f32(2, 3, 1, 4), _f32(1, 3, 1, 1)
-    outs = _run({"x": x, "y": y}, lambda x, y: [
-        mb.add(x=x, y=y), mb.sub(x=x, y=y), mb.mul(x=x, y=y), mb.real_div(x=x, y=y),
-        mb.maximum(x=x, y=y), mb.minimum(x=x, y=0.0),
-        mb.reduce_sum(x=x, axes=[1], keep_dims=True), mb.reduce_mean(x=x, axes=[-1]),
-        mb.reduce_max(x=x, axes=[1, 3]), mb.reduce_l2_norm(x=x, axes=[1], keep_dims=True),
-        mb.select(cond=mb.logical_and(x=mb.greater_equal(x=x, y=y), y=mb.not_equal(x=x, y=0.0)),
-                  a=x, b=mb.mul(x=x, y=-1.0)),
-        mb.cast(x=mb.logical_or(x=mb.equal(x=x, y=x), y=mb.less(x=x, y=y)), dtype="fp32"),
-    ])
-    want = [x + y, x - y, x * y, x / y, np.maximum(x, y), np.minimum(x, 0),
-            x.sum(1, keepdims=True), x.mean(-1), x.max(axis=(1, 3)),
-            np.sqrt((x * x).sum(1, keepdims=True)),
-            np.where((x >= y) & (x != 0), x, -x), np.ones_like(x)]
+    outs = _run(
+        {"x": x, "y": y},
+        lambda x, y: [
+            mb.add(x=x, y=y),
+            mb.sub(x=x, y=y),
+            mb.mul(x=x, y=y),
+            mb.real_div(x=x, y=y),
+            mb.maximum(x=x, y=y),
+            mb.minimum(x=x, y=0.0),
+            mb.reduce_sum(x=x, axes=[1], keep_dims=True),
+            mb.reduce_mean(x=x, axes=[-1]),
+            mb.reduce_max(x=x, axes=[1, 3]),
+            mb.reduce_l2_norm(x=x, axes=[1], keep_dims=True),
+            mb.select(
+                cond=mb.logical_and(x=mb.greater_equal(x=x, y=y), y=mb.not_equal(x=x, y=0.0)),
+                a=x,
+                b=mb.mul(x=x, y=-1.0),
+            ),
+            mb.cast(x=mb.logical_or(x=mb.equal(x=x, y=x), y=mb.less(x=x, y=y)), dtype="fp32"),
+        ],
+    )
+    want = [
+        x + y,
+        x - y,
+        x * y,
+        x / y,
+        np.maximum(x, y),
+        np.minimum(x, 0),
+        x.sum(1, keepdims=True),
+        x.mean(-1),
+        x.max(axis=(1, 3)),
+        np.sqrt((x * x).sum(1, keepdims=True)),
+        np.where((x >= y) & (x != 0), x, -x),
+        np.ones_like(x),
+    ]
     for got, exp in zip(outs, want, strict=True):
         assert got.shape == exp.shape
         assert np.allclose(got, exp, atol=1e-5)
@@ -212,20 +265,28 @@ def test_layout_and_indexing_ops() -> None:
     x = _f32(2, 6, 1, 4)
     table = _f32(10, 3)
     ids = np.array([[1, 9, 0], [4, 4, 2]], np.int32)
-    outs = _run({"x": x, "ids": ids}, lambda x, ids: [
-        mb.reshape(x=x, shape=[2, -1]),
-        mb.transpose(x=x, perm=[0, 3, 2, 1]),
-        mb.expand_dims(x=mb.squeeze(x=x, axes=[2]), axes=[-1]),
-        mb.concat(values=[x, x], axis=-1),
-        *mb.split(x=x, split_sizes=[1, 5], axis=1),
-        mb.slice_by_index(x=x, begin=[0, 1, 0, 0], end=[2, 6, 1, 4], stride=[1, 2, 1, 1],
-                          begin_mask=[False, False, True, False],
-                          end_mask=[False, False, True, True],
-                          squeeze_mask=[False, False, True, False]),
-        mb.gather(x=table, indices=ids, axis=0),
-        mb.gather(x=table, indices=mb.cast(x=ids, dtype="int16"), axis=0),
-        mb.cast(x=mb.add(x=ids, y=np.int32(3)), dtype="fp32"),
-    ])
+    outs = _run(
+        {"x": x, "ids": ids},
+        lambda x, ids: [
+            mb.reshape(x=x, shape=[2, -1]),
+            mb.transpose(x=x, perm=[0, 3, 2, 1]),
+            mb.expand_dims(x=mb.squeeze(x=x, axes=[2]), axes=[-1]),
+            mb.concat(values=[x, x], axis=-1),
+            *mb.split(x=x, split_sizes=[1, 5], axis=1),
+            mb.slice_by_index(
+                x=x,
+                begin=[0, 1, 0, 0],
+                end=[2, 6, 1, 4],
+                stride=[1, 2, 1, 1],
+                begin_mask=[False, False, True, False],
+                end_mask=[False, False, True, True],
+                squeeze_mask=[False, False, True, False],
+            ),
+            mb.gather(x=table, indices=ids, axis=0),
+            mb.gather(x=table, indices=mb.cast(x=ids, dtype="int16"), axis=0),
+            mb.cast(x=mb.add(x=ids, y=np.int32(3)), dtype="fp32"),
+        ],
+    )
     assert np.array_equal(outs[0], x.reshape(2, -1))
     assert np.array_equal(outs[1], x.transpose(0, 3, 2, 1))
     assert np.array_equal(outs[2], x[:, :, 0, :, None])
@@ -257,8 +318,10 @@ def test_unsupported_modes_are_typed() -> None:
     w3 = _f32(4, 4, 3, 3)
     for body, op_type in [
         (lambda x: mb.conv(x=x, weight=w3, pad_type="same"), "conv"),
-        (lambda x: mb.gather(x=x, indices=np.array([[0, 1]], np.int32), axis=1,
-                             batch_dims=1), "gather"),
+        (
+            lambda x: mb.gather(x=x, indices=np.array([[0, 1]], np.int32), axis=1, batch_dims=1),
+            "gather",
+        ),
         (lambda x: mb.concat(values=[x, x], axis=1, interleave=True), "concat"),
     ]:
         with pytest.raises(UnsupportedOp) as e:
@@ -276,8 +339,9 @@ def test_dynamic_shapes_are_refused() -> None:
 
 
 def test_inputs_are_checked() -> None:
-    prog = CompiledProgram(_program({"ids": ((2, 3), types.int32)},
-                                    lambda ids: mb.cast(x=ids, dtype="fp32")))
+    prog = CompiledProgram(
+        _program({"ids": ((2, 3), types.int32)}, lambda ids: mb.cast(x=ids, dtype="fp32"))
+    )
     with pytest.raises(ValueError, match="shape"):
         prog.run({"ids": np.zeros((3, 2), np.int32)})
     with pytest.raises(ValueError, match="missing"):

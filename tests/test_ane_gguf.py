@@ -49,8 +49,12 @@ EMBEDDERS = {"bert": "mean", "xlmr": "cls", "qwen3": "last"}
 CROSS_ENCODERS = ("bert-xenc", "xlmr-xenc")
 # The GGUF precision per model: BERT's embedder as f16 (weights rounded), the rest f32.
 DTYPES = {"bert": "f16", "xlmr": "f32", "qwen3": "f32", "bert-xenc": "f32", "xlmr-xenc": "f32"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                    "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
 
 
 def _st_save(raw: Path, dst: Path, pooling: str) -> Path:
@@ -62,8 +66,9 @@ def _st_save(raw: Path, dst: Path, pooling: str) -> Path:
     )
 
     body = Transformer(str(raw), max_seq_length=MAX_SEQ)
-    SentenceTransformer(modules=[body, Pooling(HIDDEN, pooling), Normalize()],
-                        device="cpu").save(str(dst))
+    SentenceTransformer(modules=[body, Pooling(HIDDEN, pooling), Normalize()], device="cpu").save(
+        str(dst)
+    )
     return dst
 
 
@@ -78,9 +83,16 @@ def _bert_tokenizer(dst: Path) -> None:
 def _bert_config(**extra):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=30522, hidden_size=HIDDEN, num_hidden_layers=2,
-                      num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
-                      type_vocab_size=2, **{"initializer_range": 0.3, **extra})
+    return BertConfig(
+        vocab_size=30522,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        **{"initializer_range": 0.3, **extra},
+    )
 
 
 def _condition_head(layers) -> None:
@@ -90,7 +102,7 @@ def _condition_head(layers) -> None:
 
     with torch.no_grad():
         for layer in layers:
-            layer.weight.normal_(0.0, HIDDEN ** -0.5)
+            layer.weight.normal_(0.0, HIDDEN**-0.5)
             layer.bias.normal_(0.0, 0.1)
 
 
@@ -123,11 +135,13 @@ def dirs(module_tmp) -> dict[str, Path]:
     XLMRobertaModel(_xlmr_config(n_vocab)).eval().save_pretrained(raw)
     out["xlmr"] = _st_save(raw, module_tmp / "xlmr", "cls")
     out["xlmr-xenc"] = module_tmp / "xlmr-xenc"
-    shutil.copytree(raw, out["xlmr-xenc"],
-                    ignore=shutil.ignore_patterns("*.safetensors", "config*"))
+    shutil.copytree(
+        raw, out["xlmr-xenc"], ignore=shutil.ignore_patterns("*.safetensors", "config*")
+    )
     torch.manual_seed(1)
     xenc = XLMRobertaForSequenceClassification(
-        _xlmr_config(n_vocab, num_labels=1, initializer_range=0.2))
+        _xlmr_config(n_vocab, num_labels=1, initializer_range=0.2)
+    )
     _condition_head([xenc.classifier.dense, xenc.classifier.out_proj])
     xenc.eval().save_pretrained(out["xlmr-xenc"])
 
@@ -181,11 +195,20 @@ def engines(from_gguf, module_tmp):
         if name not in made:
             man = from_gguf[name]
             engine = AneEngine(man.dir, backend="reference")
-            engine.load(m.LOAD(req_id=1, artifact_path=man.dir, artifact_digest=man.digest,
-                               format="coreml-owned",
-                               runtime_config={"cache_root": str(module_tmp / "cache"),
-                                               "model_ref": name, "shapes": [SHAPE]}),
-                        NullProgress())
+            engine.load(
+                m.LOAD(
+                    req_id=1,
+                    artifact_path=man.dir,
+                    artifact_digest=man.digest,
+                    format="coreml-owned",
+                    runtime_config={
+                        "cache_root": str(module_tmp / "cache"),
+                        "model_ref": name,
+                        "shapes": [SHAPE],
+                    },
+                ),
+                NullProgress(),
+            )
             made[name] = engine
         return made[name]
 
@@ -223,10 +246,25 @@ def test_the_owned_weights_are_the_directorys(from_gguf, from_dir, owned, store)
         # epsilons as f32) and the positions the directory's graph serves; the default
         # truncation is the record's (a GGUF does not carry sentence-transformers' own).
         a, b = man.config, hf.config
-        assert (a.max_positions, a.pad_token_id, a.num_kv_heads, a.head_dim, a.rope_theta,
-                a.type_vocab_size, a.vocab_size, a.intermediate_size) == (
-            b.max_positions, b.pad_token_id, b.num_kv_heads, b.head_dim, b.rope_theta,
-            b.type_vocab_size, b.vocab_size, b.intermediate_size), name
+        assert (
+            a.max_positions,
+            a.pad_token_id,
+            a.num_kv_heads,
+            a.head_dim,
+            a.rope_theta,
+            a.type_vocab_size,
+            a.vocab_size,
+            a.intermediate_size,
+        ) == (
+            b.max_positions,
+            b.pad_token_id,
+            b.num_kv_heads,
+            b.head_dim,
+            b.rope_theta,
+            b.type_vocab_size,
+            b.vocab_size,
+            b.intermediate_size,
+        ), name
         assert a.layer_norm_eps == pytest.approx(b.layer_norm_eps, rel=1e-6)
         assert a.max_seq_length == store.get(name).manifest.max_tokens
         # The tokenizer is the one the host serves the GGUF with.
@@ -234,7 +272,9 @@ def test_the_owned_weights_are_the_directorys(from_gguf, from_dir, owned, store)
         # The digest covers what the build was made of, and is the one the host advertises.
         assert man.digest == owned[name][1] != hf.digest
     assert {k: from_gguf[k].config.first_position_row for k in ("bert", "xlmr")} == {
-        "bert": None, "xlmr": 0}
+        "bert": None,
+        "xlmr": 0,
+    }
 
 
 def test_a_second_load_reuses_the_build(store, owned):
@@ -250,15 +290,24 @@ def test_embeddings_match_sentence_transformers(engines, dirs, name):
 
     st = SentenceTransformer(str(dirs[name]), device="cpu")
     feats = st.preprocess(TEXTS)
-    seqs = [ids[mask.bool()].numpy().astype(np.int32)
-            for ids, mask in zip(feats["input_ids"], feats["attention_mask"], strict=True)]
+    seqs = [
+        ids[mask.bool()].numpy().astype(np.int32)
+        for ids, mask in zip(feats["input_ids"], feats["attention_mask"], strict=True)
+    ]
     assert max(len(s) for s in seqs) == MAX_SEQ  # long items were cut, as st cuts them
     ref = st.encode(TEXTS, normalize_embeddings=True)
-    req = m.EMBED_BATCH(req_id=2, model_ref=name, pooling=EMBEDDERS[name], normalize=True,
-                        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)])
+    req = m.EMBED_BATCH(
+        req_id=2,
+        model_ref=name,
+        pooling=EMBEDDERS[name],
+        normalize=True,
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)],
+    )
     cos = _cos(engines(name).embed(req, np.concatenate(seqs), NullProgress()), ref)
-    print(f"\n{name} ({DTYPES[name]} GGUF), {len(TEXTS)} texts: min cos {cos.min():.6f}, "
-          f"mean {cos.mean():.6f}")
+    print(
+        f"\n{name} ({DTYPES[name]} GGUF), {len(TEXTS)} texts: min cos {cos.min():.6f}, "
+        f"mean {cos.mean():.6f}"
+    )
     assert cos.min() >= 0.9995 and cos.mean() >= 0.9999
 
 
@@ -285,8 +334,10 @@ def test_cross_encoder_scores_match_crossencoder_logits(engines, dirs, name):
     assert ref.std() > 20 * gate  # the bar discriminates
     got = engines(name).rerank_sequences(req, np.concatenate(ids), NullProgress())
     diff = float(np.abs(got - ref).max())
-    print(f"\n{name}: {len(docs)} pairs, max |logit diff| {diff:.2e} (gate {gate}, logit std "
-          f"{ref.std():.2f})")
+    print(
+        f"\n{name}: {len(docs)} pairs, max |logit diff| {diff:.2e} (gate {gate}, logit std "
+        f"{ref.std():.2f})"
+    )
     assert diff <= gate
 
 
@@ -307,8 +358,9 @@ def _retype(src: Path, dst: Path, tensor: str, qtype: gguf.GGMLQuantizationType)
         writer.add_key_value(key, field.contents(), field.types[0], sub)
     for t in reader.tensors:
         if t.name == tensor:
-            writer.add_tensor(t.name, quantize(np.asarray(t.data, np.float32), qtype),
-                              raw_dtype=qtype)
+            writer.add_tensor(
+                t.name, quantize(np.asarray(t.data, np.float32), qtype), raw_dtype=qtype
+            )
         else:
             writer.add_tensor(t.name, t.data)
     writer.write_header_to_file()
@@ -320,28 +372,41 @@ def _retype(src: Path, dst: Path, tensor: str, qtype: gguf.GGMLQuantizationType)
 
 def test_a_bf16_tensor_is_read_as_its_float32_value(ggufs, store, from_gguf, module_tmp):
     name = "blk.1.attn_q.weight"
-    bf16 = _retype(ggufs["qwen3"], module_tmp / "qwen3-bf16.gguf", name,
-                   gguf.GGMLQuantizationType.BF16)
-    man = ingest_owned(bf16, module_tmp / "owned-bf16", tokenizer=store.get("qwen3")
-                       .tokenizer_path, pooling="last", max_seq_length=MAX_SEQ)
+    bf16 = _retype(
+        ggufs["qwen3"], module_tmp / "qwen3-bf16.gguf", name, gguf.GGMLQuantizationType.BF16
+    )
+    man = ingest_owned(
+        bf16,
+        module_tmp / "owned-bf16",
+        tokenizer=store.get("qwen3").tokenizer_path,
+        pooling="last",
+        max_seq_length=MAX_SEQ,
+    )
     got = man.load_weights()["layers.1.self_attn.q_proj.weight"]
     f32 = from_gguf["qwen3"].load_weights()["layers.1.self_attn.q_proj.weight"]
     # gguf rounds to nearest even bf16: the value is within half a bf16 step (2^-8 relative)
     # of the f32 one, and its low 16 bits are zero.
     assert not np.array_equal(got, f32)
-    np.testing.assert_allclose(got, f32, rtol=2.0 ** -8, atol=0)
+    np.testing.assert_allclose(got, f32, rtol=2.0**-8, atol=0)
     assert not (got.view(np.uint32) & 0xFFFF).any()
 
 
 def test_a_quantized_gguf_is_refused_naming_the_tensor(ggufs, store, module_tmp):
-    q8 = _retype(ggufs["xlmr"], module_tmp / "xlmr-q8.gguf", "blk.0.ffn_up.weight",
-                 gguf.GGMLQuantizationType.Q8_0)
+    q8 = _retype(
+        ggufs["xlmr"],
+        module_tmp / "xlmr-q8.gguf",
+        "blk.0.ffn_up.weight",
+        gguf.GGMLQuantizationType.Q8_0,
+    )
     tok = store.get("xlmr").tokenizer_path
     out = module_tmp / "owned-q8"
     with pytest.raises(QuantizedTensor) as e:
         ingest_owned(q8, out, tokenizer=tok, pooling="cls")
     assert (e.value.tensor, e.value.type_name, e.value.code) == (
-        "blk.0.ffn_up.weight", "Q8_0", "unsupported")
+        "blk.0.ffn_up.weight",
+        "Q8_0",
+        "unsupported",
+    )
     assert "f16/f32" in str(e.value) and not out.exists()
     # Through the host: the store serves the file on llama.cpp, the Core ML build says why not.
     rec = store.ingest_gguf(q8, "xlmr-q8", prove=prove_gguf_tokenizer, max_tokens=MAX_SEQ)
@@ -352,6 +417,10 @@ def test_a_quantized_gguf_is_refused_naming_the_tensor(ggufs, store, module_tmp)
 def test_another_architecture_is_refused_by_name(ggufs, store, module_tmp):
     other = rewrite_gguf(ggufs["bert"], module_tmp / "nomic.gguf", arch="nomic-bert")
     with pytest.raises(UnsupportedArchitecture, match="'nomic-bert'") as e:
-        ingest_owned(other, module_tmp / "owned-nomic", tokenizer=store.get("bert").tokenizer_path,
-                     pooling="mean")
+        ingest_owned(
+            other,
+            module_tmp / "owned-nomic",
+            tokenizer=store.get("bert").tokenizer_path,
+            pooling="mean",
+        )
     assert e.value.code == "unsupported"

@@ -119,8 +119,9 @@ def model_ref(manifest: Manifest) -> str:
     return Path(manifest.dir).name
 
 
-def embed_request(manifest: Manifest, seqs: list[np.ndarray], normalize: bool = False,
-                  req_id: int = 2) -> tuple[m.EMBED_BATCH, np.ndarray]:
+def embed_request(
+    manifest: Manifest, seqs: list[np.ndarray], normalize: bool = False, req_id: int = 2
+) -> tuple[m.EMBED_BATCH, np.ndarray]:
     req = m.EMBED_BATCH(
         req_id=req_id,
         model_ref=model_ref(manifest),
@@ -130,11 +131,10 @@ def embed_request(manifest: Manifest, seqs: list[np.ndarray], normalize: bool = 
     return req, np.concatenate(seqs).astype(np.int32)
 
 
-def rerank_request(manifest: Manifest, encs: list[tokenizers.Encoding],
-                   req_id: int = 3) -> tuple[m.RERANK_SEQUENCES, np.ndarray]:
-    seqs = [
-        m.RerankSequence(n_tokens=len(e.ids), n_first=e.type_ids.count(0)) for e in encs
-    ]
+def rerank_request(
+    manifest: Manifest, encs: list[tokenizers.Encoding], req_id: int = 3
+) -> tuple[m.RERANK_SEQUENCES, np.ndarray]:
+    seqs = [m.RerankSequence(n_tokens=len(e.ids), n_first=e.type_ids.count(0)) for e in encs]
     req = m.RERANK_SEQUENCES(req_id=req_id, model_ref=model_ref(manifest), sequences=seqs)
     return req, np.concatenate([np.asarray(e.ids, np.int32) for e in encs])
 

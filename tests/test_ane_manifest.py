@@ -31,8 +31,7 @@ def test_minilm_manifest() -> None:
     assert man.head.type == "embed_mean" and man.head.pooling == "mean"
     assert man.head.normalize is True  # modules.json has sentence-transformers' Normalize
     cfg = man.config
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.max_seq_length) == (
-        384, 6, 12, 256)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.max_seq_length) == (384, 6, 12, 256)
     # The tensors the graph uses, nothing else (no pooler for an embedder, no position_ids).
     assert len(man.body.tensors) == 5 + 16 * cfg.num_layers
     assert not any(n.startswith("pooler") for n in man.body.tensors)
@@ -115,8 +114,13 @@ def _hf_variant(tmp_path: Path, **changes: object) -> Path:
 
 @pytest.mark.parametrize(
     "changes",
-    [{"hidden_act": "relu"}, {"type_vocab_size": 3}, {"position_embedding_type": "relative_key"},
-     {"architectures": ["BertForMaskedLM"]}, {"model_type": "roberta"}],
+    [
+        {"hidden_act": "relu"},
+        {"type_vocab_size": 3},
+        {"position_embedding_type": "relative_key"},
+        {"architectures": ["BertForMaskedLM"]},
+        {"model_type": "roberta"},
+    ],
 )
 def test_models_the_builder_does_not_implement_are_refused(tmp_path: Path, changes) -> None:
     with pytest.raises(UnsupportedModel) as e:
@@ -128,8 +132,9 @@ def test_models_the_builder_does_not_implement_are_refused(tmp_path: Path, chang
 def test_cls_pooling_embedders_are_built_and_other_poolings_refused(tmp_path: Path) -> None:
     d = _hf_variant(tmp_path)
     pooling = d / "1_Pooling" / "config.json"
-    pooling.write_text(json.dumps(
-        {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    pooling.write_text(
+        json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+    )
     head = ingest_owned(d, tmp_path / "cls").head
     assert (head.type, head.pooling) == ("embed_cls", "cls")
     pooling.write_text(json.dumps({"pooling_mode_max_tokens": True}))

@@ -73,8 +73,7 @@ def test_packed_feeds_restart_positions_and_number_segments() -> None:
     assert f["token_type_ids"][0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
     assert f["segment_ids"][1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
     out = np.arange(2 * 3 * 1).reshape(2, 3, 1)
-    assert [(i, v.tolist()) for i, v in gather_rows(chunk, out)] == [
-        (0, [0]), (1, [1]), (2, [3])]
+    assert [(i, v.tolist()) for i, v in gather_rows(chunk, out)] == [(0, [0]), (1, [1]), (2, [3])]
 
 
 def test_unpacked_feeds_mask_padding() -> None:

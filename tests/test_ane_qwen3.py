@@ -46,9 +46,18 @@ def _qwen3(dst: Path) -> Path:
     torch.manual_seed(0)
     n_vocab = _tokenizer(dst)
     config = Qwen3Config(
-        vocab_size=n_vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3)
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
     Qwen3Model(config).eval().save_pretrained(dst)
     return dst
 
@@ -76,8 +85,10 @@ def manifests(dirs, module_tmp) -> dict[str, Manifest]:
 def tokens(dirs) -> dict[str, list[np.ndarray]]:
     # The host's own tokenization: the prompt prepended, cut to 40 with the EOS kept.
     tok = Tokenizer.from_model_dir(dirs["st"])
-    return {"plain": tok.encode(TEXTS, truncate=True).ids,
-            "query": tok.encode(TEXTS, truncate=True, prompt=PROMPTS["query"]).ids}
+    return {
+        "plain": tok.encode(TEXTS, truncate=True).ids,
+        "query": tok.encode(TEXTS, truncate=True, prompt=PROMPTS["query"]).ids,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +97,11 @@ def reference(dirs) -> dict[str, np.ndarray]:
 
     st = SentenceTransformer(str(dirs["st"]), device="cpu")
     loud = SentenceTransformer(str(dirs["loud"]), device="cpu")
-    return {"plain": st.encode(TEXTS, normalize_embeddings=True),
-            "query": st.encode(TEXTS, prompt_name="query", normalize_embeddings=True),
-            "loud": loud.encode(TEXTS, normalize_embeddings=True)}
+    return {
+        "plain": st.encode(TEXTS, normalize_embeddings=True),
+        "query": st.encode(TEXTS, prompt_name="query", normalize_embeddings=True),
+        "loud": loud.encode(TEXTS, normalize_embeddings=True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +109,20 @@ def engines(manifests, module_tmp):
     out = {}
     for name, shape in (("unpacked", UNPACKED), ("packed", PACKED)):
         engine = AneEngine(manifests["st"].dir, backend="reference")
-        engine.load(m.LOAD(req_id=1, artifact_path=manifests["st"].dir,
-                           artifact_digest=manifests["st"].digest, format="coreml-owned",
-                           runtime_config={"model_ref": "qwen3", "shapes": [shape],
-                                           "cache_root": str(module_tmp / "cache")}),
-                    NullProgress())
+        engine.load(
+            m.LOAD(
+                req_id=1,
+                artifact_path=manifests["st"].dir,
+                artifact_digest=manifests["st"].digest,
+                format="coreml-owned",
+                runtime_config={
+                    "model_ref": "qwen3",
+                    "shapes": [shape],
+                    "cache_root": str(module_tmp / "cache"),
+                },
+            ),
+            NullProgress(),
+        )
         out[name] = engine
     yield out
     for engine in out.values():
@@ -108,8 +130,13 @@ def engines(manifests, module_tmp):
 
 
 def _embed(engine: AneEngine, ids: list[np.ndarray], normalize: bool = True) -> np.ndarray:
-    req = m.EMBED_BATCH(req_id=2, model_ref="qwen3", pooling="last", normalize=normalize,
-                        items=[m.EmbedItem(id=i, n_tokens=len(x)) for i, x in enumerate(ids)])
+    req = m.EMBED_BATCH(
+        req_id=2,
+        model_ref="qwen3",
+        pooling="last",
+        normalize=normalize,
+        items=[m.EmbedItem(id=i, n_tokens=len(x)) for i, x in enumerate(ids)],
+    )
     return engine.embed(req, np.concatenate(ids), NullProgress())
 
 
@@ -131,8 +158,7 @@ def _fp32_run(shape: tuple[int, ...], body, x: np.ndarray) -> np.ndarray:
     from workers.ane.ct_quiet import Function, Program, ct, mb, types
     from workers.ane.executor import CompiledProgram
 
-    with Function({"x": mb.placeholder(shape=shape, dtype=types.fp32)},
-                  ct.target.macOS14) as func:
+    with Function({"x": mb.placeholder(shape=shape, dtype=types.fp32)}, ct.target.macOS14) as func:
         func.set_outputs([body(func.inputs["x"])])
     prog = Program()
     prog.add_function("main", func)
@@ -146,11 +172,17 @@ def test_the_layer_norm_formulation_is_rmsnorm_with_its_epsilon_at_any_scale():
     # Tokens of ordinary size, tokens so small that epsilon dominates, and a zero token.
     true = rng.standard_normal((2, c, 1, 5)) * np.array([1.0, 30.0, 1e-4, 3e-3, 0.0])
     gamma = rng.uniform(0.5, 2.0, c)
-    want = true / np.sqrt(np.mean(true**2, axis=1, keepdims=True) + eps) * gamma.reshape(1, -1,
-                                                                                         1, 1)
+    want = (
+        true / np.sqrt(np.mean(true**2, axis=1, keepdims=True) + eps) * gamma.reshape(1, -1, 1, 1)
+    )
     for in_scale, out_scale in ((1.0, 1.0), (s, 1.0), (1.0, 0.25)):
-        got = _fp32_run(true.shape, lambda x, a=in_scale, o=out_scale: builder_qwen3.rms_norm(
-            x, gamma, eps, in_scale=a, out_scale=o), (true * in_scale).astype(np.float32))
+        got = _fp32_run(
+            true.shape,
+            lambda x, a=in_scale, o=out_scale: builder_qwen3.rms_norm(
+                x, gamma, eps, in_scale=a, out_scale=o
+            ),
+            (true * in_scale).astype(np.float32),
+        )
         np.testing.assert_allclose(got, want * out_scale, rtol=2e-5, atol=1e-6)
 
 
@@ -219,8 +251,12 @@ def test_unpacked_and_packed_rows_embed_like_sentence_transformers(engines, toke
     for layout, engine in engines.items():
         for kind in ("plain", "query"):
             cos = _cos(_embed(engine, tokens[kind]), reference[kind])
-            assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (layout, kind, cos.min(),
-                                                                   cos.mean())
+            assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (
+                layout,
+                kind,
+                cos.min(),
+                cos.mean(),
+            )
     # The bar discriminates: the vectors are not those of the other input.
     assert _cos(_embed(engines["unpacked"], tokens["query"]), reference["plain"]).min() < 0.9999
 
@@ -239,7 +275,8 @@ def test_packed_rows_equal_unpacked_ones_within_fp16_rounding(engines, tokens):
 
 
 def test_the_scaled_residual_stream_stays_in_fp16_where_the_unscaled_one_overflows(
-        dirs, manifests, tokens, reference, module_tmp):
+    dirs, manifests, tokens, reference, module_tmp
+):
     import torch
     from transformers import AutoModel
 
@@ -247,16 +284,18 @@ def test_the_scaled_residual_stream_stays_in_fp16_where_the_unscaled_one_overflo
     # The loud model's fp32 residual stream really leaves fp16's range.
     hf = AutoModel.from_pretrained(str(dirs["loud"])).eval()
     with torch.no_grad():
-        peak = max(float(h.abs().max())
-                   for x in ids
-                   for h in hf(torch.tensor(x[None].astype(np.int64)),
-                               output_hidden_states=True).hidden_states[:-1])
+        peak = max(
+            float(h.abs().max())
+            for x in ids
+            for h in hf(
+                torch.tensor(x[None].astype(np.int64)), output_hidden_states=True
+            ).hidden_states[:-1]
+        )
     assert peak > 2 * FP16_MAX, peak
     shape = Shape(**UNPACKED)
     results = {}
     for name, scale in (("scaled", builder_qwen3.RESIDUAL_SCALE), ("unscaled", 1.0)):
-        pkg = _package(manifests["loud"], shape, module_tmp / f"loud-{name}",
-                       residual_scale=scale)
+        pkg = _package(manifests["loud"], shape, module_tmp / f"loud-{name}", residual_scale=scale)
         program = load_executor(pkg)
         out = np.zeros((len(ids), HIDDEN), np.float32)
         for chunk in plan([len(x) for x in ids], [shape]):
@@ -278,11 +317,15 @@ def test_the_scaled_residual_stream_stays_in_fp16_where_the_unscaled_one_overflo
 
 @pytest.mark.parametrize("layout", ["unpacked", "packed"])
 def test_every_layer_op_is_ane_eligible_and_the_cpu_runs_once_per_prediction(
-        engines, manifests, layout):
+    engines, manifests, layout
+):
     engine = engines[layout]
     (compiled,) = engine._model.shapes.values()  # the program the engine serves, as converted
-    ops = [op for op in program_ir.walk(compiled.runner.program.function.operations)
-           if op.op_type != "const"]
+    ops = [
+        op
+        for op in program_ir.walk(compiled.runner.program.function.operations)
+        if op.op_type != "const"
+    ]
     convs = [i for i, op in enumerate(ops) if op.op_type == "conv"]
     layers = ops[convs[0] : convs[-1] + 1]  # the decoder layers, in program order
     assert len(convs) == 7 * manifests["st"].config.num_layers  # q k v o gate up down
@@ -300,19 +343,25 @@ def test_every_layer_op_is_ane_eligible_and_the_cpu_runs_once_per_prediction(
 # ---- end to end -----------------------------------------------------------------------------
 
 
-async def test_the_module_serves_qwen3_on_the_ane_lane(dirs, engines, reference, module_tmp,
-                                                       short_runtime_dir):
+async def test_the_module_serves_qwen3_on_the_ane_lane(
+    dirs, engines, reference, module_tmp, short_runtime_dir
+):
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
     from ingest.store import ArtifactStore
 
     store = ArtifactStore(module_tmp / "models")
     store.ingest_hf_dir(dirs["st"], "qwen3", dtype="f32")
-    config = ModuleConfig(store_root=str(store.root),
-                          host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
     # The shapes the engines above compiled: the same artifact digest, so cache hits.
-    extra = {"backend": "reference", "cache_root": str(module_tmp / "cache"),
-             "shapes": [UNPACKED, PACKED]}
+    extra = {
+        "backend": "reference",
+        "cache_root": str(module_tmp / "cache"),
+        "shapes": [UNPACKED, PACKED],
+    }
     async with Module(config) as mod:
         await mod.load("qwen3", "ane", extra)
         query = (await mod.embed(TEXTS, model="qwen3", lane="ane", prompt_name="query")).vectors
@@ -325,7 +374,8 @@ async def test_the_module_serves_qwen3_on_the_ane_lane(dirs, engines, reference,
 
 
 def test_certify_is_provisional_off_a_mac_and_a_mac_run_would_flip_lane_choice(
-        dirs, module_tmp, monkeypatch):
+    dirs, module_tmp, monkeypatch
+):
     import asyncio
     import tempfile
 
@@ -341,15 +391,23 @@ def test_certify_is_provisional_off_a_mac_and_a_mac_run_would_flip_lane_choice(
     ArtifactStore(cache / "models").ingest_hf_dir(dirs["st"], "qwen3", dtype="f32")
     monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(cache))  # the worker's compile cache
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
-    config = ModuleConfig(store_root=str(cache / "models"),
-                          host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(cache / "models"), host=HostConfig(runtime_dir=runtime, ping_interval_s=0)
+    )
 
     async def run():
         async with Module(config) as mod:
-            cert = await certify(mod, RunOptions(
-                model="qwen3", lane="ane", shapes=[PACKED], sample_stride=8,
-                runtime_config_extra={"backend": "reference"}),
-                CertificateStore(cache / "certificates"))
+            cert = await certify(
+                mod,
+                RunOptions(
+                    model="qwen3",
+                    lane="ane",
+                    shapes=[PACKED],
+                    sample_stride=8,
+                    runtime_config_extra={"backend": "reference"},
+                ),
+                CertificateStore(cache / "certificates"),
+            )
         mac = CertificateStore(cache / "certificates-mac")
         mac.save(as_compute_plan_run(cert))
         async with Module(config, CertificateLanePolicy(mac)) as mod:
@@ -364,5 +422,7 @@ def test_certify_is_provisional_off_a_mac_and_a_mac_run_would_flip_lane_choice(
     assert cert.status == "provisional" and cert.measurements.placement_source == "estimate"
     assert cert.key.kernel_revision == kernel_revision("qwen3")
     assert choice.lane == "ane", choice
-    print(f"\ncertify qwen3: min cos {min(cert.measurements.cosines):.6f}, placement "
-          f"{cert.measurements.placement_share:.4f}")
+    print(
+        f"\ncertify qwen3: min cos {min(cert.measurements.cosines):.6f}, placement "
+        f"{cert.measurements.placement_share:.4f}"
+    )

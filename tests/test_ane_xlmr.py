@@ -58,19 +58,37 @@ def _unigram_tokenizer(dst: Path) -> int:
     # One thread: the same pieces every run, so the seeded models (and the figures the tests
     # print) are the same every run too.
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3), model_writer=buf, vocab_size=700,
-        model_type="unigram", character_coverage=1.0, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
-        hard_vocab_limit=False, minloglevel=2, num_threads=1)
+        sentence_iterator=iter(list(corpus()) * 3),
+        model_writer=buf,
+        vocab_size=700,
+        model_type="unigram",
+        character_coverage=1.0,
+        bos_id=0,
+        pad_id=1,
+        eos_id=2,
+        unk_id=3,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+    )
     proto = pb.ModelProto()
     proto.ParseFromString(buf.getvalue())
     tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
     tok.model_max_length = MAX_SEQ
     tok.save_pretrained(dst)
     spec = json.loads((dst / "tokenizer.json").read_text())
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [
-        {"type": "Precompiled", "precompiled_charsmap":
-            base64.b64encode(proto.normalizer_spec.precompiled_charsmap).decode()},
-        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {
+                "type": "Precompiled",
+                "precompiled_charsmap": base64.b64encode(
+                    proto.normalizer_spec.precompiled_charsmap
+                ).decode(),
+            },
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        ],
+    }
     (dst / "tokenizer.json").write_text(json.dumps(spec))
     return len(tok)  # <mask> comes after the trained pieces
 
@@ -81,10 +99,20 @@ def _config(n_vocab: int, **extra):
     # Wide random weights (initializer 0.3): vectors of different texts differ enough that a
     # wrong position offset, pooling or prompt each fail the bars below.
     return XLMRobertaConfig(
-        vocab_size=n_vocab, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=POSITIONS + 2, type_vocab_size=1,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, hidden_act="gelu",
-        layer_norm_eps=1e-5, **{"initializer_range": 0.3, **extra})
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=POSITIONS + 2,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        **{"initializer_range": 0.3, **extra},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +136,9 @@ def dirs(module_tmp) -> dict[str, Path]:
     for pooling in ("mean", "cls"):
         out[pooling] = module_tmp / f"xlmr-{pooling}"
         body = Transformer(str(raw), max_seq_length=MAX_SEQ)
-        SentenceTransformer(modules=[body, Pooling(HIDDEN, pooling), Normalize()],
-                            device="cpu", prompts=PROMPTS).save(str(out[pooling]))
+        SentenceTransformer(
+            modules=[body, Pooling(HIDDEN, pooling), Normalize()], device="cpu", prompts=PROMPTS
+        ).save(str(out[pooling]))
     out["xenc"] = module_tmp / "xlmr-xenc"
     shutil.copytree(raw, out["xenc"], ignore=shutil.ignore_patterns("*.safetensors", "config*"))
     torch.manual_seed(1)
@@ -118,10 +147,11 @@ def dirs(module_tmp) -> dict[str, Path]:
     # encoder (trained backbone, fan-in scaled head) shows 0.6% (1.2e-3 at std 0.19). A 0.2
     # init and a fan-in scaled head give about 1% here (1.8e-3 at std 0.17).
     xenc = XLMRobertaForSequenceClassification(
-        _config(n_vocab, num_labels=1, initializer_range=0.2)).eval()
+        _config(n_vocab, num_labels=1, initializer_range=0.2)
+    ).eval()
     with torch.no_grad():
         for layer in (xenc.classifier.dense, xenc.classifier.out_proj):
-            layer.weight.normal_(0.0, HIDDEN ** -0.5)
+            layer.weight.normal_(0.0, HIDDEN**-0.5)
             layer.bias.normal_(0.0, 0.1)
     xenc.save_pretrained(out["xenc"])
     return out
@@ -147,11 +177,20 @@ def engines(manifests, compile_root):
             man = manifests[model]
             engine = AneEngine(man.dir, backend="reference")
             shape = UNPACKED if kind == "unpacked" else PACKED
-            engine.load(m.LOAD(req_id=1, artifact_path=man.dir, artifact_digest=man.digest,
-                               format="coreml-owned",
-                               runtime_config={"cache_root": str(compile_root),
-                                               "model_ref": model, "shapes": [shape]}),
-                        NullProgress())
+            engine.load(
+                m.LOAD(
+                    req_id=1,
+                    artifact_path=man.dir,
+                    artifact_digest=man.digest,
+                    format="coreml-owned",
+                    runtime_config={
+                        "cache_root": str(compile_root),
+                        "model_ref": model,
+                        "shapes": [shape],
+                    },
+                ),
+                NullProgress(),
+            )
             made[(model, kind)] = engine
         return made[(model, kind)]
 
@@ -174,14 +213,22 @@ def _st(path: Path):
 def _st_ids(st, texts: list[str], prompt: str = "") -> list[np.ndarray]:
     """The ids `st.encode(texts, prompt=prompt)` feeds its transformer (unpadded)."""
     feats = st.preprocess(texts, prompt=prompt or None)
-    return [ids[mask.bool()].numpy().astype(np.int32)
-            for ids, mask in zip(feats["input_ids"], feats["attention_mask"], strict=True)]
+    return [
+        ids[mask.bool()].numpy().astype(np.int32)
+        for ids, mask in zip(feats["input_ids"], feats["attention_mask"], strict=True)
+    ]
 
 
-def _embed(engine: AneEngine, model: str, pooling: str, seqs: list[np.ndarray],
-           normalize: bool = True) -> np.ndarray:
-    req = m.EMBED_BATCH(req_id=2, model_ref=model, pooling=pooling, normalize=normalize,
-                        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)])
+def _embed(
+    engine: AneEngine, model: str, pooling: str, seqs: list[np.ndarray], normalize: bool = True
+) -> np.ndarray:
+    req = m.EMBED_BATCH(
+        req_id=2,
+        model_ref=model,
+        pooling=pooling,
+        normalize=normalize,
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)],
+    )
     return engine.embed(req, np.concatenate(seqs), NullProgress())
 
 
@@ -196,9 +243,10 @@ def test_the_manifest_reads_the_family_and_its_offsets(manifests, dirs):
         assert c.type_vocab_size == 1 and c.max_seq_length == MAX_SEQ
         # The position table is the checkpoint's, offset rows included (digests are HF's).
         assert man.body.tensors["embeddings.position_embeddings.weight"].shape == [
-            POSITIONS + 2, HIDDEN]
-    assert (mean.head.type, mean.head.pooling, mean.head.normalize) == ("embed_mean", "mean",
-                                                                        True)
+            POSITIONS + 2,
+            HIDDEN,
+        ]
+    assert (mean.head.type, mean.head.pooling, mean.head.normalize) == ("embed_mean", "mean", True)
     assert (cls.head.type, cls.head.pooling) == ("embed_cls", "cls")
     assert (xenc.head.type, xenc.head.num_labels) == ("cross_encoder", 1)
     # `roberta.` is stripped; the head keeps HF's names (no pooler in this architecture).
@@ -215,17 +263,23 @@ def _variant(src: Path, dst: Path, **config) -> Path:
 
 def test_what_the_graph_does_not_compute_is_refused(dirs, module_tmp):
     out = module_tmp / "refused"
-    for i, change in enumerate([{"architectures": ["XLMRobertaForMaskedLM"]},
-                                {"position_embedding_type": "relative_key"},
-                                {"hidden_act": "gelu_new"}, {"model_type": "roberta"}]):
+    for i, change in enumerate(
+        [
+            {"architectures": ["XLMRobertaForMaskedLM"]},
+            {"position_embedding_type": "relative_key"},
+            {"hidden_act": "gelu_new"},
+            {"model_type": "roberta"},
+        ]
+    ):
         with pytest.raises(UnsupportedModel) as e:
             ingest_owned(_variant(dirs["mean"], module_tmp / f"variant-{i}", **change), out)
         assert e.value.code == "unsupported", change
     # A Dense projection after pooling (as some e5 variants carry) is not served without it.
     dense = _variant(dirs["mean"], module_tmp / "variant-dense")
     modules = json.loads((dense / "modules.json").read_text())
-    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense",
-                       "type": "sentence_transformers.models.Dense"})
+    modules.insert(
+        2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    )
     (dense / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModel, match="Dense"):
         ingest_owned(dense, out)
@@ -245,8 +299,16 @@ def test_the_graph_has_its_own_revision_and_cache_keys(manifests):
     # A worker that advertised BERT's graph (no artifact at start) refuses to build this one.
     blind = AneEngine(backend="reference")
     with pytest.raises(Exception, match="advertised ane-bert-1"):
-        blind.load(m.LOAD(req_id=1, artifact_path=man.dir, artifact_digest=man.digest,
-                          format="coreml-owned", runtime_config={"shapes": []}), NullProgress())
+        blind.load(
+            m.LOAD(
+                req_id=1,
+                artifact_path=man.dir,
+                artifact_digest=man.digest,
+                format="coreml-owned",
+                runtime_config={"shapes": []},
+            ),
+            NullProgress(),
+        )
 
 
 # ---- fidelity against sentence-transformers ------------------------------------------------
@@ -267,8 +329,10 @@ def test_embeddings_match_sentence_transformers(engines, dirs, pooling):
             cos = _cos(_embed(engine, pooling, pooling, seqs), ref)
             figures[kind, label] = (float(cos.min()), float(cos.mean()))
             assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (kind, label, figures)
-    print(f"\n{pooling} pooling, {len(TEXTS)} texts: " + "; ".join(
-        f"{k}/{lab} min {a:.6f} mean {b:.6f}" for (k, lab), (a, b) in figures.items()))
+    print(
+        f"\n{pooling} pooling, {len(TEXTS)} texts: "
+        + "; ".join(f"{k}/{lab} min {a:.6f} mean {b:.6f}" for (k, lab), (a, b) in figures.items())
+    )
     # The bar discriminates: the prompt changes the vectors beyond it.
     assert _cos(ref_plain, ref_query).min() < 0.9995
 
@@ -284,8 +348,10 @@ def test_packed_and_unpacked_agree_within_fp16_rounding(engines, dirs):
     # each here). Served vectors have components up to ~0.4, where 2e-3 is 8 fp16 ulps;
     # positions shifted by one row already cost cosines down to 0.77 on this model.
     diff = float(np.abs(a - b).max())
-    print(f"\npacked vs unpacked: max |diff| {diff:.2e}, min cos {_cos(a, b).min():.7f} over "
-          f"{len(seqs)} items")
+    print(
+        f"\npacked vs unpacked: max |diff| {diff:.2e}, min cos {_cos(a, b).min():.7f} over "
+        f"{len(seqs)} items"
+    )
     assert diff <= 2e-3 and _cos(a, b).min() >= 0.99999
     assert np.abs(a).max() > 0.05  # not trivially equal
 
@@ -319,34 +385,48 @@ def test_cross_encoder_scores_match_crossencoder_logits(engines, dirs):
     for kind in ("unpacked", "packed"):
         got = engines("xenc", kind).rerank_sequences(req, ids, NullProgress())
         errors[kind] = float(np.abs(got - ref).max())
-    print(f"\ncross-encoder over {len(docs)} pairs: max |logit diff| " + ", ".join(
-        f"{k} {v:.2e}" for k, v in errors.items()) + f" (gate {gate}, logit std "
-        f"{ref.std():.2f})")
+    print(
+        f"\ncross-encoder over {len(docs)} pairs: max |logit diff| "
+        + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+        + f" (gate {gate}, logit std "
+        f"{ref.std():.2f})"
+    )
     assert max(errors.values()) <= gate, errors
 
 
-def test_shapes_go_through_the_cache_and_eviction_as_bert_ones_do(engines, manifests, dirs,
-                                                                   compile_root):
+def test_shapes_go_through_the_cache_and_eviction_as_bert_ones_do(
+    engines, manifests, dirs, compile_root
+):
     for kind in ("unpacked", "packed"):
         engines("mean", kind)  # both shapes compiled into the module's cache
     man = manifests["mean"]
     engine = AneEngine(man.dir, backend="reference")
     try:
-        engine.load(m.LOAD(req_id=1, artifact_path=man.dir, artifact_digest=man.digest,
-                           format="coreml-owned",
-                           runtime_config={"cache_root": str(compile_root), "model_ref": "mean",
-                                           "shapes": [UNPACKED, PACKED],
-                                           "max_loaded_shapes": 1}), NullProgress())
+        engine.load(
+            m.LOAD(
+                req_id=1,
+                artifact_path=man.dir,
+                artifact_digest=man.digest,
+                format="coreml-owned",
+                runtime_config={
+                    "cache_root": str(compile_root),
+                    "model_ref": "mean",
+                    "shapes": [UNPACKED, PACKED],
+                    "max_loaded_shapes": 1,
+                },
+            ),
+            NullProgress(),
+        )
         assert engine.loaded_shapes() == ["2x64p8"]  # the budget evicted the first
-        admitted = engine.admit_shape(m.ADMIT_SHAPE(req_id=2, model_ref="mean", **UNPACKED),
-                                      NullProgress())
+        admitted = engine.admit_shape(
+            m.ADMIT_SHAPE(req_id=2, model_ref="mean", **UNPACKED), NullProgress()
+        )
         assert admitted.cache_hit and engine.loaded_shapes() == ["4x48"]
         assert (engine.cache_stats.hits, engine.cache_stats.misses) == (3, 0)
         st = _st(dirs["mean"])
         got = _embed(engine, "mean", "mean", _st_ids(st, TEXTS[:8]))
         assert _cos(got, st.encode(TEXTS[:8])).min() >= 0.9995
-        evicted = engine.evict(m.EVICT(req_id=3, model_ref="mean", shape_id="4x48"),
-                               NullProgress())
+        evicted = engine.evict(m.EVICT(req_id=3, model_ref="mean", shape_id="4x48"), NullProgress())
         assert evicted.shape_ids == ["4x48"] and engine.loaded_shapes() == []
     finally:
         engine.close()
@@ -360,8 +440,7 @@ def test_placement_estimate_keeps_the_encoder_on_the_neural_engine(engines):
             share, source = engines(model, kind).placement()
             assert source == "estimate"
             shares[model, kind] = share
-    print("\nplacement estimate: " + ", ".join(f"{a}/{b} {s:.4f}" for (a, b), s in
-                                              shares.items()))
+    print("\nplacement estimate: " + ", ".join(f"{a}/{b} {s:.4f}" for (a, b), s in shares.items()))
     assert min(shares.values()) >= gate, shares
 
 
@@ -386,12 +465,22 @@ def test_certify_on_the_ane_lane_is_provisional_off_a_mac(cache_dir):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
 
     async def run(model: str):
-        config = ModuleConfig(store_root=str(cache_dir / "models"),
-                              host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+        config = ModuleConfig(
+            store_root=str(cache_dir / "models"),
+            host=HostConfig(runtime_dir=runtime, ping_interval_s=0),
+        )
         async with Module(config) as mod:
-            return await certify(mod, RunOptions(
-                model=model, lane="ane", shapes=[PACKED], sample_stride=8,
-                runtime_config_extra={"backend": "reference"}), certs)
+            return await certify(
+                mod,
+                RunOptions(
+                    model=model,
+                    lane="ane",
+                    shapes=[PACKED],
+                    sample_stride=8,
+                    runtime_config_extra={"backend": "reference"},
+                ),
+                certs,
+            )
 
     try:
         with pytest.MonkeyPatch.context() as mp:
@@ -407,10 +496,13 @@ def test_certify_on_the_ane_lane_is_provisional_off_a_mac(cache_dir):
         assert cert.key.kernel_revision == kernel_revision("xlm-roberta")
     cosines = embed.measurements.cosines
     assert {c.name: c for c in embed.checks}["quality.min_cosine"].value == pytest.approx(
-        min(cosines), abs=1e-8)
-    print(f"\ncertify: embed min cos {min(cosines):.6f}, rerank max |diff| "
-          f"{max(rerank.measurements.rerank_errors):.2e}, placement "
-          f"{embed.measurements.placement_share:.4f} / {rerank.measurements.placement_share:.4f}")
+        min(cosines), abs=1e-8
+    )
+    print(
+        f"\ncertify: embed min cos {min(cosines):.6f}, rerank max |diff| "
+        f"{max(rerank.measurements.rerank_errors):.2e}, placement "
+        f"{embed.measurements.placement_share:.4f} / {rerank.measurements.placement_share:.4f}"
+    )
     # What a Mac's compute-plan run of the same certificates would record: lane choice
     # (no `lane=`) then serves both models on the Core ML lane.
     asyncio.run(_served_on_ane_once_certified(cache_dir, [embed, rerank]))
@@ -425,8 +517,10 @@ async def _served_on_ane_once_certified(cache_dir: Path, certs) -> None:
     for cert in certs:
         store.save(as_compute_plan_run(cert))
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
-    config = ModuleConfig(store_root=str(cache_dir / "models"),
-                          host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(cache_dir / "models"),
+        host=HostConfig(runtime_dir=runtime, ping_interval_s=0),
+    )
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SYNAPSE_CACHE_DIR", str(cache_dir))
@@ -462,8 +556,9 @@ def test_the_cli_serves_one_model_on_either_lane(cache_dir, monkeypatch, capsys)
     for lane in ("ane", "llama"):
         out = run("rerank", TEXTS[10], *texts, "--model", "xlmr-xenc", "--lane", lane, "--json")
         assert (out["lane"], out["method"]) == (lane, "cross-encoder")
-        scores[lane] = np.array([s for _, s in sorted((r["index"], r["score"])
-                                                      for r in out["results"])])
+        scores[lane] = np.array(
+            [s for _, s in sorted((r["index"], r["score"]) for r in out["results"])]
+        )
     assert np.abs(scores["ane"] - scores["llama"]).max() <= 1e-2
     # No flag: the certificate policy's choice (nothing is certified here: llama.cpp).
     assert run("embed", texts[0], "--model", "xlmr", "--json")["lane"] == "llama"

@@ -46,11 +46,24 @@ def _fields(reader: gguf.GGUFReader) -> dict:
 
 
 def _expected_names(n_layers: int = 6) -> set[str]:
-    names = {"token_embd.weight", "token_types.weight", "position_embd.weight",
-             "token_embd_norm.weight", "token_embd_norm.bias"}
+    names = {
+        "token_embd.weight",
+        "token_types.weight",
+        "position_embd.weight",
+        "token_embd_norm.weight",
+        "token_embd_norm.bias",
+    }
     for i in range(n_layers):
-        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_output_norm",
-                  "ffn_up", "ffn_down", "layer_output_norm"):
+        for t in (
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "attn_output_norm",
+            "ffn_up",
+            "ffn_down",
+            "layer_output_norm",
+        ):
             names |= {f"blk.{i}.{t}.weight", f"blk.{i}.{t}.bias"}
     return names
 
@@ -119,7 +132,11 @@ def test_cross_encoder_gets_cls_tensors_and_rank_pooling(tmp_path: Path) -> None
     assert kv["bert.classifier.output_labels"] == ["LABEL_0"]
     tensors = {t.name: t for t in reader.tensors}
     assert set(tensors) == _expected_names() | {
-        "cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"}
+        "cls.weight",
+        "cls.bias",
+        "cls.output.weight",
+        "cls.output.bias",
+    }
     assert list(tensors["cls.weight"].shape) == [384, 384]
     assert list(tensors["cls.output.weight"].shape) == [384, 1]
     w = read_safetensors(src / "model.safetensors")
@@ -333,13 +350,16 @@ def test_host_artifacts_never_import_llama_cpp() -> None:
     import subprocess
     import sys
 
-    code = (
-        "import sys, ingest, ingest.store, ingest.bert_to_gguf;"
-        "print('llama_cpp' in sys.modules)"
-    )
+    code = "import sys, ingest, ingest.store, ingest.bert_to_gguf;print('llama_cpp' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=root, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
@@ -388,12 +408,17 @@ def test_publishing_syncs_every_file_and_dir_before_the_rename_and_the_root_afte
 
     events: list[tuple[str, Path]] = []
     real_file, real_dir, real_replace = store_mod.fsync_file, store_mod.fsync_dir, os.replace
-    monkeypatch.setattr(store_mod, "fsync_file", lambda p: (events.append(("sync", Path(p))),
-                                                             real_file(p)))
-    monkeypatch.setattr(store_mod, "fsync_dir", lambda p: (events.append(("sync", Path(p))),
-                                                            real_dir(p)))
-    monkeypatch.setattr(store_mod.os, "replace", lambda a, b: (events.append(("replace", Path(b))),
-                                                                real_replace(a, b)))
+    monkeypatch.setattr(
+        store_mod, "fsync_file", lambda p: (events.append(("sync", Path(p))), real_file(p))
+    )
+    monkeypatch.setattr(
+        store_mod, "fsync_dir", lambda p: (events.append(("sync", Path(p))), real_dir(p))
+    )
+    monkeypatch.setattr(
+        store_mod.os,
+        "replace",
+        lambda a, b: (events.append(("replace", Path(b))), real_replace(a, b)),
+    )
     s = ArtifactStore(tmp_path / "models")
     s.ingest_hf_dir(MINILM, name="durable", dtype="f16")
     publish = events.index(("replace", s.root / "durable"))
@@ -433,8 +458,9 @@ def test_hosts_building_one_core_ml_model_at_once_all_get_it(tmp_path: Path) -> 
     ArtifactStore(root).ingest_hf_dir(MINILM, name="m", dtype="f16")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_ensure_owned_in_child, args=(str(root), results))
-             for _ in range(3)]
+    procs = [
+        ctx.Process(target=_ensure_owned_in_child, args=(str(root), results)) for _ in range(3)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -449,18 +475,36 @@ def _as_sentence_transformers_6(src: Path, dst: Path) -> Path:
     `sentence_transformers.base` / `.sentence_transformer.modules`, `pooling_mode`, and the
     limit in the tokenizer instead of sentence_bert_config.json."""
     d = _copy_minilm(dst)
-    (d / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "",
-         "type": "sentence_transformers.base.modules.transformer.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.base.modules.normalize.Normalize"},
-    ]))
-    (d / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": True}))
-    (d / "sentence_bert_config.json").write_text(json.dumps(
-        {"transformer_task": "feature-extraction", "modality_config": {"text": {}}}))
+    (d / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.base.modules.transformer.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.base.modules.normalize.Normalize",
+                },
+            ]
+        )
+    )
+    (d / "1_Pooling" / "config.json").write_text(
+        json.dumps({"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": True})
+    )
+    (d / "sentence_bert_config.json").write_text(
+        json.dumps({"transformer_task": "feature-extraction", "modality_config": {"text": {}}})
+    )
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "model_max_length": 256}))
     return d
@@ -475,8 +519,11 @@ def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_pat
     legacy_rec = s.ingest_hf_dir(MINILM, name="legacy", dtype="f32")
     native_rec = s.ingest_hf_dir(native, name="native", dtype="f32")
     a, b = legacy_rec.manifest, native_rec.manifest
-    assert (b.pooling, b.max_tokens, b.max_tokens_limit, b.dims) == (
-        a.pooling, a.max_tokens, a.max_tokens_limit, a.dims) == ("mean", 256, 512, 384)
+    assert (
+        (b.pooling, b.max_tokens, b.max_tokens_limit, b.dims)
+        == (a.pooling, a.max_tokens, a.max_tokens_limit, a.dims)
+        == ("mean", 256, 512, 384)
+    )
     assert b.size_bytes == a.size_bytes  # the same tensors (general.name: the entry's name)
     # The default truncation agrees; version 6 stores it as the tokenizer's own limit.
     assert model_limits(native)[1] == model_limits(MINILM)[1] == 256
@@ -492,8 +539,14 @@ def test_prompts_and_matryoshka_dims_round_trip_through_the_manifest(tmp_path: P
     plain = s.ingest_hf_dir(src, name="as-declared", dtype="f16")
     assert (plain.manifest.prompts, plain.manifest.default_prompt_name) == (PROMPTS, "query")
     assert plain.manifest.matryoshka_dims == []
-    rec = s.ingest_hf_dir(src, name="given", dtype="f16", prompts={"query": "q: ", "doc": ""},
-                          default_prompt_name="doc", matryoshka_dims=[128, 384, 256])
+    rec = s.ingest_hf_dir(
+        src,
+        name="given",
+        dtype="f16",
+        prompts={"query": "q: ", "doc": ""},
+        default_prompt_name="doc",
+        matryoshka_dims=[128, 384, 256],
+    )
     m = rec.manifest
     assert m.prompts == {"query": "q: ", "passage": "passage: ", "doc": ""}  # given wins by name
     assert m.default_prompt_name == "doc" and m.matryoshka_dims == [384, 256, 128]
@@ -501,15 +554,25 @@ def test_prompts_and_matryoshka_dims_round_trip_through_the_manifest(tmp_path: P
     on_disk = json.loads((rec.dir / "manifest.json").read_text())
     assert on_disk["prompts"] == m.prompts and on_disk["matryoshka_dims"] == [384, 256, 128]
     # A manifest written before these fields existed still reads, with none of them.
-    old = {k: v for k, v in on_disk.items()
-           if k not in ("prompts", "default_prompt_name", "matryoshka_dims")}
+    old = {
+        k: v
+        for k, v in on_disk.items()
+        if k not in ("prompts", "default_prompt_name", "matryoshka_dims")
+    }
     (rec.dir / "manifest.json").write_text(json.dumps(old))
     assert s.get("given").manifest.prompts == {}
     # sentence-transformers 6's layout keeps its prompts in the same file.
     native = _as_sentence_transformers_6(MINILM, tmp_path / "st6")
-    (native / "config_sentence_transformers.json").write_text(json.dumps(
-        {"model_type": "SentenceTransformer", "prompts": {"query": "Query: ", "document": ""},
-         "default_prompt_name": None, "similarity_fn_name": "cosine"}))
+    (native / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {
+                "model_type": "SentenceTransformer",
+                "prompts": {"query": "Query: ", "document": ""},
+                "default_prompt_name": None,
+                "similarity_fn_name": "cosine",
+            }
+        )
+    )
     st6 = s.ingest_hf_dir(native, name="st6", dtype="f16").manifest
     assert (st6.prompts, st6.default_prompt_name) == ({"query": "Query: ", "document": ""}, None)
 
@@ -520,8 +583,10 @@ def test_bad_prompts_and_matryoshka_dims_are_refused_and_nothing_is_kept(tmp_pat
     s = ArtifactStore(tmp_path / "models")
     src = write_prompted_dir(tmp_path / "e5-style")
     cases = [
-        ({"default_prompt_name": "document"}, "default prompt 'document' is not one of the "
-                                              "model's prompts \\(passage, query\\)"),
+        (
+            {"default_prompt_name": "document"},
+            "default prompt 'document' is not one of the model's prompts \\(passage, query\\)",
+        ),
         ({"prompts": {"": "x"}}, "prompt name '': expected a non-empty name"),
         ({"prompts": {"q": 3}}, "prompt 'q': expected text, got int"),
         ({"prompts": ["q"]}, "prompts must map"),
@@ -536,8 +601,9 @@ def test_bad_prompts_and_matryoshka_dims_are_refused_and_nothing_is_kept(tmp_pat
             s.ingest_hf_dir(src, name="bad", dtype="f16", **kwargs)
     with pytest.raises(InvalidRequest, match="default prompt 'query' is not one of .*it has none"):
         s.ingest_hf_dir(MINILM, name="bad", dtype="f16", default_prompt_name="query")
-    (src / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": {"query": "q: "}, "default_prompt_name": "passage"}))
+    (src / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "q: "}, "default_prompt_name": "passage"})
+    )
     with pytest.raises(ArtifactInvalid, match="default_prompt_name 'passage'"):
         s.ingest_hf_dir(src, name="bad", dtype="f16")
     ce = build_test_cross_encoder(tmp_path / "ce", seed=0)

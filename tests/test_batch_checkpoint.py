@@ -60,8 +60,9 @@ def test_resume_needs_the_same_artifact_and_the_same_prompt(tmp_path):
     ckpt.bind_artifact("a" * 64, "query: ")
     again = Checkpoint.open(output, JOB, resume=True)
     again.bind_artifact("a" * 64, "query: ")  # the same job: continues
-    with pytest.raises(BatchUsageError, match="with the prompt 'query: ', the rows would now "
-                                              "get 'passage: '"):
+    with pytest.raises(
+        BatchUsageError, match="with the prompt 'query: ', the rows would now get 'passage: '"
+    ):
         Checkpoint.open(output, JOB, resume=True).bind_artifact("a" * 64, "passage: ")
     with pytest.raises(BatchUsageError, match="with artifact aaaaaaaaaaaa"):
         Checkpoint.open(output, JOB, resume=True).bind_artifact("b" * 64, "query: ")

@@ -38,14 +38,26 @@ def runtime_dir():
 def test_bad_rows_are_recorded_and_the_output_reads_in_pyarrow_and_duckdb(
     synapse_cache_dir, store_root, tmp_path, runtime_dir
 ):
-    bad = ['not json', json.dumps({"id": "empty", "text": ""}), json.dumps({"id": "no-text"}),
-           json.dumps({"id": "num", "text": 3}),
-           json.dumps({"id": "long", "text": "word " * 400})]
+    bad = [
+        "not json",
+        json.dumps({"id": "empty", "text": ""}),
+        json.dumps({"id": "no-text"}),
+        json.dumps({"id": "num", "text": 3}),
+        json.dumps({"id": "long", "text": "word " * 400}),
+    ]
     ids = write_jsonl(tmp_path / "c.jsonl", 120, extra=bad)
     out = tmp_path / "out.parquet"
-    proc = batch_cli(synapse_cache_dir, str(tmp_path / "c.jsonl"), "-o", str(out),
-                     "--no-truncate", "--json", "--window-rows", "50",
-                     runtime_dir=runtime_dir)
+    proc = batch_cli(
+        synapse_cache_dir,
+        str(tmp_path / "c.jsonl"),
+        "-o",
+        str(out),
+        "--no-truncate",
+        "--json",
+        "--window-rows",
+        "50",
+        runtime_dir=runtime_dir,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["rows"] == 120 and summary["errors"] == 5
@@ -57,14 +69,19 @@ def test_bad_rows_are_recorded_and_the_output_reads_in_pyarrow_and_duckdb(
     assert meta[b"synapse.normalize"] == b"true" and len(meta[b"synapse.artifact_digest"]) == 64
     assert pq.ParquetFile(out).num_row_groups == 3  # one per committed window
     count, dims, tokens = duckdb.sql(
-        f"select count(*), max(len(embedding)), sum(n_tokens) from '{out}'").fetchall()[0]
+        f"select count(*), max(len(embedding)), sum(n_tokens) from '{out}'"
+    ).fetchall()[0]
     assert (count, dims, tokens) == (120, 384, summary["tokens"])
-    errors = [json.loads(x) for x in (tmp_path / "out.parquet.errors.jsonl").read_text()
-              .splitlines()]
+    errors = [
+        json.loads(x) for x in (tmp_path / "out.parquet.errors.jsonl").read_text().splitlines()
+    ]
     assert [(e["line"], e["id"], e["error"]["code"]) for e in errors] == [
-        (121, "121", "invalid_json"), (122, "empty", "empty_text"),
-        (123, "no-text", "missing_field"), (124, "num", "not_a_string"),
-        (125, "long", "too_long")]
+        (121, "121", "invalid_json"),
+        (122, "empty", "empty_text"),
+        (123, "no-text", "missing_field"),
+        (124, "num", "not_a_string"),
+        (125, "long", "too_long"),
+    ]
     assert not (tmp_path / "out.parquet.partial").exists()
     vectors = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
@@ -113,24 +130,46 @@ def test_ctrl_c_leaves_a_checkpoint_and_exits_1(synapse_cache_dir, tmp_path, run
 def test_stdin_and_max_errors(synapse_cache_dir, tmp_path, runtime_dir):
     lines = [json.dumps({"id": f"s{i}", "text": f"line number {i}"}) for i in range(30)]
     out = tmp_path / "s.parquet"
-    proc = batch_cli(synapse_cache_dir, "-", "-o", str(out), input="\n".join(lines) + "\n",
-                     runtime_dir=runtime_dir)
+    proc = batch_cli(
+        synapse_cache_dir,
+        "-",
+        "-o",
+        str(out),
+        input="\n".join(lines) + "\n",
+        runtime_dir=runtime_dir,
+    )
     assert proc.returncode == 0, proc.stderr
     assert read_output(out)[1] == [f"s{i}" for i in range(30)]
     assert "wrote 30 rows" in proc.stdout and "no row failed" in proc.stdout
 
     bad = lines[:5] + ["{broken"] * 4
-    proc = batch_cli(synapse_cache_dir, "-", "-o", str(tmp_path / "m.parquet"),
-                     "--max-errors", "3", input="\n".join(bad), runtime_dir=runtime_dir)
+    proc = batch_cli(
+        synapse_cache_dir,
+        "-",
+        "-o",
+        str(tmp_path / "m.parquet"),
+        "--max-errors",
+        "3",
+        input="\n".join(bad),
+        runtime_dir=runtime_dir,
+    )
     assert proc.returncode == 1
     assert "4 rows failed, more than --max-errors 3" in proc.stderr
     assert not (tmp_path / "m.parquet").exists()
 
     # The limit broke on the last window: that window is committed, so --resume has nothing
     # left to embed, and must still refuse to publish.
-    proc = batch_cli(synapse_cache_dir, "-", "-o", str(tmp_path / "m.parquet"),
-                     "--max-errors", "3", "--resume", input="\n".join(bad),
-                     runtime_dir=runtime_dir)
+    proc = batch_cli(
+        synapse_cache_dir,
+        "-",
+        "-o",
+        str(tmp_path / "m.parquet"),
+        "--max-errors",
+        "3",
+        "--resume",
+        input="\n".join(bad),
+        runtime_dir=runtime_dir,
+    )
     assert proc.returncode == 1, proc.stdout
     assert "more than --max-errors 3" in proc.stderr and not (tmp_path / "m.parquet").exists()
 
@@ -145,8 +184,7 @@ def test_usage_errors_exit_2_before_any_worker(synapse_cache_dir, tmp_path):
         (tmp_path / "ro").mkdir(mode=0o500)
         unwritable = str(tmp_path / "ro")
     cases = [
-        ([str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.parquet")],
-         "does not exist"),
+        ([str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.parquet")], "does not exist"),
         ([str(tmp_path / "c.xml"), "-o", str(tmp_path / "o.parquet")], "unknown rows format"),
         ([good, "-o", f"{unwritable}/o.parquet"], "cannot write in the output directory"),
         ([good, "-o", str(tmp_path / "nodir" / "o.parquet")], "does not exist"),

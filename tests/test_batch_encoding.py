@@ -72,8 +72,7 @@ def test_a_float_vector_never_lands_in_an_integer_column():
 
 def test_the_cli_offers_every_dtype_and_the_job_checks_its_own(tmp_path):
     def parse(*extra):
-        return build_parser().parse_args(["batch", "embed", "in.jsonl", "-o", "o.parquet",
-                                          *extra])
+        return build_parser().parse_args(["batch", "embed", "in.jsonl", "-o", "o.parquet", *extra])
 
     assert parse().dtype == "float32"
     assert [parse("--dtype", d).dtype for d in DTYPES] == list(DTYPES)
@@ -113,29 +112,39 @@ def float_job(store_root, module_tmp):
     write_jsonl(module_tmp / "c.jsonl", 40, seed=5)
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     try:
-        asyncio.run(run_job(_options(root, runtime, module_tmp / "c.jsonl",
-                                     module_tmp / "float32.parquet", window_rows=16)))
+        asyncio.run(
+            run_job(
+                _options(
+                    root,
+                    runtime,
+                    module_tmp / "c.jsonl",
+                    module_tmp / "float32.parquet",
+                    window_rows=16,
+                )
+            )
+        )
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
     vectors = _vectors(pq.read_table(module_tmp / "float32.parquet"))
     ranges = calibration_ranges(vectors, 384)
     store = ArtifactStore(root)
-    kept = record_ranges(store, MODEL, store.get(MODEL).digest, {384: ranges},
-                         calibration_set(), "llama", "t")
+    kept = record_ranges(
+        store, MODEL, store.get(MODEL).digest, {384: ranges}, calibration_set(), "llama", "t"
+    )
     assert np.array_equal(kept[384], ranges)
     return {"root": root, "dir": module_tmp, "vectors": vectors, "ranges": ranges}
 
 
 @pytest.mark.model
-async def test_each_dtype_writes_quantize_embeddings_of_the_float_job(float_job,
-                                                                      short_runtime_dir):
+async def test_each_dtype_writes_quantize_embeddings_of_the_float_job(float_job, short_runtime_dir):
     root, d, want, ranges = (float_job[k] for k in ("root", "dir", "vectors", "ranges"))
     float_meta = read_metadata(d / "float32.parquet")
     assert float_meta["dtype"] == "float32" and "quantization_ranges" not in float_meta
     for dtype in DTYPES[1:]:
         out = d / f"{dtype}.parquet"
-        summary = await run_job(_options(root, short_runtime_dir, d / "c.jsonl", out,
-                                         window_rows=16, dtype=dtype))
+        summary = await run_job(
+            _options(root, short_runtime_dir, d / "c.jsonl", out, window_rows=16, dtype=dtype)
+        )
         assert summary.rows == 40 and summary.metadata["dtype"] == dtype
         table = pq.read_table(out)
         assert table.schema.field("embedding").type == COLUMN[dtype]
@@ -148,25 +157,36 @@ async def test_each_dtype_writes_quantize_embeddings_of_the_float_job(float_job,
             assert got.dtype == expected.dtype and np.array_equal(got, expected), dtype
         meta = read_metadata(out)
         assert {k: v for k, v in meta.items() if k not in ("dtype", "quantization_ranges")} == {
-            k: v for k, v in float_meta.items() if k != "dtype"}
+            k: v for k, v in float_meta.items() if k != "dtype"
+        }
         assert meta["dims"] == "384"  # the model's width, also for 48 packed bytes
         if dtype.endswith("int8"):
             recorded = json.loads(meta["quantization_ranges"])
             assert recorded["calibration"] == calibration_set()
-            assert np.array_equal(np.array([recorded["min"], recorded["max"]], np.float32),
-                                  ranges)
+            assert np.array_equal(np.array([recorded["min"], recorded["max"]], np.float32), ranges)
         else:
             assert "quantization_ranges" not in meta
 
 
 @pytest.mark.model
-def test_the_ray_job_quantizes_with_the_models_ranges(ray_session, float_job, tmp_path,
-                                                      short_runtime_dir):
+def test_the_ray_job_quantizes_with_the_models_ranges(
+    ray_session, float_job, tmp_path, short_runtime_dir
+):
     from batch.ray_job import run_ray_job
 
     root, d, want, ranges = (float_job[k] for k in ("root", "dir", "vectors", "ranges"))
-    remote = run_ray_job(_options(root, short_runtime_dir, d / "c.jsonl", tmp_path / "r.parquet",
-                                  window_rows=16, dtype="int8"), address=None, workers=1)
+    remote = run_ray_job(
+        _options(
+            root,
+            short_runtime_dir,
+            d / "c.jsonl",
+            tmp_path / "r.parquet",
+            window_rows=16,
+            dtype="int8",
+        ),
+        address=None,
+        workers=1,
+    )
     assert remote.rows == 40
     table = pq.read_table(tmp_path / "r.parquet")
     assert table.schema.field("embedding").type == COLUMN["int8"]

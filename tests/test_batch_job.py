@@ -25,13 +25,15 @@ pytestmark = pytest.mark.model  # builds or loads a real model, or starts a mode
 
 
 def module_config(store_root, runtime_dir) -> ModuleConfig:
-    return ModuleConfig(store_root=store_root,
-                        host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    return ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
 
 
 def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
-    return JobOptions(input=str(input), output=str(output),
-                      module=module_config(store_root, runtime_dir), **kw)
+    return JobOptions(
+        input=str(input), output=str(output), module=module_config(store_root, runtime_dir), **kw
+    )
 
 
 async def test_txt_csv_and_parquet_inputs_give_the_same_vectors_as_module_embed(
@@ -43,11 +45,22 @@ async def test_txt_csv_and_parquet_inputs_give_the_same_vectors_as_module_embed(
     pcsv.write_csv(table, tmp_path / "c.csv")
     pq.write_table(table, tmp_path / "c.parquet")
     got = {}
-    for name, fields in [("c.txt", {}), ("c.csv", {"text_field": "body", "id_field": "key"}),
-                         ("c.parquet", {"text_field": "body", "id_field": "key"})]:
-        summary = await run_job(options(store_root, short_runtime_dir, tmp_path / name,
-                                        tmp_path / f"{name}.parquet", workers=2,
-                                        window_rows=16, **fields))
+    for name, fields in [
+        ("c.txt", {}),
+        ("c.csv", {"text_field": "body", "id_field": "key"}),
+        ("c.parquet", {"text_field": "body", "id_field": "key"}),
+    ]:
+        summary = await run_job(
+            options(
+                store_root,
+                short_runtime_dir,
+                tmp_path / name,
+                tmp_path / f"{name}.parquet",
+                workers=2,
+                window_rows=16,
+                **fields,
+            )
+        )
         assert summary.rows == 40 and summary.errors == 0
         got[name] = read_output(tmp_path / f"{name}.parquet")
     assert got["c.txt"][1] == [str(i) for i in range(1, 41)]
@@ -83,8 +96,14 @@ async def test_a_worker_sigkilled_mid_batch_is_retried_and_no_row_is_lost(
 
     killer = asyncio.create_task(kill_one_in_flight())
     summary = await run_job(
-        options(store_root, short_runtime_dir, tmp_path / "c.jsonl", tmp_path / "o.parquet",
-                workers=1, window_rows=50),
+        options(
+            store_root,
+            short_runtime_dir,
+            tmp_path / "c.jsonl",
+            tmp_path / "o.parquet",
+            workers=1,
+            window_rows=50,
+        ),
         on_ready=lanes.extend,
     )
     await killer
@@ -105,8 +124,14 @@ async def test_a_row_that_crashes_the_engine_twice_is_a_row_error(
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lanes = []
     summary = await run_job(
-        options(store_root, short_runtime_dir, tmp_path / "c.jsonl", tmp_path / "o.parquet",
-                workers=1, runtime_config={"n_ubatch": 64, "n_batch": 64}),
+        options(
+            store_root,
+            short_runtime_dir,
+            tmp_path / "c.jsonl",
+            tmp_path / "o.parquet",
+            workers=1,
+            runtime_config={"n_ubatch": 64, "n_batch": 64},
+        ),
         on_ready=lanes.extend,
     )
     assert summary.rows == 30 and summary.errors == 1
@@ -118,17 +143,28 @@ async def test_a_row_that_crashes_the_engine_twice_is_a_row_error(
     assert lanes[0].crashes == 4  # batch, batch again, then the row alone twice
 
 
-async def test_resume_refuses_a_checkpoint_of_another_job(store_root, short_runtime_dir,
-                                                          tmp_path):
+async def test_resume_refuses_a_checkpoint_of_another_job(store_root, short_runtime_dir, tmp_path):
     write_jsonl(tmp_path / "c.jsonl", 10)
     out = tmp_path / "o.parquet"
     partial = tmp_path / "o.parquet.partial"
     partial.mkdir()
-    (partial / "state.json").write_text(json.dumps({
-        "job": {"input": {"path": "/elsewhere.jsonl"}}, "next_line": 5, "parts": 0,
-        "rows": 4, "tokens": 0, "errors": 0, "errors_bytes": 0, "artifact_digest": None}))
+    (partial / "state.json").write_text(
+        json.dumps(
+            {
+                "job": {"input": {"path": "/elsewhere.jsonl"}},
+                "next_line": 5,
+                "parts": 0,
+                "rows": 4,
+                "tokens": 0,
+                "errors": 0,
+                "errors_bytes": 0,
+                "artifact_digest": None,
+            }
+        )
+    )
     with pytest.raises(BatchUsageError, match="belongs to another job.*input"):
-        await run_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out,
-                              resume=True))
+        await run_job(
+            options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out, resume=True)
+        )
     with pytest.raises(BatchUsageError, match="pass --resume"):
         await run_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out))

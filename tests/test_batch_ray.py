@@ -25,29 +25,48 @@ pytestmark = pytest.mark.model  # builds or loads a real model, or starts a mode
 
 
 def options(store_root, runtime_dir, input, output, **kw) -> JobOptions:
-    module = ModuleConfig(store_root=store_root,
-                          host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    module = ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
     return JobOptions(input=str(input), output=str(output), module=module, **kw)
 
 
-def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, tmp_path,
-                                                      monkeypatch, short_runtime_dir):
+def test_the_ray_job_writes_what_the_local_job_writes(
+    ray_session, store_root, tmp_path, monkeypatch, short_runtime_dir
+):
     runtime_dir = short_runtime_dir
     bad = ["not json", json.dumps({"id": "e", "text": ""})]
     write_jsonl(tmp_path / "c.jsonl", 90, seed=7, extra=bad)
-    local = asyncio.run(run_job(options(store_root, runtime_dir, tmp_path / "c.jsonl",
-                                        tmp_path / "local.parquet", window_rows=32)))
+    local = asyncio.run(
+        run_job(
+            options(
+                store_root,
+                runtime_dir,
+                tmp_path / "c.jsonl",
+                tmp_path / "local.parquet",
+                window_rows=32,
+            )
+        )
+    )
     timings: dict = {}
     # A relative input, from a directory Ray's workers do not run in: the job names the file
     # as the driver sees it.
     monkeypatch.chdir(tmp_path)
-    remote = run_ray_job(options(store_root, runtime_dir, "c.jsonl",
-                                 tmp_path / "ray.parquet", window_rows=32),
-                         address=None, workers=2, timings=timings)  # 2 actors, 3 blocks
-    assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors,
-                                                            local.tokens) == (90, 2, local.tokens)
-    (lt, lids), (rt, rids) = read_output(tmp_path / "local.parquet"), read_output(
-        tmp_path / "ray.parquet")
+    remote = run_ray_job(
+        options(store_root, runtime_dir, "c.jsonl", tmp_path / "ray.parquet", window_rows=32),
+        address=None,
+        workers=2,
+        timings=timings,
+    )  # 2 actors, 3 blocks
+    assert (
+        (remote.rows, remote.errors, remote.tokens)
+        == (local.rows, local.errors, local.tokens)
+        == (90, 2, local.tokens)
+    )
+    (lt, lids), (rt, rids) = (
+        read_output(tmp_path / "local.parquet"),
+        read_output(tmp_path / "ray.parquet"),
+    )
     assert rids == lids
     lv = np.stack(lt.column("embedding").to_numpy(zero_copy_only=False))
     rv = np.stack(rt.column("embedding").to_numpy(zero_copy_only=False))
@@ -55,7 +74,8 @@ def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, t
     assert rt.schema == lt.schema
     assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
     assert (tmp_path / "ray.parquet.errors.jsonl").read_text() == (
-        tmp_path / "local.parquet.errors.jsonl").read_text()
+        tmp_path / "local.parquet.errors.jsonl"
+    ).read_text()
     assert not (tmp_path / "ray.parquet.partial").exists()  # the checkpoint, published
     assert 0 < timings["first_row_s"]
     assert not wait_gone(runtime_dir, timeout_s=30), "an actor's worker outlived the job"
@@ -64,8 +84,10 @@ def test_the_ray_job_writes_what_the_local_job_writes(ray_session, store_root, t
 def test_the_ane_lane_needs_a_node_that_offers_the_ane(ray_session, store_root, tmp_path):
     write_jsonl(tmp_path / "c.jsonl", 2)
     with pytest.raises(BatchUsageError, match="no Ray node offers the 'ane' resource"):
-        run_ray_job(options(store_root, "/tmp", tmp_path / "c.jsonl", tmp_path / "o.parquet",
-                            lane="ane"), address=None)
+        run_ray_job(
+            options(store_root, "/tmp", tmp_path / "c.jsonl", tmp_path / "o.parquet", lane="ane"),
+            address=None,
+        )
 
 
 def test_an_empty_input_writes_an_empty_output_like_the_local_job(
@@ -74,13 +96,21 @@ def test_an_empty_input_writes_an_empty_output_like_the_local_job(
     # No row reaches an actor, so the provenance metadata is described by a task that loads
     # the lane where the actors would have run; the local job writes the same empty file.
     (tmp_path / "c.jsonl").write_text("\n\n")  # blank lines are not records
-    local = asyncio.run(run_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl",
-                                        tmp_path / "local.parquet")))
-    remote = run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl",
-                                 tmp_path / "ray.parquet"), address=None, workers=1)
+    local = asyncio.run(
+        run_job(
+            options(store_root, short_runtime_dir, tmp_path / "c.jsonl", tmp_path / "local.parquet")
+        )
+    )
+    remote = run_ray_job(
+        options(store_root, short_runtime_dir, tmp_path / "c.jsonl", tmp_path / "ray.parquet"),
+        address=None,
+        workers=1,
+    )
     assert (remote.rows, remote.errors) == (local.rows, local.errors) == (0, 0)
-    (rt, rids), (lt, _) = read_output(tmp_path / "ray.parquet"), read_output(
-        tmp_path / "local.parquet")
+    (rt, rids), (lt, _) = (
+        read_output(tmp_path / "ray.parquet"),
+        read_output(tmp_path / "local.parquet"),
+    )
     assert rids == [] and rt.schema == lt.schema
     assert read_metadata(tmp_path / "ray.parquet") == read_metadata(tmp_path / "local.parquet")
     assert not (tmp_path / "ray.parquet.errors.jsonl").exists()
@@ -109,15 +139,23 @@ def test_sigint_stops_the_ray_job_with_its_checkpoint_and_resume_finishes_it(
     killer.start()
     try:
         with pytest.raises(JobAborted, match=r"interrupted by SIGINT.*--resume"):
-            run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out,
-                                window_rows=10), address=None, workers=1)
+            run_ray_job(
+                options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out, window_rows=10),
+                address=None,
+                workers=1,
+            )
     finally:
         killer.join()
     assert not out.exists()
     committed = json.loads(state_file.read_text())
     assert 20 <= committed["rows"] < 200
-    summary = run_ray_job(options(store_root, short_runtime_dir, tmp_path / "c.jsonl", out,
-                                  window_rows=10, resume=True), address=None, workers=1)
+    summary = run_ray_job(
+        options(
+            store_root, short_runtime_dir, tmp_path / "c.jsonl", out, window_rows=10, resume=True
+        ),
+        address=None,
+        workers=1,
+    )
     assert summary.resumed_from_line == committed["next_line"] > 1
     assert summary.rows == 200 and read_output(out)[1] == ids  # none lost, none twice
     assert not wait_gone(short_runtime_dir, timeout_s=30), "an actor's worker outlived it"

@@ -29,23 +29,31 @@ def result(lines, block, block_rows, meta=META, bad=()):
     """An actor's result rows for `lines` of `block`; lines in `bad` are row errors."""
     n = len(lines)
     vectors = np.array([[line, 0, 0, 0] for line in lines], np.float32).reshape(-1)
-    return pa.table({
-        "line": pa.array(lines, pa.int64()), "id": [f"r{line}" for line in lines],
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors), DIMS),
-        "n_tokens": pa.array([3] * n, pa.int32()), "truncated": [False] * n,
-        "error_code": pa.array([("empty_text" if line in bad else None) for line in lines],
-                               pa.string()),
-        "error_message": pa.array([("no text" if line in bad else None) for line in lines],
-                                  pa.string()),
-        "_meta": [meta] * n, "block": pa.array([block] * n, pa.int64()),
-        "block_rows": pa.array([block_rows] * n, pa.int64()),
-    })
+    return pa.table(
+        {
+            "line": pa.array(lines, pa.int64()),
+            "id": [f"r{line}" for line in lines],
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors), DIMS),
+            "n_tokens": pa.array([3] * n, pa.int32()),
+            "truncated": [False] * n,
+            "error_code": pa.array(
+                [("empty_text" if line in bad else None) for line in lines], pa.string()
+            ),
+            "error_message": pa.array(
+                [("no text" if line in bad else None) for line in lines], pa.string()
+            ),
+            "_meta": [meta] * n,
+            "block": pa.array([block] * n, pa.int64()),
+            "block_rows": pa.array([block_rows] * n, pa.int64()),
+        }
+    )
 
 
 def open_job(tmp_path, resume=False, **kw):
     (tmp_path / "c.jsonl").write_text("")
-    opts = JobOptions(input=str(tmp_path / "c.jsonl"), output=str(tmp_path / "o.parquet"),
-                      resume=resume, **kw)
+    opts = JobOptions(
+        input=str(tmp_path / "c.jsonl"), output=str(tmp_path / "o.parquet"), resume=resume, **kw
+    )
     ckpt = Checkpoint.open(tmp_path / "o.parquet", {"job": 1}, resume)
     return opts, ckpt
 
@@ -59,8 +67,11 @@ def test_blocks_out_of_order_and_in_pieces_commit_as_a_prefix_in_order(tmp_path)
     committer.add(result([3, 4], block=0, block_rows=4, bad=(4,)))  # half of block 0
     assert ckpt.state["parts"] == 0
     # A piece spanning two blocks: the rest of block 0 and all of block 2.
-    committer.add(pa.concat_tables([result([1, 2], block=0, block_rows=4),
-                                    result([8], block=2, block_rows=1)]))
+    committer.add(
+        pa.concat_tables(
+            [result([1, 2], block=0, block_rows=4), result([8], block=2, block_rows=1)]
+        )
+    )
     assert committer.held_blocks == 0 and committer.next_block == 3
     s = ckpt.state
     assert (s["parts"], s["rows"], s["errors"], s["next_line"]) == (3, 6, 1, 9)
@@ -85,9 +96,7 @@ def test_rows_from_another_artifact_stop_the_job_before_they_commit(tmp_path):
         committer.add(result([3, 4], block=2, block_rows=1))
 
 
-def test_max_errors_stops_after_the_commit_that_broke_it_and_resume_checks_the_artifact(
-    tmp_path
-):
+def test_max_errors_stops_after_the_commit_that_broke_it_and_resume_checks_the_artifact(tmp_path):
     opts, ckpt = open_job(tmp_path, max_errors=1)
     committer = BlockCommitter(ckpt, opts)
     with pytest.raises(JobAborted, match="more than --max-errors 1"):

@@ -44,13 +44,15 @@ def test_sigkill_of_the_ray_driver_then_resume_writes_every_row_once(
     ray_env = {"RAY_TMPDIR": ray_tmp, "RAY_agent_register_timeout_ms": "120000"}
     ids = write_jsonl(tmp_path / "c.jsonl", 300, seed=4)
     out = tmp_path / "out.parquet"
-    args = [str(tmp_path / "c.jsonl"), "-o", str(out), "--window-rows", "20", "--json",
-            "--ray"]
+    args = [str(tmp_path / "c.jsonl"), "-o", str(out), "--window-rows", "20", "--json", "--ray"]
     # The driver's output to files: Ray Data's progress could fill a pipe and stall it.
     with open(tmp_path / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "batch", "embed", *args],
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env=cli_env(synapse_cache_dir, runtime_dir, ray_env))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "batch", "embed", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=cli_env(synapse_cache_dir, runtime_dir, ray_env),
+        )
         try:
             state = wait_for_commits(out, 3, proc, timeout_s=300)
         except AssertionError:
@@ -70,8 +72,9 @@ def test_sigkill_of_the_ray_driver_then_resume_writes_every_row_once(
 
     again = batch_cli(synapse_cache_dir, *args, runtime_dir=runtime_dir, env=ray_env)
     assert again.returncode == 2 and "--resume" in again.stderr  # never silently restarts
-    resumed = batch_cli(synapse_cache_dir, *args, "--resume", runtime_dir=runtime_dir,
-                        env=ray_env, timeout=600)
+    resumed = batch_cli(
+        synapse_cache_dir, *args, "--resume", runtime_dir=runtime_dir, env=ray_env, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_line"] > 1 and summary["rows"] == 300
@@ -79,9 +82,17 @@ def test_sigkill_of_the_ray_driver_then_resume_writes_every_row_once(
     assert got == ids  # exact: none lost, none twice, in order
     assert not (tmp_path / "out.parquet.partial").exists()
 
-    local = batch_cli(synapse_cache_dir, str(tmp_path / "c.jsonl"), "-o",
-                      str(tmp_path / "local.parquet"), "--window-rows", "20", "--json",
-                      "--resume", runtime_dir=runtime_dir)
+    local = batch_cli(
+        synapse_cache_dir,
+        str(tmp_path / "c.jsonl"),
+        "-o",
+        str(tmp_path / "local.parquet"),
+        "--window-rows",
+        "20",
+        "--json",
+        "--resume",
+        runtime_dir=runtime_dir,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     assert json.loads(local.stdout)["rows"] == 300
     local_table, local_ids = read_output(tmp_path / "local.parquet")

@@ -67,17 +67,25 @@ def test_txt_lines(tmp_path):
     path.write_bytes(b"first\r\n\nthird")
     rows = rows_of(path)
     assert [(r.line, r.id, r.text, r.error_code) for r in rows] == [
-        (1, "1", "first", None), (2, "2", None, "empty_text"), (3, "3", "third", None)]
+        (1, "1", "first", None),
+        (2, "2", None, "empty_text"),
+        (3, "3", "third", None),
+    ]
     assert count_records(InputSpec(str(path))) == 3
 
 
 def test_parquet_and_csv_columns_by_name(tmp_path):
-    table = pa.table({"doc": ["x1", "x2", None, "x4"], "text": ["a", "", "c", None],
-                      "n": [1, 2, 3, 4]})
+    table = pa.table(
+        {"doc": ["x1", "x2", None, "x4"], "text": ["a", "", "c", None], "n": [1, 2, 3, 4]}
+    )
     pq.write_table(table, tmp_path / "c.parquet", row_group_size=2)
     rows = rows_of(tmp_path / "c.parquet", id_field="doc")
     assert [(r.line, r.id, r.error_code) for r in rows] == [
-        (1, "x1", None), (2, "x2", "empty_text"), (3, "3", None), (4, "x4", "missing_field")]
+        (1, "x1", None),
+        (2, "x2", "empty_text"),
+        (3, "3", None),
+        (4, "x4", "missing_field"),
+    ]
     assert [r.line for r in read_rows(InputSpec(str(tmp_path / "c.parquet")), 3)] == [3, 4]
     pcsv.write_csv(table, tmp_path / "c.csv")
     rows = rows_of(tmp_path / "c.csv", id_field="n")
@@ -120,8 +128,9 @@ def test_plan_batches_groups_by_length_within_budgets():
     assert batches[0] == [6]  # over the budget alone: a batch of its own
     for b in batches:
         assert len(b) <= 2 and (len(b) == 1 or sum(lengths[i] for i in b) <= 512)
-    assert [lengths[b[0]] for b in batches] == sorted((lengths[b[0]] for b in batches),
-                                                      reverse=True)
+    assert [lengths[b[0]] for b in batches] == sorted(
+        (lengths[b[0]] for b in batches), reverse=True
+    )
 
 
 def test_an_invalid_utf8_byte_in_one_csv_row_follows_the_sanitization_rule(tmp_path):
@@ -151,8 +160,12 @@ def test_a_csv_row_with_the_wrong_number_of_fields_is_one_error_record(tmp_path)
     )
     rows = rows_of(path)
     assert [(r.line, r.id, r.error_code) for r in rows] == [
-        (1, "a", None), (2, None, "malformed_row"), (3, "c", None), (4, None, "malformed_row"),
-        (5, "e", None)]
+        (1, "a", None),
+        (2, None, "malformed_row"),
+        (3, "c", None),
+        (4, None, "malformed_row"),
+        (5, "e", None),
+    ]
     assert rows[1].error_message == "row 2 has 3 fields, the header 2"
     assert rows[2].text == "third, with a comma\nand a newline"
     assert [r.line for r in read_rows(InputSpec(str(path)), 3)] == [3, 4, 5]  # resuming
@@ -185,8 +198,12 @@ def test_csv_count_is_the_readers_record_count_not_its_lines(tmp_path):
         b'3,5" tall\r\n4,"last\nfield without newline"'
     )
     rows = rows_of(path)
-    assert [(r.id, r.error_code) for r in rows] == [("1", None), ("2", None), ("3", None),
-                                                     ("4", None)]
+    assert [(r.id, r.error_code) for r in rows] == [
+        ("1", None),
+        ("2", None),
+        ("3", None),
+        ("4", None),
+    ]
     assert rows[1].text == 'say "hi"\n\nbye' and rows[2].text == '5" tall'
     assert count_records(InputSpec(str(path))) == len(rows) == 4
     path.write_bytes(b"id,text\n")

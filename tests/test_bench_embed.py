@@ -18,19 +18,28 @@ from bench.embed import (
 from ingest.store import DEFAULT_EMBED, Manifest, ModelRecord
 
 # A 2-layer Qwen3 at width 64 with the real shape's tokenizer, pooling, Normalize and prompts.
-TINY_QWEN3 = {"num_hidden_layers": 2, "max_window_layers": 2, "hidden_size": 64,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "intermediate_size": 128, "vocab_size": 3000}
+TINY_QWEN3 = {
+    "num_hidden_layers": 2,
+    "max_window_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 3000,
+}
 
 
 def _check_cosines(result: dict) -> None:
     assert result["embed"]["lane_min_cos_vs_in_process"] >= 0.9999
     st, ort = result["sentence_transformers"], result["ort"]
     assert "skipped" not in st and "skipped" not in ort, (st, ort)
-    for value in (st["lane_mean_cos_vs_sentence_transformers"],
-                  st["lane_min_cos_vs_sentence_transformers_same_ids"],
-                  ort["lane_min_cos_vs_ort_same_ids"],
-                  ort["ort_min_cos_vs_sentence_transformers"]):
+    for value in (
+        st["lane_mean_cos_vs_sentence_transformers"],
+        st["lane_min_cos_vs_sentence_transformers_same_ids"],
+        ort["lane_min_cos_vs_ort_same_ids"],
+        ort["ort_min_cos_vs_sentence_transformers"],
+    ):
         assert 0.999 <= value <= 1.000001, result
     assert st["lane_ratio_vs_sentence_transformers"] > 0 and ort["lane_vs_ort"] > 0
     _check_kernels(result)
@@ -62,9 +71,21 @@ def test_texts_are_fixed_and_can_be_kept_short():
 
 
 def test_a_gguf_ingested_model_skips_both_baselines_with_the_reason():
-    man = Manifest(name="g-minilm", format="gguf", kind="embed", digest="0" * 64, size_bytes=1,
-                   dims=384, n_ctx=512, n_ctx_train=512, max_tokens=256, max_tokens_limit=512,
-                   source="gguf:/models/minilm.gguf", created_at="now", pooling="mean")
+    man = Manifest(
+        name="g-minilm",
+        format="gguf",
+        kind="embed",
+        digest="0" * 64,
+        size_bytes=1,
+        dims=384,
+        n_ctx=512,
+        n_ctx_train=512,
+        max_tokens=256,
+        max_tokens_limit=512,
+        source="gguf:/models/minilm.gguf",
+        created_at="now",
+        pooling="mean",
+    )
 
     class Store:
         root = Path("/nonexistent/models")
@@ -85,8 +106,12 @@ def test_the_default_model_one_repeat(store_root):
     result = run_bench(DEFAULT_EMBED, repeats=1, threads=2, store_root=store_root, sentences=12)
     assert (result["model"], result["sentences"], result["repeats"]) == (DEFAULT_EMBED, 12, 1)
     assert (result["pooling"], result["dims"], result["prompt"]) == ("mean", 384, "")
-    assert set(result["seconds_per_repeat"]) == {"lane", "in_process", "sentence_transformers",
-                                                 "ort"}
+    assert set(result["seconds_per_repeat"]) == {
+        "lane",
+        "in_process",
+        "sentence_transformers",
+        "ort",
+    }
     assert result["plan"]["embed_batches"] >= 1 and result["plan"]["decodes"] >= 1
     assert result["tokens"] == sum(result["plan"]["tokens_per_batch"])
     _check_cosines(result)
@@ -102,8 +127,15 @@ def test_a_last_token_model_with_a_prompt(tmp_path):
     from bench.real_sizes import QWEN3_PROMPTS, SHAPES, run_shape
 
     shape = SHAPES["qwen3"]
-    result = run_shape(shape, 1, threads=2, root=tmp_path, config={**shape.config, **TINY_QWEN3},
-                       sentences=10, prompt_name="query")
+    result = run_shape(
+        shape,
+        1,
+        threads=2,
+        root=tmp_path,
+        config={**shape.config, **TINY_QWEN3},
+        sentences=10,
+        prompt_name="query",
+    )
     assert (result["pooling"], result["dims"], result["sentences"]) == ("last", 64, 10)
     assert result["prompt"] == QWEN3_PROMPTS["query"]
     assert result["plan"]["causal"] is True

@@ -105,8 +105,12 @@ def test_llama_lane_certifies(llama_cert, cert_store):
     assert cert.status == "certified" and cert.failing == []
     assert cert.quality == "pass" and cert.placement == "n/a"
     assert "runs on the CPU" in check(cert, "placement.share").detail
-    for name in ("quality.min_cosine", "quality.mean_cosine", "quality.retrieval_top10",
-                 "quality.tokenizer_agreement"):
+    for name in (
+        "quality.min_cosine",
+        "quality.mean_cosine",
+        "quality.retrieval_top10",
+        "quality.tokenizer_agreement",
+    ):
         assert check(cert, name).status == "pass", check(cert, name)
     assert check(cert, "quality.rerank_max_abs_error").status == "n/a"
     assert check(cert, "quality.tokenizer_agreement").value == 0  # identical ids for MiniLM
@@ -124,8 +128,11 @@ def test_llama_lane_certifies(llama_cert, cert_store):
 
 async def test_a_rerun_keeps_the_fingerprint(llama_cert, cert_store_root, cert_store):
     """Same lane, fresh worker, other batching: noise below the grid margin is not drift."""
-    again = await run(cert_store_root, cert_store,
-                      RunOptions(model="minilm-l6-v2", sample_stride=40, batch_size=5))
+    again = await run(
+        cert_store_root,
+        cert_store,
+        RunOptions(model="minilm-l6-v2", sample_stride=40, batch_size=5),
+    )
     assert again.id == llama_cert.id
     assert again.drift is not None and again.drift.same_key
     assert not again.drift.drifted and check(again, "fingerprint.drift").status == "pass"
@@ -136,8 +143,11 @@ async def test_degraded_llama_artifact_fails_quality(cert_store_root, cert_store
     """A GGUF converted from weights cut to 6 mantissa bits, judged against the original."""
     degraded = truncated_mantissa_copy(minilm_dir(), tmp_path / "minilm-mant6", bits=6)
     ArtifactStore(cert_store_root).ingest_hf_dir(degraded, name="minilm-mant6", dtype="f32")
-    cert = await run(cert_store_root, cert_store, RunOptions(
-        model="minilm-mant6", sample_stride=STRIDE, reference_dir=str(minilm_dir())))
+    cert = await run(
+        cert_store_root,
+        cert_store,
+        RunOptions(model="minilm-mant6", sample_stride=STRIDE, reference_dir=str(minilm_dir())),
+    )
     assert cert.status == "failed" and cert.quality == "fail"
     assert "quality.min_cosine" in cert.failing
     assert check(cert, "quality.min_cosine").value < 0.9999
@@ -149,8 +159,11 @@ async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
 ):
     """The reference embeds the corpus's own ids: the lane must not prepend the model's
     default prompt to them (the prompted model is MiniLM's weights)."""
-    cert = await run(cert_store_root, cert_store, RunOptions(
-        model=prompted_model, sample_stride=STRIDE, reference_dir=str(minilm_dir())))
+    cert = await run(
+        cert_store_root,
+        cert_store,
+        RunOptions(model=prompted_model, sample_stride=STRIDE, reference_dir=str(minilm_dir())),
+    )
     assert cert.quality == "pass", cert.failing
     assert check(cert, "quality.min_cosine").value >= 0.9999
 
@@ -158,8 +171,9 @@ async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
 async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_store, tmp_path):
     xenc = build_test_cross_encoder(tmp_path / "xenc", seed=0)
     ArtifactStore(cert_store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")
-    cert = await run(cert_store_root, cert_store,
-                     RunOptions(model="cert-xenc-f16", sample_stride=STRIDE))
+    cert = await run(
+        cert_store_root, cert_store, RunOptions(model="cert-xenc-f16", sample_stride=STRIDE)
+    )
     rerank = check(cert, "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and rerank.value <= 2e-3, rerank
     assert "own token types" in rerank.detail  # judged as trained: 1 on the document half
@@ -174,9 +188,17 @@ async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_s
 async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_store):
     # The gate logic on the reference executor (its placement is the static estimate on
     # every OS); the coreml backend's compute-plan placement is tested on macOS.
-    cert = await run(cert_store_root, cert_store, RunOptions(
-        model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=STRIDE,
-        runtime_config_extra={"backend": "reference"}))
+    cert = await run(
+        cert_store_root,
+        cert_store,
+        RunOptions(
+            model="minilm-l6-v2",
+            lane="ane",
+            shapes=PACKED,
+            sample_stride=STRIDE,
+            runtime_config_extra={"backend": "reference"},
+        ),
+    )
     assert cert.quality == "pass" and cert.failing == [], cert.checks
     assert check(cert, "quality.min_cosine").value >= 0.9995
     placement = check(cert, "placement.share")
@@ -190,25 +212,51 @@ async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_stor
 
 
 async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
-    cert = await run(cert_store_root, cert_store, RunOptions(
-        model="minilm-l6-v2", lane="ane", shapes=PACKED, sample_stride=40,  # blatant: few
-        runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}}))  # items suffice
+    cert = await run(
+        cert_store_root,
+        cert_store,
+        RunOptions(
+            model="minilm-l6-v2",
+            lane="ane",
+            shapes=PACKED,
+            sample_stride=40,  # blatant: few
+            runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}},
+        ),
+    )  # items suffice
     assert cert.status == "failed"
     assert "quality.min_cosine" in cert.failing and "quality.mean_cosine" in cert.failing
     assert "ln_eps_override" in cert.key.build_options  # never shares a healthy certificate
 
 
-def test_placement_below_threshold_fails_even_when_quality_passes(
-    cert_cache, tmp_path
-):
+def test_placement_below_threshold_fails_even_when_quality_passes(cert_cache, tmp_path):
     """Through the CLI, on a real Core ML run: --placement-threshold above the share."""
     out_html = tmp_path / "ane.html"
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(cert_cache)}
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "certify", "--model", "minilm-l6-v2", "--lane",
-         "ane", "--shapes", "4x256p", "--sample", "40", "--placement-threshold", "1.0",
-         "--json", "--report", str(out_html)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "certify",
+            "--model",
+            "minilm-l6-v2",
+            "--lane",
+            "ane",
+            "--shapes",
+            "4x256p",
+            "--sample",
+            "40",
+            "--placement-threshold",
+            "1.0",
+            "--json",
+            "--report",
+            str(out_html),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]  # 1 = failed
     cert = json.loads(proc.stdout)
@@ -227,8 +275,14 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
         assert "ane" in devices
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "cli.main", "certify", *args],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", "certify", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
 
     shown = cli("show", cert["id"][:8], "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["status"] == "failed"
@@ -241,9 +295,9 @@ def test_placement_below_threshold_fails_even_when_quality_passes(
 
 
 def test_kernel_revision_change_invalidates_the_certificate(llama_cert, cert_store):
-    identity = LaneIdentity(**{
-        f: getattr(llama_cert.key, f) for f in LaneIdentity.__struct_fields__
-    })
+    identity = LaneIdentity(
+        **{f: getattr(llama_cert.key, f) for f in LaneIdentity.__struct_fields__}
+    )
     assert check_certificate(cert_store, identity, "strict").id == llama_cert.id
     changed = msgspec.structs.replace(identity, kernel_revision="ane-bert-2")
     with pytest.raises(CertificateRequired) as info:

@@ -45,8 +45,12 @@ def test_no_share_fails_and_a_cpu_lane_has_no_placement_gate():
 
 
 def test_certificate_os_identity_names_macos_build_and_chip():
-    apple = {"chip": "Apple M2 Pro", "macos": "14.4.1", "macos_build": "23E224",
-             "neural_engine": True}
+    apple = {
+        "chip": "Apple M2 Pro",
+        "macos": "14.4.1",
+        "macos_build": "23E224",
+        "neural_engine": True,
+    }
     mac = os_identity("Darwin", "arm64", apple)
     assert mac == "macOS-14.4.1-23E224-arm64-Apple_M2_Pro"
     # Another build or another chip is another identity: no certificate carries over.

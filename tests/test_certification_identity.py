@@ -30,8 +30,12 @@ def _key(shapes, settings=None):
 def test_equivalent_shape_lists_share_a_key():
     # The worker gives an unnamed packed 4x256 shape 16 segments; the order is not numerics.
     a = _key([{"rows": 8, "seq_len": 128}, {"rows": 4, "seq_len": 256, "packed": True}])
-    b = _key([{"rows": 4, "seq_len": 256, "packed": True, "max_segments": 16},
-              {"rows": 8, "seq_len": 128}])
+    b = _key(
+        [
+            {"rows": 4, "seq_len": 256, "packed": True, "max_segments": 16},
+            {"rows": 8, "seq_len": 128},
+        ]
+    )
     assert a.id == b.id and a.shapes == ("4x256p/16", "8x128")
     c = _key([{"rows": 4, "seq_len": 256, "packed": True, "max_segments": 8}])
     assert c.id != _key([{"rows": 4, "seq_len": 256, "packed": True}]).id
@@ -46,8 +50,7 @@ def test_runtime_settings_that_change_numbers_are_in_the_key(monkeypatch):
     assert _key(shapes, default).id != _key(shapes, cpu).id
     monkeypatch.setenv("SYNAPSE_COREML_COMPUTE_UNITS", "cpu_only")  # the worker's override
     assert load_settings("ane", None) == cpu
-    assert load_settings("llama", {"flash_attn": False, "model_ref": "m"}) == {
-        "flash_attn": False}
+    assert load_settings("llama", {"flash_attn": False, "model_ref": "m"}) == {"flash_attn": False}
     assert load_settings("llama", None) == {}
 
 

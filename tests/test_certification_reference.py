@@ -93,8 +93,10 @@ def test_sentence_transformers_and_numpy_embeddings_agree(corpus_ids):
     st = Oracle(minilm_dir(), reference=ST).embed(corpus_ids)
     ref = Oracle(minilm_dir(), reference=NUMPY).embed(corpus_ids)
     cos = _cosines(st, ref)
-    print(f"ST vs numpy embeddings: {len(cos)} items, 1 - min cos {1 - cos.min():.3g}, "
-          f"max |diff| {np.abs(st - ref).max():.3g}")
+    print(
+        f"ST vs numpy embeddings: {len(cos)} items, 1 - min cos {1 - cos.min():.3g}, "
+        f"max |diff| {np.abs(st - ref).max():.3g}"
+    )
     assert st.shape == ref.shape == (len(corpus_ids), 384)
     assert cos.min() >= MIN_COSINE
 
@@ -115,8 +117,10 @@ def test_sentence_transformers_and_numpy_logits_agree(test_cross_encoder_dir):
     assert all(np.array_equal(a, b) for a, b in zip(types, ane_types, strict=True))
     got, want = st.scores(ids, types), ref.scores(ids, types)
     diff = np.abs(got.astype(np.float64) - want)
-    print(f"ST vs numpy logits: {len(diff)} pairs, max |diff| {diff.max():.3g}, "
-          f"spread {want.std():.3g}")
+    print(
+        f"ST vs numpy logits: {len(diff)} pairs, max |diff| {diff.max():.3g}, "
+        f"spread {want.std():.3g}"
+    )
     assert got.shape == want.shape == (len(docs),)
     assert diff.max() <= MAX_LOGIT_DIFF
     # The types reach the CrossEncoder: dropping them moves the logits far past the tolerance.
@@ -165,8 +169,9 @@ def test_the_cache_keys_name_the_reference(tmp_path, corpus_ids):
 
 def _qwen3_dir(path: Path) -> Path:
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3", "architectures": ["Qwen3Model"], "hidden_size": 8}))
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "architectures": ["Qwen3Model"], "hidden_size": 8})
+    )
     (path / "model.safetensors").write_bytes(b"")  # never read: no forward runs here
     return path
 
@@ -194,10 +199,20 @@ def test_without_sentence_transformers_bert_falls_back_to_numpy_and_others_are_r
 
 def test_a_model_ingested_from_a_gguf_file_needs_a_reference_dir(tmp_path):
     manifest = Manifest(
-        name="from-gguf", format="gguf", kind="embed", digest="0" * 64, size_bytes=1, dims=8,
-        n_ctx=512, n_ctx_train=512, max_tokens=256, max_tokens_limit=512,
-        source="gguf:/models/some-embedder.gguf", created_at="2026-01-01T00:00:00Z",
-        pooling="last")
+        name="from-gguf",
+        format="gguf",
+        kind="embed",
+        digest="0" * 64,
+        size_bytes=1,
+        dims=8,
+        n_ctx=512,
+        n_ctx_train=512,
+        max_tokens=256,
+        max_tokens_limit=512,
+        source="gguf:/models/some-embedder.gguf",
+        created_at="2026-01-01T00:00:00Z",
+        pooling="last",
+    )
     with pytest.raises(ValueError, match="ingested from a GGUF file.*--reference-dir"):
         reference_dir_for(ModelRecord(manifest, tmp_path))
 
@@ -219,8 +234,9 @@ def test_an_embedder_run_records_its_reference_and_passes(embed_cert, cert_store
     cert = embed_cert
     chosen = select_reference(minilm_dir())  # sentence-transformers here, numpy without it
     assert cert.status == "certified" and cert.failing == [], cert.checks
-    assert cert.reference.startswith("sentence-transformers " if chosen == ST
-                                     else NUMPY_REFERENCE), cert.reference
+    assert cert.reference.startswith(
+        "sentence-transformers " if chosen == ST else NUMPY_REFERENCE
+    ), cert.reference
     assert cert.reference_dir == str(minilm_dir())
     assert check(cert, "quality.min_cosine").value >= 0.9999
     back = cert_store.get(cert.id)
@@ -237,8 +253,11 @@ async def test_a_wrong_reference_fails_the_run(store_root, cert_store, tmp_path,
     """The lane mean-pools, as MiniLM does; a reference directory that says CLS must fail it
     (the judge pools as its directory says, not as the lane does)."""
     wrong = _with_pooling(tmp_path / "minilm-cls", "cls")
-    cert = await run(store_root, cert_store, RunOptions(
-        model="minilm-l6-v2", sample_stride=40, reference_dir=str(wrong), save=False))
+    cert = await run(
+        store_root,
+        cert_store,
+        RunOptions(model="minilm-l6-v2", sample_stride=40, reference_dir=str(wrong), save=False),
+    )
     assert cert.status == "failed" and "quality.min_cosine" in cert.failing
     assert check(cert, "quality.min_cosine").value < 0.99
     assert check(cert, "quality.tokenizer_agreement").status == "pass"  # the same ids
@@ -265,7 +284,20 @@ def test_the_cli_names_a_missing_reference(tmp_path, capsys, cache_env):
     from cli.main import main
 
     qwen = _qwen3_dir(tmp_path / "qwen3")
-    assert main(["certify", "--model", "minilm-l6-v2", "--reference", "numpy",
-                 "--reference-dir", str(qwen), "--no-save"]) == 2
+    assert (
+        main(
+            [
+                "certify",
+                "--model",
+                "minilm-l6-v2",
+                "--reference",
+                "numpy",
+                "--reference-dir",
+                str(qwen),
+                "--no-save",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "error[reference_unavailable]" in err and "synapse[reference]" in err

@@ -22,21 +22,44 @@ _CTX = mp.get_context("spawn")  # a clean interpreter per process, as separate c
 
 def make_cert(created_at: str, status: str = "certified") -> Certificate:
     key = CertificateKey(
-        model="m", lane="llama", precision="f16", artifact_digest="a" * 64,
-        manifest_digest=None, kernel_revision=None, shapes=(), engine="e", engine_version="1",
-        build_flags="", build_options="", runtime={}, os="linux",
+        model="m",
+        lane="llama",
+        precision="f16",
+        artifact_digest="a" * 64,
+        manifest_digest=None,
+        kernel_revision=None,
+        shapes=(),
+        engine="e",
+        engine_version="1",
+        build_flags="",
+        build_options="",
+        runtime={},
+        os="linux",
     )
     return Certificate(
-        id=key.id, key=key, status=status, quality="pass", placement="n/a", failing=[],
-        checks=[], thresholds=next(iter(TABLE.values())),
+        id=key.id,
+        key=key,
+        status=status,
+        quality="pass",
+        placement="n/a",
+        failing=[],
+        checks=[],
+        thresholds=next(iter(TABLE.values())),
         fingerprint=Fingerprint(
             digest="0" * 64, scheme="s", grid=0.1, n_values=1, n_kept=1, mask=""
         ),
         corpus=CorpusInfo(
-            n_items=1, n_total=1, sample_stride=1, digest="d", n_queries=0, n_documents=0,
+            n_items=1,
+            n_total=1,
+            sample_stride=1,
+            digest="d",
+            n_queries=0,
+            n_documents=0,
             n_probe=0,
         ),
-        measurements=Measurements(), created_at=created_at, duration_s=1.0,
+        measurements=Measurements(),
+        created_at=created_at,
+        duration_s=1.0,
     )
 
 

@@ -44,7 +44,8 @@ def _alone(tok: Tokenizer, texts: list[str], truncate: bool):
 def _same(got, want) -> bool:
     if isinstance(want, InvalidRequest):
         return isinstance(got, InvalidRequest) and (got.message, got.details) == (
-            want.message, want.details
+            want.message,
+            want.details,
         )
     return (
         not isinstance(got, BaseException)
@@ -68,8 +69,11 @@ _text = st.one_of(st.text(max_size=40), st.just(LONG), st.just(LONG + " and more
 
 
 @settings(max_examples=60, deadline=None)
-@given(requests=st.lists(st.tuples(st.lists(_text, min_size=1, max_size=4), st.booleans()),
-                         min_size=1, max_size=6))
+@given(
+    requests=st.lists(
+        st.tuples(st.lists(_text, min_size=1, max_size=4), st.booleans()), min_size=1, max_size=6
+    )
+)
 def test_each_request_gets_what_tokenizing_it_alone_gives(tok, requests):
     counting = _Counting(tok)
     got = asyncio.run(_flushed(Coalescer(counting, 1 << 20), requests))
@@ -79,9 +83,17 @@ def test_each_request_gets_what_tokenizing_it_alone_gives(tok, requests):
 
 
 def test_a_refused_request_does_not_fail_the_requests_tokenized_with_it(tok):
-    got = asyncio.run(_flushed(Coalescer(tok, 1 << 20), [
-        (["fine"], False), (["short", LONG], False), ([LONG], True), (["also fine"], False),
-    ]))
+    got = asyncio.run(
+        _flushed(
+            Coalescer(tok, 1 << 20),
+            [
+                (["fine"], False),
+                (["short", LONG], False),
+                ([LONG], True),
+                (["also fine"], False),
+            ],
+        )
+    )
     assert isinstance(got[1], InvalidRequest) and got[1].details["index"] == 1
     assert "over the limit of 256" in got[1].message
     assert got[2].truncated == [True] and got[2].n_tokens == [256]

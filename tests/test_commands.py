@@ -96,9 +96,14 @@ def test_doctor_reports_what_runs_here(synapse_cache_dir):
     if sys.platform != "darwin":
         assert report["coreml"]["runtime"] is False and "macOS" in report["coreml"]["reason"]
         assert report["ane_backends"] == ["reference"]
-        assert report["apple"] == {"chip": None, "macos": None, "macos_build": None,
-                                   "neural_engine": None, "neural_engine_cores": None,
-                                   "reason": "not macOS"}
+        assert report["apple"] == {
+            "chip": None,
+            "macos": None,
+            "macos_build": None,
+            "neural_engine": None,
+            "neural_engine_cores": None,
+            "reason": "not macOS",
+        }
     # macOS CI sets SYNAPSE_COREML_COMPUTE_UNITS=cpu_only (its VMs have no Neural Engine).
     want_units = os.environ.get("SYNAPSE_COREML_COMPUTE_UNITS") or "cpu_and_ne"
     assert report["coreml_compute_units"] == want_units

@@ -18,9 +18,10 @@ import pytest
 from tests import small_disk
 from tests.batch_support import batch_cli, read_output, write_jsonl
 
-pytestmark = [pytest.mark.model,
-              pytest.mark.skipif(small_disk.unavailable() is not None,
-                                 reason=str(small_disk.unavailable()))]
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(small_disk.unavailable() is not None, reason=str(small_disk.unavailable())),
+]
 
 
 @pytest.fixture
@@ -37,17 +38,20 @@ def _python(disk: Path, size: str, code: str, env: dict | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-_STORE_STATE = '''
+_STORE_STATE = """
 def state(store):
     names = [r.name for r in store.ls()]
     return {"ls": names, "entries": sorted(os.listdir(store.root)),
             "verified": [store.verify(n).name for n in names]}
-'''
+"""
 
 
 def test_a_build_the_disk_cannot_hold_is_refused_before_it_writes(disk):
     # 100 MB: the f16 MiniLM (~45 MB) fits, the f32 one (~87 MB) then does not.
-    out = _python(disk, "100M", f'''
+    out = _python(
+        disk,
+        "100M",
+        f"""
 import json, os
 from ingest import ArtifactStore
 from common.errors import StorageFull
@@ -60,7 +64,8 @@ except StorageFull as e:
     err = {{"code": e.code, "msg": e.message}}
 print(json.dumps({{"err": err, "free": __import__("shutil").disk_usage(store.root).free,
                   **state(store)}}))
-''')
+""",
+    )
     assert out["err"]["code"] == "storage_full"
     assert "'minilm-l6-v2-f32' needs about 9" in out["err"]["msg"]
     assert "MiB are free; free some space and ingest again" in out["err"]["msg"]
@@ -73,7 +78,10 @@ print(json.dumps({{"err": err, "free": __import__("shutil").disk_usage(store.roo
 def test_gemma_with_its_derived_tokenizer_is_sized_as_a_whole(disk):
     # 400 MB: MiniLM (~134 MiB) fits and leaves ~266 MiB, room for Gemma's GGUF (241 MiB) but
     # not for it and the tokenizer derived from it (+32 MiB): refused before either is written.
-    out = _python(disk, "400M", f'''
+    out = _python(
+        disk,
+        "400M",
+        f"""
 import json, os
 from ingest import ArtifactStore
 from common.errors import StorageFull
@@ -86,7 +94,8 @@ try:
 except StorageFull as e:
     err = {{"code": e.code, "msg": e.message}}
 print(json.dumps({{"err": err, **state(store)}}))
-''')
+""",
+    )
     assert out["err"]["code"] == "storage_full", out
     assert "'gemma3-270m' needs about 273" in out["err"]["msg"], out
     assert out["entries"] == [".lock", "minilm-l6-v2", "minilm-l6-v2-f16", "minilm-l6-v2-f32"]
@@ -95,7 +104,10 @@ print(json.dumps({{"err": err, **state(store)}}))
 def test_a_disk_that_fills_during_a_build_keeps_nothing_of_it_and_the_store_recovers(disk):
     # Another writer takes the space once the build has started: the conversion's write then
     # fails midway (numpy's short write carries no errno; the free space decides).
-    out = _python(disk, "100M", f'''
+    out = _python(
+        disk,
+        "100M",
+        f"""
 import json, os
 from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
@@ -115,7 +127,8 @@ full = state(store)
 os.remove(os.environ["DISK"] + "/filler")
 store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
-''')
+""",
+    )
     assert out["err"] is not None, "the build fitted before the other writer took the space"
     assert out["err"]["code"] == "storage_full", out["err"]
     assert "filled up while building 'mini'" in out["err"]["msg"]
@@ -127,7 +140,7 @@ print(json.dumps({{"err": err, "full": full, "after": state(store)}}))
 
 # A script prefix: MiniLM installed as "mini" on the small disk, and `attempt(attach)`, which
 # runs attach() and returns its StorageFull and the model's state after it.
-_MINI_TOKENIZER = f'''
+_MINI_TOKENIZER = f"""
 import hashlib, json, os
 from pathlib import Path
 from ingest.model_packages import minilm_dir
@@ -149,7 +162,7 @@ def attempt(attach):
     after = hashlib.sha256(mini.tokenizer_path.read_bytes()).hexdigest()
     leftovers = sorted(p.name for p in mini.dir.iterdir() if p.name.endswith(".tmp"))
     return {{"err": err, "full": state(store), "same": before == after, "leftovers": leftovers}}
-'''
+"""
 
 
 def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path):
@@ -157,9 +170,14 @@ def test_a_tokenizer_that_does_not_fit_leaves_the_model_as_it_was(disk, tmp_path
 
     # A bigger tokenizer.json (the same tokenizer, indented), attached onto a full disk.
     bigger = tmp_path / "tokenizer.json"
-    bigger.write_text(json.dumps(json.loads((minilm_dir() / "tokenizer.json").read_text()),
-                                 indent=4))
-    out = _python(disk, "60M", _MINI_TOKENIZER + f'''
+    bigger.write_text(
+        json.dumps(json.loads((minilm_dir() / "tokenizer.json").read_text()), indent=4)
+    )
+    out = _python(
+        disk,
+        "60M",
+        _MINI_TOKENIZER
+        + f"""
 bigger = Path({str(bigger)!r})
 filler = fill_disk(d)
 out = attempt(lambda: store.attach_tokenizer("mini", bigger))
@@ -167,7 +185,8 @@ filler.unlink()
 store.attach_tokenizer("mini", bigger)
 out["attached"] = store.get("mini").tokenizer_path.stat().st_size
 print(json.dumps(out))
-''')
+""",
+    )
     assert out["err"]["code"] == "storage_full", out
     assert "needs about" in out["err"]["msg"]  # refused before it wrote
     assert "the model is as it was" in out["err"]["msg"]
@@ -178,7 +197,11 @@ print(json.dumps(out))
 
 def test_a_tokenizer_write_the_disk_fills_during_leaves_the_model_as_it_was(disk):
     # The space was there when the write began; another writer takes it midway.
-    out = _python(disk, "60M", _MINI_TOKENIZER + '''
+    out = _python(
+        disk,
+        "60M",
+        _MINI_TOKENIZER
+        + """
 def write(tmp):
     with open(tmp, "wb") as f:
         f.write(b"{" + b" " * 4096)
@@ -189,7 +212,8 @@ def write(tmp):
         os.fsync(f.fileno())
 mini = store.get("mini")
 print(json.dumps(attempt(lambda: store._replace_tokenizer(mini, write, need_bytes=1 << 20))))
-''')
+""",
+    )
     assert out["err"]["code"] == "storage_full", out
     assert "no space left" in out["err"]["msg"] and "the model is as it was" in out["err"]["msg"]
     assert out["full"]["ls"] == out["full"]["verified"] == ["mini"]
@@ -199,7 +223,10 @@ print(json.dumps(attempt(lambda: store._replace_tokenizer(mini, write, need_byte
 def test_a_short_write_without_errno_is_a_full_disk_only_when_space_is_short(disk):
     # numpy's tofile (the GGUF writer's tensor writes) reports a full disk as a bare OSError
     # "N requested and M written": no errno, so the free space has to decide.
-    out = _python(disk, "1M", """
+    out = _python(
+        disk,
+        "1M",
+        """
 import errno, json, os
 from pathlib import Path
 import numpy as np
@@ -217,13 +244,23 @@ print(json.dumps({"errno": exc.errno, "short": ran_out_of_space(exc, d, 4 << 20)
                   "fits": ran_out_of_space(exc, d, 1024),
                   "not_space": ran_out_of_space(PermissionError(errno.EACCES, "no"), d, 4 << 20),
                   "enospc": ran_out_of_space(OSError(errno.ENOSPC, "full"), d)}))
-""")
-    assert out == {"errno": None, "short": True, "unknown_need": False, "fits": False,
-                   "not_space": False, "enospc": True}
+""",
+    )
+    assert out == {
+        "errno": None,
+        "short": True,
+        "unknown_need": False,
+        "fits": False,
+        "not_space": False,
+        "enospc": True,
+    }
 
 
 def test_a_core_ml_shape_that_does_not_fit_leaves_the_compile_cache_as_it_was(disk):
-    out = _python(disk, "30M", """
+    out = _python(
+        disk,
+        "30M",
+        """
 import json, os
 from compile_cache import CompileCache
 from compile_cache.errors import BuildFailed
@@ -243,7 +280,8 @@ with CompileCache(root) as cache:
     entries = len(cache.ls())
 print(json.dumps({"err": err, "entries": entries, "objects": os.listdir(root + "/objects"),
                   "tmp": os.listdir(root + "/tmp")}))
-""")
+""",
+    )
     assert out["err"] is not None and out["err"]["code"] == "build_failed", out
     assert out["entries"] == 0 and out["objects"] == [] and out["tmp"] == []
 
@@ -252,7 +290,10 @@ def test_a_build_the_full_disk_stops_is_retried_after_evicting_the_oldest_entrie
     # A 3 MiB disk holds three 700 KiB entries; a 1200 KiB build then hits ENOSPC with about
     # 890 KiB free. The cache evicts least-recently-used unleased entries until twice that is
     # free, and builds again. With nothing it may evict, the build fails typed, as before.
-    out = _python(disk, "3M", """
+    out = _python(
+        disk,
+        "3M",
+        """
 import json, os
 from compile_cache import CompileCache
 from compile_cache.errors import BuildFailed
@@ -280,14 +321,18 @@ with CompileCache(root) as cache:
     tmp = os.listdir(root + "/tmp")
 print(json.dumps({"after_room": after_room, "err": err, "after_refusal": after_refusal,
                   "tmp": tmp}))
-""")
+""",
+    )
     assert out["after_room"] == ["a", "d"], out
     assert out["err"] == "build_failed" and out["after_refusal"] == ["a", "d"], out
     assert out["tmp"] == [], out
 
 
 def test_a_certificate_that_does_not_fit_leaves_the_previous_record_current(disk):
-    out = _python(disk, "1M", """
+    out = _python(
+        disk,
+        "1M",
+        """
 import json, os
 from pathlib import Path
 from certification.store import CertificateStore
@@ -310,7 +355,8 @@ store.save(new)
 print(json.dumps({"err": err, "current": [current.created_at, current.status],
                   "leftovers": leftovers, "after": store.get(old.id).status,
                   "history": len(list((store.root / "history" / old.id).iterdir()))}))
-""")
+""",
+    )
     assert out["err"]["code"] == "storage_full", out
     assert "the previous record is unchanged" in out["err"]["msg"]
     assert out["current"] == ["2026-01-01T00:00:01Z", "certified"]
@@ -321,7 +367,10 @@ print(json.dumps({"err": err, "current": [current.created_at, current.status],
 def test_a_core_ml_lane_whose_model_build_does_not_fit_is_storage_full(disk):
     # The store holds the f16 MiniLM (~45 MB) on 100 MB; the Core ML lane's owned build
     # (f32 weights, ~88 MB) then does not fit, and the load says so with its own code.
-    out = _python(disk, "100M", """
+    out = _python(
+        disk,
+        "100M",
+        """
 import asyncio, json, os
 from ingest.model_packages import minilm_dir
 from host.config import HostConfig
@@ -343,7 +392,8 @@ async def go():
 
 err = asyncio.run(go())
 print(json.dumps({"err": err, "owned": sorted(os.listdir(d + "/owned"))}))
-""")
+""",
+    )
     assert out["err"] is not None, out
     assert (out["err"]["code"], out["err"]["status"]) == ("storage_full", 507)
     assert "the Core ML build of 'mini' needs about 9" in out["err"]["msg"]
@@ -352,7 +402,10 @@ print(json.dumps({"err": err, "owned": sorted(os.listdir(d + "/owned"))}))
 
 
 def test_a_core_ml_build_that_the_disk_fills_during_keeps_nothing(disk):
-    out = _python(disk, "200M", """
+    out = _python(
+        disk,
+        "200M",
+        """
 import json, os
 from pathlib import Path
 from ingest.model_packages import minilm_dir
@@ -378,7 +431,8 @@ left = sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock
 (d / "filler").unlink()
 built, digest = ensure_owned(store, record)
 print(json.dumps({"err": err, "left": left, "built": built.name, "digest": len(digest)}))
-""")
+""",
+    )
     assert out["err"] is not None, "the build fitted before the other writer took the space"
     assert out["err"]["code"] == "storage_full"
     assert "filled up during the Core ML build of 'mini'" in out["err"]["msg"]
@@ -388,7 +442,8 @@ print(json.dumps({"err": err, "left": left, "built": built.name, "digest": len(d
 
 def test_models_ingest_on_a_full_disk_is_one_line_and_exit_2(disk):
     proc = small_disk.run_on_small_disk(
-        disk, "20M",
+        disk,
+        "20M",
         'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
         'MODEL=$("$PY" -c "from ingest.model_packages import minilm_dir; '
         'print(minilm_dir())")\n'
@@ -409,18 +464,22 @@ def test_a_batch_job_that_fills_its_disk_resumes_to_the_same_output(
     # and the third window, still short of the end, finds it full.
     ids = write_jsonl(tmp_path / "in.jsonl", 400, seed=3)
     reference = tmp_path / "reference.parquet"
-    done = batch_cli(synapse_cache_dir, str(tmp_path / "in.jsonl"), "-o", str(reference),
-                     "--window-rows", "128")
+    done = batch_cli(
+        synapse_cache_dir, str(tmp_path / "in.jsonl"), "-o", str(reference), "--window-rows", "128"
+    )
     assert done.returncode == 0, done.stderr
 
-    job = f'"$PY" -m cli.main batch embed {tmp_path / "in.jsonl"} -o "$DISK/out.parquet" ' \
-          '--window-rows 128'
+    job = (
+        f'"$PY" -m cli.main batch embed {tmp_path / "in.jsonl"} -o "$DISK/out.parquet" '
+        "--window-rows 128"
+    )
     proc = small_disk.run_on_small_disk(
-        disk, "512K",
+        disk,
+        "512K",
         f'{job} 2>{tmp_path / "first.err"} || echo "first rc=$?"\n'
         'echo "left: $(ls -A "$DISK/out.parquet.partial" | tr "\\n" " ")"\n'
         'echo "state: $(cat "$DISK/out.parquet.partial/state.json")"\n'
-        'remount 8M\n'
+        "remount 8M\n"
         f'{job} --resume >/dev/null || echo "second rc=$?"\n'
         'echo "after: $(ls -A "$DISK" | tr "\\n" " ")"\n'
         f'cp "$DISK/out.parquet" {tmp_path / "resumed.parquet"}\n',
@@ -433,7 +492,8 @@ def test_a_batch_job_that_fills_its_disk_resumes_to_the_same_output(
     # Progress lines may come first (a slow machine prints one every few seconds); the abort
     # is the last word.
     assert first_err.splitlines()[-1].startswith(
-        "synapse batch: aborted: no space left on the device of "), first_err
+        "synapse batch: aborted: no space left on the device of "
+    ), first_err
     assert "keeps every committed row" in first_err and "--resume" in first_err
     assert "Traceback" not in first_err
     assert "second rc" not in proc.stdout, proc.stdout
@@ -460,9 +520,10 @@ def _vectors(table) -> np.ndarray:
 def test_serve_on_a_full_disk_says_why_it_cannot_start(disk, ray):
     # --ray too: the defaults are installed before Ray starts, with the same line and code.
     proc = small_disk.run_on_small_disk(
-        disk, "20M",
+        disk,
+        "20M",
         'export SYNAPSE_CACHE_DIR="$DISK/cache"\n'
-        'printf \'port = 0\\n\' > "$DISK/serve.toml"\n'
+        "printf 'port = 0\\n' > \"$DISK/serve.toml\"\n"
         f'"$PY" -m cli.main serve --config "$DISK/serve.toml" {"--ray" if ray else ""}'
         ' || echo "rc=$?"\n'
         'ls -A "$SYNAPSE_CACHE_DIR/models"\n',
@@ -472,6 +533,7 @@ def test_serve_on_a_full_disk_says_why_it_cannot_start(disk, ray):
     assert "listening" not in proc.stdout and "rc=2" in proc.stdout
     assert proc.stderr.startswith(
         "synapse serve: cannot install the default models: error[storage_full]: "
-        "'minilm-l6-v2-f16' needs about 4"), proc.stderr[-3000:]
+        "'minilm-l6-v2-f16' needs about 4"
+    ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert proc.stdout.split()[-1] == ".lock"

@@ -20,8 +20,18 @@ from service.config import ServeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CODE_DIRS = ["host", "workers", "compile_cache", "certification", "formats", "ingest", "service",
-             "batch", "cli", "scripts"]
+CODE_DIRS = [
+    "host",
+    "workers",
+    "compile_cache",
+    "certification",
+    "formats",
+    "ingest",
+    "service",
+    "batch",
+    "cli",
+    "scripts",
+]
 
 
 def _code_text() -> str:
@@ -45,8 +55,9 @@ def test_a_typo_in_a_nested_table_is_an_error():
 
 
 def test_every_environment_variable_is_documented_and_exists():
-    documented = set(re.findall(r"\bSYNAPSE_[A-Z_]+\b", (ROOT / "docs" / "operations.md")
-                                .read_text()))
+    documented = set(
+        re.findall(r"\bSYNAPSE_[A-Z_]+\b", (ROOT / "docs" / "operations.md").read_text())
+    )
     read_by_code = set(re.findall(r"\bSYNAPSE_[A-Z_]+\b", _code_text()))
     assert read_by_code - documented == set()
     assert documented - read_by_code == set()
@@ -60,9 +71,15 @@ def test_every_documented_metric_is_exported():
 
 # prometheus_client's metric classes (the instrumented ones and the custom collector's
 # families) by the type they expose; a counter's samples carry `_total` after its name.
-_METRIC_TYPES = {"Counter": "counter", "CounterMetricFamily": "counter", "Gauge": "gauge",
-                 "GaugeMetricFamily": "gauge", "Histogram": "histogram",
-                 "HistogramMetricFamily": "histogram", "Summary": "summary"}
+_METRIC_TYPES = {
+    "Counter": "counter",
+    "CounterMetricFamily": "counter",
+    "Gauge": "gauge",
+    "GaugeMetricFamily": "gauge",
+    "Histogram": "histogram",
+    "HistogramMetricFamily": "histogram",
+    "Summary": "summary",
+}
 
 
 def _code_metrics() -> dict[str, tuple[str, frozenset[str]]]:
@@ -72,16 +89,21 @@ def _code_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     tree = ast.parse((ROOT / "service" / "metrics.py").read_text())
     found = {}
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in _METRIC_TYPES):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _METRIC_TYPES
+        ):
             continue
         name = ast.literal_eval(node.args[0])
         labels = node.args[2] if len(node.args) > 2 else None
         for kw in node.keywords:
             if kw.arg in ("labelnames", "labels"):
                 labels = kw.value
-        found[name] = (_METRIC_TYPES[node.func.id],
-                       frozenset(ast.literal_eval(labels)) if labels is not None else frozenset())
+        found[name] = (
+            _METRIC_TYPES[node.func.id],
+            frozenset(ast.literal_eval(labels)) if labels is not None else frozenset(),
+        )
     return found
 
 
@@ -89,8 +111,9 @@ def _documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """name -> (type, label names) from the metrics table of docs/operations.md: `| names |
     type | labels | meaning |`, a label's values in parentheses after it."""
     found = {}
-    for row in re.findall(r"^\|(.*`synapse_.*)\|$", (ROOT / "docs" / "operations.md").read_text(),
-                          re.M):
+    for row in re.findall(
+        r"^\|(.*`synapse_.*)\|$", (ROOT / "docs" / "operations.md").read_text(), re.M
+    ):
         names, kind, labels, _ = (cell.strip() for cell in row.split("|"))
         labels = re.sub(r"\([^)]*\)", "", labels)
         label_set = frozenset(w.strip() for w in labels.split(",") if w.strip())
@@ -103,9 +126,11 @@ def _documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
 def test_every_metric_is_documented_with_its_type_and_labels():
     documented, code = _documented_metrics(), _code_metrics()
     assert len(code) >= 20, "the metric definitions were not found"
-    differ = {name: {"docs": documented.get(name), "code": code.get(name)}
-              for name in documented.keys() | code.keys()
-              if documented.get(name) != code.get(name)}
+    differ = {
+        name: {"docs": documented.get(name), "code": code.get(name)}
+        for name in documented.keys() | code.keys()
+        if documented.get(name) != code.get(name)
+    }
     assert differ == {}
 
 
@@ -160,8 +185,11 @@ def _parse_alternatives(tokens: list[str], i: int, top: bool) -> tuple[list, int
     seqs.append(seq)
     if top and len(seqs) > 1:
         first = seqs[0]
-        start = max(k for k, node in enumerate(first)
-                    if node[0] == "word" and not node[1][0].startswith("-"))
+        start = max(
+            k
+            for k, node in enumerate(first)
+            if node[0] == "word" and not node[1][0].startswith("-")
+        )
         shared, seqs[0] = first[:start], first[start:]
         return ("seq", [*shared, ("alt", seqs)]), i
     return ("alt", seqs), i
@@ -183,7 +211,7 @@ def _variants(node) -> list[list[str]]:
     out = [[w for part in base for w in part]]
     for k, opts in enumerate(options):
         for alternative in opts[1:]:
-            out.append([w for part in (*base[:k], alternative, *base[k + 1:]) for w in part])
+            out.append([w for part in (*base[:k], alternative, *base[k + 1 :]) for w in part])
     bare = [[] if child[0] == "opt" else opts[0] for child, opts in zip(body, options, strict=True)]
     out.append([w for part in bare for w in part])
     return [list(v) for v in dict.fromkeys(map(tuple, out))]
@@ -200,15 +228,25 @@ def _command_variants() -> list[tuple[str, list[str]]]:
 
 def test_alternatives_expand_to_every_choice():
     tree, _ = _parse_alternatives(
-        _tokens(shlex.split("cache ls | gc [--budget SIZE] | embed x [--lane llama|ane]")), 0,
-        top=True)
+        _tokens(shlex.split("cache ls | gc [--budget SIZE] | embed x [--lane llama|ane]")),
+        0,
+        top=True,
+    )
     assert sorted(map(" ".join, _variants(tree))) == [
-        "cache embed x", "cache embed x --lane ane", "cache embed x --lane llama", "cache gc",
-        "cache gc --budget SIZE", "cache ls"]
+        "cache embed x",
+        "cache embed x --lane ane",
+        "cache embed x --lane llama",
+        "cache gc",
+        "cache gc --budget SIZE",
+        "cache ls",
+    ]
 
 
-@pytest.mark.parametrize("where, argv", _command_variants(),
-                         ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v.split(":")[0])
+@pytest.mark.parametrize(
+    "where, argv",
+    _command_variants(),
+    ids=lambda v: " ".join(v)[:70] if isinstance(v, list) else v.split(":")[0],
+)
 def test_every_documented_command_line_parses(where, argv):
     # Placeholders stand for what the reader types; the parser checks their form too.
     argv = [{"SIZE": "10G"}.get(word, word) for word in argv]
@@ -231,12 +269,15 @@ def _bullets(doc: Path, heading: str) -> list[str]:
     text = doc.read_text()
     match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     assert match, f"{doc.name} has no '## {heading}' section"
-    return [" ".join(b.split()) for b in re.findall(r"^- (.*?)(?=^- |^\S|\Z)", match.group(1),
-                                                    re.S | re.M)]
+    return [
+        " ".join(b.split())
+        for b in re.findall(r"^- (.*?)(?=^- |^\S|\Z)", match.group(1), re.S | re.M)
+    ]
 
 
-@pytest.mark.parametrize("heading", ["Not built", "Where this differs from the protocol "
-                                                   "specification"])
+@pytest.mark.parametrize(
+    "heading", ["Not built", "Where this differs from the protocol specification"]
+)
 def test_every_protocol_departure_names_itself_and_its_reason(heading):
     items = _bullets(ROOT / "docs" / "protocol.md", heading)
     assert items
@@ -248,10 +289,18 @@ def test_every_protocol_departure_names_itself_and_its_reason(heading):
 
 
 def test_the_parts_of_the_protocol_left_unbuilt_are_listed_and_really_absent():
-    names = " ".join(re.match(r"\*\*(.+?)\*\*", item).group(1)
-                     for item in _bullets(ROOT / "docs" / "protocol.md", "Not built"))
-    for part in ("probe_required", "owned-decode supervisor", "Streaming generation",
-                 "Named pipes", "Worker pools per model", "TLS"):
+    names = " ".join(
+        re.match(r"\*\*(.+?)\*\*", item).group(1)
+        for item in _bullets(ROOT / "docs" / "protocol.md", "Not built")
+    )
+    for part in (
+        "probe_required",
+        "owned-decode supervisor",
+        "Streaming generation",
+        "Named pipes",
+        "Worker pools per model",
+        "TLS",
+    ):
         assert part in names, f"docs/protocol.md 'Not built' does not account for {part}"
     # Listed as not built, so nothing builds them: a change that does must update the page.
     from workers.protocol import messages as m
@@ -264,21 +313,35 @@ def test_the_parts_of_the_protocol_left_unbuilt_are_listed_and_really_absent():
 # Citations of documents the repository does not hold: a design document's sections, issue and
 # pull-request numbers, "the seed" / "the spec" the code was first written from. This file is
 # not scanned: it holds the examples the check is proven on.
-_CITATIONS = re.compile(r"\bDESIGN\b|\b(?:[Ii]ssue|PR|[Pp]ull request)s? ?#?\d|\b[Ss]ection \d"
-                        r"|\u00a7|\b[Tt]he (?:issue|seed|spec)\b")
+_CITATIONS = re.compile(
+    r"\bDESIGN\b|\b(?:[Ii]ssue|PR|[Pp]ull request)s? ?#?\d|\b[Ss]ection \d"
+    r"|\u00a7|\b[Tt]he (?:issue|seed|spec)\b"
+)
 CITATION_DIRS = [*CODE_DIRS, "bench", "tests"]
 
 
 def test_no_code_comment_cites_a_document_outside_the_repository():
-    cited = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
-             for d in CITATION_DIRS for p in sorted((ROOT / d).rglob("*.py"))
-             for n, line in enumerate(p.read_text().splitlines(), 1)
-             if _CITATIONS.search(line) and p != Path(__file__).resolve()]
+    cited = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for d in CITATION_DIRS
+        for p in sorted((ROOT / d).rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if _CITATIONS.search(line) and p != Path(__file__).resolve()
+    ]
     assert cited == []
 
 
-@pytest.mark.parametrize("line", ["see DESIGN section 3", "(issue 10, section 6)", "issue #14",
-                                  "the issue's tolerance", "DESIGN 8: most FLOPs",
-                                  "written from the seed", "\u00a75"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "see DESIGN section 3",
+        "(issue 10, section 6)",
+        "issue #14",
+        "the issue's tolerance",
+        "DESIGN 8: most FLOPs",
+        "written from the seed",
+        "\u00a75",
+    ],
+)
 def test_the_citation_check_catches_citations(line):
     assert _CITATIONS.search(line)

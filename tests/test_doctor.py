@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def doctor(cache_dir, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cli.main", "doctor", *args], capture_output=True, text=True,
-        cwd=ROOT, timeout=180,
+        [sys.executable, "-m", "cli.main", "doctor", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
         env={**os.environ, "SYNAPSE_CACHE_DIR": str(cache_dir), **env, "COLUMNS": "200"},
     )
 
@@ -36,7 +39,8 @@ def test_doctor_json_reports_devices_and_lanes(synapse_cache_dir):
     assert "CPU" in backends.split(",")
     lanes = data["lanes"]
     assert lanes["gemma3-270m"] == {
-        "lane": "llama", "device": "cpu",
+        "lane": "llama",
+        "device": "cpu",
         "reason": "llama/cpu: generation runs on llama.cpp only",
     }
     minilm = lanes["minilm-l6-v2"]
@@ -63,7 +67,7 @@ def test_doctor_reports_a_bad_env_override(synapse_cache_dir):
     proc = doctor(synapse_cache_dir, "--json", SYNAPSE_LLAMA_GPU_LAYERS="lots")
     assert proc.returncode == 0, proc.stderr[-2000:]
     env = json.loads(proc.stdout)["llama_cpp"]["gpu_layers_env"]
-    assert "expected \"auto\" or an integer >= 0" in env
+    assert 'expected "auto" or an integer >= 0' in env
 
 
 @pytest.mark.skipif(sys.platform != "darwin", reason="needs macOS: macOS version and chip")

@@ -110,7 +110,8 @@ def test_encode_embeddings_gives_every_type_in_its_json_form():
     assert np.array_equal(np.array(body["float"], np.float32), v)  # float32 exactly
     assert max(len(x) for x in msgspec.json.encode(out["float"][0]).split(b",")) <= 16
     assert np.array_equal(
-        np.stack([np.frombuffer(base64.b64decode(s), "<f4") for s in body["base64"]]), v)
+        np.stack([np.frombuffer(base64.b64decode(s), "<f4") for s in body["base64"]]), v
+    )
     for t in ("int8", "uint8", "binary", "ubinary"):
         want = st_quantize(v, t, ranges=ranges if t.endswith("int8") else None)
         assert body[t] == want.tolist(), t
@@ -137,8 +138,9 @@ async def test_ranges_are_refused_for_vectors_left_unnormalized():
     # No module needed to say no, nor to need nothing.
     assert await quantization_ranges(None, MODEL, 384, ["float", "ubinary"], False) is None
     with pytest.raises(InvalidRequest, match="normalized") as info:
-        await quantization_ranges(None, MODEL, 384, ["uint8"], normalize=False,
-                                  param="embedding_types")
+        await quantization_ranges(
+            None, MODEL, 384, ["uint8"], normalize=False, param="embedding_types"
+        )
     assert info.value.details["param"] == "embedding_types"
 
 
@@ -148,9 +150,20 @@ async def test_ranges_are_refused_for_vectors_left_unnormalized():
 def _fake_model(root, name="m", digest="d" * 64, dims=8) -> ArtifactStore:
     store = ArtifactStore(root)
     (store.root / name).mkdir()
-    manifest = Manifest(name=name, format="gguf", kind="embed", digest=digest, size_bytes=1,
-                        dims=dims, n_ctx=8, n_ctx_train=8, max_tokens=8, max_tokens_limit=8,
-                        source="test", created_at="2026-01-01T00:00:00Z")
+    manifest = Manifest(
+        name=name,
+        format="gguf",
+        kind="embed",
+        digest=digest,
+        size_bytes=1,
+        dims=dims,
+        n_ctx=8,
+        n_ctx_train=8,
+        max_tokens=8,
+        max_tokens_limit=8,
+        source="test",
+        created_at="2026-01-01T00:00:00Z",
+    )
     (store.root / name / "manifest.json").write_bytes(msgspec.json.encode(manifest))
     return store
 
@@ -162,8 +175,10 @@ def test_an_old_manifest_reads_and_recorded_ranges_come_back_exactly(tmp_path):
     rec = store.get("m")
     assert rec.manifest.quantization is None and stored_ranges(rec.manifest, 384) is None
     rng = np.random.default_rng(6)
-    ranges = {384: calibration_ranges(_unit(rng, 50, 384), 384),
-              128: calibration_ranges(_unit(rng, 50, 384), 128)}
+    ranges = {
+        384: calibration_ranges(_unit(rng, 50, 384), 384),
+        128: calibration_ranges(_unit(rng, 50, 384), 128),
+    }
     kept = record_ranges(store, "m", "d" * 64, ranges, calibration_set(), "llama", "now")
     fresh = store.get("m").manifest
     for width, r in ranges.items():
@@ -183,8 +198,10 @@ def test_the_first_recorded_ranges_win_and_a_replaced_model_keeps_its_manifest(
 ):
     store = _fake_model(tmp_path)
     first = {8: np.array([np.full(8, -0.5), np.full(8, 0.5)], np.float32)}
-    second = {8: np.array([np.full(8, -0.4), np.full(8, 0.4)], np.float32),
-              4: np.array([np.full(4, -0.3), np.full(4, 0.3)], np.float32)}
+    second = {
+        8: np.array([np.full(8, -0.4), np.full(8, 0.4)], np.float32),
+        4: np.array([np.full(4, -0.3), np.full(4, 0.3)], np.float32),
+    }
     record_ranges(store, "m", "d" * 64, first, "c", "llama", "t1")
     kept = record_ranges(store, "m", "d" * 64, second, "c", "ane", "t2")
     # Another process calibrated width 8 first: adopted, so all quantize alike; width 4 added.
@@ -199,6 +216,7 @@ def test_the_first_recorded_ranges_win_and_a_replaced_model_keeps_its_manifest(
 
     # A store this process cannot write (read-only, full): the ranges serve it alone.
     for failure in (PermissionError(13, "Permission denied"), StorageFull("no space left")):
+
         def fail(*a, exc=failure, **k):
             raise exc
 
@@ -259,8 +277,9 @@ async def test_concurrent_callers_share_one_corpus_embedding(tmp_path):
 
 
 def _module(root: str, runtime: str) -> Module:
-    return Module(ModuleConfig(store_root=root,
-                               host=HostConfig(runtime_dir=runtime, ping_interval_s=0)))
+    return Module(
+        ModuleConfig(store_root=root, host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -285,8 +304,14 @@ def calibrated(store_root, module_tmp):
         import shutil
 
         shutil.rmtree(runtime, ignore_errors=True)
-    return {"root": root, "docs": docs, "queries": qs, "ranges": full, "ranges128": cut,
-            "manifest": ArtifactStore(root).get(MODEL).manifest}
+    return {
+        "root": root,
+        "docs": docs,
+        "queries": qs,
+        "ranges": full,
+        "ranges128": cut,
+        "manifest": ArtifactStore(root).get(MODEL).manifest,
+    }
 
 
 @pytest.mark.model

@@ -41,9 +41,18 @@ from tests.test_serve_support import ServerProcess, server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every module that defines members of the family (imported above, so all are registered).
-ERROR_MODULES = [common.errors, host.errors, ingest.errors, compile_cache.errors, batch.errors,
-                 service.errors, service.auth, service.disconnect, service.encoding,
-                 certification.errors]
+ERROR_MODULES = [
+    common.errors,
+    host.errors,
+    ingest.errors,
+    compile_cache.errors,
+    batch.errors,
+    service.errors,
+    service.auth,
+    service.disconnect,
+    service.encoding,
+    certification.errors,
+]
 
 
 def _family() -> list[type[SynapseError]]:
@@ -65,8 +74,15 @@ def _assigned_codes() -> dict[str, list[str]]:
 
 def test_the_family_spans_every_package():
     packages = {cls.__module__.split(".")[0] for cls in _family()}
-    assert packages >= {"common", "host", "ingest", "compile_cache", "batch", "service",
-                        "certification"}
+    assert packages >= {
+        "common",
+        "host",
+        "ingest",
+        "compile_cache",
+        "batch",
+        "service",
+        "certification",
+    }
 
 
 def test_every_code_is_assigned_by_exactly_one_class():
@@ -119,7 +135,8 @@ def test_the_old_roots_are_gone():
         for name, value in vars(module).items():
             if isinstance(value, type) and issubclass(value, BaseException):
                 assert issubclass(value, SynapseError) or value.__module__ != module.__name__, (
-                    f"{module.__name__}.{name} is an error outside the family")
+                    f"{module.__name__}.{name} is an error outside the family"
+                )
 
 
 def _sources() -> list[Path]:
@@ -144,8 +161,10 @@ def test_no_module_imports_an_error_class_through_another_package():
             for alias in node.names:
                 defined_in = homes.get(alias.name, set())
                 if defined_in and package not in {m.split(".")[0] for m in defined_in}:
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} takes {alias.name} "
-                               f"from {node.module}, not {' or '.join(sorted(defined_in))}")
+                    bad.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno} takes {alias.name} "
+                        f"from {node.module}, not {' or '.join(sorted(defined_in))}"
+                    )
     assert bad == []
 
 
@@ -163,8 +182,11 @@ HTTP_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("exc", "status", "code"), HTTP_CASES,
-                         ids=[type(c[0]).__module__.split(".")[0] for c in HTTP_CASES])
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    HTTP_CASES,
+    ids=[type(c[0]).__module__.split(".")[0] for c in HTTP_CASES],
+)
 def test_the_http_app_answers_each_package_with_its_status_and_code(exc, status, code):
     """A POST route of the real app (auth, request metrics, the endpoint's one `except
     SynapseError`) whose handler raises the error."""
@@ -183,8 +205,13 @@ def test_the_http_app_answers_each_package_with_its_status_and_code(exc, status,
     assert resp.status_code == status, resp.text
     body = resp.json()["error"]
     assert body["code"] == code and body["message"] == exc.message
-    assert body["type"] == ("rate_limit_error" if status == 429 else
-                            "invalid_request_error" if status < 500 else "server_error")
+    assert body["type"] == (
+        "rate_limit_error"
+        if status == 429
+        else "invalid_request_error"
+        if status < 500
+        else "server_error"
+    )
     if isinstance(exc, Overloaded):
         assert resp.headers["Retry-After"] == "3"
     assert f'code="{code}"' in state.metrics.render().decode(), "the error was not counted"
@@ -205,18 +232,32 @@ def test_a_real_server_answers_the_codes_its_clients_were_promised(empty_server)
     with httpx.Client(base_url=empty_server.url, timeout=60) as http:
         cases = [
             # ingest's store refusal, renamed by the service: what OpenAI clients always got
-            (http.post("/v1/embeddings", json={"input": "x", "model": "nope"}), 404,
-             "model_not_found"),
-            (http.post("/v2/embed", json={"texts": ["x"], "model": "nope",
-                                          "input_type": "search_query"}), 404,
-             "model_not_found"),
+            (
+                http.post("/v1/embeddings", json={"input": "x", "model": "nope"}),
+                404,
+                "model_not_found",
+            ),
+            (
+                http.post(
+                    "/v2/embed",
+                    json={"texts": ["x"], "model": "nope", "input_type": "search_query"},
+                ),
+                404,
+                "model_not_found",
+            ),
             # ingest's ArtifactInvalid under the host's ConfigInvalid: the operator's problem
-            (http.post("/v1/embeddings", json={"input": "x", "model": "broken"}), 500,
-             "config_invalid"),
+            (
+                http.post("/v1/embeddings", json={"input": "x", "model": "broken"}),
+                500,
+                "config_invalid",
+            ),
             (http.get("/v2/nothing"), 404, "not_found"),
             (http.delete("/v1/embeddings"), 405, "method_not_allowed"),
-            (http.post("/v1/embeddings", content=b"[" + b"1," * 4096 + b"1]"), 413,
-             "request_too_large"),
+            (
+                http.post("/v1/embeddings", content=b"[" + b"1," * 4096 + b"1]"),
+                413,
+                "request_too_large",
+            ),
             (http.post("/v1/embeddings", json={"input": 5}), 400, "invalid_request"),
         ]
         for resp, status, code in cases:
@@ -225,6 +266,7 @@ def test_a_real_server_answers_the_codes_its_clients_were_promised(empty_server)
 
 
 # ---- the command line ----------------------------------------------------------------------
+
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
@@ -253,8 +295,9 @@ def test_the_cli_reports_each_package_as_its_code_and_exit_status(cache_dir, tmp
     assert status == 2 and err.startswith("error[invalid_request]: shape '8by128'"), err
     status, out, _ = _cli(capsys, "cache", "evict", "0123abcd", "--json")  # compile_cache
     assert status == 2 and json.loads(out)["error"]["code"] == "not_found"
-    status, _, err = _cli(capsys, "batch", "embed", str(tmp_path / "none.jsonl"), "-o",
-                          str(tmp_path / "out.parquet"))  # batch
+    status, _, err = _cli(
+        capsys, "batch", "embed", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "out.parquet")
+    )  # batch
     assert status == 2 and err.startswith("synapse batch: error: input "), err
     assert "Traceback" not in err
 

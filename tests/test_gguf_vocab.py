@@ -71,50 +71,179 @@ json.dump(out, sys.stdout)
 """
 
 HAND = [
-    "", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "a", "A", "Hello world",
-    "Hello, world!", " Hello world", "  Hello world", "Hello world ", "Hello world  ",
-    "hello\tworld", "hello\n\nworld", "line one\nline two\r\nline three",
-    "The quick brown fox jumps over the lazy dog.", "I can't believe it's not butter — really?!",
-    "naïve café résumé coöperate", "nai\u0308ve cafe\u0301",  # NFD stays NFD
-    "Ångström, Ærøskøbing, Œuvre, straße, ĳssel", "Zürich Genève München Kraków Łódź",
-    "日本語のテキストです。", "中文文本，测试分词器。", "한국어 텍스트입니다",
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n ",
+    "a",
+    "A",
+    "Hello world",
+    "Hello, world!",
+    " Hello world",
+    "  Hello world",
+    "Hello world ",
+    "Hello world  ",
+    "hello\tworld",
+    "hello\n\nworld",
+    "line one\nline two\r\nline three",
+    "The quick brown fox jumps over the lazy dog.",
+    "I can't believe it's not butter — really?!",
+    "naïve café résumé coöperate",
+    "nai\u0308ve cafe\u0301",  # NFD stays NFD
+    "Ångström, Ærøskøbing, Œuvre, straße, ĳssel",
+    "Zürich Genève München Kraków Łódź",
+    "日本語のテキストです。",
+    "中文文本，测试分词器。",
+    "한국어 텍스트입니다",
     "繁體中文與简体中文混合",
-    "東京タワーは333メートル", "emoji 😀😃😄 🤗", "👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵", "❤️ ♥ ☃ ★ ✓ ✗",
-    "∑∫∂√∞≈≠≤≥ ±×÷", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝕄𝕒𝕥𝕙", "𓀀𓀁𓀂 𐍈 𒀀", "\ue000\ue001 private use",
-    "\u200b zero\u200dwidth\u2060 joiners \ufeff", "Привет, мир! Съешь ещё этих мягких булок.",
-    "Γειά σου Κόσμε", "مرحبا بالعالم", "שלום עולם", "नमस्ते दुनिया", "สวัสดีชาวโลก",
-    "Xin chào thế giới", "Mixed: English, 日本語, русский, العربية, and 😀 in one line.",
-    "def f(x):\n    return x * 2\n", "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "東京タワーは333メートル",
+    "emoji 😀😃😄 🤗",
+    "👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷🇯🇵",
+    "❤️ ♥ ☃ ★ ✓ ✗",
+    "∑∫∂√∞≈≠≤≥ ±×÷",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝕄𝕒𝕥𝕙",
+    "𓀀𓀁𓀂 𐍈 𒀀",
+    "\ue000\ue001 private use",
+    "\u200b zero\u200dwidth\u2060 joiners \ufeff",
+    "Привет, мир! Съешь ещё этих мягких булок.",
+    "Γειά σου Κόσμε",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "สวัสดีชาวโลก",
+    "Xin chào thế giới",
+    "Mixed: English, 日本語, русский, العربية, and 😀 in one line.",
+    "def f(x):\n    return x * 2\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
     '{"key": "value", "list": [1, 2, 3], "nested": {"a": null}}',
-    "<table><tr><td>cell</td></tr></table>", "<b>bold</b> and <i>italic</i> <code>x</code>",
-    "<h1>Title</h1>\n<p>para</p>", '<div class="x">not a user token</div>',
+    "<table><tr><td>cell</td></tr></table>",
+    "<b>bold</b> and <i>italic</i> <code>x</code>",
+    "<h1>Title</h1>\n<p>para</p>",
+    '<div class="x">not a user token</div>',
     "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
-    "<bos>text<eos>", "<eos>", "<pad><unk><mask>", "[multimodal] <start_of_image>",
-    "<unused0> <unused99>", "<0x41> literal byte token text",
-    "<s>struck</s> through", "a</s>b", "</s>",  # llama.cpp makes "</s>" a control token
-    "1234567890", "3.14159265358979", "1,000,000.00 $ 12% -42 +7 1e-9", "2024-01-31T12:34:56Z",
-    "0x1F600 0b1010 0o777", "phone: +1 (555) 010-9999", "https://example.com/a/b?c=d&e=f#g",
-    "user.name+tag@example.co.uk", "C:\\Program Files\\App\\app.exe", "~/.config/app.toml",
-    "a" * 100, "ab" * 50, " " * 40, "\t" * 40, "\n" * 40, " \t\n" * 10, "word " * 50,
-    "▁ literal sentencepiece marker", "x▁y", "\x01\x02 control \x7f chars", "\x00nul inside",
-    "tab\tsep\tvalues\t1\t2", "   leading three", "trailing three   ",
-    "multiple     internal      spaces", "ALL CAPS TEXT", "MiXeD cAsE tExT",
-    "supercalifragilisticexpialidocious", "pneumonoultramicroscopicsilicovolcanoconiosis",
-    "«quotes» „German“ “curly” ‘single’", "...!!!???---___***", "¿Qué tal? ¡Muy bien!",
-    "İstanbul ıi", "ǅ ǈ ǋ", "ﬁ ﬂ ﬀ ligatures", "１２３ ＡＢＣ fullwidth",
+    "<bos>text<eos>",
+    "<eos>",
+    "<pad><unk><mask>",
+    "[multimodal] <start_of_image>",
+    "<unused0> <unused99>",
+    "<0x41> literal byte token text",
+    "<s>struck</s> through",
+    "a</s>b",
+    "</s>",  # llama.cpp makes "</s>" a control token
+    "1234567890",
+    "3.14159265358979",
+    "1,000,000.00 $ 12% -42 +7 1e-9",
+    "2024-01-31T12:34:56Z",
+    "0x1F600 0b1010 0o777",
+    "phone: +1 (555) 010-9999",
+    "https://example.com/a/b?c=d&e=f#g",
+    "user.name+tag@example.co.uk",
+    "C:\\Program Files\\App\\app.exe",
+    "~/.config/app.toml",
+    "a" * 100,
+    "ab" * 50,
+    " " * 40,
+    "\t" * 40,
+    "\n" * 40,
+    " \t\n" * 10,
+    "word " * 50,
+    "▁ literal sentencepiece marker",
+    "x▁y",
+    "\x01\x02 control \x7f chars",
+    "\x00nul inside",
+    "tab\tsep\tvalues\t1\t2",
+    "   leading three",
+    "trailing three   ",
+    "multiple     internal      spaces",
+    "ALL CAPS TEXT",
+    "MiXeD cAsE tExT",
+    "supercalifragilisticexpialidocious",
+    "pneumonoultramicroscopicsilicovolcanoconiosis",
+    "«quotes» „German“ “curly” ‘single’",
+    "...!!!???---___***",
+    "¿Qué tal? ¡Muy bien!",
+    "İstanbul ıi",
+    "ǅ ǈ ǋ",
+    "ﬁ ﬂ ﬀ ligatures",
+    "１２３ ＡＢＣ fullwidth",
 ]
-WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
-         "this be or has had not but what all when there can who been one if language model "
-         "token vocabulary Gemma llama tokenizer byte fallback").split()
-INTL = ["café", "über", "niño", "façade", "日本", "東京", "北京", "서울", "Москва", "Αθήνα",
-        "القاهرة", "ירושלים", "मुंबई", "กรุงเทพ", "😀", "🚀", "✨", "🤖", "€", "£", "¥"]
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which "
+    "this be or has had not but what all when there can who been one if language model "
+    "token vocabulary Gemma llama tokenizer byte fallback"
+).split()
+INTL = [
+    "café",
+    "über",
+    "niño",
+    "façade",
+    "日本",
+    "東京",
+    "北京",
+    "서울",
+    "Москва",
+    "Αθήνα",
+    "القاهرة",
+    "ירושלים",
+    "मुंबई",
+    "กรุงเทพ",
+    "😀",
+    "🚀",
+    "✨",
+    "🤖",
+    "€",
+    "£",
+    "¥",
+]
 SEPS = [" ", "  ", "\n", "\t", ", ", ". ", "\n\n", " - ", "   ", ""]
 # Characters and special-token texts that stress the partition and byte fallback.
-ALPHABET = [*"abcXYZ019 \n\t<>/=\"'.,;:!?-_()[]{}#@$%^&*+~`|\\▁", "  ", "    ", "\t\t",
-            "\n\n\n", "<start_of_turn>", "<end_of_turn>", "<eos>", "<bos>", "<b>", "</b>",
-            "<table>", "<td>", "[multimodal]", "<unused1>", "<0x41>", "<pad>", "<s>", "</s>",
-            "<h1>", "é", "ü", "α", "Ж", "א", "ا", "क", "中", "日", "가", "😀", "👍", "\u200d",
-            "\ufe0f", "\U0001f3fd", "\u0301", "\ue000", "\U0010ffff", "𝄞", "\ufffd"]
+ALPHABET = [
+    *"abcXYZ019 \n\t<>/=\"'.,;:!?-_()[]{}#@$%^&*+~`|\\▁",
+    "  ",
+    "    ",
+    "\t\t",
+    "\n\n\n",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<eos>",
+    "<bos>",
+    "<b>",
+    "</b>",
+    "<table>",
+    "<td>",
+    "[multimodal]",
+    "<unused1>",
+    "<0x41>",
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<h1>",
+    "é",
+    "ü",
+    "α",
+    "Ж",
+    "א",
+    "ا",
+    "क",
+    "中",
+    "日",
+    "가",
+    "😀",
+    "👍",
+    "\u200d",
+    "\ufe0f",
+    "\U0001f3fd",
+    "\u0301",
+    "\ue000",
+    "\U0010ffff",
+    "𝄞",
+    "\ufffd",
+]
 
 
 def corpus() -> list[str]:
@@ -133,19 +262,38 @@ def corpus() -> list[str]:
             elif r < 0.92:
                 w = "".join(chr(rng.randint(0x20, 0x7E)) for _ in range(rng.randint(1, 6)))
             else:
-                w = chr(rng.choice([rng.randint(0x4E00, 0x9FFF), rng.randint(0x1F300, 0x1FAFF),
-                                    rng.randint(0x0400, 0x04FF), rng.randint(0x10000, 0x1FFFF)]))
+                w = chr(
+                    rng.choice(
+                        [
+                            rng.randint(0x4E00, 0x9FFF),
+                            rng.randint(0x1F300, 0x1FAFF),
+                            rng.randint(0x0400, 0x04FF),
+                            rng.randint(0x10000, 0x1FFFF),
+                        ]
+                    )
+                )
             parts += [w.capitalize() if rng.random() < 0.2 else w, rng.choice(SEPS)]
         prefix = " " * rng.randint(1, 3) if rng.random() < 0.2 else ""
         out.append(prefix + "".join(parts))
     for _ in range(300):  # adversarial: special-token texts glued to anything
         out.append("".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 40))))
     for _ in range(100):  # random code points from every plane in use
-        out.append("".join(
-            chr(rng.choice([rng.randint(0x20, 0x7E), rng.randint(0xA0, 0x2FFF),
-                            rng.randint(0x3000, 0xD7FF), rng.randint(0xE000, 0xFFFD),
-                            rng.randint(0x10000, 0x10FFFF)]))
-            for _ in range(rng.randint(1, 30))))
+        out.append(
+            "".join(
+                chr(
+                    rng.choice(
+                        [
+                            rng.randint(0x20, 0x7E),
+                            rng.randint(0xA0, 0x2FFF),
+                            rng.randint(0x3000, 0xD7FF),
+                            rng.randint(0xE000, 0xFFFD),
+                            rng.randint(0x10000, 0x10FFFF),
+                        ]
+                    )
+                )
+                for _ in range(rng.randint(1, 30))
+            )
+        )
     out.append(" ".join(rng.choice(WORDS + INTL) for _ in range(2500)))  # > 10k characters
     return out
 
@@ -225,8 +373,10 @@ def test_token_ids_equal_llama_cpp(
 def test_detokenization_equals_llama_cpp(derived: tokenizers.Tokenizer, llama: list[dict]) -> None:
     bad = []
     for text, want in zip(CORPUS, llama, strict=True):
-        for ids, skip, key in ((want["plain"], True, "detok"),
-                               (want["special"], False, "detok_special")):
+        for ids, skip, key in (
+            (want["plain"], True, "detok"),
+            (want["special"], False, "detok_special"),
+        ):
             ours = derived.decode(ids, skip_special_tokens=skip)
             theirs = base64.b64decode(want[key]).decode("utf-8", errors="replace")
             if ours != theirs:
@@ -309,14 +459,34 @@ def test_metadata_reader_refuses_non_gguf(tmp_path: Path) -> None:
 
 
 def _toy(model: str = "llama", name: str = "") -> GGUFVocab:
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "a", "b",
-              "ab", "▁ab", "<|channel|>"]
+    tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        *(f"<0x{b:02X}>" for b in range(256)),
+        "▁",
+        "a",
+        "b",
+        "ab",
+        "▁ab",
+        "<|channel|>",
+    ]
     n = len(tokens)
     types = np.array([2, 3, 4, *([6] * 256), 1, 1, 1, 1, 1, 3], dtype=np.int32)
     scores = np.array([0, 0, 0, *([0] * 256), -1, -2, -3, -4, -5, 0], dtype=np.float32)
-    return GGUFVocab(model=model, tokens=tokens, scores=scores[:n], types=types[:n], bos_id=1,
-                     eos_id=2, unk_id=0, add_bos=True, add_eos=False, add_space_prefix=False,
-                     name=name)
+    return GGUFVocab(
+        model=model,
+        tokens=tokens,
+        scores=scores[:n],
+        types=types[:n],
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        add_bos=True,
+        add_eos=False,
+        add_space_prefix=False,
+        name=name,
+    )
 
 
 def test_merges_follow_scores() -> None:

@@ -47,30 +47,57 @@ def _tokenizer():
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(corpus()), trainers.BpeTrainer(
-        vocab_size=800, special_tokens=["[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        list(corpus()),
+        trainers.BpeTrainer(
+            vocab_size=800,
+            special_tokens=["[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
-        unk_token="[UNK]", mask_token="[MASK]", model_max_length=MAX_SEQ)
+        tokenizer_object=tok,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+        model_max_length=MAX_SEQ,
+    )
 
 
 def _config(tok, **over):
     from transformers import ModernBertConfig
 
-    ids = {k: tok.convert_tokens_to_ids(t) for k, t in
-           (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"))}
+    ids = {
+        k: tok.convert_tokens_to_ids(t)
+        for k, t in (("cls", "[CLS]"), ("sep", "[SEP]"), ("pad", "[PAD]"))
+    }
     # Layers 0 and 3 global, 1 and 2 local; the two RoPE bases differ, so a swap would show.
     return ModernBertConfig(
-        vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, global_attn_every_n_layers=3, local_attention=LOCAL_ATTENTION,
-        max_position_embeddings=512, initializer_range=0.3, pad_token_id=ids["pad"],
-        cls_token_id=ids["cls"], sep_token_id=ids["sep"], bos_token_id=ids["cls"],
-        eos_token_id=ids["sep"], **over)
+        vocab_size=len(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        global_attn_every_n_layers=3,
+        local_attention=LOCAL_ATTENTION,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        pad_token_id=ids["pad"],
+        cls_token_id=ids["cls"],
+        sep_token_id=ids["sep"],
+        bos_token_id=ids["cls"],
+        eos_token_id=ids["sep"],
+        **over,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +116,9 @@ def dirs(module_tmp) -> dict[str, Path]:
     torch.manual_seed(0)
     ModernBertModel(_config(tok)).eval().save_pretrained(out["hf"])
     tok.save_pretrained(out["hf"])
-    st = SentenceTransformer(modules=[Transformer(str(out["hf"])), Pooling(HIDDEN, "mean"),
-                                      Normalize()])
+    st = SentenceTransformer(
+        modules=[Transformer(str(out["hf"])), Pooling(HIDDEN, "mean"), Normalize()]
+    )
     st.save(str(out["st"]))
     # Layer types no every-n rule gives (a local layer first): written as one flag per layer.
     out["st-layers"] = _variant(out["st"], module_tmp / "st-layers", {"layer_types": IRREGULAR})
@@ -98,7 +126,8 @@ def dirs(module_tmp) -> dict[str, Path]:
         out[f"xenc-{pooling}"] = d = module_tmp / f"xenc-{pooling}"
         torch.manual_seed(1)
         ModernBertForSequenceClassification(
-            _config(tok, num_labels=1, classifier_pooling=pooling)).eval().save_pretrained(d)
+            _config(tok, num_labels=1, classifier_pooling=pooling)
+        ).eval().save_pretrained(d)
         tok.save_pretrained(d)
     return out
 
@@ -116,12 +145,16 @@ def store(module_tmp, dirs) -> ArtifactStore:
 @pytest.fixture(scope="module")
 def lane(store) -> dict:
     """What one real worker serves: the embeddings of TEXTS and both rerankers' scores."""
+
     async def serve(runtime_dir: str) -> dict:
-        cfg = ModuleConfig(store_root=str(store.root),
-                           host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+        cfg = ModuleConfig(
+            store_root=str(store.root), host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+        )
         async with Module(cfg) as mod:
-            got = {"embed": (await mod.embed(TEXTS, model="mbert")).vectors,
-                   "layers": (await mod.embed(TEXTS, model="mbert-layers")).vectors}
+            got = {
+                "embed": (await mod.embed(TEXTS, model="mbert")).vectors,
+                "layers": (await mod.embed(TEXTS, model="mbert-layers")).vectors,
+            }
             for pooling in ("cls", "mean"):
                 result = await mod.rerank(QUERY, DOCS, model=f"mbert-xenc-{pooling}")
                 scores = dict(result.results)
@@ -153,12 +186,19 @@ def test_the_gguf_says_what_llama_cpp_reads(store):
     meta = gguf_metadata(store.get("mbert").artifact_path)
     assert meta["architecture"] == "modern-bert"
     assert (meta["attention.sliding_window"], meta["attention.sliding_window_pattern"]) == (
-        LOCAL_ATTENTION, 3)
+        LOCAL_ATTENTION,
+        3,
+    )
     assert (meta["rope.freq_base"], meta["rope.freq_base_swa"]) == (160_000.0, 10_000.0)
     assert meta["attention.causal"] is False and meta["hidden_activation"] == "gelu"
     rec = store.get("mbert").manifest
     assert (rec.kind, rec.pooling, rec.dims, rec.max_tokens, rec.n_ctx_train) == (
-        "embed", "mean", HIDDEN, MAX_SEQ, 512)
+        "embed",
+        "mean",
+        HIDDEN,
+        MAX_SEQ,
+        512,
+    )
     xenc = store.get("mbert-xenc-mean").manifest
     assert (xenc.kind, xenc.pooling, xenc.n_labels) == ("rerank", "rank", 1)
     for pooling, want in (("cls", 2), ("mean", 1)):  # llama.cpp's pooling type ids
@@ -194,10 +234,13 @@ def test_hub_style_rope_and_layer_keys_convert_the_same(dirs, tmp_path):
     thetas = {"full_attention": 80_000.0, "sliding_attention": 20_000.0}
     config = json.loads((dirs["st"] / "config.json").read_text())
     legacy = {k: v for k, v in config.items() if k not in ("layer_types", "rope_parameters")}
-    legacy |= {"global_rope_theta": thetas["full_attention"],
-               "local_rope_theta": thetas["sliding_attention"]}
-    modern = {"rope_parameters": {k: {"rope_type": "default", "rope_theta": v}
-                                  for k, v in thetas.items()}}
+    legacy |= {
+        "global_rope_theta": thetas["full_attention"],
+        "local_rope_theta": thetas["sliding_attention"],
+    }
+    modern = {
+        "rope_parameters": {k: {"rope_type": "default", "rope_theta": v} for k, v in thetas.items()}
+    }
     old = _variant(dirs["st"], tmp_path / "legacy", legacy, replace=True)
     new = _variant(dirs["st"], tmp_path / "modern", modern)
     convert_hf_dir(old, tmp_path / "legacy.gguf", "f32", name="m")
@@ -214,16 +257,26 @@ def test_the_bar_tells_near_misses_apart(lane, dirs, module_tmp):
     )
 
     # Each is one thing a converter or lane could get wrong; each must fall below the bar.
-    cls = SentenceTransformer(modules=[Transformer(str(dirs["hf"])), Pooling(HIDDEN, "cls"),
-                                       Normalize()])
+    cls = SentenceTransformer(
+        modules=[Transformer(str(dirs["hf"])), Pooling(HIDDEN, "cls"), Normalize()]
+    )
     cls.max_seq_length = MAX_SEQ
-    misses = {"cls pooling": cls.encode(TEXTS, normalize_embeddings=True),
-              "truncated at 64": _st(dirs["st"], max_seq=64)}
-    for name, edit in (("no sliding window", {"local_attention": 4096}),
-                       ("one RoPE base", {"rope_parameters": {
-                           "full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
-                           "sliding_attention": {"rope_type": "default",
-                                                 "rope_theta": 160_000.0}}})):
+    misses = {
+        "cls pooling": cls.encode(TEXTS, normalize_embeddings=True),
+        "truncated at 64": _st(dirs["st"], max_seq=64),
+    }
+    for name, edit in (
+        ("no sliding window", {"local_attention": 4096}),
+        (
+            "one RoPE base",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 160_000.0},
+                }
+            },
+        ),
+    ):
         variant = module_tmp / f"st-{name.replace(' ', '-')}"
         shutil.copytree(dirs["st"], variant)
         config = json.loads((variant / "config.json").read_text())
@@ -240,7 +293,8 @@ def test_rerank_matches_the_cross_encoder(lane, dirs, pooling):
     from sentence_transformers import CrossEncoder
 
     ref = CrossEncoder(str(dirs[f"xenc-{pooling}"]), device="cpu").predict(
-        [(QUERY, d) for d in DOCS], activation_fn=torch.nn.Identity())
+        [(QUERY, d) for d in DOCS], activation_fn=torch.nn.Identity()
+    )
     got = lane[pooling]
     print(f"{pooling}: max |logit diff| {np.abs(got - ref).max():.2e}, spread {np.ptp(ref):.3f}")
     assert list(np.argsort(-got)) == list(np.argsort(-ref))
@@ -266,8 +320,14 @@ def test_a_masked_lm_converts_as_its_encoder(dirs, tmp_path):
     assert (tmp_path / "mlm.gguf").read_bytes() == (tmp_path / "enc.gguf").read_bytes()
 
 
-def _variant(src: Path, dst: Path, config: dict | None = None, tensors: dict | None = None,
-             tokenizer=None, replace: bool = False) -> Path:
+def _variant(
+    src: Path,
+    dst: Path,
+    config: dict | None = None,
+    tensors: dict | None = None,
+    tokenizer=None,
+    replace: bool = False,
+) -> Path:
     """A copy of `src` with config.json keys changed (or, `replace`, the whole config),
     tensors added or replaced, or tokenizer.json edited in place by `tokenizer`."""
     shutil.copytree(src, dst)
@@ -296,20 +356,36 @@ REFUSED = {
     "attention bias": ("st", {"attention_bias": True}, None, None, "attention_bias"),
     "norm bias": ("st", {"norm_bias": True}, None, None, "norm_bias"),
     "activation": ("st", {"hidden_activation": "quick_gelu"}, None, None, "hidden_activation"),
-    "scaled rope": ("st", {"rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 160_000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}, None, None,
-        "only unscaled RoPE"),
-    "architecture": ("st", {"architectures": ["ModernBertForTokenClassification"]}, None, None,
-                     "unsupported ModernBERT architecture"),
-    "layer-0 norm": ("st", None, {"layers.0.attn_norm.weight": ONES}, None,
-                     "does not compute"),
+    "scaled rope": (
+        "st",
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 160_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            }
+        },
+        None,
+        None,
+        "only unscaled RoPE",
+    ),
+    "architecture": (
+        "st",
+        {"architectures": ["ModernBertForTokenClassification"]},
+        None,
+        None,
+        "unsupported ModernBERT architecture",
+    ),
+    "layer-0 norm": ("st", None, {"layers.0.attn_norm.weight": ONES}, None, "does not compute"),
     "shape": ("st", {"intermediate_size": 48}, None, None, "config.json says"),
-    "head activation": ("xenc-cls", {"classifier_activation": "tanh"}, None, None,
-                        "classifier_activation"),
+    "head activation": (
+        "xenc-cls",
+        {"classifier_activation": "tanh"},
+        None,
+        None,
+        "classifier_activation",
+    ),
     "head bias": ("xenc-cls", {"classifier_bias": True}, None, None, "classifier_bias"),
-    "head pooling": ("xenc-mean", {"classifier_pooling": "max"}, None, None,
-                     "classifier_pooling"),
+    "head pooling": ("xenc-mean", {"classifier_pooling": "max"}, None, None, "classifier_pooling"),
     "pair template": ("xenc-cls", None, None, _roberta_pairs, "composes a pair"),
 }
 

@@ -25,13 +25,18 @@ from ingest.store import ArtifactStore
 pytestmark = pytest.mark.model
 
 TEXTS = [sanitize(t) for t in list(corpus())[::9]]
-PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that "
-                    "answer the query\nQuery:", "document": ""}
+PROMPTS = {
+    "query": "Instruct: Given a web search query, retrieve relevant passages that "
+    "answer the query\nQuery:",
+    "document": "",
+}
 MAX_SEQ = 40  # shorter than many corpus items: truncation is part of what is compared
 HIDDEN = 64
 EOT = "<|endoftext|>"
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _tokenizer(dst: Path, append_eot: bool = True) -> int:
@@ -39,19 +44,31 @@ def _tokenizer(dst: Path, append_eot: bool = True) -> int:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(corpus()) * 2, trainers.BpeTrainer(
-        vocab_size=800, special_tokens=[EOT, "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        list(corpus()) * 2,
+        trainers.BpeTrainer(
+            vocab_size=800,
+            special_tokens=[EOT, "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     if append_eot:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"$A {EOT}", pair=f"$A {EOT} $B {EOT}",
-            special_tokens=[(EOT, tok.token_to_id(EOT))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT,
-                                   model_max_length=MAX_SEQ)
+            single=f"$A {EOT}",
+            pair=f"$A {EOT} $B {EOT}",
+            special_tokens=[(EOT, tok.token_to_id(EOT))],
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOT, pad_token=EOT, model_max_length=MAX_SEQ
+    )
     fast.save_pretrained(dst)
     return tok.get_vocab_size()
 
@@ -65,8 +82,9 @@ def _save_st(raw: Path, dst: Path, pooling: str = "lasttoken") -> Path:
     )
 
     body = Transformer(str(raw), max_seq_length=MAX_SEQ)
-    SentenceTransformer(modules=[body, Pooling(HIDDEN, pooling), Normalize()], device="cpu",
-                        prompts=PROMPTS).save(str(dst))
+    SentenceTransformer(
+        modules=[body, Pooling(HIDDEN, pooling), Normalize()], device="cpu", prompts=PROMPTS
+    ).save(str(dst))
     return dst
 
 
@@ -82,9 +100,18 @@ def dirs(module_tmp) -> dict[str, Path]:
     # random weights are wide (0.3) so another pooling, a lost EOS or prompt, a shorter cut
     # each fail the 0.9999 bar.
     config = Qwen3Config(
-        vocab_size=n_vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.3)
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
     Qwen3Model(config).eval().save_pretrained(raw)
     return {"raw": raw, "st": _save_st(raw, module_tmp / "qwen3-st")}
 
@@ -108,12 +135,15 @@ def test_the_manifest_says_what_the_directory_says(store):
     assert man.prompts == PROMPTS
 
 
-async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_runtime_dir,
-                                                          module_tmp):
+async def test_the_lane_embeds_like_sentence_transformers(
+    store, dirs, short_runtime_dir, module_tmp
+):
     from sentence_transformers import SentenceTransformer
 
-    config = ModuleConfig(store_root=str(store.root),
-                          host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
     async with Module(config) as mod:
         plain = (await mod.embed(TEXTS, model="qwen3")).vectors
         query = (await mod.embed(TEXTS, model="qwen3", prompt_name="query")).vectors
@@ -124,8 +154,10 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     st = SentenceTransformer(str(dirs["st"]), device="cpu")
     ref_plain = st.encode(TEXTS, normalize_embeddings=True)
     ref_query = st.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
-    print(f"min cos: plain {_cos(plain, ref_plain).min():.7f}, "
-          f"prompted {_cos(query, ref_query).min():.7f}")
+    print(
+        f"min cos: plain {_cos(plain, ref_plain).min():.7f}, "
+        f"prompted {_cos(query, ref_query).min():.7f}"
+    )
     assert _cos(plain, ref_plain).min() >= 0.9999, _cos(plain, ref_plain).min()
     assert _cos(query, ref_query).min() >= 0.9999, _cos(query, ref_query).min()
     # The bar discriminates: a missing prompt, mean pooling, a shorter cut, a lost EOS.
@@ -139,8 +171,7 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     _tokenizer(no_eot, append_eot=False)
     for f in ("config.json", "model.safetensors"):
         (no_eot / f).write_bytes((dirs["raw"] / f).read_bytes())
-    lost = SentenceTransformer(str(_save_st(no_eot, module_tmp / "qwen3-no-eot-st")),
-                               device="cpu")
+    lost = SentenceTransformer(str(_save_st(no_eot, module_tmp / "qwen3-no-eot-st")), device="cpu")
     assert _cos(plain, lost.encode(TEXTS, normalize_embeddings=True)).min() < 0.9999
 
 
@@ -170,8 +201,10 @@ async def test_certify_judges_the_qwen3_embedder_with_sentence_transformers(stor
     from certification.store import CertificateStore
 
     certs = CertificateStore(module_tmp / "certificates")
-    config = ModuleConfig(store_root=str(store.root), host=HostConfig(
-        runtime_dir=tempfile.mkdtemp(prefix="syn-", dir="/tmp"), ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(store.root),
+        host=HostConfig(runtime_dir=tempfile.mkdtemp(prefix="syn-", dir="/tmp"), ping_interval_s=0),
+    )
     async with Module(config) as mod:
         cert = await certify(mod, RunOptions(model="qwen3", sample_stride=8), certs)
     assert cert.reference.startswith("sentence-transformers"), cert.reference

@@ -40,19 +40,36 @@ def _unigram_tokenizer(dst: Path, max_seq: int = MAX_SEQ) -> int:
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3), model_writer=buf, vocab_size=700,
-        model_type="unigram", character_coverage=1.0, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
-        hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(list(corpus()) * 3),
+        model_writer=buf,
+        vocab_size=700,
+        model_type="unigram",
+        character_coverage=1.0,
+        bos_id=0,
+        pad_id=1,
+        eos_id=2,
+        unk_id=3,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     proto = pb.ModelProto()
     proto.ParseFromString(buf.getvalue())
     tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
     tok.model_max_length = max_seq
     tok.save_pretrained(dst)
     spec = json.loads((dst / "tokenizer.json").read_text())
-    spec["normalizer"] = {"type": "Sequence", "normalizers": [
-        {"type": "Precompiled", "precompiled_charsmap":
-            base64.b64encode(proto.normalizer_spec.precompiled_charsmap).decode()},
-        {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]}
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {
+                "type": "Precompiled",
+                "precompiled_charsmap": base64.b64encode(
+                    proto.normalizer_spec.precompiled_charsmap
+                ).decode(),
+            },
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        ],
+    }
     (dst / "tokenizer.json").write_text(json.dumps(spec))
     return len(tok)
 
@@ -63,10 +80,20 @@ def _config(n_vocab: int, max_seq: int = MAX_SEQ, **extra):
     # Wide random weights (initializer 0.3): vectors of different texts differ enough that
     # another pooling, a missing prompt or a shorter cut each fail the 0.9999 bar.
     return XLMRobertaConfig(
-        vocab_size=n_vocab, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=max_seq + 2 + 16, type_vocab_size=1,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, initializer_range=0.3,
-        hidden_act="gelu", **extra)
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=max_seq + 2 + 16,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        initializer_range=0.3,
+        hidden_act="gelu",
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +113,15 @@ def dirs(module_tmp) -> dict[str, Path]:
     XLMRobertaModel(_config(n_vocab)).eval().save_pretrained(raw)
     st = module_tmp / "xlmr-st"
     body = Transformer(str(raw), max_seq_length=MAX_SEQ)
-    model = SentenceTransformer(modules=[body, Pooling(HIDDEN, "mean"), Normalize()],
-                                device="cpu", prompts=PROMPTS)
+    model = SentenceTransformer(
+        modules=[body, Pooling(HIDDEN, "mean"), Normalize()], device="cpu", prompts=PROMPTS
+    )
     model.save(str(st))
 
     xenc = module_tmp / "xlmr-xenc"
     _unigram_tokenizer(xenc)
     torch.manual_seed(1)
-    XLMRobertaForSequenceClassification(_config(n_vocab, num_labels=1)).eval() \
-        .save_pretrained(xenc)
+    XLMRobertaForSequenceClassification(_config(n_vocab, num_labels=1)).eval().save_pretrained(xenc)
     return {"st": st, "xenc": xenc}
 
 
@@ -107,8 +134,11 @@ def store(module_tmp, dirs) -> ArtifactStore:
 
 
 def _module(store: ArtifactStore, runtime_dir: str) -> Module:
-    return Module(ModuleConfig(store_root=str(store.root),
-                               host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)))
+    return Module(
+        ModuleConfig(
+            store_root=str(store.root), host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+        )
+    )
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -139,8 +169,10 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     assert max(len(x) for x in ids) == MAX_SEQ  # long items were cut, on both sides alike
     ref_plain = st.encode(TEXTS, normalize_embeddings=True)
     ref_query = st.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
-    print(f"min cos: plain {_cos(plain, ref_plain).min():.7f}, "
-          f"prompted {_cos(query, ref_query).min():.7f}")
+    print(
+        f"min cos: plain {_cos(plain, ref_plain).min():.7f}, "
+        f"prompted {_cos(query, ref_query).min():.7f}"
+    )
     assert _cos(plain, ref_plain).min() >= 0.9999, _cos(plain, ref_plain).min()
     assert _cos(query, ref_query).min() >= 0.9999, _cos(query, ref_query).min()
     # The bar discriminates: a missing prompt, another pooling, a shorter cut each fail it.
@@ -198,8 +230,9 @@ def test_what_the_converter_refuses(dirs, module_tmp):
         if f.is_file():
             (bad / f.name).write_bytes(f.read_bytes())
     config = json.loads((dirs["st"] / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps(config | {
-        "position_embedding_type": "relative_key"}))
+    (bad / "config.json").write_text(
+        json.dumps(config | {"position_embedding_type": "relative_key"})
+    )
     with pytest.raises(ArtifactInvalid, match="absolute position"):
         convert_hf_dir(bad, module_tmp / "bad.gguf")
     (bad / "config.json").write_text(json.dumps(config | {"model_type": "deberta-v2"}))
@@ -221,8 +254,9 @@ async def test_certify_judges_the_xlm_r_reranker_with_the_cross_encoder(store, m
     long = module_tmp / "xlmr-xenc-long"
     n_vocab = _unigram_tokenizer(long, max_seq=256)
     torch.manual_seed(2)
-    XLMRobertaForSequenceClassification(_config(n_vocab, max_seq=256, num_labels=1)).eval() \
-        .save_pretrained(long)
+    XLMRobertaForSequenceClassification(
+        _config(n_vocab, max_seq=256, num_labels=1)
+    ).eval().save_pretrained(long)
     store.ingest_hf_dir(long, "xlmr-xenc-long", dtype="f32")
     certs = CertificateStore(module_tmp / "certificates")
     async with _module(store, tempfile.mkdtemp(prefix="syn-", dir="/tmp")) as mod:

@@ -56,8 +56,11 @@ def config(runtime_dir: str, **kw) -> HostConfig:
 @contextlib.asynccontextmanager
 async def running_lane(runtime_dir, fault: str | None = None, start=True, clock=None, **kw):
     argv = WORKER + (["--fault", fault] if fault else [])
-    lane = Lane(LaneConfig(lane_id="t", argv=argv), config(runtime_dir, **kw),
-                **({"clock": clock} if clock else {}))
+    lane = Lane(
+        LaneConfig(lane_id="t", argv=argv),
+        config(runtime_dir, **kw),
+        **({"clock": clock} if clock else {}),
+    )
     if start:
         await lane.start()
     else:

@@ -50,8 +50,9 @@ TEXTS = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stocks fe
 @contextlib.asynccontextmanager
 async def module(store_root: str, policy=None):
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")  # short: socket paths
-    cfg = ModuleConfig(store_root=store_root,
-                       host=HostConfig(runtime_dir=runtime, ping_interval_s=0))
+    cfg = ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime, ping_interval_s=0)
+    )
     try:
         async with Module(cfg, policy) as mod:
             yield mod
@@ -75,9 +76,17 @@ def provisional(store_root, synapse_cache_dir, tmp_path_factory) -> Certificate:
 
         async def go():
             async with module(store_root) as mod:
-                return await certify(mod, RunOptions(
-                    model=MODEL, lane="ane", shapes=PACKED, sample_stride=40,
-                    runtime_config_extra={"backend": "reference"}), store)
+                return await certify(
+                    mod,
+                    RunOptions(
+                        model=MODEL,
+                        lane="ane",
+                        shapes=PACKED,
+                        sample_stride=40,
+                        runtime_config_extra={"backend": "reference"},
+                    ),
+                    store,
+                )
 
         cert = asyncio.run(go())
     assert cert.status == "provisional" and cert.quality == "pass", cert.failing
@@ -87,12 +96,23 @@ def provisional(store_root, synapse_cache_dir, tmp_path_factory) -> Certificate:
 def as_compute_plan_run(cert: Certificate, **key_changes) -> Certificate:
     """The placement a Mac's MLComputePlan run records (the gate passes), optionally for
     another key; the id follows the key as in every certificate."""
-    checks = [msgspec.structs.replace(c, status="pass", detail="source: compute_plan")
-              if c.name == "placement.share" else c for c in cert.checks]
+    checks = [
+        msgspec.structs.replace(c, status="pass", detail="source: compute_plan")
+        if c.name == "placement.share"
+        else c
+        for c in cert.checks
+    ]
     key = msgspec.structs.replace(cert.key, **key_changes)
     measured = msgspec.structs.replace(cert.measurements, placement_source="compute_plan")
-    return msgspec.structs.replace(cert, id=key.id, key=key, status="certified",
-                                   placement="pass", checks=checks, measurements=measured)
+    return msgspec.structs.replace(
+        cert,
+        id=key.id,
+        key=key,
+        status="certified",
+        placement="pass",
+        checks=checks,
+        measurements=measured,
+    )
 
 
 def served(mod) -> list[tuple[str, str]]:
@@ -131,8 +151,10 @@ async def test_a_provisional_certificate_keeps_llama(store_root, tmp_path, provi
         await mod.embed(TEXTS)
         choice = mod.chosen_lanes()[MODEL]
         assert choice.lane == "llama" and served(mod) == [(MODEL, "llama")]
-        assert choice.reason == (f"llama/cpu: ANE certificate {provisional.id} is provisional "
-                                 "(placement from an estimate, not Core ML's compute plan)")
+        assert choice.reason == (
+            f"llama/cpu: ANE certificate {provisional.id} is provisional "
+            "(placement from an estimate, not Core ML's compute plan)"
+        )
 
 
 async def test_a_certificate_for_this_machine_flips_to_ane(store_root, tmp_path, provisional):
@@ -142,8 +164,10 @@ async def test_a_certificate_for_this_machine_flips_to_ane(store_root, tmp_path,
         chosen = await mod.embed(TEXTS)
         choice = mod.chosen_lanes()[MODEL]
         assert choice.lane == "ane" and choice.device == "ane"
-        assert choice.reason == f"ane: certified {certified.created_at[:10]} (certificate " \
-                                f"{certified.id})"
+        assert (
+            choice.reason == f"ane: certified {certified.created_at[:10]} (certificate "
+            f"{certified.id})"
+        )
         assert served(mod) == [(MODEL, "ane")]  # served by the Core ML worker only
         identity = mod.lane_identity(MODEL)  # the chosen lane's, which the certificate keys
         assert identity["engine"] == "coreml-ane" and identity["device"] == "ane"
@@ -156,8 +180,7 @@ async def test_a_certificate_for_this_machine_flips_to_ane(store_root, tmp_path,
         assert served(mod) == [(MODEL, "llama")] and MODEL not in mod.chosen_lanes()
 
 
-async def test_a_certificate_from_another_machine_does_not_flip(store_root, tmp_path,
-                                                                provisional):
+async def test_a_certificate_from_another_machine_does_not_flip(store_root, tmp_path, provisional):
     mac = as_compute_plan_run(provisional, os="macOS-15.1-arm64")
     assert mac.id != provisional.id
     async with module(store_root, policy_with(tmp_path, mac)) as mod:
@@ -167,7 +190,8 @@ async def test_a_certificate_from_another_machine_does_not_flip(store_root, tmp_
         assert choice.lane == "llama" and served(mod) == [(MODEL, "llama")]
         assert choice.reason.startswith(
             f"llama/cpu: ANE certificate {mac.id} was issued on another machine "
-            f"(os: macOS-15.1-arm64 here {os_name()}")
+            f"(os: macOS-15.1-arm64 here {os_name()}"
+        )
 
 
 async def test_a_stale_identity_is_caught_once_loaded(store_root, tmp_path, provisional):
@@ -179,9 +203,9 @@ async def test_a_stale_identity_is_caught_once_loaded(store_root, tmp_path, prov
         choice = mod.chosen_lanes()[MODEL]
         assert choice.lane == "llama" and served(mod) == [(MODEL, "llama")]
         assert choice.reason.startswith(
-            f"llama/cpu: ANE certificate {stale.id} does not cover the loaded lane: ")
+            f"llama/cpu: ANE certificate {stale.id} does not cover the loaded lane: "
+        )
         assert f"kernel_revision: ane-bert-0 -> {provisional.key.kernel_revision}" in choice.reason
-
 
 
 # ---- every entry point builds its Module with the certificate policy ----------------------
@@ -233,8 +257,9 @@ def test_python_m_service_serves_the_certified_lane(certified_cache):
     cache, cert = certified_cache
     server = ServerProcess(server_config(str(cache / "models")))
     try:
-        reply = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": TEXTS},
-                           timeout=120)
+        reply = httpx.post(
+            f"{server.url}/v1/embeddings", json={"model": MODEL, "input": TEXTS}, timeout=120
+        )
         assert reply.status_code == 200, reply.text
         assert set(server.health()["lanes"]) == {f"{MODEL}@ane"}  # the Core ML worker only
         models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
@@ -243,14 +268,18 @@ def test_python_m_service_serves_the_certified_lane(certified_cache):
         server.stop()
 
 
-async def test_the_bulk_job_serves_the_certified_lane(certified_cache, short_runtime_dir,
-                                                      tmp_path):
+async def test_the_bulk_job_serves_the_certified_lane(certified_cache, short_runtime_dir, tmp_path):
     cache, cert = certified_cache
     write_jsonl(tmp_path / "in.jsonl", 5)
-    config = ModuleConfig(store_root=str(cache / "models"),
-                          host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0))
-    summary = await run_job(JobOptions(input=str(tmp_path / "in.jsonl"),
-                                       output=str(tmp_path / "out.parquet"), module=config))
+    config = ModuleConfig(
+        store_root=str(cache / "models"),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
+    summary = await run_job(
+        JobOptions(
+            input=str(tmp_path / "in.jsonl"), output=str(tmp_path / "out.parquet"), module=config
+        )
+    )
     assert summary.rows == 5 and summary.errors == 0
     meta = read_metadata(tmp_path / "out.parquet")
     assert meta["lane"] == "ane", meta
@@ -260,8 +289,10 @@ def test_the_ray_data_actor_serves_the_certified_lane(certified_cache, short_run
     from batch.ray_job import EmbedActor  # the actor class itself: its own __init__ builds
 
     cache, cert = certified_cache
-    config = ModuleConfig(store_root=str(cache / "models"),
-                          host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0))
+    config = ModuleConfig(
+        store_root=str(cache / "models"),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
     actor = EmbedActor(MODEL, None, True, True, msgspec.json.encode(config), 1)
     try:
         assert actor.embedder.lane == "ane"
@@ -270,8 +301,7 @@ def test_the_ray_data_actor_serves_the_certified_lane(certified_cache, short_run
         actor.close()
 
 
-def test_the_ray_serve_replica_serves_the_certified_lane(certified_cache, ray_session,
-                                                         tmp_path):
+def test_the_ray_serve_replica_serves_the_certified_lane(certified_cache, ray_session, tmp_path):
     """`synapse serve --ray`, one replica: its /v1/models says the certified lane serves."""
     cache, cert = certified_cache
     runtime_dir = tempfile.mkdtemp(prefix="syns-", dir="/tmp")
@@ -281,14 +311,16 @@ def test_the_ray_serve_replica_serves_the_certified_lane(certified_cache, ray_se
     config = tmp_path / "serve.toml"
     config.write_text(
         f"port = {port}\ninstall_defaults = false\n"
-        f"[module]\nstore_root = \"{cache / 'models'}\"\n"
-        f"[module.host]\nruntime_dir = \"{runtime_dir}\"\n"
+        f'[module]\nstore_root = "{cache / "models"}"\n'
+        f'[module.host]\nruntime_dir = "{runtime_dir}"\n'
         f"[ray]\nnum_replicas = 1\nreplica_cpus = 0.5\n"
     )
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "--ray", address, "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         for line in proc.stdout:

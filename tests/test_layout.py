@@ -23,11 +23,19 @@ ALLOWED: dict[str, set[str]] = {
     # workers.cpus: the standard-library CPU count both sides plan threads with.
     "host": {"common", "workers.protocol", "workers.cpus", "ingest", "formats"},
     "certification": {"common", "host", "ingest", "workers", "compile_cache", "formats"},
-    "service": {"common", "host", "ingest", "certification", "compile_cache",
-                "workers.protocol"},
+    "service": {"common", "host", "ingest", "certification", "compile_cache", "workers.protocol"},
     "batch": {"common", "host", "ingest", "certification", "workers.protocol"},
-    "cli": {"common", "host", "ingest", "certification", "compile_cache", "service", "batch",
-            "workers", "formats"},
+    "cli": {
+        "common",
+        "host",
+        "ingest",
+        "certification",
+        "compile_cache",
+        "service",
+        "batch",
+        "workers",
+        "formats",
+    },
 }
 PROJECT = set(ALLOWED)
 
@@ -103,8 +111,12 @@ def _import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files
-                           else node.module for alias in node.names]
+                targets = [
+                    f"{node.module}.{alias.name}"
+                    if f"{node.module}.{alias.name}" in files
+                    else node.module
+                    for alias in node.names
+                ]
             else:
                 continue
             edges.update(t for t in targets if t in files and t != name)
@@ -151,8 +163,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 KNOWN_CYCLES = [
     # manifest dispatches to the Qwen3 and GGUF readers lazily (by model_type / by file);
     # they build on manifest's ModelConfig, Head and errors, gguf_weights on its errors.
-    ["formats.owned.gguf_weights", "formats.owned.manifest", "formats.owned.manifest_gguf",
-     "formats.owned.manifest_qwen3"],
+    [
+        "formats.owned.gguf_weights",
+        "formats.owned.manifest",
+        "formats.owned.manifest_gguf",
+        "formats.owned.manifest_qwen3",
+    ],
     # store.py keeps QuantizationRanges in the manifest; quantization names the store's
     # types for its hints only (under TYPE_CHECKING).
     ["ingest.quantization", "ingest.store"],

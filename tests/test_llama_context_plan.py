@@ -30,12 +30,25 @@ MAX_SEQ = 256  # llama_max_parallel_sequences() of the llama.cpp we vendor
 DEFAULTS = RuntimeConfig()
 
 
-def _plan(cfg: RuntimeConfig = DEFAULTS, *, encoder: bool = True, causal: bool = False,
-          offloaded: bool = False, n_ctx_train: int = 512, max_seq: int = MAX_SEQ,
-          cpu_count: int = 2) -> ContextPlan:
-    return plan_context(cfg, encoder=encoder, causal=causal, offloaded=offloaded,
-                        n_ctx_train=n_ctx_train, max_parallel_sequences=max_seq,
-                        cpu_count=cpu_count)
+def _plan(
+    cfg: RuntimeConfig = DEFAULTS,
+    *,
+    encoder: bool = True,
+    causal: bool = False,
+    offloaded: bool = False,
+    n_ctx_train: int = 512,
+    max_seq: int = MAX_SEQ,
+    cpu_count: int = 2,
+) -> ContextPlan:
+    return plan_context(
+        cfg,
+        encoder=encoder,
+        causal=causal,
+        offloaded=offloaded,
+        n_ctx_train=n_ctx_train,
+        max_parallel_sequences=max_seq,
+        cpu_count=cpu_count,
+    )
 
 
 def _refusal(cfg: RuntimeConfig, **kw: object) -> str:
@@ -63,8 +76,10 @@ def test_reserve_pads_n_ctx_to_256_and_clamps_to_the_micro_batch() -> None:
 # ---- encoders -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n_ctx_train", "batch"), [(128, ENC_BATCH_MIN), (512, 512),
-                                                    (1024, 1024), (8192, ENC_BATCH_MAX)])
+@pytest.mark.parametrize(
+    ("n_ctx_train", "batch"),
+    [(128, ENC_BATCH_MIN), (512, 512), (1024, 1024), (8192, ENC_BATCH_MAX)],
+)
 def test_encoder_defaults_follow_the_trained_context_within_bounds(n_ctx_train, batch) -> None:
     plan = _plan(n_ctx_train=n_ctx_train)
     assert (plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.n_seq_max) == (batch, batch, batch, 64)
@@ -112,8 +127,12 @@ def test_encoder_streams_and_threads() -> None:
 
 def test_generator_defaults() -> None:
     plan = _plan(encoder=False, causal=True, n_ctx_train=32768, cpu_count=2)
-    assert (plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.n_seq_max) == (GEN_CTX, GEN_BATCH,
-                                                                         GEN_BATCH, 1)
+    assert (plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.n_seq_max) == (
+        GEN_CTX,
+        GEN_BATCH,
+        GEN_BATCH,
+        1,
+    )
     assert plan.streams == 1 and plan.stream_threads == plan.all_threads == (2, 2)
     small = _plan(encoder=False, causal=True, n_ctx_train=256)
     assert (small.n_ctx, small.n_batch) == (256, 256)  # never past the trained context
@@ -138,23 +157,41 @@ def test_encode_streams_alone() -> None:
 # ---- properties ---------------------------------------------------------------------------------
 
 sizes = st.one_of(st.none(), st.integers(1, 5000))
-configs = st.builds(RuntimeConfig, n_ctx=sizes, n_batch=sizes, n_ubatch=sizes,
-                    n_seq_max=st.one_of(st.none(), st.integers(1, 300)),
-                    n_threads=st.one_of(st.none(), st.integers(1, 64)),
-                    n_threads_batch=st.one_of(st.none(), st.integers(1, 64)),
-                    encode_streams=st.one_of(st.none(), st.integers(1, 64)))
-facts = {"encoder": st.booleans(), "causal": st.booleans(), "offloaded": st.booleans(),
-         "n_ctx_train": st.integers(1, 40000), "max_seq": st.integers(1, 256),
-         "cpu_count": st.integers(1, 64)}
+configs = st.builds(
+    RuntimeConfig,
+    n_ctx=sizes,
+    n_batch=sizes,
+    n_ubatch=sizes,
+    n_seq_max=st.one_of(st.none(), st.integers(1, 300)),
+    n_threads=st.one_of(st.none(), st.integers(1, 64)),
+    n_threads_batch=st.one_of(st.none(), st.integers(1, 64)),
+    encode_streams=st.one_of(st.none(), st.integers(1, 64)),
+)
+facts = {
+    "encoder": st.booleans(),
+    "causal": st.booleans(),
+    "offloaded": st.booleans(),
+    "n_ctx_train": st.integers(1, 40000),
+    "max_seq": st.integers(1, 256),
+    "cpu_count": st.integers(1, 64),
+}
 
 
 @settings(max_examples=400, deadline=None)
 @given(cfg=configs, **facts)
-def test_a_plan_keeps_llama_cpp_s_rules_or_is_refused(cfg, encoder, causal, offloaded,
-                                                      n_ctx_train, max_seq, cpu_count) -> None:
+def test_a_plan_keeps_llama_cpp_s_rules_or_is_refused(
+    cfg, encoder, causal, offloaded, n_ctx_train, max_seq, cpu_count
+) -> None:
     try:
-        plan = _plan(cfg, encoder=encoder, causal=causal, offloaded=offloaded,
-                     n_ctx_train=n_ctx_train, max_seq=max_seq, cpu_count=cpu_count)
+        plan = _plan(
+            cfg,
+            encoder=encoder,
+            causal=causal,
+            offloaded=offloaded,
+            n_ctx_train=n_ctx_train,
+            max_seq=max_seq,
+            cpu_count=cpu_count,
+        )
     except EngineError as e:
         assert e.code == "config_invalid"
         return
@@ -164,8 +201,9 @@ def test_a_plan_keeps_llama_cpp_s_rules_or_is_refused(cfg, encoder, causal, offl
             assert getattr(plan, name) == getattr(cfg, name)
     assert plan.n_ubatch <= plan.n_batch
     assert 1 <= plan.n_seq_max <= max_seq
-    reserve = reserve_tokens(plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.n_seq_max,
-                             unified=encoder, causal=causal)
+    reserve = reserve_tokens(
+        plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.n_seq_max, unified=encoder, causal=causal
+    )
     assert reserve % plan.n_seq_max == 0
     if not encoder:
         assert plan.n_seq_max == 1 and plan.streams == 1
@@ -179,11 +217,18 @@ def test_a_plan_keeps_llama_cpp_s_rules_or_is_refused(cfg, encoder, causal, offl
 
 @settings(max_examples=300, deadline=None)
 @given(**facts)
-def test_the_defaults_are_never_refused(encoder, causal, offloaded, n_ctx_train, max_seq,
-                                        cpu_count) -> None:
+def test_the_defaults_are_never_refused(
+    encoder, causal, offloaded, n_ctx_train, max_seq, cpu_count
+) -> None:
     causal = causal or not encoder  # a generator is causal (model_kind refuses the rest)
-    plan = _plan(encoder=encoder, causal=causal, offloaded=offloaded, n_ctx_train=n_ctx_train,
-                 max_seq=max_seq, cpu_count=cpu_count)
+    plan = _plan(
+        encoder=encoder,
+        causal=causal,
+        offloaded=offloaded,
+        n_ctx_train=n_ctx_train,
+        max_seq=max_seq,
+        cpu_count=cpu_count,
+    )
     if encoder:
         assert plan.n_batch == min(max(n_ctx_train, ENC_BATCH_MIN), ENC_BATCH_MAX)
         assert plan.streams == (1 if offloaded else cpu_count)

@@ -28,16 +28,20 @@ def test_pack_cuts_in_order_within_both_limits_and_greedily(lengths, max_tokens,
         assert 1 <= len(g) <= max_seqs
         assert len(g) == 1 or sum(lengths[i] for i in g) <= max_tokens  # oversize goes alone
     for prev, nxt in zip(groups, groups[1:], strict=False):  # a group closes only when full
-        assert (sum(lengths[i] for i in prev) + lengths[nxt[0]] > max_tokens
-                or len(prev) == max_seqs)
+        assert sum(lengths[i] for i in prev) + lengths[nxt[0]] > max_tokens or len(prev) == max_seqs
 
 
 @settings(max_examples=400, deadline=None)
-@given(lengths=lengths_st, max_tokens=st.integers(1, 2048), max_seqs=st.integers(1, 70),
-       decode_tokens=st.sampled_from([64, ENC_DECODE_TOKENS, ENC_DECODE_TOKENS_BLAS, 10**6]),
-       streams=st.integers(1, 4))
-def test_plan_decodes_partitions_by_length_within_the_budget(lengths, max_tokens, max_seqs,
-                                                             decode_tokens, streams):
+@given(
+    lengths=lengths_st,
+    max_tokens=st.integers(1, 2048),
+    max_seqs=st.integers(1, 70),
+    decode_tokens=st.sampled_from([64, ENC_DECODE_TOKENS, ENC_DECODE_TOKENS_BLAS, 10**6]),
+    streams=st.integers(1, 4),
+)
+def test_plan_decodes_partitions_by_length_within_the_budget(
+    lengths, max_tokens, max_seqs, decode_tokens, streams
+):
     groups = plan_decodes(lengths, max_tokens, max_seqs, decode_tokens, streams)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     budget = min(max_tokens, decode_tokens)
@@ -50,8 +54,7 @@ def test_plan_decodes_partitions_by_length_within_the_budget(lengths, max_tokens
 
 
 @settings(max_examples=400, deadline=None)
-@given(lengths=st.lists(st.integers(1, 256), min_size=1, max_size=80),
-       streams=st.integers(2, 4))
+@given(lengths=st.lists(st.integers(1, 256), min_size=1, max_size=80), streams=st.integers(2, 4))
 def test_several_streams_get_whole_rounds(lengths, streams):
     # No sequence limit in the way: at most as many decodes as whole rounds of one decode per
     # stream need, so no stream finishes a last decode alone. The guarantee holds while an

@@ -36,8 +36,9 @@ SYSTEM_INFO = llama_cpp.llama_print_system_info().decode()
 
 
 def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
-    return ModuleConfig(store_root=store_root,
-                        host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    return ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
 
 
 # ---- the rules, on this build's real facts ----------------------------------------------------
@@ -61,7 +62,7 @@ def test_env_override_wins_and_is_validated():
     with pytest.raises(ValueError, match=f"{GPU_LAYERS_ENV}=3: this llama.cpp build"):
         resolve_gpu_layers(0, False, build, {GPU_LAYERS_ENV: "3"})
     for bad in ("-1", "all", "1.5"):
-        with pytest.raises(ValueError, match="expected \"auto\" or an integer >= 0"):
+        with pytest.raises(ValueError, match='expected "auto" or an integer >= 0'):
             parse_gpu_layers(bad)
 
 
@@ -79,12 +80,13 @@ def test_offload_device_is_named_from_the_backend_list():
     assert "CPU" in present
     gpus = [b for b in present if b.lower() not in ("cpu", "blas", "amx", "rpc")]
     assert offload_device(SYSTEM_INFO, True) == (
-        {"mtl": "metal", "metal": "metal"}.get(gpus[0].lower(), gpus[0].lower()) if gpus
-        else "gpu")
+        {"mtl": "metal", "metal": "metal"}.get(gpus[0].lower(), gpus[0].lower()) if gpus else "gpu"
+    )
     if sys.platform == "darwin":
         assert gpus and gpus[0].lower() in ("mtl", "metal"), present
     assert describe_build("0.3.36", SYSTEM_INFO) == (
-        f"llama-cpp-python 0.3.36, backends: {', '.join(present)}")
+        f"llama-cpp-python 0.3.36, backends: {', '.join(present)}"
+    )
     assert describe_build("0.3.36", "CPU : AVX2 = 1 | ") == "llama-cpp-python 0.3.36, backends: CPU"
 
 
@@ -92,8 +94,11 @@ def test_a_cpu_lane_lists_no_gpu_device_and_offloads_no_op():
     # llama.cpp keeps every GPU in model->devices unless split_mode is NONE and main_gpu < 0,
     # and op_offload hands large host-weight matmuls to a GPU: a CPU lane must say all three.
     cpu = model_params(0)
-    assert (cpu.n_gpu_layers, cpu.split_mode, cpu.main_gpu) == (0, llama_cpp.LLAMA_SPLIT_MODE_NONE,
-                                                               -1)
+    assert (cpu.n_gpu_layers, cpu.split_mode, cpu.main_gpu) == (
+        0,
+        llama_cpp.LLAMA_SPLIT_MODE_NONE,
+        -1,
+    )
     assert context_params(offloaded=False).op_offload is False
     gpu = model_params(ALL_LAYERS)
     default = llama_cpp.llama_model_default_params()
@@ -118,8 +123,9 @@ def test_thread_count_falls_back_where_there_is_no_affinity(monkeypatch):
     if sys.platform == "darwin":  # Apple silicon: the performance cores, where it says
         import subprocess
 
-        perf = subprocess.run(["sysctl", "-n", "hw.perflevel0.physicalcpu"],
-                              capture_output=True, text=True).stdout.strip()
+        perf = subprocess.run(
+            ["sysctl", "-n", "hw.perflevel0.physicalcpu"], capture_output=True, text=True
+        ).stdout.strip()
         assert usable_cpu_count() == (int(perf) if perf.isdigit() else os.cpu_count())
         assert usable_cpu_count() <= (os.cpu_count() or 1)
     else:
@@ -138,8 +144,7 @@ def test_performance_cores_are_read_from_sysctl_or_not_at_all():
 
 @pytest.mark.model
 @pytest.mark.skipif(BUILD_OFFLOADS, reason="this llama.cpp build offloads; covered on macOS")
-async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtime_dir,
-                                                        monkeypatch):
+async def test_auto_serves_on_the_cpu_here_and_names_it(store_root, short_runtime_dir, monkeypatch):
     monkeypatch.delenv(GPU_LAYERS_ENV, raising=False)
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load(MODEL, "llama")

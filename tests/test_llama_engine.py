@@ -75,8 +75,13 @@ def tokenizer(store: ArtifactStore) -> Tokenizer:
 
 def _load(engine: LlamaEngine, path: Path, ref: str, **cfg: object) -> m.LOADED:
     return engine.load(
-        m.LOAD(req_id=1, artifact_path=str(path), artifact_digest=sha256_file(path),
-               format="gguf", runtime_config={"model_ref": ref, "n_threads": THREADS, **cfg}),
+        m.LOAD(
+            req_id=1,
+            artifact_path=str(path),
+            artifact_digest=sha256_file(path),
+            format="gguf",
+            runtime_config={"model_ref": ref, "n_threads": THREADS, **cfg},
+        ),
         NullProgress(),
     )
 
@@ -96,11 +101,20 @@ def gemma(engine: LlamaEngine, store: ArtifactStore) -> str:
     return _load(engine, store.get("gemma3-270m").artifact_path, "gemma").model_ref
 
 
-def _embed(engine: LlamaEngine, ref: str, seqs: list[list[int]], normalize: bool = True,
-           progress: NullProgress | None = None) -> np.ndarray:
+def _embed(
+    engine: LlamaEngine,
+    ref: str,
+    seqs: list[list[int]],
+    normalize: bool = True,
+    progress: NullProgress | None = None,
+) -> np.ndarray:
     ids = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0, np.int32)
-    req = m.EMBED_BATCH(req_id=2, model_ref=ref, normalize=normalize,
-                        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)])
+    req = m.EMBED_BATCH(
+        req_id=2,
+        model_ref=ref,
+        normalize=normalize,
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)],
+    )
     return engine.embed(req, ids, progress or NullProgress())
 
 
@@ -128,8 +142,14 @@ def test_unnormalized_embeddings_are_mean_pooled(engine, embedders, tokenizer) -
 
 def test_batching_invariance_and_packing(engine, store, tokenizer) -> None:
     # A small context forces several decodes; vectors must not depend on the packing.
-    ref = _load(engine, store.get("minilm-l6-v2-f32").artifact_path, "mini-packed",
-                n_batch=60, n_ubatch=60, n_seq_max=3).model_ref
+    ref = _load(
+        engine,
+        store.get("minilm-l6-v2-f32").artifact_path,
+        "mini-packed",
+        n_batch=60,
+        n_ubatch=60,
+        n_seq_max=3,
+    ).model_ref
     try:
         seqs = [tokenizer.encode(s).ids for s in SENTENCES * 2]
         progress = NullProgress()
@@ -326,17 +346,27 @@ def test_embed_validation_errors_leave_engine_usable(engine, embedders, tokenize
             _embed(engine, ref, seqs)
         assert e.value.code == "invalid_request", why
     with pytest.raises(EngineError) as e:  # checked before the cast: not token 5
-        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=3)]),
-                     np.array([101, 2**32 + 5, 102], np.int64), NullProgress())
+        engine.embed(
+            m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=3)]),
+            np.array([101, 2**32 + 5, 102], np.int64),
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request" and str(2**32 + 5) in e.value.msg
     with pytest.raises(EngineError) as e:  # header and payload disagree
-        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=5)]),
-                     np.arange(4, dtype=np.int32), NullProgress())
+        engine.embed(
+            m.EMBED_BATCH(req_id=3, model_ref=ref, items=[m.EmbedItem(id=0, n_tokens=5)]),
+            np.arange(4, dtype=np.int32),
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request"
     with pytest.raises(EngineError) as e:
-        engine.embed(m.EMBED_BATCH(req_id=3, model_ref=ref, pooling="cls",
-                                   items=[m.EmbedItem(id=0, n_tokens=2)]),
-                     np.array([101, 102], np.int32), NullProgress())
+        engine.embed(
+            m.EMBED_BATCH(
+                req_id=3, model_ref=ref, pooling="cls", items=[m.EmbedItem(id=0, n_tokens=2)]
+            ),
+            np.array([101, 102], np.int32),
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request"
     with pytest.raises(EngineError) as e:
         _embed(engine, "nope", good)
@@ -369,12 +399,14 @@ def test_unsafe_flag_lets_a_real_ggml_assert_through(store, tmp_path) -> None:
         print("SURVIVED", flush=True)
     """)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    safe = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+    safe = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert safe.returncode == 0 and "REFUSED invalid_request" in safe.stdout, safe.stderr[-2000:]
     env["SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE"] = "1"
-    crash = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                           text=True, timeout=120)
+    crash = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert crash.returncode < 0, (crash.returncode, crash.stdout, crash.stderr[-2000:])
     assert "GGML_ASSERT" in crash.stderr and "n_ubatch" in crash.stderr
 
@@ -425,8 +457,16 @@ def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> No
     path = store.get("minilm-l6-v2").artifact_path
 
     def load(p: Path, digest: str, cfg: dict) -> m.LOADED:
-        return engine.load(m.LOAD(req_id=5, artifact_path=str(p), artifact_digest=digest,
-                                  format="gguf", runtime_config=cfg), NullProgress())
+        return engine.load(
+            m.LOAD(
+                req_id=5,
+                artifact_path=str(p),
+                artifact_digest=digest,
+                format="gguf",
+                runtime_config=cfg,
+            ),
+            NullProgress(),
+        )
 
     good = sha256_file(path)
     codes = {
@@ -444,13 +484,15 @@ def test_load_rejects_bad_digest_config_and_files(engine, store, tmp_path) -> No
     for why, (p, d, cfg) in codes.items():
         with pytest.raises(EngineError) as e:
             load(p, d, {"model_ref": "bad", **cfg})
-        want = "artifact_invalid" if why in ("wrong digest", "not a digest", "missing file",
-                                             "NUL in path") \
+        want = (
+            "artifact_invalid"
+            if why in ("wrong digest", "not a digest", "missing file", "NUL in path")
             else "config_invalid"
+        )
         assert e.value.code == want, (why, e.value)
 
     truncated = tmp_path / "trunc.gguf"
-    truncated.write_bytes(path.read_bytes()[: 10_000_000])
+    truncated.write_bytes(path.read_bytes()[:10_000_000])
     with pytest.raises(EngineError) as e:
         load(truncated, sha256_file(truncated), {"model_ref": "bad"})
     assert e.value.code == "artifact_invalid" and "outside the file" in e.value.msg
@@ -488,8 +530,16 @@ def test_qwen3_reranker_refused_at_load(engine, tmp_path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(EngineError) as e:
-        engine.load(m.LOAD(req_id=6, artifact_path=str(path), artifact_digest=sha256_file(path),
-                           format="gguf", runtime_config={}), NullProgress())
+        engine.load(
+            m.LOAD(
+                req_id=6,
+                artifact_path=str(path),
+                artifact_digest=sha256_file(path),
+                format="gguf",
+                runtime_config={},
+            ),
+            NullProgress(),
+        )
     assert e.value.code == "unsupported" and "Qwen3" in e.value.msg
 
 
@@ -501,9 +551,11 @@ def test_info_and_several_models_at_once(engine, embedders, gemma) -> None:
     assert "CPU" in info.build_flags
     assert {"mini-f16", "mini-f32", "gemma"} <= set(engine.models_loaded())
     with pytest.raises(EngineError) as e:
-        engine.embed(m.EMBED_BATCH(req_id=1, model_ref="gemma",
-                                   items=[m.EmbedItem(id=0, n_tokens=1)]),
-                     np.array([2], np.int32), NullProgress())
+        engine.embed(
+            m.EMBED_BATCH(req_id=1, model_ref="gemma", items=[m.EmbedItem(id=0, n_tokens=1)]),
+            np.array([2], np.int32),
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request"
 
 
@@ -533,10 +585,16 @@ def cross_encoder(engine, test_cross_encoder_dir, module_tmp) -> tuple[str, Path
 def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> None:
     ref, src, tok = cross_encoder
     query = tok.encode("what is the capital of france", add_special_tokens=False).ids
-    docs = [tok.encode(t, add_special_tokens=False).ids for t in
-            ("Paris is the capital of France.", "Bananas are yellow.", "the eiffel tower")]
-    req = m.RERANK(req_id=3, model_ref=ref, query_n_tokens=len(query),
-                   candidates=[m.RerankCandidate(n_tokens=len(d)) for d in docs])
+    docs = [
+        tok.encode(t, add_special_tokens=False).ids
+        for t in ("Paris is the capital of France.", "Bananas are yellow.", "the eiffel tower")
+    ]
+    req = m.RERANK(
+        req_id=3,
+        model_ref=ref,
+        query_n_tokens=len(query),
+        candidates=[m.RerankCandidate(n_tokens=len(d)) for d in docs],
+    )
     progress = NullProgress()
     scores = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), progress)
     assert scores.dtype == np.float32 and scores.shape == (3,)
@@ -558,16 +616,31 @@ def test_rerank_scores_pairs_composed_by_the_worker(engine, cross_encoder) -> No
         assert abs(s - typed) * 10 < abs(s - type0), (s, typed, type0)
     # A candidate of no tokens (a text of only spaces) is scored as "[CLS] q [SEP] [SEP]",
     # as the reference scores it; an over-long pair is refused, nothing breaks.
-    empty = engine.rerank(m.RERANK(req_id=4, model_ref=ref, query_n_tokens=len(query),
-                                   candidates=[m.RerankCandidate(n_tokens=0)]),
-                          np.asarray(query, np.int32), NullProgress())
+    empty = engine.rerank(
+        m.RERANK(
+            req_id=4,
+            model_ref=ref,
+            query_n_tokens=len(query),
+            candidates=[m.RerankCandidate(n_tokens=0)],
+        ),
+        np.asarray(query, np.int32),
+        NullProgress(),
+    )
     pair = [101, *query, 102, 102]
-    assert empty[0] == pytest.approx(float(bert.score(pair, [0] * (len(query) + 2) + [1])),
-                                     rel=3e-3)
+    assert empty[0] == pytest.approx(
+        float(bert.score(pair, [0] * (len(query) + 2) + [1])), rel=3e-3
+    )
     with pytest.raises(EngineError) as e:
-        engine.rerank(m.RERANK(req_id=5, model_ref=ref, query_n_tokens=len(query),
-                               candidates=[m.RerankCandidate(n_tokens=600)]),
-                      np.asarray(query + [1000] * 600, np.int32), NullProgress())
+        engine.rerank(
+            m.RERANK(
+                req_id=5,
+                model_ref=ref,
+                query_n_tokens=len(query),
+                candidates=[m.RerankCandidate(n_tokens=600)],
+            ),
+            np.asarray(query + [1000] * 600, np.int32),
+            NullProgress(),
+        )
     assert e.value.code == "invalid_request"
     again = engine.rerank(req, np.asarray(query + sum(docs, []), np.int32), NullProgress())
     np.testing.assert_array_equal(again, scores)
@@ -589,19 +662,33 @@ def gemma_llm(store):
     import llama_cpp
 
     with cpu_quirks.high_level_llama_follows_policy():  # the worker's kernels
-        return llama_cpp.Llama(model_path=str(store.get("gemma3-270m").artifact_path),
-                               n_ctx=2048, n_batch=512, n_threads=THREADS, flash_attn=True,
-                               verbose=False)
+        return llama_cpp.Llama(
+            model_path=str(store.get("gemma3-270m").artifact_path),
+            n_ctx=2048,
+            n_batch=512,
+            n_threads=THREADS,
+            flash_attn=True,
+            verbose=False,
+        )
 
 
 def _tok(llm, text: str) -> np.ndarray:
     return np.asarray(llm.tokenize(text.encode(), add_bos=True, special=True), np.int32)
 
 
-def _gen(engine, ref: str, ids: np.ndarray, max_tokens: int, grammar: str | None = None,
-         progress: NullProgress | None = None):
-    return engine.generate(m.GENERATE(req_id=7, model_ref=ref, max_tokens=max_tokens,
-                                      grammar=grammar), ids, progress or NullProgress())
+def _gen(
+    engine,
+    ref: str,
+    ids: np.ndarray,
+    max_tokens: int,
+    grammar: str | None = None,
+    progress: NullProgress | None = None,
+):
+    return engine.generate(
+        m.GENERATE(req_id=7, model_ref=ref, max_tokens=max_tokens, grammar=grammar),
+        ids,
+        progress or NullProgress(),
+    )
 
 
 def test_greedy_generation_equals_llama_cpp_python(engine, gemma, gemma_llm) -> None:
@@ -634,14 +721,17 @@ def test_grammar_constrains_output(engine, gemma, gemma_llm) -> None:
     assert re.fullmatch(r"Answer: [0-9]+\.", num.text), num
 
 
-@pytest.mark.parametrize("grammar", [
-    "root ::= (",                 # syntax error: our validator
-    'root ::= "a" | undefined',   # undefined rule: our validator
-    'root ::= root "a"',          # left recursion: llama.cpp returns NULL
-    'root ::= "' + "a" * 65000 + '"{2000}',  # ~2 GB once llama.cpp expands it: refused first
-    "root ::= <not-a-token>",     # not one token: llama.cpp returns NULL
-    "",                           # llama.cpp would silently run unconstrained
-])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= (",  # syntax error: our validator
+        'root ::= "a" | undefined',  # undefined rule: our validator
+        'root ::= root "a"',  # left recursion: llama.cpp returns NULL
+        'root ::= "' + "a" * 65000 + '"{2000}',  # ~2 GB once llama.cpp expands it: refused first
+        "root ::= <not-a-token>",  # not one token: llama.cpp returns NULL
+        "",  # llama.cpp would silently run unconstrained
+    ],
+)
 def test_bad_grammar_is_invalid_request(engine, gemma, gemma_llm, grammar: str) -> None:
     ids = _tok(gemma_llm, YES_NO_PROMPT)
     with pytest.raises(EngineError) as e:
@@ -651,9 +741,11 @@ def test_bad_grammar_is_invalid_request(engine, gemma, gemma_llm, grammar: str) 
 
 
 def test_generate_validation(engine, gemma, gemma_llm) -> None:
-    for ids, max_tokens in ((np.array([2, 262144], np.int32), 4),
-                            (np.zeros(0, np.int32), 4),
-                            (np.full(2040, 107, np.int32), 64)):
+    for ids, max_tokens in (
+        (np.array([2, 262144], np.int32), 4),
+        (np.zeros(0, np.int32), 4),
+        (np.full(2040, 107, np.int32), 64),
+    ):
         with pytest.raises(EngineError) as e:
             _gen(engine, gemma, ids, max_tokens)
         assert e.value.code == "invalid_request"
@@ -664,8 +756,9 @@ def test_generate_validation(engine, gemma, gemma_llm) -> None:
 def test_long_prompt_is_prefilled_in_n_batch_chunks(engine, store, gemma, gemma_llm) -> None:
     # A 32-token n_batch makes an ordinary prompt span several prefill decodes; the greedy
     # continuation must equal the one-chunk context's (itself checked against llama-cpp-python).
-    ref = _load(engine, store.get("gemma3-270m").artifact_path, "gemma-b32",
-                n_ctx=256, n_batch=32).model_ref
+    ref = _load(
+        engine, store.get("gemma3-270m").artifact_path, "gemma-b32", n_ctx=256, n_batch=32
+    ).model_ref
     try:
         ids = _tok(gemma_llm, _chat("Continue the list of colours: " + "red, orange, " * 20))
         assert len(ids) > 2 * 32

@@ -20,8 +20,9 @@ from workers.llama.model_kind import (
 
 def _hdr(arch: str, tensors: tuple[str, ...] = (), **kv: object) -> GGUFHeader:
     keys = {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in kv.items()}}
-    return GGUFHeader(version=3, kv=keys,
-                      tensors=[TensorInfo(name, (1,), 0, 0, 4) for name in tensors])
+    return GGUFHeader(
+        version=3, kv=keys, tensors=[TensorInfo(name, (1,), 0, 0, 4) for name in tensors]
+    )
 
 
 def _refused(hdr: GGUFHeader, cfg: RuntimeConfig, code: str) -> str:
@@ -61,7 +62,9 @@ def test_kind_from_the_file() -> None:
     assert decide_kind(bert, RuntimeConfig()) == ("embed", "mean")
     assert decide_kind(bert, RuntimeConfig(pooling="cls")) == ("embed", "cls")
     assert decide_kind(_hdr("bert", **{"attention.causal": False}), RuntimeConfig()) == (
-        "embed", "mean")
+        "embed",
+        "mean",
+    )
     assert decide_kind(_hdr("gemma3"), RuntimeConfig()) == ("generate", "none")
     assert decide_kind(_hdr("gemma3"), RuntimeConfig(embedding=True)) == ("embed", "last")
     ranker = _hdr("bert", **{"attention.causal": False, "pooling_type": 4})
@@ -79,15 +82,17 @@ def test_kind_refusals() -> None:
     templ.kv["tokenizer.chat_template.rerank"] = "{query}{document}"
     assert "prompt template" in _refused(templ, RuntimeConfig(), "unsupported")
     bert = _hdr("bert", **{"attention.causal": False, "pooling_type": 1})
-    assert "contradicts" in _refused(bert, RuntimeConfig(kind="embed", embedding=False),
-                                   "config_invalid")
+    assert "contradicts" in _refused(
+        bert, RuntimeConfig(kind="embed", embedding=False), "config_invalid"
+    )
     assert "rank pooling" in _refused(bert, RuntimeConfig(kind="rerank"), "config_invalid")
     assert "cannot generate" in _refused(bert, RuntimeConfig(kind="generate"), "config_invalid")
     assert "one vector" in _refused(bert, RuntimeConfig(pooling="none"), "config_invalid")
     gen = _hdr("gemma3")
-    assert "embedding models only" in _refused(gen, RuntimeConfig(kind="generate",
-                                                                   pooling="mean"),
-                                               "config_invalid")
+    assert "embedding models only" in _refused(
+        gen, RuntimeConfig(kind="generate", pooling="mean"), "config_invalid"
+    )
     ranker = _hdr("bert", **{"attention.causal": False, "pooling_type": 4})
-    assert "must use rank" in _refused(ranker, RuntimeConfig(kind="rerank", pooling="mean"),
-                                       "config_invalid")
+    assert "must use rank" in _refused(
+        ranker, RuntimeConfig(kind="rerank", pooling="mean"), "config_invalid"
+    )

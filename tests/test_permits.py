@@ -33,8 +33,9 @@ async def test_two_joint_lanes_never_deadlock_and_a_cancelled_wait_gives_back():
             order.append(name)
             await asyncio.sleep(0)
 
-    await asyncio.wait_for(asyncio.gather(*(run(f"{n}{i}", p) for i in range(5)
-                                            for n, p in (("a", a), ("b", b)))), 10)
+    await asyncio.wait_for(
+        asyncio.gather(*(run(f"{n}{i}", p) for i in range(5) for n, p in (("a", a), ("b", b)))), 10
+    )
     assert len(order) == 10
     await permits.for_device("gpu").acquire()  # gpu busy: the joint waiter holds ane, waits
     waiter = asyncio.create_task(a.acquire())

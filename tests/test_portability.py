@@ -28,8 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("host", "workers", "formats", "compile_cache", "certification", "bench")
 
 # Names (attributes / identifiers) and path prefixes (string literals) only Linux has.
-LINUX_NAMES = {"sched_getaffinity", "sched_setaffinity", "prctl", "SO_PEERCRED",
-               "pidfd_open", "memfd_create", "posix_fadvise", "eventfd", "epoll"}
+LINUX_NAMES = {
+    "sched_getaffinity",
+    "sched_setaffinity",
+    "prctl",
+    "SO_PEERCRED",
+    "pidfd_open",
+    "memfd_create",
+    "posix_fadvise",
+    "eventfd",
+    "epoll",
+}
 LINUX_PATHS = ("/proc/", "/sys/")
 
 
@@ -41,18 +50,27 @@ def test_every_module_imports():
     """Every module imports; off macOS only a macOS adapter may refuse, saying so."""
     modules = [
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for p in _sources() if p.name != "__main__.py"  # entry points run on import
+        for p in _sources()
+        if p.name != "__main__.py"  # entry points run on import
     ]
-    code = ("import importlib, json, sys\n"
-            "refused = {}\n"
-            "for name in sys.argv[1:]:\n"
-            "    try:\n"
-            "        importlib.import_module(name)\n"
-            "    except ImportError as exc:\n"
-            "        refused[name] = str(exc)\n"
-            "print(json.dumps(refused))")
-    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import importlib, json, sys\n"
+        "refused = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as exc:\n"
+        "        refused[name] = str(exc)\n"
+        "print(json.dumps(refused))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     refused = json.loads(out.stdout.strip().splitlines()[-1])
     if sys.platform == "darwin":
@@ -64,15 +82,27 @@ def test_every_module_imports():
 def _is_guard(test: ast.expr, what: str) -> bool:
     """A platform check: `sys.platform ...`, `platform.system() ...`, or `hasattr(x, "what")`."""
     for node in ast.walk(test):
-        if isinstance(node, ast.Attribute) and node.attr == "platform" and \
-                isinstance(node.value, ast.Name) and node.value.id == "sys":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "platform"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
             return True
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                node.func.attr == "system" and getattr(node.func.value, "id", "") == "platform":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "system"
+            and getattr(node.func.value, "id", "") == "platform"
+        ):
             return True
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "hasattr" and \
-                len(node.args) == 2 and isinstance(node.args[1], ast.Constant) and \
-                node.args[1].value == what:
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") == "hasattr"
+            and len(node.args) == 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == what
+        ):
             return True
     return False
 
@@ -84,8 +114,11 @@ def _linux_only_uses(tree: ast.AST) -> list[tuple[ast.AST, str]]:
             uses.append((node, node.attr))
         elif isinstance(node, ast.Name) and node.id in LINUX_NAMES:
             uses.append((node, node.id))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                node.value.startswith(LINUX_PATHS):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(LINUX_PATHS)
+        ):
             uses.append((node, node.value))
     return uses
 
@@ -96,7 +129,8 @@ def _early_exit_before(parent: ast.AST, stmt: ast.AST, what: str) -> bool:
         block = getattr(parent, field, None)
         if isinstance(block, list) and stmt in block:
             return any(
-                isinstance(s, ast.If) and _is_guard(s.test, what)
+                isinstance(s, ast.If)
+                and _is_guard(s.test, what)
                 and isinstance(s.body[-1], ast.Return | ast.Raise)
                 for s in block[: block.index(stmt)]
             )
@@ -126,18 +160,23 @@ def unguarded_linux_apis(path: Path) -> list[str]:
 
 def test_the_scan_catches_an_unguarded_call(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import os, sys\nn = len(os.sched_getaffinity(0))\n"
-                   "if sys.platform == 'linux':\n    f = open('/proc/self/statm')\n"
-                   "else:\n    g = open('/proc/cpuinfo')\n"
-                   "def ok():\n    if sys.platform != 'linux':\n        return 0\n"
-                   "    return open('/proc/meminfo')\n"
-                   "def not_ok():\n    if sys.platform != 'linux':\n        print()\n"
-                   "    return open('/proc/meminfo')\n")
+    bad.write_text(
+        "import os, sys\nn = len(os.sched_getaffinity(0))\n"
+        "if sys.platform == 'linux':\n    f = open('/proc/self/statm')\n"
+        "else:\n    g = open('/proc/cpuinfo')\n"
+        "def ok():\n    if sys.platform != 'linux':\n        return 0\n"
+        "    return open('/proc/meminfo')\n"
+        "def not_ok():\n    if sys.platform != 'linux':\n        print()\n"
+        "    return open('/proc/meminfo')\n"
+    )
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
         assert unguarded_linux_apis(bad) == [
-            "bad.py:2 sched_getaffinity", "bad.py:6 /proc/cpuinfo", "bad.py:14 /proc/meminfo"]
+            "bad.py:2 sched_getaffinity",
+            "bad.py:6 /proc/cpuinfo",
+            "bad.py:14 /proc/meminfo",
+        ]
     finally:
         ROOT = saved
 
@@ -196,8 +235,10 @@ async def test_a_lane_starts_with_macos_limits_and_without_peer_credentials(
     monkeypatch.setattr(listener_mod, "SUN_PATH_MAX", 104)
     monkeypatch.delattr(socket, "SO_PEERCRED", raising=False)
     assert listener_mod.peer_credentials(socket.socket(socket.AF_UNIX)) is None
-    lane = Lane(LaneConfig(lane_id="p" * 48, argv=["python", "-m", "workers.faulty"]),
-                HostConfig(ping_interval_s=0, hello_timeout_s=30))
+    lane = Lane(
+        LaneConfig(lane_id="p" * 48, argv=["python", "-m", "workers.faulty"]),
+        HostConfig(ping_interval_s=0, hello_timeout_s=30),
+    )
     await lane.start()
     try:
         req = m.EMBED_BATCH(req_id=0, model_ref="echo", items=[m.EmbedItem(id=0, n_tokens=3)])

@@ -25,8 +25,7 @@ def test_the_lane_device_by_machine_and_override(machine, system, env, device) -
     assert lane_device(machine, system, env) == device
 
 
-@pytest.mark.parametrize(("device", "dtype"), [("cpu", "f32"), ("metal", "f16"),
-                                               ("cuda", "f16")])
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "f32"), ("metal", "f16"), ("cuda", "f16")])
 def test_precision_follows_the_device_not_the_platform(device, dtype) -> None:
     choice = embed_precision(device)
     assert choice.dtype == dtype and choice.reason  # every choice says why

@@ -27,8 +27,9 @@ LONG = "word " * 1000
 
 
 def module_config(store_root: str, runtime_dir: str) -> ModuleConfig:
-    return ModuleConfig(store_root=store_root,
-                        host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    return ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
 
 
 def _gap(a: np.ndarray, b: np.ndarray) -> float:
@@ -92,8 +93,9 @@ async def test_a_prompted_input_is_cut_as_a_whole_at_the_limit(
         tokenizer = await mod.tokenizer(prompted_model)
         # 253 words + [CLS] [SEP] fit the 256-token limit alone, not after a 2-token prompt.
         fits = "word " * 253
-        assert (await mod.embed([fits], model=prompted_model, prompt="", truncate=False)
-                ).usage.total_tokens == 255
+        assert (
+            await mod.embed([fits], model=prompted_model, prompt="", truncate=False)
+        ).usage.total_tokens == 255
         with pytest.raises(InvalidRequest, match="257 tokens, over the limit of 256"):
             await mod.embed([fits], model=prompted_model, prompt_name="passage", truncate=False)
     assert cut.truncated == [True] and cut.usage.total_tokens == 256
@@ -108,12 +110,16 @@ async def test_the_bulk_job_prepends_the_prompt_and_records_it(
 ):
     texts = ["a cat sat on the mat", "stock markets fell", LONG]
     src = tmp_path / "c.jsonl"
-    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n"
-                           for i, t in enumerate(texts)))
+    src.write_text(
+        "".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+    )
     out = tmp_path / "o.parquet"
     cfg = module_config(store_root, short_runtime_dir)
-    summary = await run_job(JobOptions(input=str(src), output=str(out), model=prompted_model,
-                                       prompt_name="passage", module=cfg))
+    summary = await run_job(
+        JobOptions(
+            input=str(src), output=str(out), model=prompted_model, prompt_name="passage", module=cfg
+        )
+    )
     table, ids = read_output(out)
     assert ids == ["r0", "r1", "r2"]
     got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
@@ -133,8 +139,7 @@ def test_models_ingested_with_matryoshka_dims_are_matryoshka_to_the_service(
     assert state.module.record(prompted_model).manifest.matryoshka_dims == [256, 128]
     assert is_matryoshka(state, prompted_model)
     assert not is_matryoshka(state, "minilm-l6-v2")  # no widths in its manifest
-    listed = ServerState(ServeConfig(install_defaults=False,
-                                     matryoshka_models=["minilm-l6-v2"]))
+    listed = ServerState(ServeConfig(install_defaults=False, matryoshka_models=["minilm-l6-v2"]))
     listed.module = state.module
     assert is_matryoshka(listed, "minilm-l6-v2")  # the config still adds models
 
@@ -144,8 +149,9 @@ def test_models_ingested_with_matryoshka_dims_are_matryoshka_to_the_service(
 
 def test_embed_prompt_flags(synapse_cache_dir, prompted_model):
     def run(*flags: str) -> dict:
-        proc = synapse(synapse_cache_dir, "embed", "--json", "--model", prompted_model,
-                       *flags, "a cat")
+        proc = synapse(
+            synapse_cache_dir, "embed", "--json", "--model", prompted_model, *flags, "a cat"
+        )
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
@@ -153,8 +159,9 @@ def test_embed_prompt_flags(synapse_cache_dir, prompted_model):
     assert default["prompt"] == "query: " and passage["prompt"] == "passage: "
     assert literal["prompt"] == ""
     assert passage["usage"]["total_tokens"] == literal["usage"]["total_tokens"] + 2
-    proc = synapse(synapse_cache_dir, "embed", "--model", prompted_model,
-                   "--prompt-name", "nope", "x")
+    proc = synapse(
+        synapse_cache_dir, "embed", "--model", prompted_model, "--prompt-name", "nope", "x"
+    )
     assert proc.returncode == 2 and "error[invalid_request]" in proc.stderr
     assert "'passage', 'query'" in " ".join(proc.stderr.split())
     both = synapse(synapse_cache_dir, "embed", "--prompt-name", "q", "--prompt", "", "x")
@@ -169,11 +176,13 @@ def test_models_ls_shows_prompts_and_matryoshka_dims(synapse_cache_dir, prompted
     assert got["prompts"] == PROMPTS and got["default_prompt_name"] == "query"
     assert got["matryoshka_dims"] == [256, 128]
     plain = models["minilm-l6-v2"]  # the fields are there on every model, empty or not
-    assert (plain["prompts"], plain["default_prompt_name"], plain["matryoshka_dims"]) \
-        == ({}, None, [])
+    assert (plain["prompts"], plain["default_prompt_name"], plain["matryoshka_dims"]) == (
+        {},
+        None,
+        [],
+    )
     table = " ".join(synapse(synapse_cache_dir, "models", "ls").stdout.split())
-    assert f"{prompted_model}: prompts passage, query (default); Matryoshka dims 256,128" \
-        in table
+    assert f"{prompted_model}: prompts passage, query (default); Matryoshka dims 256,128" in table
 
 
 def test_models_ingest_prompt_flags(tmp_path):
@@ -181,9 +190,24 @@ def test_models_ingest_prompt_flags(tmp_path):
 
     src = write_prompted_dir(tmp_path / "e5-style")
     cache = tmp_path / "cache"
-    proc = synapse(cache, "models", "ingest", str(src), "--name", "e5", "--dtype", "f16",
-                   "--prompt", "query=search_query: ", "--prompt", "document=",
-                   "--default-prompt", "document", "--matryoshka-dims", "128,256")
+    proc = synapse(
+        cache,
+        "models",
+        "ingest",
+        str(src),
+        "--name",
+        "e5",
+        "--dtype",
+        "f16",
+        "--prompt",
+        "query=search_query: ",
+        "--prompt",
+        "document=",
+        "--default-prompt",
+        "document",
+        "--matryoshka-dims",
+        "128,256",
+    )
     assert proc.returncode == 0, proc.stderr
     man = json.loads((cache / "models" / "e5" / "manifest.json").read_text())
     assert man["prompts"] == {"query": "search_query: ", "passage": "passage: ", "document": ""}
@@ -193,8 +217,9 @@ def test_models_ingest_prompt_flags(tmp_path):
         (["--matryoshka-dims", "512"], "Matryoshka dims [512] exceed the model's 384 dims"),
         (["--matryoshka-dims", "256,256"], "Matryoshka dims [256, 256] name a width twice"),
     ]:
-        bad = synapse(cache, "models", "ingest", str(src), "--name", "bad", "--dtype", "f16",
-                      *flags)
+        bad = synapse(
+            cache, "models", "ingest", str(src), "--name", "bad", "--dtype", "f16", *flags
+        )
         assert bad.returncode == 2, bad.stderr
         assert f"error[invalid_request]: {says}" in " ".join(bad.stderr.split())
     for flags in (["--prompt", "no-equals"], ["--matryoshka-dims", "a,b"]):

@@ -71,14 +71,25 @@ def test_a_client_without_the_token_is_refused(ray_session, synapse_cache_dir, t
     code = [sys.executable, "-c", REFUSED_CODE.format(address=address)]
     write_jsonl(tmp_path / "c.jsonl", 3)
     out = tmp_path / "o.parquet"
-    cli = [sys.executable, "-m", "cli.main", "batch", "embed", str(tmp_path / "c.jsonl"), "-o",
-           str(out), "--ray", address]
+    cli = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "batch",
+        "embed",
+        str(tmp_path / "c.jsonl"),
+        "-o",
+        str(out),
+        "--ray",
+        address,
+    ]
     clients = {
         "no token (auth disabled)": (code, {**base, "RAY_AUTH_MODE": "disabled"}),
-        "a wrong token": (code, {**base, "RAY_AUTH_MODE": "token",
-                                 "RAY_AUTH_TOKEN": "0" * 64}),
+        "a wrong token": (code, {**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}),
         "batch embed --ray ADDRESS without the token": (
-            cli, cli_env(synapse_cache_dir, extra={**base, "RAY_AUTH_MODE": "disabled"})),
+            cli,
+            cli_env(synapse_cache_dir, extra={**base, "RAY_AUTH_MODE": "disabled"}),
+        ),
     }
 
     def attempt(client):
@@ -90,7 +101,9 @@ def test_a_client_without_the_token_is_refused(ray_session, synapse_cache_dir, t
     for who, proc in results.items():
         # Refused for the token, not for an unreachable address.
         assert "InvalidAuthToken" in proc.stderr or "Unauthenticated" in proc.stderr, (
-            who, proc.stderr[-2000:])
+            who,
+            proc.stderr[-2000:],
+        )
         if proc.args is cli:  # one line, exit 1, and no checkpoint of a job never begun
             assert proc.returncode == 1, (who, proc.stderr[-2000:])
             assert f"cannot join the Ray cluster at {address}" in proc.stderr
@@ -118,9 +131,21 @@ def test_a_local_ray_without_token_auth_is_refused(monkeypatch, synapse_cache_di
     assert not (tmp_path / "o.parquet.partial").exists()
 
     (tmp_path / "serve.toml").write_text("install_defaults = false\n")
-    serve = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--ray", "--config",
-                            str(tmp_path / "serve.toml")], capture_output=True, text=True,
-                           timeout=120, env=cli_env(synapse_cache_dir))
+    serve = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "serve",
+            "--ray",
+            "--config",
+            str(tmp_path / "serve.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(synapse_cache_dir),
+    )
     assert serve.returncode == 3, serve.stderr
     assert "Ray Serve failed to start" in serve.stderr
     assert "token authentication only" in serve.stderr

@@ -133,8 +133,9 @@ def test_token_types_change_hidden_states(minilm: BertReference) -> None:
 # -- independent cross-check ------------------------------------------------------------------
 
 
-def _loop_forward(w: dict[str, np.ndarray], cfg: dict, ids: list[int], types: list[int],
-                  prefix: str = "") -> np.ndarray:
+def _loop_forward(
+    w: dict[str, np.ndarray], cfg: dict, ids: list[int], types: list[int], prefix: str = ""
+) -> np.ndarray:
     """BERT written token by token and head by head, float64, HF (out, in) weight layout."""
     n_h = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
@@ -154,8 +155,12 @@ def _loop_forward(w: dict[str, np.ndarray], cfg: dict, ids: list[int], types: li
         return np.array([np.dot(m[o], v) for o in range(m.shape[0])]) + b
 
     hs = [
-        ln(W("embeddings.word_embeddings.weight")[t] + W("embeddings.position_embeddings.weight")[p]
-           + W("embeddings.token_type_embeddings.weight")[tt], "embeddings.LayerNorm")
+        ln(
+            W("embeddings.word_embeddings.weight")[t]
+            + W("embeddings.position_embeddings.weight")[p]
+            + W("embeddings.token_type_embeddings.weight")[tt],
+            "embeddings.LayerNorm",
+        )
         for p, (t, tt) in enumerate(zip(ids, types, strict=True))
     ]
     for layer in range(cfg["num_hidden_layers"]):

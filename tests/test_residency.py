@@ -61,7 +61,7 @@ def test_the_toml_config_per_model_and_global(tmp_path):
         '[aliases]\n"text-embedding-3-small" = "minilm-l6-v2"\n'
         '[residency]\nkeep_alive = "5m"\nmax_resident_mb = 2048\n'
         '[residency.models."text-embedding-3-small"]\nkeep_alive = "forever"\n'
-        '[residency.models.gemma3-270m]\nkeep_alive = 30\n'
+        "[residency.models.gemma3-270m]\nkeep_alive = 30\n"
     )
     res = load_config(path).residency
     assert res.max_resident_mb == 2048
@@ -84,8 +84,9 @@ def test_the_machine_says_what_is_available():
 
 
 def _module(store_root: str, runtime_dir: str, **residency) -> Module:
-    cfg = ModuleConfig(store_root=store_root,
-                       host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0))
+    cfg = ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+    )
     return Module(cfg, residency=msgspec.convert(residency, ResidencyConfig))
 
 
@@ -118,8 +119,9 @@ async def test_a_busy_model_is_never_evicted(store_root, short_runtime_dir):
         await mod.embed(["first"], model=F32)
         pid = mod.supervisor(F32, "llama").worker.pid
         long = asyncio.create_task(mod.embed(LONG_INPUT, model=F32))
-        await _until(lambda: mod.residency.describe(F32, "llama", mod.store.get(F32))
-                     ["in_flight"] == 1)
+        await _until(
+            lambda: mod.residency.describe(F32, "llama", mod.store.get(F32))["in_flight"] == 1
+        )
         with pytest.raises(InsufficientMemory, match=f"held by models in use.*{F32}") as exc:
             await mod.embed(["second"], model=F16)
         assert exc.value.details["budget_mb"] == 250
@@ -156,8 +158,9 @@ async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_r
 @pytest.mark.model
 async def test_a_measured_size_over_the_budget_is_refused(store_root, short_runtime_dir):
     # The estimate (file + 1 MB) fits in 120 MB; the worker's real RSS (~150 MB) does not.
-    async with _module(store_root, short_runtime_dir, max_resident_mb=120,
-                       load_overhead_mb=1) as mod:
+    async with _module(
+        store_root, short_runtime_dir, max_resident_mb=120, load_overhead_mb=1
+    ) as mod:
         with pytest.raises(InsufficientMemory, match="measured .* once loaded") as exc:
             await mod.embed(["x"], model=F32)
         measured = exc.value.details["needed_mb"]
@@ -180,8 +183,9 @@ async def test_the_machine_check_refuses_before_a_worker_starts(store_root, shor
 
 @pytest.mark.model
 async def test_keep_alive_zero_unloads_as_soon_as_idle(store_root, short_runtime_dir):
-    async with _module(store_root, short_runtime_dir, keep_alive=0,
-                       models={F32: {"keep_alive": "forever"}}) as mod:
+    async with _module(
+        store_root, short_runtime_dir, keep_alive=0, models={F32: {"keep_alive": "forever"}}
+    ) as mod:
         await mod.embed(["pinned"], model=F32)
         await mod.embed(["gone soon"], model=F16)
         await _until(lambda: F16 not in mod.residents())

@@ -317,19 +317,23 @@ async def test_requests_arriving_together_are_tokenized_in_one_call(store_root):
 
         tok.encode = counting
         try:
-            results = await asyncio.wait_for(asyncio.gather(
-                *(sched.embed_texts([t]) for t in texts),
-                sched.embed_texts(["fits", LONG], truncate=False),  # its own 400, nobody else's
-                return_exceptions=True,
-            ), 120)
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    *(sched.embed_texts([t]) for t in texts),
+                    sched.embed_texts(["fits", LONG], truncate=False),  # its own 400, nobody else's
+                    return_exceptions=True,
+                ),
+                120,
+            )
         finally:
             del tok.encode
     assert calls == [8, 2]  # all eight texts at once, then the refused request alone
     refused = results[-1]
     assert isinstance(refused, InvalidRequest) and refused.details["index"] == 1
     assert [r.n_tokens for r in results[:-1]] == [[n] for n in tok.encode(texts, True).n_tokens]
-    np.testing.assert_allclose(np.concatenate([r.vectors for r in results[:-1]]), reference,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate([r.vectors for r in results[:-1]]), reference, atol=1e-5
+    )
     assert sum(b.requests for b in batches) == 6
 
 
@@ -394,8 +398,9 @@ async def test_a_caller_gone_while_waiting_to_be_tokenized_does_not_count_toward
         await asyncio.gather(gone, return_exceptions=True)
         # Three live texts fit the bound of 3; the dead one must not make the third a 429.
         results = await asyncio.wait_for(
-            asyncio.gather(*(sched.embed_texts([f"live {i}"]) for i in range(3)),
-                           return_exceptions=True),
+            asyncio.gather(
+                *(sched.embed_texts([f"live {i}"]) for i in range(3)), return_exceptions=True
+            ),
             60,
         )
     for r in results:

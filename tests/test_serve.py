@@ -166,15 +166,17 @@ def test_dimensions_only_where_the_model_allows_it(http):
 def test_dimensions_for_a_model_ingested_with_matryoshka_dims(http, prompted_model):
     # Not in this server's matryoshka_models: its manifest's widths are what allow the cut.
     whole = http.post("/v1/embeddings", json={"input": TEXTS[:2], "model": prompted_model})
-    cut = http.post("/v1/embeddings",
-                    json={"input": TEXTS[:2], "model": prompted_model, "dimensions": 128})
+    cut = http.post(
+        "/v1/embeddings", json={"input": TEXTS[:2], "model": prompted_model, "dimensions": 128}
+    )
     assert whole.status_code == cut.status_code == 200, cut.text
     v = np.array([d["embedding"] for d in whole.json()["data"]])[:, :128]
     got = np.array([d["embedding"] for d in cut.json()["data"]])
     assert got.shape == (2, 128)
     assert np.abs(got - v / np.linalg.norm(v, axis=1, keepdims=True)).max() < 1e-4
-    too_big = http.post("/v1/embeddings",
-                        json={"input": "x", "model": prompted_model, "dimensions": 385})
+    too_big = http.post(
+        "/v1/embeddings", json={"input": "x", "model": prompted_model, "dimensions": 385}
+    )
     _assert_error(too_big, 400, "invalid_request", "dimensions")
 
 

@@ -77,10 +77,13 @@ def test_input_type_chooses_the_models_prompt(co, http, prompted_model):
         ("classification", "query"),  # no such prompt: the model's default
         ("clustering", "query"),
     ]:
-        resp = co.embed(model=prompted_model, texts=texts, input_type=input_type,
-                        embedding_types=["float"])
-        _close(resp.embeddings.float_,
-               _served(http, input=texts, model=prompted_model, prompt_name=prompt_name))
+        resp = co.embed(
+            model=prompted_model, texts=texts, input_type=input_type, embedding_types=["float"]
+        )
+        _close(
+            resp.embeddings.float_,
+            _served(http, input=texts, model=prompted_model, prompt_name=prompt_name),
+        )
         assert _extra(resp, "prompt_name") == prompt_name, input_type
     assert resp.texts == texts and resp.response_type == "embeddings_by_type"
     assert resp.id and resp.meta.api_version.version == "2"
@@ -96,13 +99,18 @@ def test_input_type_chooses_the_models_prompt(co, http, prompted_model):
 def test_truncate_start_end_none_and_max_tokens(co, http, store_root):
     from host.tokenization import Tokenizer
 
-    tok = Tokenizer.from_file(f"{store_root}/{MINILM}/tokenizer.json", max_tokens=256,
-                              hard_limit=512)
+    tok = Tokenizer.from_file(
+        f"{store_root}/{MINILM}/tokenizer.json", max_tokens=256, hard_limit=512
+    )
     ids = tok.tokenize([LONG], add_special_tokens=False)[0].ids
-    end = co.embed(model=MINILM, texts=[LONG, "a cat"], input_type="search_document",
-                   max_tokens=8)
-    start = co.embed(model=MINILM, texts=[LONG, "a cat"], input_type="search_document",
-                     max_tokens=8, truncate="START")
+    end = co.embed(model=MINILM, texts=[LONG, "a cat"], input_type="search_document", max_tokens=8)
+    start = co.embed(
+        model=MINILM,
+        texts=[LONG, "a cat"],
+        input_type="search_document",
+        max_tokens=8,
+        truncate="START",
+    )
     for resp in (end, start):
         assert _extra(resp, "n_tokens") == [8, 4] and _extra(resp, "truncated") == [True, False]
     _close(end.embeddings.float_[:1], _served(http, input=[[101, *ids[:6], 102]]))
@@ -112,8 +120,7 @@ def test_truncate_start_end_none_and_max_tokens(co, http, store_root):
     huge = co.embed(model=MINILM, texts=[LONG], input_type="search_document", max_tokens=10**6)
     assert _extra(huge, "n_tokens") == [256]
     with pytest.raises(BadRequestError) as info:
-        co.embed(model=MINILM, texts=["a cat", LONG], input_type="search_document",
-                 truncate="NONE")
+        co.embed(model=MINILM, texts=["a cat", LONG], input_type="search_document", truncate="NONE")
     err = info.value.body["error"]
     assert err["param"] == "texts" and f"input 1 has {len(ids) + 2} tokens" in err["message"]
     assert "truncate END or START" in err["message"]
@@ -123,8 +130,13 @@ def test_truncate_start_end_none_and_max_tokens(co, http, store_root):
 
 
 def test_embedding_types_dimensions_and_refusals(co, http, prompted_model):
-    cut = co.embed(model=prompted_model, texts=["a cat"], input_type="search_query",
-                   output_dimension=128, embedding_types=["float"])
+    cut = co.embed(
+        model=prompted_model,
+        texts=["a cat"],
+        input_type="search_query",
+        output_dimension=128,
+        embedding_types=["float"],
+    )
     assert len(cut.embeddings.float_[0]) == 128
     assert abs(np.linalg.norm(cut.embeddings.float_[0]) - 1) < 1e-5
     default = co.embed(model=MINILM, texts=["a cat"], input_type="search_query")
@@ -157,8 +169,9 @@ def test_v2_rerank_with_a_cross_encoder(co, http, cross_encoder):
     assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
     assert resp.meta.billed_units.search_units == 1 and resp.meta.api_version.version == "2"
     assert resp.meta.warnings is None and _extra(resp, "method") == "cross-encoder"
-    v1 = http.post("/v1/rerank", json={"model": cross_encoder, "query": QUERY,
-                                       "documents": DOCS}).json()
+    v1 = http.post(
+        "/v1/rerank", json={"model": cross_encoder, "query": QUERY, "documents": DOCS}
+    ).json()
     assert {r["index"]: r["relevance_score"] for r in v1["results"]} == pytest.approx(
         {r.index: r.relevance_score for r in resp.results}, abs=1e-6
     )
@@ -170,24 +183,29 @@ def test_v2_rerank_with_a_cross_encoder(co, http, cross_encoder):
 def test_v2_rerank_cuts_documents_as_asked(co, http, cross_encoder, store_root):
     from host.tokenization import Tokenizer
 
-    tok = Tokenizer.from_file(f"{store_root}/{cross_encoder}/tokenizer.json", max_tokens=256,
-                              hard_limit=512)
+    tok = Tokenizer.from_file(
+        f"{store_root}/{cross_encoder}/tokenizer.json", max_tokens=256, hard_limit=512
+    )
     bare = lambda t: len(tok.tokenize([t], add_special_tokens=False)[0].ids)  # noqa: E731
     docs = ["word1 word2 word3", "a cat", LONG]
     q, pair = bare(QUERY), tok.n_special_pair
     whole = co.rerank(model=cross_encoder, query=QUERY, documents=docs)
     by_index = {r.index: r for r in whole.results}
     info = http.get("/info", params={"model": cross_encoder}).json()
-    assert info["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"},
-                                               "label2id": {"LABEL_0": 0}}}
+    assert info["model_type"] == {
+        "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    }
     limit = info["max_input_length"]  # the pair limit: 512 for this cross-encoder
     assert _extra(by_index[2], "truncated") is True and _extra(by_index[2], "n_tokens") == limit
     assert _extra(by_index[0], "n_tokens") == q + bare(docs[0]) + pair
     assert not _extra(by_index[0], "truncated") and not _extra(by_index[1], "truncated")
     capped = co.rerank(model=cross_encoder, query=QUERY, documents=docs, max_tokens_per_doc=4)
     got = {r.index: (_extra(r, "n_tokens"), _extra(r, "truncated")) for r in capped.results}
-    assert got == {0: (q + 4 + pair, True), 1: (q + bare("a cat") + pair, False),
-                   2: (q + 4 + pair, True)}
+    assert got == {
+        0: (q + 4 + pair, True),
+        1: (q + bare("a cat") + pair, False),
+        2: (q + 4 + pair, True),
+    }
     docs = ["word1 word2", LONG]
     body = {"model": cross_encoder, "query": QUERY, "documents": docs}
     left = http.post("/v2/rerank", json={**body, "truncation_direction": "left"}).json()
@@ -212,8 +230,9 @@ def test_v2_rerank_without_a_cross_encoder_says_so(co):
 
 def test_v1_client_rerank(server, cross_encoder):
     client = cohere.Client(api_key="unused", base_url=server.url, timeout=120)
-    resp = client.rerank(model=cross_encoder, query=QUERY, documents=DOCS, top_n=2,
-                         return_documents=True)
+    resp = client.rerank(
+        model=cross_encoder, query=QUERY, documents=DOCS, top_n=2, return_documents=True
+    )
     assert len(resp.results) == 2
     best = resp.results[0]
     assert best.document.text == DOCS[best.index] and 0 <= best.relevance_score <= 1

@@ -70,10 +70,13 @@ def test_bad_configs_are_config_invalid(tmp_path, text, match):
         load_config(tmp_path / "missing.toml")
 
 
-@pytest.mark.parametrize("name, text", [
-    ("serve.toml", "[module]\nmax_batch_tokens = 4096\n"),
-    ("serve.json", '{"module": {"max_batch_tokens": 4096}}'),
-])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("serve.toml", "[module]\nmax_batch_tokens = 4096\n"),
+        ("serve.json", '{"module": {"max_batch_tokens": 4096}}'),
+    ],
+)
 def test_the_module_s_old_batch_key_is_refused_with_its_new_name(tmp_path, name, text):
     # One name used to mean two sizes: the module's old spelling is refused, never read as
     # either of them; the scheduler's keeps its name (TEI's).
@@ -84,11 +87,13 @@ def test_the_module_s_old_batch_key_is_refused_with_its_new_name(tmp_path, name,
     assert "renamed max_worker_batch_tokens" in str(e.value)
     assert "[scheduler] max_batch_tokens" in str(e.value)
     if name.endswith(".json"):
-        path.write_text('{"module": {"max_worker_batch_tokens": 1000},'
-                        ' "scheduler": {"max_batch_tokens": 300}}')
+        path.write_text(
+            '{"module": {"max_worker_batch_tokens": 1000}, "scheduler": {"max_batch_tokens": 300}}'
+        )
     else:
-        path.write_text("[module]\nmax_worker_batch_tokens = 1000\n"
-                        "[scheduler]\nmax_batch_tokens = 300\n")
+        path.write_text(
+            "[module]\nmax_worker_batch_tokens = 1000\n[scheduler]\nmax_batch_tokens = 300\n"
+        )
     cfg = load_config(path)
     assert cfg.module.max_worker_batch_tokens == 1000 and cfg.scheduler.max_batch_tokens == 300
 

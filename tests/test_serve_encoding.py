@@ -52,10 +52,11 @@ def http(server):
 
 def _floats(http: httpx.Client, **extra) -> np.ndarray:
     """The server's float32 vectors, exactly (base64)."""
-    body = http.post("/v1/embeddings", json={"input": TEXTS, "model": MODEL,
-                                             "encoding_format": "base64", **extra}).json()
-    return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4")
-                     for d in body["data"]])
+    body = http.post(
+        "/v1/embeddings",
+        json={"input": TEXTS, "model": MODEL, "encoding_format": "base64", **extra},
+    ).json()
+    return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]])
 
 
 def _ranges(root: str, width: int) -> np.ndarray:
@@ -87,8 +88,9 @@ def test_openai_client_gets_every_extension_format(server, http, root):
     answers = _first_int8(http)  # 200 at once where the corpus embeds within the wait
     assert ArtifactStore(root).get(MODEL).manifest.quantization is not None
     print(f"first int8 answered after {len(answers) - 1} x 503 calibrating")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                           timeout=300)
+    client = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300
+    )
     want = _floats(http)
     for fmt in QUANTIZED:
         # The SDK types encoding_format as float|base64 but sends what it is given, and
@@ -103,8 +105,9 @@ def test_openai_client_gets_every_extension_format(server, http, root):
     assert q.calibration.startswith("certification corpus") and sorted(q.widths) == [384]
     # Through extra_body, the way an SDK-typed caller would send it: the SDK asks for base64
     # and merges extra_body over it, and decodes only the strings it gets back.
-    resp = client.embeddings.create(input=TEXTS, model=MODEL,
-                                    extra_body={"encoding_format": "binary"})
+    resp = client.embeddings.create(
+        input=TEXTS, model=MODEL, extra_body={"encoding_format": "binary"}
+    )
     got = np.array([d.embedding for d in sorted(resp.data, key=lambda d: d.index)])
     assert np.array_equal(got, st_quantize(want, "binary"))
 
@@ -115,8 +118,7 @@ def test_cohere_client_v2_gets_every_embedding_type(server, http, root):
     _first_int8(http)  # calibrated (at once when the test above ran first)
     co = cohere.ClientV2(api_key="unused", base_url=server.url, timeout=300)
     types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
-    resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document",
-                    embedding_types=types)
+    resp = co.embed(model=MODEL, texts=TEXTS, input_type="search_document", embedding_types=types)
     want = _floats(http)
     got = resp.embeddings
     np.testing.assert_allclose(np.array(got.float_), want, rtol=0, atol=1e-7)
@@ -130,20 +132,23 @@ def test_cohere_client_v2_gets_every_embedding_type(server, http, root):
 def test_dimensions_are_cut_before_quantizing_with_that_widths_ranges(http, root):
     cut = _floats(http, dimensions=128)
     assert np.array_equal(cut, truncate(_floats(http), 128))
-    body = http.post("/v1/embeddings", json={"input": TEXTS, "model": MODEL,
-                                             "encoding_format": "int8", "dimensions": 128})
+    body = http.post(
+        "/v1/embeddings",
+        json={"input": TEXTS, "model": MODEL, "encoding_format": "int8", "dimensions": 128},
+    )
     assert body.status_code == 200, body.text
     got = np.array([d["embedding"] for d in body.json()["data"]])
     assert got.shape == (len(TEXTS), 128)
     assert np.array_equal(got, st_quantize(cut, "int8", ranges=_ranges(root, 128)))
     assert not np.array_equal(_ranges(root, 128), _ranges(root, 384)[:, :128])
 
-    packed = http.post("/v1/embeddings", json={"input": TEXTS, "model": MODEL,
-                                               "encoding_format": "ubinary", "dimensions": 100})
+    packed = http.post(
+        "/v1/embeddings",
+        json={"input": TEXTS, "model": MODEL, "encoding_format": "ubinary", "dimensions": 100},
+    )
     rows = [d["embedding"] for d in packed.json()["data"]]
     assert all(len(r) == 13 for r in rows)  # ceil(100 / 8) bytes
-    assert np.array_equal(np.array(rows),
-                          st_quantize(_floats(http, dimensions=100), "ubinary"))
+    assert np.array_equal(np.array(rows), st_quantize(_floats(http, dimensions=100), "ubinary"))
 
 
 def test_an_unknown_format_or_unnormalized_int8_is_a_400_naming_the_field(http):
@@ -152,12 +157,14 @@ def test_an_unknown_format_or_unnormalized_int8_is_a_400_naming_the_field(http):
     err = resp.json()["error"]
     assert err["code"] == "invalid_request" and "encoding_format" in err["message"], err
     # The ranges are those of normalized vectors; signs need none.
-    resp = http.post("/v1/embeddings", json={"input": "x", "encoding_format": "uint8",
-                                             "normalize": False})
+    resp = http.post(
+        "/v1/embeddings", json={"input": "x", "encoding_format": "uint8", "normalize": False}
+    )
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "encoding_format"
-    resp = http.post("/v1/embeddings", json={"input": "x", "encoding_format": "binary",
-                                             "normalize": False})
+    resp = http.post(
+        "/v1/embeddings", json={"input": "x", "encoding_format": "binary", "normalize": False}
+    )
     assert resp.status_code == 200 and len(resp.json()["data"][0]["embedding"]) == 48
 
 

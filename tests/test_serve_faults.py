@@ -135,14 +135,17 @@ async def test_two_consecutive_crashes_quarantine_the_lane_with_retry_after(serv
         assert err["quarantined"] is True and 0 < err["retry_after_s"] <= QUARANTINE_S
         assert 1 <= int(r2.headers["retry-after"]) <= QUARANTINE_S
 
-        restarts = metric((await ac.get("/metrics")).text, "synapse_worker_restarts_total",
-                          lane=LANE)
+        restarts = metric(
+            (await ac.get("/metrics")).text, "synapse_worker_restarts_total", lane=LANE
+        )
         r3 = await ac.post("/v1/embeddings", json={"input": "refused at once"})
         assert r3.status_code == 503 and r3.json()["error"]["quarantined"] is True
         # At once: answered with no worker started for it (none runs, none was replaced).
         assert (await ac.get("/health")).json()["lanes"]["minilm-l6-v2"]["pid"] is None
-        assert metric((await ac.get("/metrics")).text, "synapse_worker_restarts_total",
-                      lane=LANE) == restarts
+        assert (
+            metric((await ac.get("/metrics")).text, "synapse_worker_restarts_total", lane=LANE)
+            == restarts
+        )
         assert 1 <= int(r3.headers["retry-after"]) <= QUARANTINE_S
         health = await ac.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "degraded"
@@ -165,7 +168,6 @@ async def test_two_consecutive_crashes_quarantine_the_lane_with_retry_after(serv
 async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
     payload = {"input": [f"item {i}" for i in range(256)]}  # a full queue's worth
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
-
         answered = itertools.count()
 
         async def one() -> tuple[httpx.Response, int]:

@@ -32,8 +32,15 @@ KEY = "fuzz-key-0123456789"
 MAX_BODY = 64 * 1024
 BODY_TIMEOUT_S = 1.5
 ROUTES = [
-    "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/completions", "/v2/embed", "/v2/rerank",
-    "/embed", "/tokenize", "/detokenize",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v1/completions",
+    "/v2/embed",
+    "/v2/rerank",
+    "/embed",
+    "/tokenize",
+    "/detokenize",
 ]
 REPLY_BOUND_S = 30.0  # every answer comes well within this; a hang fails the test
 
@@ -55,9 +62,12 @@ def server(store_root):
     # done. Paid here, once, for the model the fuzzing embeds with (the alias's too), so the
     # fuzzing sees the answers themselves.
     for _ in range(120):
-        warm = httpx.post(f"{srv.url}/v1/embeddings", timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"},
-                          json={"input": "x", "encoding_format": "int8"})
+        warm = httpx.post(
+            f"{srv.url}/v1/embeddings",
+            timeout=60,
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"input": "x", "encoding_format": "int8"},
+        )
         if warm.status_code != 503:
             break
         time.sleep(float(warm.headers["Retry-After"]))
@@ -198,8 +208,9 @@ _JSONISH = st.recursive(
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 _FIELDS = st.sampled_from(
@@ -242,9 +253,13 @@ def _raw_exchange(url: str, head: bytes, body: bytes, bound_s: float) -> bytes:
 def test_a_client_that_never_finishes_its_body_gets_408(server, framing):
     def stall(route: str) -> bytes:
         head = (
-            f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            "Content-Type: application/json\r\n"
-        ).encode() + framing + b"\r\n"
+            (
+                f"POST {route} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\n"
+            ).encode()
+            + framing
+            + b"\r\n"
+        )
         partial = b'{"input": "' if b"Length" in framing else b'b\r\n{"input": "\r\n'
         return _raw_exchange(server.url, head, partial, BODY_TIMEOUT_S + REPLY_BOUND_S)
 

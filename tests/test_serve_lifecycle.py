@@ -167,8 +167,15 @@ def test_load_and_unload_routes(server, http):
     # Counted under bounded labels: the route, never the model's name.
     text = http.get("/metrics").text
     for action in ("load", "unload"):
-        assert metric(text, "synapse_http_requests_total",
-                      endpoint=f"/v1/models/{{model}}/{action}", status="200") >= 2
+        assert (
+            metric(
+                text,
+                "synapse_http_requests_total",
+                endpoint=f"/v1/models/{{model}}/{action}",
+                status="200",
+            )
+            >= 2
+        )
     assert f'endpoint="/v1/models/{F32}' not in text
 
 
@@ -223,8 +230,10 @@ def ttl_server(store_root):
     cfg = server_config(
         store_root,
         preload=[MINILM],
-        residency={"keep_alive": f"{int(TTL_S * 1000)}ms",
-                   "models": {MINILM: {"keep_alive": "forever"}}},
+        residency={
+            "keep_alive": f"{int(TTL_S * 1000)}ms",
+            "models": {MINILM: {"keep_alive": "forever"}},
+        },
     )
     srv = ServerProcess(cfg)
     yield srv
@@ -256,8 +265,10 @@ def test_keep_alive_never_unloads_a_busy_model(ttl_server):
         started = time.monotonic()
         long = _Background(ttl_server.url, "/v1/embeddings", {"model": F32, "input": LONG_INPUT})
         thread = long.thread
-        first = _until(lambda: (e := _entry(http, F32))["loaded"] and e["in_flight"] and e,
-                       what="the long request inside the model")
+        first = _until(
+            lambda: (e := _entry(http, F32))["loaded"] and e["in_flight"] and e,
+            what="the long request inside the model",
+        )
         pid = first["workers"][0]["pid"]
         busy_past_ttl = False
         while thread.is_alive():
@@ -325,8 +336,10 @@ def test_a_model_that_cannot_fit_is_a_503_with_the_reason(small_budget_server):
     with httpx.Client(base_url=srv.url, timeout=300) as http:
         pid = srv.worker_pid(MINILM)
         # Gemma's estimate (241 MB file + worker overhead) is over the whole budget.
-        for resp in (http.post(f"/v1/models/{GEMMA}/load"),
-                     http.post("/v1/completions", json={"model": GEMMA, "prompt": "Hi"})):
+        for resp in (
+            http.post(f"/v1/models/{GEMMA}/load"),
+            http.post("/v1/completions", json={"model": GEMMA, "prompt": "Hi"}),
+        ):
             assert resp.status_code == 503, resp.text
             err = resp.json()["error"]
             assert err["code"] == "insufficient_memory" and err["type"] == "server_error"
@@ -348,11 +361,16 @@ def test_a_port_in_use_is_one_line_and_a_nonzero_exit(tmp_path):
         taken.listen(1)
         port = taken.getsockname()[1]
         config = tmp_path / "serve.toml"
-        config.write_text(f'install_defaults = false\npreload = []\n[module]\n'
-                          f'store_root = "{tmp_path / "models"}"\n')
+        config.write_text(
+            f"install_defaults = false\npreload = []\n[module]\n"
+            f'store_root = "{tmp_path / "models"}"\n'
+        )
         proc = subprocess.run(
             [*SERVE, "--config", str(config), "--port", str(port)],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()

@@ -103,17 +103,31 @@ def test_lifecycle_routes_and_residency_fields_are_described():
     for action in ("load", "unload"):
         op = doc["paths"][f"/v1/models/{{model}}/{action}"]["post"]
         assert op["parameters"][0] == {
-            "name": "model", "in": "path", "required": True, "schema": {"type": "string"}
+            "name": "model",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string"},
         }
         ok = op["responses"]["200"]["content"]["application/json"]["schema"]
         assert _ref(ok) == "ModelEntry"
         assert {"401", "404", "503"} <= set(op["responses"])
         assert "security" not in op  # protected like every API route
-    assert "insufficient_memory" in doc["paths"]["/v1/embeddings"]["post"]["responses"]["503"][
-        "description"]
+    assert (
+        "insufficient_memory"
+        in doc["paths"]["/v1/embeddings"]["post"]["responses"]["503"]["description"]
+    )
     entry = schemas["ModelEntry"]
-    residency = {"loaded_lanes", "workers", "resident_mb", "estimated_mb", "estimate_source",
-                 "in_flight", "last_used", "keep_alive_s", "expires_at"}
+    residency = {
+        "loaded_lanes",
+        "workers",
+        "resident_mb",
+        "estimated_mb",
+        "estimate_source",
+        "in_flight",
+        "last_used",
+        "keep_alive_s",
+        "expires_at",
+    }
     assert residency <= set(entry["required"])
     assert {"id", "object", "created", "owned_by"} <= set(entry["required"])
     assert "memory" in schemas["ModelList"]["required"]
@@ -124,8 +138,7 @@ def test_the_app_serves_exactly_the_route_table():
     from service.app import create_app
 
     app = create_app(ServeConfig())  # not started: routing is built at creation
-    served = {(r.path, m.lower()) for r in app.starlette.routes for m in r.methods
-              if m != "HEAD"}
+    served = {(r.path, m.lower()) for r in app.starlette.routes for m in r.methods if m != "HEAD"}
     assert served == {(r.path, r.method) for r in TABLE} == ROUTES
 
 
@@ -137,5 +150,8 @@ def test_metric_labels_and_open_paths_come_from_the_table():
     assert metric_label_of("/v1/models/x/unload") == "/v1/models/{model}/unload"
     assert metric_label_of("/nope") == "other"
     assert open_paths(ServeConfig(metrics_require_key=False)) == {
-        "/health", "/openapi.json", "/metrics"}
+        "/health",
+        "/openapi.json",
+        "/metrics",
+    }
     assert open_paths(ServeConfig(metrics_require_key=True)) == {"/health", "/openapi.json"}

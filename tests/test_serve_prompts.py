@@ -33,8 +33,9 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def tok(store_root) -> Tokenizer:
-    return Tokenizer.from_file(f"{store_root}/{MINILM}/tokenizer.json", max_tokens=256,
-                               hard_limit=512)
+    return Tokenizer.from_file(
+        f"{store_root}/{MINILM}/tokenizer.json", max_tokens=256, hard_limit=512
+    )
 
 
 def _vectors(resp: httpx.Response) -> np.ndarray:
@@ -93,8 +94,9 @@ def test_openai_client_sends_prompts_and_reads_the_extension_fields(server, prom
     assert len(item.embedding) == 384
     assert item.model_extra == {"n_tokens": 6, "truncated": False}  # [CLS] passage : a text [SEP]
     with pytest.raises(openai.BadRequestError) as info:
-        client.embeddings.create(input="x", model=prompted_model,
-                                 extra_body={"prompt_name": "nope"})
+        client.embeddings.create(
+            input="x", model=prompted_model, extra_body={"prompt_name": "nope"}
+        )
     body = info.value.body
     assert body["param"] == "prompt_name" and body["prompts"] == ["passage", "query"]
     assert "'passage', 'query'" in body["message"]
@@ -124,8 +126,9 @@ def test_prompt_refusals(http, prompted_model):
 def test_right_and_left_cuts_are_the_token_arrays_they_should_be(http, tok):
     ids = _bare(tok, LONG)
     right = http.post("/v1/embeddings", json={"input": [LONG, "short"]})
-    left = http.post("/v1/embeddings",
-                     json={"input": [LONG, "short"], "truncation_direction": "left"})
+    left = http.post(
+        "/v1/embeddings", json={"input": [LONG, "short"], "truncation_direction": "left"}
+    )
     for resp in (right, left):
         data = resp.json()["data"]
         assert [(d["n_tokens"], d["truncated"]) for d in data] == [(256, True), (3, False)]
@@ -138,12 +141,17 @@ def test_right_and_left_cuts_are_the_token_arrays_they_should_be(http, tok):
 
 @pytest.mark.model
 def test_a_left_cut_keeps_the_prompt(http, tok, prompted_model):
-    resp = http.post("/v1/embeddings", json={
-        "input": LONG, "model": prompted_model, "prompt_name": "passage",
-        "truncation_direction": "left",
-    })
+    resp = http.post(
+        "/v1/embeddings",
+        json={
+            "input": LONG,
+            "model": prompted_model,
+            "prompt_name": "passage",
+            "truncation_direction": "left",
+        },
+    )
     prompt, text = _bare(tok, "passage: "), _bare(tok, LONG)
-    want = [CLS, *prompt, *text[-(254 - len(prompt)):], SEP]
+    want = [CLS, *prompt, *text[-(254 - len(prompt)) :], SEP]
     _close(_vectors(resp), _embed_ids(http, [want], prompted_model))
     assert resp.json()["data"][0]["truncated"] is True
 
@@ -180,8 +188,13 @@ def test_rerank_routes_show_and_refuse_cuts(http, tok, path, field):
     assert by_index[0]["truncated"] is False
     assert by_index[0]["n_tokens"] == len(_bare(tok, "word1 word2")) + 2  # embedded alone
     left = http.post(path, json={**body, "truncation_direction": "left"})
-    scores = lambda r: {x["index"]: x.get("relevance_score", x.get("score"))  # noqa: E731
-                        for x in (r.json()["results"] if path == "/v1/rerank" else r.json())}
+
+    def scores(r):
+        return {
+            x["index"]: x.get("relevance_score", x.get("score"))
+            for x in (r.json()["results"] if path == "/v1/rerank" else r.json())
+        }
+
     assert scores(left)[0] == pytest.approx(scores(resp)[0], abs=1e-5)
     assert scores(left)[1] != pytest.approx(scores(resp)[1], abs=1e-5)  # the other end kept
     refused = http.post(path, json={**body, "truncate": False})
@@ -200,14 +213,33 @@ def test_the_document_describes_every_new_field():
 
     schemas = build_document(TABLE, ServeConfig(), auth_enabled=False)["components"]["schemas"]
     fields = {
-        "EmbeddingRequest": {"normalize", "truncate", "truncation_direction", "prompt_name",
-                             "prompt"},
-        "TeiEmbedRequest": {"inputs", "normalize", "truncate", "truncation_direction",
-                            "prompt_name", "prompt", "dimensions", "model"},
+        "EmbeddingRequest": {
+            "normalize",
+            "truncate",
+            "truncation_direction",
+            "prompt_name",
+            "prompt",
+        },
+        "TeiEmbedRequest": {
+            "inputs",
+            "normalize",
+            "truncate",
+            "truncation_direction",
+            "prompt_name",
+            "prompt",
+            "dimensions",
+            "model",
+        },
         "RerankRequest": {"truncate", "truncation_direction"},
         "TeiRerankRequest": {"truncate", "truncation_direction"},
-        "CohereEmbedRequest": {"texts", "input_type", "embedding_types", "max_tokens",
-                               "truncate", "output_dimension"},
+        "CohereEmbedRequest": {
+            "texts",
+            "input_type",
+            "embedding_types",
+            "max_tokens",
+            "truncate",
+            "output_dimension",
+        },
         "CohereRerankRequest": {"max_tokens_per_doc", "truncate", "truncation_direction"},
         "TokenizeRequest": {"inputs", "prompt", "add_special_tokens", "return_token_strs"},
         "DetokenizeRequest": {"tokens", "ids", "skip_special_tokens"},

@@ -50,14 +50,16 @@ def ray_serve(ray_session, store_root, tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text(
         f"port = {port}\ninstall_defaults = false\n"
-        f"[module]\nstore_root = \"{store_root}\"\n"
-        f"[module.host]\nruntime_dir = \"{runtime_dir}\"\n"
+        f'[module]\nstore_root = "{store_root}"\n'
+        f'[module.host]\nruntime_dir = "{runtime_dir}"\n'
         f"[ray]\nnum_replicas = 2\nreplica_cpus = 0.5\nmax_ongoing_requests = 32\n"
     )
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "--ray", address, "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         for line in proc.stdout:  # the readiness line, once both replicas are up
@@ -85,16 +87,17 @@ def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker
 
     health = health_by_replica(url, 2)
     pids = {h["lanes"][MODEL]["pid"] for h in health.values()}
-    assert len(pids) == 2 and all(h["code"] == 200 and h["status"] == "ok"
-                                  for h in health.values())
+    assert len(pids) == 2 and all(h["code"] == 200 and h["status"] == "ok" for h in health.values())
     # Serve's proxy binds the config's host; every other Ray server the node address
     # (loopback, host.local_ray) — except each replica's gRPC server for calls between
     # deployments, which Ray binds to [::] (ray/serve/_private/replica.py) and guards with
     # the same token interceptor.
     sockets = listening_sockets()
     port = int(url.rsplit(":", 1)[1])
-    assert any(name.startswith("ray::ProxyActor") and p == port and is_loopback(ip)
-               for name, ip, p in sockets), sockets
+    assert any(
+        name.startswith("ray::ProxyActor") and p == port and is_loopback(ip)
+        for name, ip, p in sockets
+    ), sockets
     beyond = [s for s in sockets if not is_loopback(s[1])]
     assert all(name.startswith("ray::ServeReplica") for name, _, _ in beyond), beyond
     assert len(beyond) <= 2  # one per replica at most
@@ -105,8 +108,9 @@ def test_two_replicas_answer_openai_survive_a_worker_sigkill_and_leave_no_worker
     texts = [f"sentence number {i} about cats and markets " * 8 for i in range(16)]
 
     def call(i: int) -> httpx.Response:
-        return httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": texts},
-                          timeout=120)
+        return httpx.post(
+            f"{url}/v1/embeddings", json={"model": MODEL, "input": texts}, timeout=120
+        )
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(call, i) for i in range(32)]
@@ -138,15 +142,17 @@ def test_the_ray_table_of_the_serve_config_is_checked(tmp_path):
     from service.config import load_config
     from service.ray_deployment import synapse_deployment
 
-    for body, message in [("num_replicas = 0", "num_replicas must be >= 1"),
-                          ("max_ongoing_requests = 0", "max_ongoing_requests must be >= 1"),
-                          ("replicas = 2", "replicas")]:
+    for body, message in [
+        ("num_replicas = 0", "num_replicas must be >= 1"),
+        ("max_ongoing_requests = 0", "max_ongoing_requests must be >= 1"),
+        ("replicas = 2", "replicas"),
+    ]:
         (tmp_path / "c.toml").write_text(f"[ray]\n{body}\n")
         with pytest.raises(ConfigInvalid, match=message):
             load_config(tmp_path / "c.toml")
     (tmp_path / "c.toml").write_text(
-        "[ray]\nmax_ongoing_requests = 8\n"
-        "autoscaling = {min_replicas = 1, max_replicas = 3}\n")
+        "[ray]\nmax_ongoing_requests = 8\nautoscaling = {min_replicas = 1, max_replicas = 3}\n"
+    )
     app = synapse_deployment(load_config(tmp_path / "c.toml"))
     config = app._bound_deployment._deployment_config
     assert config.max_ongoing_requests == 8

@@ -72,8 +72,9 @@ def test_embed_prompts_and_dimensions(http, prompted_model):
     texts = ["where do cats sleep?"]
     for name in ("query", "passage"):
         got, _ = _embed(http, inputs=texts, model=prompted_model, prompt_name=name)
-        assert np.array_equal(got, _openai(http, input=texts, model=prompted_model,
-                                           prompt_name=name))
+        assert np.array_equal(
+            got, _openai(http, input=texts, model=prompted_model, prompt_name=name)
+        )
     literal, _ = _embed(http, inputs=texts, model=prompted_model, prompt="passage: ")
     passage, _ = _embed(http, inputs=texts, model=prompted_model, prompt_name="passage")
     assert np.array_equal(literal, passage)
@@ -101,9 +102,17 @@ def test_info_has_teis_fields(http, prompted_model):
     assert info["max_input_length"] == 256 and info["max_tokens_limit"] == 512
     assert info["max_client_batch_size"] == 2048 and info["auto_truncate"] is True
     assert info["prompts"] is None and info["dims"] == 384
-    for field in ("model_sha", "model_dtype", "max_concurrent_requests", "max_batch_tokens",
-                  "max_batch_requests", "tokenization_workers", "version", "sha",
-                  "docker_label"):
+    for field in (
+        "model_sha",
+        "model_dtype",
+        "max_concurrent_requests",
+        "max_batch_tokens",
+        "max_batch_requests",
+        "tokenization_workers",
+        "version",
+        "sha",
+        "docker_label",
+    ):
         assert field in info, field
     prompted = http.get("/info", params={"model": prompted_model}).json()
     assert prompted["prompts"] == {"query": "query: ", "passage": "passage: "}

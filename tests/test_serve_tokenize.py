@@ -19,7 +19,8 @@ MAX_INPUT_BYTES = 4096
 @pytest.fixture(scope="module")
 def server(store_root, prompted_model):
     cfg = server_config(
-        store_root, preload=[MINILM],
+        store_root,
+        preload=[MINILM],
         module={"budgets": {"max_inputs": 8, "max_input_bytes": MAX_INPUT_BYTES}},
         scheduler={"max_queue_items": 8},
     )
@@ -74,11 +75,14 @@ def test_the_models_prompt_is_tokenized_as_embedding_prepends_it(http, prompted_
 
 def test_vllm_shape(http):
     got = _ok(http.post("/tokenize", json={"prompt": "a cat", "return_token_strs": True}))
-    assert got == {"count": 4, "max_model_len": 256, "tokens": [101, 1037, 4937, 102],
-                   "token_strs": ["[CLS]", "a", "cat", "[SEP]"]}
+    assert got == {
+        "count": 4,
+        "max_model_len": 256,
+        "tokens": [101, 1037, 4937, 102],
+        "token_strs": ["[CLS]", "a", "cat", "[SEP]"],
+    }
     plain = _ok(http.post("/tokenize", json={"prompt": "a cat", "add_special_tokens": False}))
-    assert plain == {"count": 2, "max_model_len": 256, "tokens": [1037, 4937],
-                     "token_strs": None}
+    assert plain == {"count": 2, "max_model_len": 256, "tokens": [1037, 4937], "token_strs": None}
     text = _ok(http.post("/detokenize", json={"tokens": [101, 1037, 4937, 102]}))
     assert text == {"prompt": "[CLS] a cat [SEP]"}  # vLLM keeps special tokens by default
     skip = {"tokens": [101, 1037, 4937, 102], "skip_special_tokens": True}
@@ -95,8 +99,13 @@ def test_tei_decode(http):
 def test_sanitizing_and_limits_are_embeddings(http):
     (tokens,) = _ok(http.post("/tokenize", json={"inputs": "a\x00b"}))
     assert [t["text"] for t in tokens[1:-1]] == ["a", "b"]  # the control became a space
-    raw = _ok(http.post("/tokenize", content=b'{"inputs": "caf\xe9 x"}',
-                        headers={"content-type": "application/json"}))
+    raw = _ok(
+        http.post(
+            "/tokenize",
+            content=b'{"inputs": "caf\xe9 x"}',
+            headers={"content-type": "application/json"},
+        )
+    )
     assert raw == _ok(http.post("/tokenize", json={"inputs": "caf\ufffd x"}))  # U+FFFD
     long = "word " * 1000  # never cut: the count says it is over the limit
     got = _ok(http.post("/tokenize", json={"prompt": long[: MAX_INPUT_BYTES - 5]}))

@@ -13,18 +13,38 @@ from formats.st_layout import LayoutError, module_kind, pooling_modes, read_layo
 LEGACY = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    {"idx": 2, "name": "2", "path": "2_Normalize",
-     "type": "sentence_transformers.models.Normalize"},
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    },
 ]
 NATIVE = [
-    {"idx": 0, "name": "0", "path": "",
-     "type": "sentence_transformers.base.modules.transformer.Transformer"},
-    {"idx": 1, "name": "1", "path": "1_Pooling",
-     "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
-    {"idx": 2, "name": "2", "path": "2_Dense",
-     "type": "sentence_transformers.base.modules.dense.Dense"},
-    {"idx": 3, "name": "3", "path": "3_Normalize",
-     "type": "sentence_transformers.base.modules.normalize.Normalize"},
+    {
+        "idx": 0,
+        "name": "0",
+        "path": "",
+        "type": "sentence_transformers.base.modules.transformer.Transformer",
+    },
+    {
+        "idx": 1,
+        "name": "1",
+        "path": "1_Pooling",
+        "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+    },
+    {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Dense",
+        "type": "sentence_transformers.base.modules.dense.Dense",
+    },
+    {
+        "idx": 3,
+        "name": "3",
+        "path": "3_Normalize",
+        "type": "sentence_transformers.base.modules.normalize.Normalize",
+    },
 ]
 
 
@@ -36,14 +56,19 @@ def write(d: Path, files: dict[str, object]) -> Path:
 
 
 def test_the_legacy_layout(tmp_path):
-    d = write(tmp_path, {
-        "modules.json": LEGACY,
-        "1_Pooling/config.json": {"word_embedding_dimension": 384,
-                                  "pooling_mode_mean_tokens": True,
-                                  "pooling_mode_cls_token": False},
-        "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": False},
-        "tokenizer_config.json": {"model_max_length": 512},
-    })
+    d = write(
+        tmp_path,
+        {
+            "modules.json": LEGACY,
+            "1_Pooling/config.json": {
+                "word_embedding_dimension": 384,
+                "pooling_mode_mean_tokens": True,
+                "pooling_mode_cls_token": False,
+            },
+            "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": False},
+            "tokenizer_config.json": {"model_max_length": 512},
+        },
+    )
     layout = read_layout(d)
     assert layout.pooling == "mean" and layout.normalize and not layout.native
     assert layout.max_seq_length == 256  # sentence_bert_config, not the tokenizer's 512
@@ -51,17 +76,27 @@ def test_the_legacy_layout(tmp_path):
 
 
 def test_the_native_layout_of_sentence_transformers_6(tmp_path):
-    d = write(tmp_path, {
-        "modules.json": NATIVE,
-        "1_Pooling/config.json": {"embedding_dimension": 1024, "pooling_mode": "lasttoken",
-                                  "include_prompt": True},
-        "sentence_bert_config.json": {"transformer_task": "feature-extraction",
-                                      "modality_config": {"text": {}}},
-        "tokenizer_config.json": {"model_max_length": 8192},
-        "config_sentence_transformers.json": {
-            "prompts": {"query": "Instruct: search\nQuery: ", "document": ""},
-            "default_prompt_name": None, "model_type": "SentenceTransformer"},
-    })
+    d = write(
+        tmp_path,
+        {
+            "modules.json": NATIVE,
+            "1_Pooling/config.json": {
+                "embedding_dimension": 1024,
+                "pooling_mode": "lasttoken",
+                "include_prompt": True,
+            },
+            "sentence_bert_config.json": {
+                "transformer_task": "feature-extraction",
+                "modality_config": {"text": {}},
+            },
+            "tokenizer_config.json": {"model_max_length": 8192},
+            "config_sentence_transformers.json": {
+                "prompts": {"query": "Instruct: search\nQuery: ", "document": ""},
+                "default_prompt_name": None,
+                "model_type": "SentenceTransformer",
+            },
+        },
+    )
     layout = read_layout(d)
     assert layout.native and layout.pooling == "lasttoken" and layout.normalize
     assert layout.max_seq_length == 8192  # version 6 keeps the limit in the tokenizer
@@ -74,10 +109,15 @@ def test_pooling_modes_of_either_spelling():
     assert pooling_modes({"pooling_mode": ["cls", "mean"]}) == ("cls", "mean")
     assert pooling_modes({"pooling_mode_lasttoken": True}) == ("lasttoken",)
     assert pooling_modes({"pooling_mode_cls_token": False}) == ("mean",)  # ST's default
-    assert pooling_modes({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}) \
-        == ("cls", "mean")  # ST's concatenation order
-    assert module_kind("sentence_transformers.sentence_transformer.modules.pooling.Pooling") \
-        == module_kind("sentence_transformers.models.Pooling") == "Pooling"
+    assert pooling_modes({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}) == (
+        "cls",
+        "mean",
+    )  # ST's concatenation order
+    assert (
+        module_kind("sentence_transformers.sentence_transformer.modules.pooling.Pooling")
+        == module_kind("sentence_transformers.models.Pooling")
+        == "Pooling"
+    )
 
 
 def test_a_plain_hugging_face_directory_declares_nothing(tmp_path):
@@ -85,31 +125,48 @@ def test_a_plain_hugging_face_directory_declares_nothing(tmp_path):
     assert layout.pooling is None and not layout.normalize and layout.max_seq_length is None
 
 
-@pytest.mark.parametrize(("files", "match"), [
-    ({"modules.json": {"not": "a list"}}, "expected a list"),
-    ({"modules.json": [{"path": ""}]}, "without a type"),
-    ({"modules.json": LEGACY, "1_Pooling/config.json": {"pooling_mode": "sum"}},
-     "unknown pooling mode 'sum'"),
-    ({"modules.json": LEGACY, "1_Pooling/config.json": {"pooling_mode": 3}},
-     "expected a mode name"),
-    ({"sentence_bert_config.json": {"max_seq_length": -1}}, "not a positive integer"),
-    ({"config_sentence_transformers.json": {"prompts": {"q": 1}}}, "map names to text"),
-    ({"config_sentence_transformers.json": {"prompts": {"q": "x"},
-                                            "default_prompt_name": "d"}}, "not one of"),
-])
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"modules.json": {"not": "a list"}}, "expected a list"),
+        ({"modules.json": [{"path": ""}]}, "without a type"),
+        (
+            {"modules.json": LEGACY, "1_Pooling/config.json": {"pooling_mode": "sum"}},
+            "unknown pooling mode 'sum'",
+        ),
+        (
+            {"modules.json": LEGACY, "1_Pooling/config.json": {"pooling_mode": 3}},
+            "expected a mode name",
+        ),
+        ({"sentence_bert_config.json": {"max_seq_length": -1}}, "not a positive integer"),
+        ({"config_sentence_transformers.json": {"prompts": {"q": 1}}}, "map names to text"),
+        (
+            {
+                "config_sentence_transformers.json": {
+                    "prompts": {"q": "x"},
+                    "default_prompt_name": "d",
+                }
+            },
+            "not one of",
+        ),
+    ],
+)
 def test_bad_files_are_layout_errors(tmp_path, files, match):
     with pytest.raises(LayoutError, match=match):
         read_layout(write(tmp_path, files))
 
 
 def test_concatenated_modes_are_refused_by_name(tmp_path):
-    d = write(tmp_path, {"modules.json": LEGACY,
-                         "1_Pooling/config.json": {"pooling_mode": ["cls", "mean"]}})
+    d = write(
+        tmp_path,
+        {"modules.json": LEGACY, "1_Pooling/config.json": {"pooling_mode": ["cls", "mean"]}},
+    )
     with pytest.raises(LayoutError, match="concatenated"):
         _ = read_layout(d).pooling
 
 
 def test_the_unlimited_tokenizer_sentinel_is_no_limit(tmp_path):
-    d = write(tmp_path, {"modules.json": NATIVE,
-                         "tokenizer_config.json": {"model_max_length": 1e30}})
+    d = write(
+        tmp_path, {"modules.json": NATIVE, "tokenizer_config.json": {"model_max_length": 1e30}}
+    )
     assert read_layout(d).max_seq_length is None

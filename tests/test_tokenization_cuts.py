@@ -44,7 +44,7 @@ def test_right_and_left_cuts(tok):
 def test_a_left_cut_keeps_the_prompt(tok):
     prompt, ids = _bare(tok, "query: "), _bare(tok, LONG)
     left = tok.encode([LONG], True, 16, prompt="query: ", direction="left")
-    assert _ids(left) == [[CLS, *prompt, *ids[-(14 - len(prompt)):], SEP]]
+    assert _ids(left) == [[CLS, *prompt, *ids[-(14 - len(prompt)) :], SEP]]
     right = tok.encode([LONG], True, 16, prompt="query: ")
     assert _ids(right) == [[CLS, *_bare(tok, "query: " + LONG)[:14], SEP]]
     # A prompt that alone fills the limit is cut as a right cut would cut it.
@@ -70,11 +70,13 @@ def test_pairs_cut_at_the_asked_end_and_cap_documents(tok):
     assert pairs.ids[0].tolist() == [CLS, *q, SEP, *d[-keep:], SEP]
     capped = tok.encode_pairs("what is it", ["a b c d e", "a b"], True, max_doc_tokens=3)
     assert [x.tolist() for x in capped.ids] == [
-        [CLS, *q, SEP, *_bare(tok, "a b c"), SEP], [CLS, *q, SEP, *_bare(tok, "a b"), SEP],
+        [CLS, *q, SEP, *_bare(tok, "a b c"), SEP],
+        [CLS, *q, SEP, *_bare(tok, "a b"), SEP],
     ]
     assert capped.truncated == [True, False]
-    seg = tok.rerank_segments("what is it", [LONG, "a b c d e"], True, 20, direction="left",
-                              max_doc_tokens=3)
+    seg = tok.rerank_segments(
+        "what is it", [LONG, "a b c d e"], True, 20, direction="left", max_doc_tokens=3
+    )
     assert seg.docs[0].tolist() == d[-3:] and seg.docs[1].tolist() == _bare(tok, "c d e")
     assert seg.truncated == [True, True]
     right = tok.rerank_segments("what is it", [LONG], True, 20)
@@ -106,6 +108,7 @@ def test_coalesced_requests_with_different_options_get_what_each_gets_alone(tok)
         return [f.result() for f in futures]
 
     for (texts, trunc, opts), got in zip(requests, asyncio.run(run()), strict=True):
-        alone = tok.encode(texts, trunc, opts.max_tokens, prompt=opts.prompt,
-                           direction=opts.direction)
+        alone = tok.encode(
+            texts, trunc, opts.max_tokens, prompt=opts.prompt, direction=opts.direction
+        )
         assert _ids(got) == _ids(alone) and got.truncated == alone.truncated

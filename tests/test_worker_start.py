@@ -29,8 +29,13 @@ IMPORT_S = 2.5  # > HELLO_S: a library whose import alone outlasts the HELLO win
 
 def _lane(runtime_dir: str, *extra: str) -> Lane:
     argv = ["python", "-m", "workers.faulty", "--import-s", str(IMPORT_S), *extra]
-    host = HostConfig(runtime_dir=runtime_dir, hello_timeout_s=HELLO_S, control_window_s=30,
-                      ping_interval_s=0, quarantine_s=60)
+    host = HostConfig(
+        runtime_dir=runtime_dir,
+        hello_timeout_s=HELLO_S,
+        control_window_s=30,
+        ping_interval_s=0,
+        quarantine_s=60,
+    )
     return Lane(LaneConfig(lane_id="slow-import", argv=argv), host)
 
 
@@ -38,8 +43,13 @@ async def test_engine_import_slower_than_the_hello_window_runs_in_load(short_run
     lane = _lane(short_runtime_dir)
     try:
         await lane.start()  # HELLO from cheap state, well inside 1 s
-        load = m.LOAD(req_id=0, artifact_path="-", artifact_digest="-", format="echo",
-                      runtime_config={"model_ref": "echo"})
+        load = m.LOAD(
+            req_id=0,
+            artifact_path="-",
+            artifact_digest="-",
+            format="echo",
+            runtime_config={"model_ref": "echo"},
+        )
         loaded, _ = await lane.request(load)  # the 2.5 s import happens here
         assert isinstance(loaded, m.LOADED)
         req = m.EMBED_BATCH(req_id=0, model_ref="echo", items=[m.EmbedItem(id=0, n_tokens=3)])
@@ -85,8 +95,7 @@ def test_ane_worker_hello_imports_no_coremltools_and_coremltools_skips_torch(tmp
                           "has_torch": _deps._HAS_TORCH, "has_sklearn": _deps._HAS_SKLEARN,
                           "torch_loaded": sys.modules.get("torch") is not None}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["coremltools_at_hello"] is False

@@ -33,8 +33,9 @@ def performance_cores(sysctl_output: str | None) -> int | None:
 @functools.cache
 def _macos_performance_cores() -> int | None:
     try:
-        out = subprocess.run(["sysctl", "-n", PERFORMANCE_CORES_SYSCTL], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["sysctl", "-n", PERFORMANCE_CORES_SYSCTL], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return performance_cores(out.stdout) if out.returncode == 0 else None

@@ -355,11 +355,13 @@ class BertReference:
             p /= p.sum(axis=-1, keepdims=True)
             ctx = np.matmul(p.astype(np.float32), v)  # (B, nH, S, dH)
             ctx = ctx.transpose(0, 2, 1, 3).reshape(b, s, cfg.hidden_size)[mask]
-            x = _layer_norm(x + (ctx @ layer.w_o + layer.b_o), layer.ln1_g, layer.ln1_b,
-                            cfg.layer_norm_eps)
+            x = _layer_norm(
+                x + (ctx @ layer.w_o + layer.b_o), layer.ln1_g, layer.ln1_b, cfg.layer_norm_eps
+            )
             inter = gelu(x @ layer.w_i + layer.b_i)
-            x = _layer_norm(x + (inter @ layer.w_o2 + layer.b_o2), layer.ln2_g, layer.ln2_b,
-                            cfg.layer_norm_eps)
+            x = _layer_norm(
+                x + (inter @ layer.w_o2 + layer.b_o2), layer.ln2_g, layer.ln2_b, cfg.layer_norm_eps
+            )
         return x
 
     def _buckets(self, lengths: list[int]) -> list[np.ndarray]:

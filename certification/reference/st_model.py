@@ -61,8 +61,10 @@ def describe() -> str:
     (transformers 5.24.0, torch 2.13.0, fp32 CPU)"."""
     v = versions()
     torch_v = v["torch"].split("+", 1)[0]  # "+cpu" is said by "CPU"
-    return (f"sentence-transformers {v['sentence-transformers']} (transformers "
-            f"{v['transformers']}, torch {torch_v}, fp32 CPU)")
+    return (
+        f"sentence-transformers {v['sentence-transformers']} (transformers "
+        f"{v['transformers']}, torch {torch_v}, fp32 CPU)"
+    )
 
 
 def cache_tag() -> str:
@@ -94,9 +96,13 @@ class STReference:
             if self._cross_encoder is None:
                 from sentence_transformers import CrossEncoder
 
-                model = CrossEncoder(str(self.dir), device="cpu", local_files_only=True,
-                                     model_kwargs={"dtype": torch.float32},
-                                     activation_fn=torch.nn.Identity())
+                model = CrossEncoder(
+                    str(self.dir),
+                    device="cpu",
+                    local_files_only=True,
+                    model_kwargs={"dtype": torch.float32},
+                    activation_fn=torch.nn.Identity(),
+                )
                 self._cross_encoder = _fp32(model)
             return self._cross_encoder
 
@@ -112,14 +118,19 @@ class STReference:
         from sentence_transformers.sentence_transformer.modules import Pooling
 
         if self.pooling not in _ST_POOLING:
-            raise ValueError(f"{self.dir} declares no pooling and the lane's pooling "
-                             f"{self.pooling!r} is none of {sorted(_ST_POOLING)}")
-        transformer = Transformer(str(self.dir),
-                                  model_kwargs={**kw["model_kwargs"], "local_files_only": True},
-                                  processor_kwargs={"local_files_only": True},
-                                  config_kwargs={"local_files_only": True})
-        pool = Pooling(transformer.get_embedding_dimension(),
-                       pooling_mode=_ST_POOLING[self.pooling])
+            raise ValueError(
+                f"{self.dir} declares no pooling and the lane's pooling "
+                f"{self.pooling!r} is none of {sorted(_ST_POOLING)}"
+            )
+        transformer = Transformer(
+            str(self.dir),
+            model_kwargs={**kw["model_kwargs"], "local_files_only": True},
+            processor_kwargs={"local_files_only": True},
+            config_kwargs={"local_files_only": True},
+        )
+        pool = Pooling(
+            transformer.get_embedding_dimension(), pooling_mode=_ST_POOLING[self.pooling]
+        )
         return _fp32(SentenceTransformer(modules=[transformer, pool, Normalize()], device="cpu"))
 
     # ---- forward --------------------------------------------------------------------------
@@ -153,9 +164,12 @@ class STReference:
         try:
             with torch.inference_mode():
                 for batch in _batches(order, [len(s) for s in seqs]):
-                    feats = _features([seqs[i] for i in batch],
-                                      [types[i] for i in batch] if types is not None else None,
-                                      pad, typed)
+                    feats = _features(
+                        [seqs[i] for i in batch],
+                        [types[i] for i in batch] if types is not None else None,
+                        pad,
+                        typed,
+                    )
                     got = model(feats)[key].float().numpy()
                     for j, i in enumerate(batch):
                         rows[i] = got[j]
@@ -167,8 +181,13 @@ class STReference:
 def _fp32(model):
     model.float()
     model.eval()
-    bad = sorted({str(p.dtype) for p in model.parameters()
-                  if p.is_floating_point() and p.dtype != torch.float32})
+    bad = sorted(
+        {
+            str(p.dtype)
+            for p in model.parameters()
+            if p.is_floating_point() and p.dtype != torch.float32
+        }
+    )
     if bad:  # an fp32 reference, or none: a half-precision judge would hide lane error
         raise ValueError(f"reference parameters stayed {bad} after the float32 cast")
     return model
@@ -196,8 +215,9 @@ def _batches(order: list[int], lengths: list[int]) -> list[list[int]]:
     current: list[int] = []
     for i in order:  # longest first: the first row sets the padded width of its batch
         width = lengths[current[0]] if current else lengths[i]
-        if current and ((len(current) + 1) * width > _MAX_BATCH_TOKENS
-                        or len(current) >= _MAX_BATCH_ROWS):
+        if current and (
+            (len(current) + 1) * width > _MAX_BATCH_TOKENS or len(current) >= _MAX_BATCH_ROWS
+        ):
             out.append(current)
             current = []
         current.append(i)
@@ -206,8 +226,9 @@ def _batches(order: list[int], lengths: list[int]) -> list[list[int]]:
     return out
 
 
-def _features(seqs: list[np.ndarray], types: list[np.ndarray] | None, pad: int,
-              typed: bool) -> dict:
+def _features(
+    seqs: list[np.ndarray], types: list[np.ndarray] | None, pad: int, typed: bool
+) -> dict:
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

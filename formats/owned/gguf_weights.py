@@ -40,7 +40,8 @@ class QuantizedTensor(UnsupportedModel):
             f"tensor {name!r} is {type_name}: the Core ML lane builds from f16/f32 (or bf16) "
             "weights only; a quantized GGUF holds an approximation of the model, which this "
             "lane would serve as the model itself. Ingest the model's f16/f32 GGUF or its "
-            "Hugging Face directory for the Core ML lane (llama.cpp serves this file as it is)")
+            "Hugging Face directory for the Core ML lane (llama.cpp serves this file as it is)"
+        )
         self.tensor = name
         self.type_name = type_name
 

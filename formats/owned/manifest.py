@@ -46,10 +46,13 @@ EMBED_HEADS = ("embed_mean", "embed_cls", "embed_last")
 # is BERT's encoder with positions offset by the padding index, one token type and its own
 # classifier head names; the builder branches on `ModelConfig.family` for exactly those.
 _ARCHITECTURES = {
-    "BertModel": "bert", "BertForSequenceClassification": "bert",
-    "XLMRobertaModel": "xlm-roberta", "XLMRobertaForSequenceClassification": "xlm-roberta",
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
+    "XLMRobertaModel": "xlm-roberta",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
     # A decoder with its own graph (builder_qwen3) and its own ingest (manifest_qwen3).
-    "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3",
+    "Qwen3Model": "qwen3",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
@@ -201,8 +204,14 @@ def digest_of(body: ManifestBody) -> str:
 def _layer_names(i: int) -> list[str]:
     p = f"encoder.layer.{i}."
     names = []
-    for part in ("attention.self.query", "attention.self.key", "attention.self.value",
-                 "attention.output.dense", "intermediate.dense", "output.dense"):
+    for part in (
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
+        "attention.output.dense",
+        "intermediate.dense",
+        "output.dense",
+    ):
         names += [f"{p}{part}.weight", f"{p}{part}.bias"]
     for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
         names += [f"{p}{ln}.weight", f"{p}{ln}.bias"]
@@ -239,7 +248,7 @@ def _canonical_name(name: str) -> str:
     # "roberta."); the original TF port names LayerNorm parameters gamma/beta.
     for prefix in ("bert.", "roberta."):
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     if name.endswith("LayerNorm.gamma"):
         name = name[: -len("gamma")] + "weight"
     elif name.endswith("LayerNorm.beta"):
@@ -259,8 +268,10 @@ def _config_from_hf(src: Path) -> ModelConfig:
     model_type = cfg.get("model_type", "bert")
     arch = (cfg.get("architectures") or [_DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
     if model_type not in _DEFAULT_ARCHITECTURE or _ARCHITECTURES.get(arch) != model_type:
-        raise UnsupportedModel(f"model_type={model_type!r} / {arch}: BERT or XLM-RoBERTa "
-                               f"only ({', '.join(sorted(_ARCHITECTURES))})")
+        raise UnsupportedModel(
+            f"model_type={model_type!r} / {arch}: BERT or XLM-RoBERTa "
+            f"only ({', '.join(sorted(_ARCHITECTURES))})"
+        )
     if cfg.get("hidden_act", "gelu") != "gelu":
         raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: exact (erf) GELU only")
     if cfg.get("position_embedding_type", "absolute") != "absolute":
@@ -275,8 +286,9 @@ def _config_from_hf(src: Path) -> ModelConfig:
     # (514 rows serve 512 tokens), every row for BERT.
     max_pos = rows - (pad + 1 if model_type == "xlm-roberta" else 0)
     if max_pos < 1:
-        raise UnsupportedModel(f"max_position_embeddings={rows} leaves no position after the "
-                               f"{pad + 1} offset rows")
+        raise UnsupportedModel(
+            f"max_position_embeddings={rows} leaves no position after the {pad + 1} offset rows"
+        )
     max_seq = _layout(src).max_seq_length or max_pos
     config = ModelConfig(
         architecture=arch,
@@ -310,16 +322,17 @@ def _head_from_hf(src: Path, config: ModelConfig) -> Head:
     # included, then (optionally) L2: a Dense projection or a pooling that leaves the prompt
     # out would be served silently wrong, so they are refused.
     if layout.dense_dirs:
-        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: "
-                               "not built")
+        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: not built")
     if not layout.include_prompt:
-        raise UnsupportedModel("include_prompt=false (pooling without the prompt's tokens): "
-                               "not built")
+        raise UnsupportedModel(
+            "include_prompt=false (pooling without the prompt's tokens): not built"
+        )
     if layout.pooling_modes == ("cls",):
         return Head(type="embed_cls", pooling="cls", normalize=layout.normalize, num_labels=0)
     if layout.pooling_modes not in ((), ("mean",)):
-        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: mean or cls pooling "
-                               "is built")
+        raise UnsupportedModel(
+            f"pooling {list(layout.pooling_modes)}: mean or cls pooling is built"
+        )
     return Head(type="embed_mean", pooling="mean", normalize=layout.normalize, num_labels=0)
 
 
@@ -363,8 +376,7 @@ def _check_shapes(config: ModelConfig, head: Head, t: dict[str, np.ndarray]) -> 
     h, inter = config.hidden_size, config.intermediate_size
     expect = {
         "embeddings.word_embeddings.weight": (config.vocab_size, h),
-        "embeddings.position_embeddings.weight": (config.max_positions + config.position_offset,
-                                                  h),
+        "embeddings.position_embeddings.weight": (config.max_positions + config.position_offset, h),
         "embeddings.token_type_embeddings.weight": (config.type_vocab_size, h),
         "encoder.layer.0.intermediate.dense.weight": (inter, h),
         "encoder.layer.0.output.dense.weight": (h, inter),
@@ -396,8 +408,9 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
     return body_of(config, head, tensors, tok), tensors
 
 
-def body_of(config: ModelConfig, head: Head, tensors: dict[str, np.ndarray],
-            tokenizer: Path) -> ManifestBody:
+def body_of(
+    config: ModelConfig, head: Head, tensors: dict[str, np.ndarray], tokenizer: Path
+) -> ManifestBody:
     """The manifest body naming `config`, `head`, every tensor's digest and the tokenizer's."""
     records = {
         name: TensorRecord(dtype="float32", shape=list(arr.shape), sha256=tensor_digest(arr))
@@ -435,25 +448,29 @@ def ingest_owned(
         from formats.owned.manifest_gguf import config_head_tensors  # GGUF names and metadata
 
         if tokenizer is None:
-            raise ManifestError(f"{path.name}: a GGUF source needs the tokenizer.json the host "
-                                "tokenizes it with")
+            raise ManifestError(
+                f"{path.name}: a GGUF source needs the tokenizer.json the host tokenizes it with"
+            )
         tok = Path(tokenizer)
         if not tok.is_file():
             raise ManifestError(f"{tok}: no such tokenizer.json")
-        config, head, tensors = config_head_tensors(path, pooling=pooling,
-                                                    max_seq_length=max_seq_length)
+        config, head, tensors = config_head_tensors(
+            path, pooling=pooling, max_seq_length=max_seq_length
+        )
         body = body_of(config, head, tensors, tok)
     else:
         if tokenizer is not None or pooling is not None or max_seq_length is not None:
-            raise ManifestError(f"{path}: a Hugging Face directory states its own tokenizer, "
-                                "pooling and truncation")
+            raise ManifestError(
+                f"{path}: a Hugging Face directory states its own tokenizer, pooling and truncation"
+            )
         body, tensors = build_body(path)
         tok = path / TOKENIZER_NAME
     return _publish(body, tensors, tok, Path(out_dir))
 
 
-def _publish(body: ManifestBody, tensors: dict[str, np.ndarray], tokenizer: Path,
-             out: Path) -> Manifest:
+def _publish(
+    body: ManifestBody, tensors: dict[str, np.ndarray], tokenizer: Path, out: Path
+) -> Manifest:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -486,24 +503,26 @@ def _publish(body: ManifestBody, tensors: dict[str, np.ndarray], tokenizer: Path
 # ---- load and verify -------------------------------------------------------------------------
 
 
-def _read_tensors(
-    path: Path, records: dict[str, TensorRecord] | None
-) -> dict[str, np.ndarray]:
+def _read_tensors(path: Path, records: dict[str, TensorRecord] | None) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     try:
         with safe_open(str(path), "np") as f:
             names = set(f.keys())
             if records is not None and names != set(records):
                 extra, missing = sorted(names - set(records)), sorted(set(records) - names)
-                raise ManifestError(f"weights: tensors differ from manifest "
-                                    f"(extra {extra[:3]}, missing {missing[:3]})")
+                raise ManifestError(
+                    f"weights: tensors differ from manifest "
+                    f"(extra {extra[:3]}, missing {missing[:3]})"
+                )
             for name in sorted(names):
                 arr = f.get_tensor(name)
                 if records is not None:
                     rec = records[name]
                     if str(arr.dtype) != rec.dtype or list(arr.shape) != rec.shape:
-                        raise ManifestError(f"tensor {name!r}: {arr.dtype}{list(arr.shape)} "
-                                            f"!= manifest {rec.dtype}{rec.shape}")
+                        raise ManifestError(
+                            f"tensor {name!r}: {arr.dtype}{list(arr.shape)} "
+                            f"!= manifest {rec.dtype}{rec.shape}"
+                        )
                     actual = tensor_digest(arr)
                     if actual != rec.sha256:
                         raise WeightDigestMismatch(name, rec.sha256, actual)
@@ -531,12 +550,14 @@ def load_manifest(dir: str | os.PathLike[str], *, verify_weights: bool = True) -
     except msgspec.ValidationError as e:
         raise ManifestError(f"manifest.json: {e}") from e
     if body.format != FORMAT or body.format_version != FORMAT_VERSION:
-        raise ManifestError(f"format {body.format!r} v{body.format_version}: "
-                            f"expected {FORMAT!r} v{FORMAT_VERSION}")
+        raise ManifestError(
+            f"format {body.format!r} v{body.format_version}: expected {FORMAT!r} v{FORMAT_VERSION}"
+        )
     digest = digest_of(body)
     if stored != digest:
-        raise ManifestError(f"manifest_digest {str(stored)[:16]}... does not match its body "
-                            f"({digest[:16]}...)")
+        raise ManifestError(
+            f"manifest_digest {str(stored)[:16]}... does not match its body ({digest[:16]}...)"
+        )
     manifest = Manifest(dir=str(d.absolute()), digest=digest, body=body)
     tok = manifest.tokenizer_path
     try:

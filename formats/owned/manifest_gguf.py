@@ -48,16 +48,19 @@ _POOLING_BY_ID = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 class UnsupportedArchitecture(UnsupportedModel):
     def __init__(self, arch: str) -> None:
-        super().__init__(f"GGUF architecture {arch or '(none)'!r}: the Core ML lane builds "
-                         f"{', '.join(ARCHITECTURES)} GGUFs only")
+        super().__init__(
+            f"GGUF architecture {arch or '(none)'!r}: the Core ML lane builds "
+            f"{', '.join(ARCHITECTURES)} GGUFs only"
+        )
         self.architecture = arch
 
 
 Loaded = tuple[ModelConfig, Head, dict[str, np.ndarray]]
 
 
-def config_head_tensors(path: str | Path, *, pooling: str | None = None,
-                        max_seq_length: int | None = None) -> Loaded:
+def config_head_tensors(
+    path: str | Path, *, pooling: str | None = None, max_seq_length: int | None = None
+) -> Loaded:
     """(config, head, float32 tensors under HF names) of the GGUF at `path`. `pooling`
     (mean | cls | last | rank) overrides the file's `pooling_type`; `max_seq_length` is the
     default truncation (capped at the model's positions)."""
@@ -100,8 +103,9 @@ def _pooling(hdr: GGUFHeader, given: str | None) -> str:
     raw = hdr.kv.get(_key(hdr, Keys.LLM.POOLING_TYPE))
     declared = _POOLING_BY_ID.get(raw) if isinstance(raw, int) else None
     if declared is None or declared == "none":
-        raise ManifestError(f"the {hdr.architecture} GGUF does not say how it pools, and no "
-                            "pooling was given")
+        raise ManifestError(
+            f"the {hdr.architecture} GGUF does not say how it pools, and no pooling was given"
+        )
     return declared
 
 
@@ -123,14 +127,21 @@ def _shape(path: Path, hdr: GGUFHeader, name: str) -> tuple[int, ...]:
 # ---- tensors ---------------------------------------------------------------------------------
 
 
-def _load(path: Path, hdr: GGUFHeader, names: dict[str, str], shapes: dict[str, tuple[int, ...]],
-          ignored: Callable[[str], bool]) -> dict[str, np.ndarray]:
+def _load(
+    path: Path,
+    hdr: GGUFHeader,
+    names: dict[str, str],
+    shapes: dict[str, tuple[int, ...]],
+    ignored: Callable[[str], bool],
+) -> dict[str, np.ndarray]:
     """The tensors `names` maps (GGUF name -> HF name), checked against `shapes` (HF names).
     A tensor neither mapped nor `ignored` is refused: the graph would not compute it."""
     extra = [t.name for t in hdr.tensors if t.name not in names and not ignored(t.name)]
     if extra:
-        raise UnsupportedModel(f"{path.name}: tensors the {hdr.architecture} graph does not "
-                               f"compute: {sorted(extra)[:5]}")
+        raise UnsupportedModel(
+            f"{path.name}: tensors the {hdr.architecture} graph does not "
+            f"compute: {sorted(extra)[:5]}"
+        )
     present = {t.name: t for t in hdr.tensors if t.name in names}
     missing = [n for n in names if n not in present]
     if missing:
@@ -141,8 +152,10 @@ def _load(path: Path, hdr: GGUFHeader, names: dict[str, str], shapes: dict[str, 
     for gguf_name, hf_name in names.items():
         arr = read_tensor(path, hdr, present[gguf_name])
         if arr.shape != shapes[hf_name]:
-            raise ManifestError(f"{path.name}: {gguf_name} has shape {arr.shape}, the metadata "
-                                f"implies {shapes[hf_name]}")
+            raise ManifestError(
+                f"{path.name}: {gguf_name} has shape {arr.shape}, the metadata "
+                f"implies {shapes[hf_name]}"
+            )
         out[hf_name] = arr
     return out
 
@@ -171,13 +184,16 @@ _BERT_LAYER = {
 _BERT_FAMILY = {"bert": "bert", "t5": "xlm-roberta"}
 
 
-def _bert(path: Path, hdr: GGUFHeader, given_pooling: str | None,
-          max_seq_length: int | None) -> Loaded:
+def _bert(
+    path: Path, hdr: GGUFHeader, given_pooling: str | None, max_seq_length: int | None
+) -> Loaded:
     vocab = hdr.kv.get(Keys.Tokenizer.MODEL)
     family = _BERT_FAMILY.get(vocab) if isinstance(vocab, str) else None
     if family is None:
-        raise UnsupportedModel(f"a bert GGUF with a {vocab!r} vocabulary: BERT (WordPiece, "
-                               "'bert') or XLM-RoBERTa (Unigram, 't5') only")
+        raise UnsupportedModel(
+            f"a bert GGUF with a {vocab!r} vocabulary: BERT (WordPiece, "
+            "'bert') or XLM-RoBERTa (Unigram, 't5') only"
+        )
     if hdr.kv.get(_key(hdr, Keys.Attention.CAUSAL)):
         raise UnsupportedModel("causal attention: the BERT graph attends both ways")
     pooling = _pooling(hdr, given_pooling)
@@ -199,18 +215,25 @@ def _bert(path: Path, hdr: GGUFHeader, given_pooling: str | None,
         raise ManifestError(f"padding token id {pad!r} is not in the vocabulary")
     rerank = pooling == "rank"
     if rerank:
-        arch = "XLMRobertaForSequenceClassification" if family == "xlm-roberta" \
+        arch = (
+            "XLMRobertaForSequenceClassification"
+            if family == "xlm-roberta"
             else "BertForSequenceClassification"
+        )
         labels = _shape(path, hdr, "cls.output.weight")[0]
         head = Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
     elif pooling == "mean" or pooling == "cls":
         arch = "XLMRobertaModel" if family == "xlm-roberta" else "BertModel"
-        head = (Head(type="embed_mean", pooling="mean", normalize=True, num_labels=0)
-                if pooling == "mean" else
-                Head(type="embed_cls", pooling="cls", normalize=True, num_labels=0))
+        head = (
+            Head(type="embed_mean", pooling="mean", normalize=True, num_labels=0)
+            if pooling == "mean"
+            else Head(type="embed_cls", pooling="cls", normalize=True, num_labels=0)
+        )
     else:
-        raise UnsupportedModel(f"pooling {pooling!r}: BERT-family embedders pool by mean or cls "
-                               "(rank for cross-encoders)")
+        raise UnsupportedModel(
+            f"pooling {pooling!r}: BERT-family embedders pool by mean or cls "
+            "(rank for cross-encoders)"
+        )
     config = ModelConfig(
         architecture=arch,
         vocab_size=vocab_rows,
@@ -237,10 +260,15 @@ def _bert(path: Path, hdr: GGUFHeader, given_pooling: str | None,
             for suffix in ("weight", "bias"):
                 names[f"{gguf_layer}.{suffix}"] = f"{hf_layer}.{suffix}"
     assert sorted(names.values()) == sorted(required_tensors(config, head))
-    tensors = _load(path, hdr, names, _bert_shapes(config, head, pos_rows),
-                    # An embedder's classifier tensors are not applied (mean or cls pooling
-                    # reads none of them, in llama.cpp as here).
-                    lambda n: not rerank and n.split(".")[0] == "cls")
+    tensors = _load(
+        path,
+        hdr,
+        names,
+        _bert_shapes(config, head, pos_rows),
+        # An embedder's classifier tensors are not applied (mean or cls pooling
+        # reads none of them, in llama.cpp as here).
+        lambda n: not rerank and n.split(".")[0] == "cls",
+    )
     pos = "embeddings.position_embeddings.weight"
     tensors[pos] = np.ascontiguousarray(tensors[pos][:ctx])  # rows past the context: unused
     return config, head, tensors
@@ -252,7 +280,8 @@ def _bert_shapes(config: ModelConfig, head: Head, pos_rows: int) -> dict[str, tu
         "embeddings.word_embeddings.weight": (config.vocab_size, h),
         "embeddings.position_embeddings.weight": (pos_rows, h),
         "embeddings.token_type_embeddings.weight": (config.type_vocab_size, h),
-        "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
+        "embeddings.LayerNorm.weight": (h,),
+        "embeddings.LayerNorm.bias": (h,),
     }
     widths = {"intermediate.dense": (ff, h), "output.dense": (h, ff)}
     for i in range(config.num_layers):
@@ -261,8 +290,12 @@ def _bert_shapes(config: ModelConfig, head: Head, pos_rows: int) -> dict[str, tu
             shapes[f"encoder.layer.{i}.{part}.weight"] = w
             shapes[f"encoder.layer.{i}.{part}.bias"] = (w[0],)
     dense, out = classifier_layers(config)
-    shapes |= {f"{dense}.weight": (h, h), f"{dense}.bias": (h,),
-               f"{out}.weight": (head.num_labels, h), f"{out}.bias": (head.num_labels,)}
+    shapes |= {
+        f"{dense}.weight": (h, h),
+        f"{dense}.bias": (h,),
+        f"{out}.weight": (head.num_labels, h),
+        f"{out}.bias": (head.num_labels,),
+    }
     return shapes
 
 
@@ -284,8 +317,9 @@ _QWEN3_LAYER = {
 }
 
 
-def _qwen3(path: Path, hdr: GGUFHeader, given_pooling: str | None,
-           max_seq_length: int | None) -> Loaded:
+def _qwen3(
+    path: Path, hdr: GGUFHeader, given_pooling: str | None, max_seq_length: int | None
+) -> Loaded:
     pooling = _pooling(hdr, given_pooling)
     if pooling != "last":
         # A causal decoder's early tokens never see the later ones: only the last token
@@ -293,16 +327,16 @@ def _qwen3(path: Path, hdr: GGUFHeader, given_pooling: str | None,
         raise UnsupportedModel(f"pooling {pooling!r}: Qwen3 embedders pool the last token")
     scaling = hdr.kv.get(_key(hdr, Keys.Rope.SCALING_TYPE))
     if scaling not in (None, "none"):
-        raise UnsupportedModel(f"rope scaling {scaling!r}: the graph's rotary tables are the "
-                               "unscaled ones")
+        raise UnsupportedModel(
+            f"rope scaling {scaling!r}: the graph's rotary tables are the unscaled ones"
+        )
     if _key(hdr, Keys.Attention.SLIDING_WINDOW) in hdr.kv:
         raise UnsupportedModel("a sliding window: the graph attends to the whole sequence")
     h = _int(hdr, Keys.LLM.EMBEDDING_LENGTH)
     heads = _int(hdr, Keys.Attention.HEAD_COUNT)
     kv_heads = _int(hdr, Keys.Attention.HEAD_COUNT_KV, heads)
     if heads % kv_heads:
-        raise UnsupportedModel(f"head_count {heads} is not a multiple of head_count_kv "
-                               f"{kv_heads}")
+        raise UnsupportedModel(f"head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     head_dim = _int(hdr, Keys.Attention.KEY_LENGTH, h // heads)
     if head_dim % 2:
         raise ManifestError(f"key_length {head_dim} is odd (rotary embeddings rotate half)")
@@ -313,8 +347,9 @@ def _qwen3(path: Path, hdr: GGUFHeader, given_pooling: str | None,
     eos = hdr.kv.get(Keys.Tokenizer.EOS_ID)
     vocab_rows = _shape(path, hdr, "token_embd.weight")[0]
     if not isinstance(eos, int) or not 0 <= eos < vocab_rows:
-        raise ManifestError(f"end-of-text token id {eos!r} (the token the model pools) is not "
-                            "in the vocabulary")
+        raise ManifestError(
+            f"end-of-text token id {eos!r} (the token the model pools) is not in the vocabulary"
+        )
     max_pos = min(_int(hdr, Keys.LLM.CONTEXT_LENGTH), manifest_qwen3.MAX_GRAPH_POSITIONS)
     config = ModelConfig(
         architecture="Qwen3Model",

@@ -47,8 +47,9 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     scaling = cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind not in ("default", None):
-        raise UnsupportedModel(f"rope scaling {kind!r}: the graph's rotary tables are the "
-                               "unscaled ones")
+        raise UnsupportedModel(
+            f"rope scaling {kind!r}: the graph's rotary tables are the unscaled ones"
+        )
     theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
         raise ManifestError(f"config.json: rope_theta {theta!r} is not a positive number")
@@ -81,8 +82,10 @@ def config_from_hf(src: Path) -> ModelConfig:
     cfg = _read_json(src / "config.json")
     archs = cfg.get("architectures") or ["Qwen3Model"]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise UnsupportedModel(f"architectures {archs}: Qwen3 embedders only "
-                               f"({', '.join(ARCHITECTURES)}); Qwen3 classifiers are not built")
+        raise UnsupportedModel(
+            f"architectures {archs}: Qwen3 embedders only "
+            f"({', '.join(ARCHITECTURES)}); Qwen3 classifiers are not built"
+        )
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: the MLP is SwiGLU (silu)")
     if cfg.get("attention_bias"):
@@ -93,12 +96,15 @@ def config_from_hf(src: Path) -> ModelConfig:
     heads = _positive(cfg, "num_attention_heads")
     kv_heads = _positive(cfg, "num_key_value_heads", heads)
     if heads % kv_heads:
-        raise UnsupportedModel(f"num_attention_heads {heads} is not a multiple of "
-                               f"num_key_value_heads {kv_heads}")
+        raise UnsupportedModel(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     head_dim = cfg.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-        raise ManifestError(f"config.json: head_dim {head_dim!r} is not a positive even integer "
-                            "(rotary embeddings rotate half of it)")
+        raise ManifestError(
+            f"config.json: head_dim {head_dim!r} is not a positive even integer "
+            "(rotary embeddings rotate half of it)"
+        )
     eps = cfg.get("rms_norm_eps", 1e-6)
     if not isinstance(eps, int | float) or eps <= 0:
         raise ManifestError(f"config.json: rms_norm_eps {eps!r} is not a positive number")
@@ -128,13 +134,14 @@ def config_from_hf(src: Path) -> ModelConfig:
 def head_from_hf(src: Path) -> Head:
     layout = _layout(src)
     if layout.dense_dirs:
-        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: "
-                               "not built")
+        raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: not built")
     if layout.pooling_modes != ("lasttoken",):
         # A causal decoder's early tokens never see the later ones: only the last token
         # (the appended end-of-text) has read the whole input.
-        raise UnsupportedModel(f"pooling {list(layout.pooling_modes)}: Qwen3 embedders pool "
-                               "the last token (sentence-transformers 'lasttoken')")
+        raise UnsupportedModel(
+            f"pooling {list(layout.pooling_modes)}: Qwen3 embedders pool "
+            "the last token (sentence-transformers 'lasttoken')"
+        )
     return Head(type="embed_last", pooling="last", normalize=layout.normalize, num_labels=0)
 
 
@@ -143,7 +150,8 @@ def required_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, ff, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * d, config.kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,),
+        "embed_tokens.weight": (config.vocab_size, h),
+        "norm.weight": (h,),
     }
     for i in range(config.num_layers):
         p = f"layers.{i}."

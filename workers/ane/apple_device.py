@@ -95,8 +95,20 @@ def neural_engine_present() -> bool | None:
 def describe() -> dict:
     """What doctor and certification print: None everywhere off macOS, with the reason."""
     if not is_macos():
-        return {"chip": None, "macos": None, "macos_build": None, "neural_engine": None,
-                "neural_engine_cores": None, "reason": NOT_MACOS}
+        return {
+            "chip": None,
+            "macos": None,
+            "macos_build": None,
+            "neural_engine": None,
+            "neural_engine_cores": None,
+            "reason": NOT_MACOS,
+        }
     present, cores = neural_engine()
-    return {"chip": chip(), "macos": macos_version(), "macos_build": macos_build(),
-            "neural_engine": present, "neural_engine_cores": cores, "reason": None}
+    return {
+        "chip": chip(),
+        "macos": macos_version(),
+        "macos_build": macos_build(),
+        "neural_engine": present,
+        "neural_engine_cores": cores,
+        "reason": None,
+    }

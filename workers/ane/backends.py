@@ -101,8 +101,9 @@ class ReferenceBackend:
 
 def open_backend(name: str, compute_units: str = "cpu_and_ne") -> Backend:
     if compute_units not in COMPUTE_UNITS:
-        raise BackendUnavailable(f"compute_units {compute_units!r}: expected one of "
-                                 f"{COMPUTE_UNITS}")
+        raise BackendUnavailable(
+            f"compute_units {compute_units!r}: expected one of {COMPUTE_UNITS}"
+        )
     if name == "reference":
         return ReferenceBackend()
     if name == "coreml":

@@ -121,7 +121,10 @@ class _Graph:
         # Normalise over the channel axis of (B, C, 1, S): the layout stays channels-first, no
         # transpose to (B, S, C) and back around every norm.
         return mb.layer_norm(
-            x=x, axes=[1], gamma=self.w[f"{name}.weight"], beta=self.w[f"{name}.bias"],
+            x=x,
+            axes=[1],
+            gamma=self.w[f"{name}.weight"],
+            beta=self.w[f"{name}.bias"],
             epsilon=self.eps,
         )
 
@@ -133,7 +136,7 @@ class _Graph:
         # XLM-RoBERTa's position 0 is row pad_token_id + 1 (HF counts from the padding index):
         # sliced here, on the constant, so position ids stay 0-based on the wire and per
         # segment, and no op is added for it.
-        pos_table = self.w["embeddings.position_embeddings.weight"][self.cfg.position_offset:]
+        pos_table = self.w["embeddings.position_embeddings.weight"][self.cfg.position_offset :]
         types_table = self.w["embeddings.token_type_embeddings.weight"]
         tok = mb.gather(x=word, indices=input_ids, axis=0)  # (B, S, H)
         if position_ids is not None:
@@ -182,13 +185,16 @@ class _Graph:
             probs = mb.softmax(x=mb.add(x=scores, y=bias), axis=1)
             heads.append(mb.einsum(values=(vh, probs), equation="nchw,nwhu->nchu"))
         ctx = mb.concat(values=heads, axis=1)  # (B, H, 1, S): heads back along channels
-        x = self.layer_norm(mb.add(x=x, y=self.conv(ctx, p + "attention.output.dense")),
-                            p + "attention.output.LayerNorm")
+        x = self.layer_norm(
+            mb.add(x=x, y=self.conv(ctx, p + "attention.output.dense")),
+            p + "attention.output.LayerNorm",
+        )
         # Exact (erf) GELU, what BERT was trained with (hidden_act="gelu"); MIL's gelu has an
         # EXACT mode the ANE implements, so the tanh approximation would only add error.
         h = mb.gelu(x=self.conv(x, p + "intermediate.dense"), mode="EXACT")
-        return self.layer_norm(mb.add(x=x, y=self.conv(h, p + "output.dense")),
-                               p + "output.LayerNorm")
+        return self.layer_norm(
+            mb.add(x=x, y=self.conv(h, p + "output.dense")), p + "output.LayerNorm"
+        )
 
     # ---- masks and pooling weights -----------------------------------------------------------
 
@@ -196,8 +202,9 @@ class _Graph:
         s = self.shape
         m = mb.cast(x=attention_mask, dtype="fp32")  # (B, S) in {0, 1}
         # Key bias (B, S_k, 1, 1): 0 for real tokens, MASK_BIAS for padding.
-        bias = mb.mul(x=mb.sub(x=mb.reshape(x=m, shape=[s.rows, s.seq_len, 1, 1]), y=1.0),
-                      y=-MASK_BIAS)
+        bias = mb.mul(
+            x=mb.sub(x=mb.reshape(x=m, shape=[s.rows, s.seq_len, 1, 1]), y=1.0), y=-MASK_BIAS
+        )
         # Mean-pooling weights m / count as (B, 1, S, 1): pooling becomes one matmul of
         # (B, H, 1, S) x (B, 1, S, 1), and dividing first keeps the fp16 sum small.
         count = mb.maximum(x=mb.reduce_sum(x=m, axes=[1], keep_dims=True), y=1.0)

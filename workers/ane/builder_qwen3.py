@@ -86,16 +86,18 @@ def rotary_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndar
     assert cfg.rope_theta is not None  # a Qwen3 config always sets it (manifest_qwen3)
     inv_freq = 1.0 / (float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
     # transformers computes the angles in float32; so do we, then the tables in float64.
-    angles = (np.arange(positions, dtype=np.float32)[:, None]
-              * inv_freq.astype(np.float32)[None, :]).astype(np.float64)
+    angles = (
+        np.arange(positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    ).astype(np.float64)
     emb = np.concatenate([angles, angles], axis=1)
     sin = np.sin(emb)
     sin[:, : d // 2] *= -1.0
     return np.cos(emb).astype(np.float32), sin.astype(np.float32)
 
 
-def rms_norm(x: Var, gamma: np.ndarray, eps: float, in_scale: float = 1.0,
-             out_scale: float = 1.0) -> Var:
+def rms_norm(
+    x: Var, gamma: np.ndarray, eps: float, in_scale: float = 1.0, out_scale: float = 1.0
+) -> Var:
     """RMSNorm over the channels of (B, C, 1, T) whose values are `in_scale` times the true
     ones; the result is `out_scale` times RMSNorm(true values) * gamma.
     [layout] over axis 1, no transpose; [fp16] no square is formed in fp16."""
@@ -103,8 +105,11 @@ def rms_norm(x: Var, gamma: np.ndarray, eps: float, in_scale: float = 1.0,
     # c^2 = C * s^2 * eps: the pair's share of the variance is exactly s^2 * eps after the
     # C / (C + 1) below, whatever fp16 would do to a small epsilon.
     pad = in_scale * math.sqrt(c * eps)
-    pair = mb.const(val=np.broadcast_to(np.array([pad, -pad], np.float32).reshape(1, 2, 1, 1),
-                                        (b, 2, 1, t)).copy())
+    pair = mb.const(
+        val=np.broadcast_to(
+            np.array([pad, -pad], np.float32).reshape(1, 2, 1, 1), (b, 2, 1, t)
+        ).copy()
+    )
     z = mb.concat(values=[x, mb.mul(x=x, y=-1.0), pair], axis=1)
     # layer_norm divides by sqrt((sum x^2 + c^2) / (C + 1)), RMSNorm by sqrt(sum x^2 / C +
     # s^2 eps): sqrt(C / (C + 1)) apart, folded into gamma. The mirror half and the pair get
@@ -118,16 +123,20 @@ def rms_norm(x: Var, gamma: np.ndarray, eps: float, in_scale: float = 1.0,
 
 
 class _Graph:
-    def __init__(self, manifest: Manifest, shape: Shape, options: BuildOptions,
-                 residual_scale: float) -> None:
+    def __init__(
+        self, manifest: Manifest, shape: Shape, options: BuildOptions, residual_scale: float
+    ) -> None:
         self.cfg = cfg = manifest.config
         self.shape = shape
         w = manifest.load_weights()
         if options.weight_mantissa_bits is not None:
             w = {k: truncate_mantissa(v, options.weight_mantissa_bits) for k, v in w.items()}
         self.w = w
-        self.eps = (float(options.ln_eps_override) if options.ln_eps_override is not None
-                    else cfg.layer_norm_eps)
+        self.eps = (
+            float(options.ln_eps_override)
+            if options.ln_eps_override is not None
+            else cfg.layer_norm_eps
+        )
         self.s = float(residual_scale)
         self.group = cfg.num_heads // cfg.kv_heads  # query heads per K/V head
 
@@ -185,10 +194,12 @@ class _Graph:
         pos = mb.cast(x=position_ids, dtype="fp32")
         # Causal and block-diagonal (B, S_k, 1, S_q): a query sees the keys of its own segment
         # at positions up to its own. Padding (segment 0, position 0) sees only padding.
-        same = mb.equal(x=mb.reshape(x=seg, shape=[b, n, 1, 1]),
-                        y=mb.reshape(x=seg, shape=[b, 1, 1, n]))
-        earlier = mb.less_equal(x=mb.reshape(x=pos, shape=[b, n, 1, 1]),
-                                y=mb.reshape(x=pos, shape=[b, 1, 1, n]))
+        same = mb.equal(
+            x=mb.reshape(x=seg, shape=[b, n, 1, 1]), y=mb.reshape(x=seg, shape=[b, 1, 1, n])
+        )
+        earlier = mb.less_equal(
+            x=mb.reshape(x=pos, shape=[b, n, 1, 1]), y=mb.reshape(x=pos, shape=[b, 1, 1, n])
+        )
         allowed = mb.cast(x=mb.logical_and(x=same, y=earlier), dtype="fp32")
         bias = mb.mul(x=mb.sub(x=allowed, y=1.0), y=-MASK_BIAS)
         # Rotary tables gathered by position: one (S, 2d) table, one gather and one transpose
@@ -220,11 +231,16 @@ class _Graph:
         v = self.conv(n, p + "self_attn.v_proj")
         # [heads] channel chunks. q/k norms are per head (over d), then rotary; 1/sqrt(d) is
         # folded into q_norm's gamma (RMSNorm and rotation are linear in it).
-        qs = [self.rope(self.rms_norm(qh, p + "self_attn.q_norm", out_scale=1.0 / math.sqrt(d)),
-                        cos, sin)
-              for qh in _split(q, cfg.num_heads)]
-        ks = [self.rope(self.rms_norm(kh, p + "self_attn.k_norm"), cos, sin)
-              for kh in _split(k, cfg.kv_heads)]
+        qs = [
+            self.rope(
+                self.rms_norm(qh, p + "self_attn.q_norm", out_scale=1.0 / math.sqrt(d)), cos, sin
+            )
+            for qh in _split(q, cfg.num_heads)
+        ]
+        ks = [
+            self.rope(self.rms_norm(kh, p + "self_attn.k_norm"), cos, sin)
+            for kh in _split(k, cfg.kv_heads)
+        ]
         vs = _split(v, cfg.kv_heads)
         # K to (B, S, 1, C) once per layer [heads], then one chunk per K/V head.
         k_t = mb.transpose(x=_concat(ks), perm=[0, 3, 2, 1])

@@ -63,8 +63,12 @@ def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
 
 
 def compiled_key(package_key: dict[str, Any], backend: Backend) -> dict[str, Any]:
-    return {**package_key, "kind": backend.compiled_kind, "backend": backend.name,
-            **backend.compiled_key_fields()}
+    return {
+        **package_key,
+        "kind": backend.compiled_kind,
+        "backend": backend.name,
+        **backend.compiled_key_fields(),
+    }
 
 
 @dataclass
@@ -179,14 +183,21 @@ def admit(
                 runner.close()
             lease.release()
             if isinstance(e, Exception) and not isinstance(
-                    e, (BackendOpenFailed, ProgramFormatError, UnsupportedOp, OSError)):
+                e, (BackendOpenFailed, ProgramFormatError, UnsupportedOp, OSError)
+            ):
                 # Whatever a native runtime raises while opening or warming up is a typed
                 # failure of this shape, never an untyped crash of the exchange.
-                raise BackendOpenFailed(f"{backend.name} backend, shape {shape.id}: "
-                                        f"{type(e).__name__}: {e}") from e
+                raise BackendOpenFailed(
+                    f"{backend.name} backend, shape {shape.id}: {type(e).__name__}: {e}"
+                ) from e
             raise
-        return CompiledShape(shape=shape, entry=entry, lease=lease, runner=runner,
-                             cache_hit=not package_hit,
-                             package_hit=package_hit[0] if package_hit else None,
-                             timings=timings)
+        return CompiledShape(
+            shape=shape,
+            entry=entry,
+            lease=lease,
+            runner=runner,
+            cache_hit=not package_hit,
+            package_hit=package_hit[0] if package_hit else None,
+            timings=timings,
+        )
     raise EntryEvicted(f"compiled shape {shape.id} keeps being evicted from the cache")

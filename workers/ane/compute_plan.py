@@ -46,8 +46,11 @@ def share(
         raise ValueError("not an ML Program: the compute plan has no program structure")
     if function_name not in program.functions:
         raise ValueError(f"no function {function_name!r} in the compute plan")
-    ops = [op for op in walk(program.functions[function_name].block.operations)
-           if op.operator_name != "const"]
+    ops = [
+        op
+        for op in walk(program.functions[function_name].block.operations)
+        if op.operator_name != "const"
+    ]
     costs = [cost_of(op) for op in ops]
     known = [c for c in costs if c is not None]
     fill = sum(known) / len(known) if known else 1.0

@@ -41,6 +41,7 @@ def default_max_segments(seq_len: int) -> int:
     the short-input case packing is for (also what certificates key an unnamed count by)."""
     return min(MAX_SEGMENTS_DEFAULT_CAP, max(2, seq_len // 16))
 
+
 ENV_COMPUTE_UNITS = "SYNAPSE_COREML_COMPUTE_UNITS"
 
 
@@ -60,9 +61,11 @@ def default_shapes(max_seq_length: int, max_positions: int) -> list[tuple[int, i
     """DEFAULT_SHAPES as (rows, seq_len) for one model: seq 0 is its `max_seq_length`, and
     every seq_len is clamped to its positions (a small model still loads), duplicates that
     the clamp makes dropped, order kept. The worker loads these; certificates key by them."""
-    return list(dict.fromkeys(
-        (rows, min(seq or max_seq_length, max_positions)) for rows, seq in DEFAULT_SHAPES
-    ))
+    return list(
+        dict.fromkeys(
+            (rows, min(seq or max_seq_length, max_positions)) for rows, seq in DEFAULT_SHAPES
+        )
+    )
 
 
 class AneRuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -93,7 +96,8 @@ def resolve_compute_units(config: AneRuntimeConfig, environ: dict | None = None)
     env = (os.environ if environ is None else environ).get(ENV_COMPUTE_UNITS)
     if env is not None and env != "":
         if env not in COMPUTE_UNITS:
-            raise ValueError(f"{ENV_COMPUTE_UNITS}={env!r}: expected one of "
-                             f"{', '.join(COMPUTE_UNITS)}")
+            raise ValueError(
+                f"{ENV_COMPUTE_UNITS}={env!r}: expected one of {', '.join(COMPUTE_UNITS)}"
+            )
         return env
     return config.compute_units or DEFAULT_COMPUTE_UNITS

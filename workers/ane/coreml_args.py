@@ -43,8 +43,9 @@ def compiled_model_arguments(
     FunctionSelectionUnsupported for a multifunction package on macOS < 15.
     """
     if compute_units not in COMPUTE_UNIT_MEMBERS:
-        raise ValueError(f"compute_units {compute_units!r}: expected one of "
-                         f"{sorted(COMPUTE_UNIT_MEMBERS)}")
+        raise ValueError(
+            f"compute_units {compute_units!r}: expected one of {sorted(COMPUTE_UNIT_MEMBERS)}"
+        )
     if not functions:
         raise ValueError("the package declares no function")
     args = {"compute_units": COMPUTE_UNIT_MEMBERS[compute_units]}
@@ -59,7 +60,8 @@ def compiled_model_arguments(
     if not version_at_least(macos_version, FUNCTION_NAME_MIN_MACOS):
         raise FunctionSelectionUnsupported(
             f"function {function_name!r} of a multifunction package: Core ML selects functions "
-            f"only on macOS >= 15.0 (this is {macos_version or 'unknown'})")
+            f"only on macOS >= 15.0 (this is {macos_version or 'unknown'})"
+        )
     args["function_name"] = function_name
     return args
 

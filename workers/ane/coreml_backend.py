@@ -33,8 +33,10 @@ from coremltools.models.compute_device import (
 )
 from coremltools.models.compute_plan import MLComputePlan
 
-COMPUTE_UNITS = {ours: getattr(ct.ComputeUnit, member)
-                 for ours, member in coreml_args.COMPUTE_UNIT_MEMBERS.items()}
+COMPUTE_UNITS = {
+    ours: getattr(ct.ComputeUnit, member)
+    for ours, member in coreml_args.COMPUTE_UNIT_MEMBERS.items()
+}
 COMPUTE_PLAN_MIN_MACOS = (14, 4)
 COMPILED_NAME = "model.mlmodelc"
 # The op list (no weights) of the package, kept beside the compiled model: the static
@@ -80,14 +82,17 @@ class CoreMLRunner:
         try:
             functions = json.loads((compiled_dir / FUNCTIONS_NAME).read_text())
             args = coreml_args.compiled_model_arguments(
-                compute_units, functions, function_name, apple_device.macos_version())
+                compute_units, functions, function_name, apple_device.macos_version()
+            )
         except (OSError, ValueError) as e:
             raise BackendOpenFailed(f"{compiled_dir}: {e}") from e
         self.function_name = args.get("function_name", functions[0])
         try:
             self.model = ct.models.CompiledMLModel(
                 str(self.path),
-                compute_units=getattr(ct.ComputeUnit, args.pop("compute_units")), **args)
+                compute_units=getattr(ct.ComputeUnit, args.pop("compute_units")),
+                **args,
+            )
         except Exception as e:  # coremltools raises bare Exception/RuntimeError from native code
             raise BackendOpenFailed(f"Core ML could not open {self.path}: {e}") from e
         self._placement: tuple[float, str] | None = None
@@ -98,10 +103,10 @@ class CoreMLRunner:
 
     def placement(self) -> tuple[float, str]:
         if self._placement is None:
-            if apple_device.version_at_least(apple_device.macos_version(),
-                                             COMPUTE_PLAN_MIN_MACOS):
-                self._placement = compute_plan_share(self.path, self.compute_units,
-                                                     self.function_name)
+            if apple_device.version_at_least(apple_device.macos_version(), COMPUTE_PLAN_MIN_MACOS):
+                self._placement = compute_plan_share(
+                    self.path, self.compute_units, self.function_name
+                )
             else:
                 self._placement = placement.estimate(program_ir.load(self.ops_dir))
         return self._placement
@@ -122,15 +127,18 @@ def _device(usage: object) -> str | None:
 def compute_plan_share(
     compiled_path: Path, compute_units: str, function_name: str = "main"
 ) -> tuple[float, str]:
-    plan = MLComputePlan.load_from_path(path=str(compiled_path),
-                                        compute_units=COMPUTE_UNITS[compute_units])
+    plan = MLComputePlan.load_from_path(
+        path=str(compiled_path), compute_units=COMPUTE_UNITS[compute_units]
+    )
 
     def cost_of(op: object) -> float | None:
         cost = plan.get_estimated_cost_for_mlprogram_operation(op)
         return None if cost is None else cost.weight
 
     value, _details = compute_plan.share(
-        plan.model_structure.program, cost_of,
+        plan.model_structure.program,
+        cost_of,
         lambda op: _device(plan.get_compute_device_usage_for_mlprogram_operation(op)),
-        function_name)
+        function_name,
+    )
     return value, compute_plan.SOURCE

@@ -39,6 +39,12 @@ def quiet_numpy_warnings() -> Iterator[None]:
 
 
 __all__ = [
-    "COREMLTOOLS_VERSION", "Function", "Program", "Var", "ct", "mb", "quiet_numpy_warnings",
+    "COREMLTOOLS_VERSION",
+    "Function",
+    "Program",
+    "Var",
+    "ct",
+    "mb",
+    "quiet_numpy_warnings",
     "types",
 ]

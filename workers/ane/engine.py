@@ -141,8 +141,9 @@ class AneEngine(Engine):
                 self._hello_digest = hello.digest
                 self._hello_revision = kernel_revision(hello.config.family)
             except ManifestError as e:
-                log.warning("artifact %s unreadable at start (%s); LOAD will report it",
-                            artifact, e)
+                log.warning(
+                    "artifact %s unreadable at start (%s); LOAD will report it", artifact, e
+                )
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> AneEngine:
@@ -188,16 +189,16 @@ class AneEngine(Engine):
 
     def pong_extras(self) -> dict:
         stats = self.cache_stats
-        return {"cache_hits": stats.hits, "cache_misses": stats.misses,
-                "cache_bytes": stats.bytes}
+        return {"cache_hits": stats.hits, "cache_misses": stats.misses, "cache_bytes": stats.bytes}
 
     # ---- LOAD / UNLOAD ----------------------------------------------------------------------
 
     def load(self, req: m.LOAD, progress: Progress) -> m.LOADED:
         start = time.perf_counter()
         if req.format != FORMAT:
-            raise EngineError("artifact_invalid",
-                              f"format {req.format!r}: this engine loads {FORMAT!r}")
+            raise EngineError(
+                "artifact_invalid", f"format {req.format!r}: this engine loads {FORMAT!r}"
+            )
         try:
             config = parse_runtime_config(req.runtime_config)
         except ValueError as e:
@@ -214,24 +215,38 @@ class AneEngine(Engine):
         except ManifestError as e:
             raise EngineError(e.code, f"{req.artifact_path}: {e}") from None
         if manifest.digest != req.artifact_digest:
-            raise EngineError("artifact_invalid", f"manifest digest {manifest.digest[:16]}... "
-                              f"!= artifact_digest {req.artifact_digest[:16]}...")
+            raise EngineError(
+                "artifact_invalid",
+                f"manifest digest {manifest.digest[:16]}... "
+                f"!= artifact_digest {req.artifact_digest[:16]}...",
+            )
         if self._hello_digest is not None and manifest.digest != self._hello_digest:
-            raise EngineError("artifact_invalid", "this worker advertised manifest "
-                              f"{self._hello_digest[:16]}... in HELLO")
+            raise EngineError(
+                "artifact_invalid",
+                f"this worker advertised manifest {self._hello_digest[:16]}... in HELLO",
+            )
         if kernel_revision(manifest.config.family) != self._hello_revision:
             # What HELLO named is what certificates are keyed by: never serve another graph.
-            raise EngineError("artifact_invalid", f"a {manifest.config.family} model builds "
-                              f"{kernel_revision(manifest.config.family)}, this worker "
-                              f"advertised {self._hello_revision} in HELLO (start it with "
-                              "--artifact)")
+            raise EngineError(
+                "artifact_invalid",
+                f"a {manifest.config.family} model builds "
+                f"{kernel_revision(manifest.config.family)}, this worker "
+                f"advertised {self._hello_revision} in HELLO (start it with "
+                "--artifact)",
+            )
         ref = config.model_ref or Path(req.artifact_path).name
         if self._model is not None:
             if self._model.ref == ref and self._model.manifest.digest == manifest.digest:
-                return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
-                                cold_load_ms=0.0, device=self._model.device)
-            raise EngineError("invalid_request",
-                              f"one model per Core ML worker: unload {self._model.ref!r} first")
+                return m.LOADED(
+                    req_id=req.req_id,
+                    model_ref=ref,
+                    dims=_dims(manifest),
+                    cold_load_ms=0.0,
+                    device=self._model.device,
+                )
+            raise EngineError(
+                "invalid_request", f"one model per Core ML worker: unload {self._model.ref!r} first"
+            )
         phases = _Forward(progress, ("setup", "control"))
         try:
             backend = open_backend(backend_name, compute_units)  # coreml: imports coremltools
@@ -244,8 +259,9 @@ class AneEngine(Engine):
             cache = CompileCache(root, budget_bytes=default_budget() if budget is None else budget)
         except (CompileCacheError, OSError) as e:
             raise EngineError("config_invalid", f"compile cache at {root}: {e}") from None
-        model = _Model(ref, manifest, config, backend, cache, OrderedDict(),
-                       lane_device(compute_units))
+        model = _Model(
+            ref, manifest, config, backend, cache, OrderedDict(), lane_device(compute_units)
+        )
         self._model = model
         try:
             for shape in self._initial_shapes(model):
@@ -253,8 +269,13 @@ class AneEngine(Engine):
         except BaseException:
             self._drop_model()
             raise
-        return m.LOADED(req_id=req.req_id, model_ref=ref, dims=_dims(manifest),
-                        cold_load_ms=(time.perf_counter() - start) * 1e3, device=model.device)
+        return m.LOADED(
+            req_id=req.req_id,
+            model_ref=ref,
+            dims=_dims(manifest),
+            cold_load_ms=(time.perf_counter() - start) * 1e3,
+            device=model.device,
+        )
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
         self._require(req.model_ref)
@@ -275,10 +296,14 @@ class AneEngine(Engine):
     def _initial_shapes(self, model: _Model) -> list[Shape]:
         if model.config.shapes is None:
             cfg = model.manifest.config
-            return [self._shape(model, rows, s, False, None)
-                    for rows, s in default_shapes(cfg.max_seq_length, cfg.max_positions)]
-        return [self._shape(model, s.rows, s.seq_len, s.packed, s.max_segments)
-                for s in model.config.shapes]
+            return [
+                self._shape(model, rows, s, False, None)
+                for rows, s in default_shapes(cfg.max_seq_length, cfg.max_positions)
+            ]
+        return [
+            self._shape(model, s.rows, s.seq_len, s.packed, s.max_segments)
+            for s in model.config.shapes
+        ]
 
     # ---- shapes -----------------------------------------------------------------------------
 
@@ -301,8 +326,9 @@ class AneEngine(Engine):
         if seq_len > cfg.max_positions:
             over.append(f"seq_len {seq_len} > the model's {cfg.max_positions} positions")
         if rows * seq_len > limits.max_shape_tokens:
-            over.append(f"rows*seq_len {rows * seq_len} > max_shape_tokens "
-                        f"{limits.max_shape_tokens}")
+            over.append(
+                f"rows*seq_len {rows * seq_len} > max_shape_tokens {limits.max_shape_tokens}"
+            )
         if packed and max_segments is not None and max_segments > seq_len:
             over.append(f"max_segments {max_segments} > seq_len {seq_len}")
         if over:
@@ -316,9 +342,15 @@ class AneEngine(Engine):
         if compiled is None:  # already loaded: a hit that did nothing
             return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id, cache_hit=True)
         t = compiled.timings
-        return m.SHAPE_ADMITTED(req_id=req.req_id, shape_id=shape.id,
-                                cache_hit=compiled.cache_hit, compile_ms=t.compile_ms,
-                                build_ms=t.build_ms, load_ms=t.load_ms, warmup_ms=t.warmup_ms)
+        return m.SHAPE_ADMITTED(
+            req_id=req.req_id,
+            shape_id=shape.id,
+            cache_hit=compiled.cache_hit,
+            compile_ms=t.compile_ms,
+            build_ms=t.build_ms,
+            load_ms=t.load_ms,
+            warmup_ms=t.warmup_ms,
+        )
 
     def _admit(self, model: _Model, shape: Shape, progress: _Forward) -> CompiledShape | None:
         """Load `shape`; None if it already was."""
@@ -332,24 +364,35 @@ class AneEngine(Engine):
 
         name = model.backend.name
         try:
-            compiled = admit(model.cache, model.manifest, shape, model.backend, self._options,
-                             on_stage,
-                             _warmup_feeds(shape, model.manifest) if model.backend.warms_up
-                             else None)
+            compiled = admit(
+                model.cache,
+                model.manifest,
+                shape,
+                model.backend,
+                self._options,
+                on_stage,
+                _warmup_feeds(shape, model.manifest) if model.backend.warms_up else None,
+            )
         except CompileCacheError as e:  # BuildFailed carries the converter's/compiler's error
             cause = e.__cause__
             if isinstance(cause, UnsupportedOp):
-                raise EngineError("compile_failed", f"shape {shape.id}: the {name} backend "
-                                  f"cannot execute op {cause.op_type}"
-                                  + (f" ({cause.detail})" if cause.detail else "")) from None
+                raise EngineError(
+                    "compile_failed",
+                    f"shape {shape.id}: the {name} backend "
+                    f"cannot execute op {cause.op_type}"
+                    + (f" ({cause.detail})" if cause.detail else ""),
+                ) from None
             raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
         except UnsupportedOp as e:
-            raise EngineError("compile_failed", f"shape {shape.id}: the {name} backend "
-                              f"cannot execute op {e.op_type}"
-                              + (f" ({e.detail})" if e.detail else "")) from None
+            raise EngineError(
+                "compile_failed",
+                f"shape {shape.id}: the {name} backend "
+                f"cannot execute op {e.op_type}" + (f" ({e.detail})" if e.detail else ""),
+            ) from None
         except BackendOpenFailed as e:
-            raise EngineError("compile_failed", f"shape {shape.id}: opening the compiled form "
-                              f"failed: {e}") from None
+            raise EngineError(
+                "compile_failed", f"shape {shape.id}: opening the compiled form failed: {e}"
+            ) from None
         except (PackageError, ProgramFormatError, BackendUnavailable, OSError) as e:
             raise EngineError("compile_failed", f"shape {shape.id}: {e}") from None
         stats = self.cache_stats
@@ -392,13 +435,13 @@ class AneEngine(Engine):
         if head.type not in EMBED_HEADS:
             raise EngineError("unsupported", f"{model.ref} is a {head.type}, not an embedder")
         if req.pooling != head.pooling:
-            raise EngineError("unsupported", f"pooling {req.pooling!r}: this graph pools "
-                              f"{head.pooling!r}")
+            raise EngineError(
+                "unsupported", f"pooling {req.pooling!r}: this graph pools {head.pooling!r}"
+            )
         seqs = self._split(model, ids, [it.n_tokens for it in req.items])
         types = [np.zeros(len(s), np.int32) for s in seqs]
         output = "embedding_l2" if req.normalize else "embedding"
-        vectors = self._run(model, seqs, types, output, model.manifest.config.hidden_size,
-                            progress)
+        vectors = self._run(model, seqs, types, output, model.manifest.config.hidden_size, progress)
         if req.normalize:
             # The graph's L2 output is fp16, so its norms are 1 only to ~1e-3; rescaling in
             # float32 makes dot products exact cosines without changing any direction.
@@ -417,11 +460,12 @@ class AneEngine(Engine):
         types = []
         for i, s in enumerate(req.sequences):
             if not 1 <= s.n_first <= s.n_tokens:
-                raise EngineError("invalid_request",
-                                  f"sequence {i}: n_first {s.n_first} outside 1..{s.n_tokens}")
+                raise EngineError(
+                    "invalid_request", f"sequence {i}: n_first {s.n_first} outside 1..{s.n_tokens}"
+                )
             # Segment A ([CLS] a [SEP]) is token type 0, segment B (b [SEP]) type 1.
             tt = np.zeros(s.n_tokens, np.int32)
-            tt[s.n_first:] = 1
+            tt[s.n_first :] = 1
             types.append(tt)
         return self._run(model, seqs, types, "logits", 1, progress)[:, 0]
 
@@ -430,13 +474,15 @@ class AneEngine(Engine):
             raise EngineError("invalid_request", "no items")
         flat = np.asarray(ids if ids is not None else np.empty(0, np.int32)).reshape(-1)
         if flat.size != sum(counts):
-            raise EngineError("invalid_request",
-                              f"{flat.size} token ids for {sum(counts)} declared tokens")
+            raise EngineError(
+                "invalid_request", f"{flat.size} token ids for {sum(counts)} declared tokens"
+            )
         cfg = model.manifest.config
         for i, n in enumerate(counts):
             if not 1 <= n <= cfg.max_positions:
-                raise EngineError("invalid_request",
-                                  f"item {i}: {n} tokens outside 1..{cfg.max_positions}")
+                raise EngineError(
+                    "invalid_request", f"item {i}: {n} tokens outside 1..{cfg.max_positions}"
+                )
         if flat.min() < 0 or flat.max() >= cfg.vocab_size:
             raise EngineError("invalid_request", f"token id outside [0, {cfg.vocab_size})")
         return np.split(flat.astype(np.int32, copy=False), np.cumsum(counts)[:-1])

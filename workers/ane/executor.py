@@ -127,6 +127,7 @@ _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "logical_or": np.logical_or,
 }
 
+
 def _sigmoid_stable(x: np.ndarray) -> np.ndarray:
     # exp of -|x| only: no overflow for a very negative gate, and full relative precision on
     # both tails (1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below).
@@ -146,10 +147,23 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 # Ops whose outputs are (re-arranged or selected) values of their inputs: no rounding needed.
-_EXACT = frozenset({
-    "reshape", "transpose", "expand_dims", "squeeze", "split", "concat", "slice_by_index",
-    "gather", "select", "maximum", "minimum", "identity", "relu",
-})
+_EXACT = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "expand_dims",
+        "squeeze",
+        "split",
+        "concat",
+        "slice_by_index",
+        "gather",
+        "select",
+        "maximum",
+        "minimum",
+        "identity",
+        "relu",
+    }
+)
 
 
 def _binary(op_type: str) -> Callable[[object, _Ctx], Callable[[Env], list]]:
@@ -258,8 +272,9 @@ def _make_slice_by_index(op, c: _Ctx):
         if smask[i]:
             index.append(begin[i])
         else:
-            index.append(slice(None if bmask[i] else begin[i], None if emask[i] else end[i],
-                               stride[i]))
+            index.append(
+                slice(None if bmask[i] else begin[i], None if emask[i] else end[i], stride[i])
+            )
     key = tuple(index)
     return lambda env: [env[x][key]]
 
@@ -307,8 +322,9 @@ def _make_layer_norm(op, c: _Ctx):
     rank = op.x.rank
     raw_axes = _val(op, "axes")
     # _axes returns None only for None, which the condition excludes.
-    axes = (cast(tuple[int, ...], _axes(raw_axes, rank)) if raw_axes is not None
-            else tuple(range(rank)))
+    axes = (
+        cast(tuple[int, ...], _axes(raw_axes, rank)) if raw_axes is not None else tuple(range(rank))
+    )
     if raw_axes is not None and [int(a) % rank for a in np.atleast_1d(raw_axes)] != list(axes):
         raise UnsupportedOp("layer_norm", "unsorted axes")
     bshape = [op.x.shape[i] if i in axes else 1 for i in range(rank)]
@@ -356,9 +372,10 @@ def _make_conv(op, c: _Ctx):
         raise UnsupportedOp("conv", "groups != 1")
     if any(int(s) != 1 for s in _val(op, "strides", [1, 1])):
         raise UnsupportedOp("conv", "strides != 1")
-    if any(int(p) != 0 for p in _val(op, "pad", [0, 0, 0, 0])) and str(
-        _val(op, "pad_type", "valid")
-    ) == "custom":
+    if (
+        any(int(p) != 0 for p in _val(op, "pad", [0, 0, 0, 0]))
+        and str(_val(op, "pad_type", "valid")) == "custom"
+    ):
         raise UnsupportedOp("conv", "non-zero padding")
     w2 = np.ascontiguousarray(w.reshape(w.shape[0], w.shape[1]))
     bias = _val(op, "bias")
@@ -400,8 +417,15 @@ def _make_matmul(op, c: _Ctx):
     out_shape = tuple(op.outputs[0].shape)
     # (B, C, 1, S) x (B, 1, S, K), the pooling matmul: one batched GEMM over B instead of
     # B*C broadcast GEMVs.
-    pooled = (len(xs) == 4 and len(ys) == 4 and not tx and not ty and xs[2] == 1
-              and ys[1] == 1 and xs[0] == ys[0])
+    pooled = (
+        len(xs) == 4
+        and len(ys) == 4
+        and not tx
+        and not ty
+        and xs[2] == 1
+        and ys[1] == 1
+        and xs[0] == ys[0]
+    )
 
     def run(env: Env) -> list:
         a, b = env[x], env[y]
@@ -448,6 +472,7 @@ def _make_einsum(op, c: _Ctx):
     xs, ys = tuple(op.values[0].shape), tuple(op.values[1].shape)
     out_shape = tuple(op.outputs[0].shape)
     if rank == 3:  # chw,whu->chu: batch over h
+
         def run3(env: Env) -> list:
             a = np.transpose(env[x], (1, 0, 2))
             b = np.transpose(env[y], (1, 0, 2))
@@ -559,9 +584,7 @@ class CompiledProgram:
                 raise UnsupportedOp(op.op_type)
             run = factory(op, ctx)
             out_slots = [new_slot(v) for v in op.outputs]
-            rounds = [
-                _dtype_name(v) == "fp16" and op.op_type not in _EXACT for v in op.outputs
-            ]
+            rounds = [_dtype_name(v) == "fp16" and op.op_type not in _EXACT for v in op.outputs]
             shapes = [tuple(int(d) for d in v.shape) for v in op.outputs]
             reads = [slot_of[id(v)] for v in _input_vars(op)]
             raw_steps.append((run, out_slots, rounds, shapes, reads))
@@ -632,8 +655,9 @@ def _bind(
         results = run(env)
         for (slot, rnd, shape), value in zip(pairs, results, strict=True):
             if value.shape != shape:
-                raise RuntimeError(f"executor bug: {op_type} produced {value.shape}, "
-                                   f"program says {shape}")
+                raise RuntimeError(
+                    f"executor bug: {op_type} produced {value.shape}, program says {shape}"
+                )
             if rnd:
                 # Non-exact ops return fresh arrays (never an input), so rounding in place is
                 # safe; a strided or read-only result is copied first.

@@ -55,8 +55,7 @@ def to_fp16_values(x: np.ndarray) -> np.ndarray:
 # Abramowitz & Stegun 7.1.26: |erf error| <= 1.5e-7, far below float16's resolution (2^-11
 # relative), so GELU's float16 result is what an exact erf would give except at rounding ties.
 _P = np.float32(0.3275911)
-_A = [np.float32(v) for v in (0.254829592, -0.284496736, 1.421413741, -1.453152027,
-                              1.061405429)]
+_A = [np.float32(v) for v in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)]
 _INV_SQRT2 = np.float32(1.0 / np.sqrt(2.0))
 
 

@@ -28,6 +28,7 @@ KERNEL_REVISIONS["qwen3"] = "ane-qwen3-1"
 def kernel_revision(family: str) -> str:
     return KERNEL_REVISIONS[family]
 
+
 PRECISION = "fp16"
 DEPLOYMENT_TARGET = "macOS14"
 

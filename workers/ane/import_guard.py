@@ -14,8 +14,15 @@ from __future__ import annotations
 import sys
 
 BLOCKED = (
-    "torch", "torchvision", "torchaudio", "torchao", "executorch",
-    "sklearn", "tensorflow", "xgboost", "libsvm",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "torchao",
+    "executorch",
+    "sklearn",
+    "tensorflow",
+    "xgboost",
+    "libsvm",
 )
 
 

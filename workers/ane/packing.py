@@ -22,8 +22,9 @@ from workers.ane.shapes import Shape
 
 class NoShapeFits(Exception):
     def __init__(self, index: int, length: int, longest: int) -> None:
-        super().__init__(f"item {index} has {length} tokens; the longest admitted shape takes "
-                         f"{longest}")
+        super().__init__(
+            f"item {index} has {length} tokens; the longest admitted shape takes {longest}"
+        )
         self.index = index
         self.length = length
 
@@ -48,12 +49,19 @@ def plan(lengths: Sequence[int], shapes: Sequence[Shape]) -> list[Chunk]:
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
         n = lengths[i]
         fit_u = next((s for s in unpacked if s.seq_len >= n), None)
-        fit_p = next((s for s in packed if s.seq_len >= n and (n <= s.seq_len // 2 or
-                                                              fit_u is None)), None)
+        fit_p = next(
+            (s for s in packed if s.seq_len >= n and (n <= s.seq_len // 2 or fit_u is None)), None
+        )
         if fit_p is not None:
             rows = rows_of[fit_p]
-            row = next((r for r in rows if r.used + n <= fit_p.seq_len
-                        and len(r.items) < fit_p.max_segments), None)
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r.used + n <= fit_p.seq_len and len(r.items) < fit_p.max_segments
+                ),
+                None,
+            )
             if row is None:
                 rows.append(_OpenRow([i], n))
             else:

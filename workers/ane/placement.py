@@ -45,26 +45,89 @@ SOURCE = "estimate"
 MAX_ANE_DIM = 16384
 
 _GEMM_OPS = frozenset({"conv", "matmul", "einsum", "linear"})
-_ANE_OPS = frozenset({
-    "conv", "matmul", "einsum", "linear",
-    "add", "sub", "mul", "real_div", "maximum", "minimum", "pow",
-    "equal", "not_equal", "greater", "greater_equal", "less", "less_equal",
-    "logical_and", "logical_or", "logical_not", "select",
-    "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_l2_norm",
-    "softmax", "layer_norm", "gelu", "tanh", "relu", "sigmoid", "silu", "exp", "sqrt", "rsqrt",
-    "reshape", "transpose", "expand_dims", "squeeze", "split", "concat", "slice_by_index",
-})
+_ANE_OPS = frozenset(
+    {
+        "conv",
+        "matmul",
+        "einsum",
+        "linear",
+        "add",
+        "sub",
+        "mul",
+        "real_div",
+        "maximum",
+        "minimum",
+        "pow",
+        "equal",
+        "not_equal",
+        "greater",
+        "greater_equal",
+        "less",
+        "less_equal",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "select",
+        "reduce_sum",
+        "reduce_mean",
+        "reduce_max",
+        "reduce_min",
+        "reduce_l2_norm",
+        "softmax",
+        "layer_norm",
+        "gelu",
+        "tanh",
+        "relu",
+        "sigmoid",
+        "silu",
+        "exp",
+        "sqrt",
+        "rsqrt",
+        "reshape",
+        "transpose",
+        "expand_dims",
+        "squeeze",
+        "split",
+        "concat",
+        "slice_by_index",
+    }
+)
 # Bool is fine where it is a mask between fp16 compares and select / logical ops.
-_BOOL_OK = frozenset({
-    "equal", "not_equal", "greater", "greater_equal", "less", "less_equal",
-    "logical_and", "logical_or", "logical_not", "select", "reshape", "expand_dims",
-    "squeeze", "transpose",
-})
+_BOOL_OK = frozenset(
+    {
+        "equal",
+        "not_equal",
+        "greater",
+        "greater_equal",
+        "less",
+        "less_equal",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "select",
+        "reshape",
+        "expand_dims",
+        "squeeze",
+        "transpose",
+    }
+)
 _PER_ELEMENT = {
-    "softmax": 5.0, "layer_norm": 8.0, "gelu": 10.0, "tanh": 4.0, "sigmoid": 4.0, "exp": 4.0,
+    "softmax": 5.0,
+    "layer_norm": 8.0,
+    "gelu": 10.0,
+    "tanh": 4.0,
+    "sigmoid": 4.0,
+    "exp": 4.0,
     "silu": 5.0,
-    "reshape": 0.5, "transpose": 0.5, "expand_dims": 0.5, "squeeze": 0.5, "split": 0.5,
-    "concat": 0.5, "slice_by_index": 0.5, "gather": 1.0, "cast": 1.0,
+    "reshape": 0.5,
+    "transpose": 0.5,
+    "expand_dims": 0.5,
+    "squeeze": 0.5,
+    "split": 0.5,
+    "concat": 0.5,
+    "slice_by_index": 0.5,
+    "gather": 1.0,
+    "cast": 1.0,
 }
 
 
@@ -131,8 +194,9 @@ def ane_eligible(op: object) -> bool:
 def estimate(prog: object, function_name: str = "main") -> tuple[float, str]:
     """(share of estimated cost on the ANE, "estimate") over the function's non-const ops.
     `prog` is a `program_ir.Function` or a MIL `Program` (converted)."""
-    func = prog if isinstance(prog, program_ir.Function) else program_ir.from_mil(
-        prog, function_name)
+    func = (
+        prog if isinstance(prog, program_ir.Function) else program_ir.from_mil(prog, function_name)
+    )
     total = ane = 0.0
     for op in program_ir.walk(func.operations):
         if op.op_type == "const":

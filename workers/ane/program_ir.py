@@ -75,8 +75,14 @@ class Var:
 class Op:
     __slots__ = ("op_type", "name", "inputs", "outputs", "blocks")
 
-    def __init__(self, op_type: str, name: str, inputs: dict[str, Var | tuple[Var, ...]],
-                 outputs: list[Var], blocks: tuple = ()) -> None:
+    def __init__(
+        self,
+        op_type: str,
+        name: str,
+        inputs: dict[str, Var | tuple[Var, ...]],
+        outputs: list[Var],
+        blocks: tuple = (),
+    ) -> None:
         self.op_type = op_type
         self.name = name
         self.inputs = inputs
@@ -132,8 +138,15 @@ def from_mil(prog: object, function_name: str = "main") -> Function:
                 k: tuple(var(x) for x in v) if isinstance(v, (list, tuple)) else var(v)
                 for k, v in op.inputs.items()
             }
-            ops.append(Op(op.op_type, op.name, inputs, [var(o) for o in op.outputs],
-                          tuple(block(sub) for sub in op.blocks)))
+            ops.append(
+                Op(
+                    op.op_type,
+                    op.name,
+                    inputs,
+                    [var(o) for o in op.outputs],
+                    tuple(block(sub) for sub in op.blocks),
+                )
+            )
         named = getattr(b, "inputs", None)  # a function's inputs; nested blocks have none named
         ins = {k: var(v) for k, v in named.items()} if isinstance(named, dict) else {}
         return Function(ins, ops, [var(o) for o in b.outputs])
@@ -187,8 +200,7 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
                     blob.write(b"\0" * pad)
                     offset += pad
                     blob.write(arr.tobytes())
-                    entry["val"] = {"mapped": offset, "np": arr.dtype.str,
-                                    "shape": list(arr.shape)}
+                    entry["val"] = {"mapped": offset, "np": arr.dtype.str, "shape": list(arr.shape)}
                     offset += arr.nbytes
             vars_json[v.name] = entry
             names[id(v)] = v.name
@@ -197,15 +209,22 @@ def save(func: Function, out_dir: str | os.PathLike[str], *, weights: bool = Tru
         inputs = {k: name_of(v) for k, v in func.inputs.items()}
         ops = []
         for op in func.operations:
-            ins = {k: [name_of(x) for x in v] if isinstance(v, tuple) else name_of(v)
-                   for k, v in op.inputs.items()}
-            ops.append({"type": op.op_type, "name": op.name, "inputs": ins,
-                        "outputs": [name_of(o) for o in op.outputs]})
+            ins = {
+                k: [name_of(x) for x in v] if isinstance(v, tuple) else name_of(v)
+                for k, v in op.inputs.items()
+            }
+            ops.append(
+                {
+                    "type": op.op_type,
+                    "name": op.name,
+                    "inputs": ins,
+                    "outputs": [name_of(o) for o in op.outputs],
+                }
+            )
         outputs = [name_of(v) for v in func.outputs]
         blob.flush()
         os.fsync(blob.fileno())
-    doc = {"format": FORMAT, "inputs": inputs, "outputs": outputs, "vars": vars_json,
-           "ops": ops}
+    doc = {"format": FORMAT, "inputs": inputs, "outputs": outputs, "vars": vars_json, "ops": ops}
     (out / PROGRAM_NAME).write_text(json.dumps(doc, separators=(",", ":")))
     return out
 
@@ -254,14 +273,20 @@ def load(path: str | os.PathLike[str]) -> Function:
             raise ProgramFormatError(f"{root}: unknown variable {name!r}") from None
 
     ops = [
-        Op(o["type"], o["name"],
-           {k: tuple(get(x) for x in v) if isinstance(v, list) else get(v)
-            for k, v in o["inputs"].items()},
-           [get(x) for x in o["outputs"]])
+        Op(
+            o["type"],
+            o["name"],
+            {
+                k: tuple(get(x) for x in v) if isinstance(v, list) else get(v)
+                for k, v in o["inputs"].items()
+            },
+            [get(x) for x in o["outputs"]],
+        )
         for o in doc["ops"]
     ]
-    return Function({k: get(v) for k, v in doc["inputs"].items()}, ops,
-                    [get(x) for x in doc["outputs"]])
+    return Function(
+        {k: get(v) for k, v in doc["inputs"].items()}, ops, [get(x) for x in doc["outputs"]]
+    )
 
 
 def walk(ops: Iterable[Op]) -> Iterable[Op]:

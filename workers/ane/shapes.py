@@ -39,8 +39,11 @@ class Shape:
     @property
     def dims(self) -> list[int]:
         """The dims a compile-cache key records."""
-        return [self.rows, self.seq_len, self.max_segments] if self.packed else [
-            self.rows, self.seq_len]
+        return (
+            [self.rows, self.seq_len, self.max_segments]
+            if self.packed
+            else [self.rows, self.seq_len]
+        )
 
     @property
     def tokens(self) -> int:

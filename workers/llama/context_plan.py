@@ -114,8 +114,7 @@ def plan_context(
         # cells while the prompt is checked against n_ctx (a 507 instead of a 400).
         problems.append("generation serves one sequence: n_seq_max must be 1")
     # Encoders keep no KV cache and are created with a unified layout (see native.py).
-    reserve = reserve_tokens(n_ctx, n_batch, n_ubatch, n_seq_max, unified=encoder,
-                             causal=causal)
+    reserve = reserve_tokens(n_ctx, n_batch, n_ubatch, n_seq_max, unified=encoder, causal=causal)
     if reserve % n_seq_max:
         # llama.cpp reserves its worst-case graph with `reserve` tokens split evenly over
         # n_seq_max sequences; otherwise GGML_ASSERT(ggml_can_mul_mat) aborts at LOAD.
@@ -133,7 +132,9 @@ def plan_context(
         n_ubatch=n_ubatch,
         n_seq_max=n_seq_max,
         streams=streams,
-        stream_threads=(max(1, threads // streams),
-                        max(1, (cfg.n_threads_batch or threads) // streams)),
+        stream_threads=(
+            max(1, threads // streams),
+            max(1, (cfg.n_threads_batch or threads) // streams),
+        ),
         all_threads=(threads, cfg.n_threads_batch or threads),
     )

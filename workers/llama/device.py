@@ -20,8 +20,16 @@ GpuLayers = Literal["auto"] | int
 # ggml backend registry names (llama_print_system_info's "NAME : ..." sections) -> device.
 # CPU-side accelerators (BLAS, AMX) are not offload targets.
 _GPU_BACKENDS = {
-    "metal": "metal", "mtl": "metal", "cuda": "cuda", "rocm": "rocm", "hip": "rocm",
-    "vulkan": "vulkan", "sycl": "sycl", "opencl": "opencl", "musa": "musa", "cann": "cann",
+    "metal": "metal",
+    "mtl": "metal",
+    "cuda": "cuda",
+    "rocm": "rocm",
+    "hip": "rocm",
+    "vulkan": "vulkan",
+    "sycl": "sycl",
+    "opencl": "opencl",
+    "musa": "musa",
+    "cann": "cann",
 }
 _CPU_SIDE = {"cpu", "blas", "amx", "rpc"}
 
@@ -86,7 +94,7 @@ def parse_gpu_layers(text: str) -> GpuLayers:
     except ValueError:
         layers = -1
     if layers < 0:
-        raise ValueError(f"{GPU_LAYERS_ENV}={text!r}: expected \"auto\" or an integer >= 0")
+        raise ValueError(f'{GPU_LAYERS_ENV}={text!r}: expected "auto" or an integer >= 0')
     return layers
 
 
@@ -108,6 +116,6 @@ def resolve_gpu_layers(
     if layers > 0 and not supports_offload:
         raise ValueError(
             f"{source}={layers}: this llama.cpp build ({build}) cannot offload to a GPU "
-            "(llama_supports_gpu_offload() is false); use 0 or \"auto\""
+            '(llama_supports_gpu_offload() is false); use 0 or "auto"'
         )
     return layers

@@ -133,8 +133,11 @@ def _encode_group(
     typed = slot.typed if types is not None else None  # a slot has it iff the model does
     if types is not None and typed is None:
         raise RuntimeError("token types given for a model without typed input")
-    batch, pos, nsid, outs = (typed.batch, typed.pos, typed.nsid, typed.out) if typed else (
-        slot.batch, slot.pos, slot.nsid, slot.out)
+    batch, pos, nsid, outs = (
+        (typed.batch, typed.pos, typed.nsid, typed.out)
+        if typed
+        else (slot.batch, slot.pos, slot.nsid, slot.out)
+    )
     n = 0
     sid = batch.seq_id
     for seq_id, idx in enumerate(group):

@@ -394,4 +394,3 @@ class LlamaEngine(Engine):
         elif mdl.kind == "generate" and (not lengths[0] and not allow_empty):
             raise EngineError("invalid_request", "empty prompt")
         return ids
-

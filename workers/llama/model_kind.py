@@ -52,7 +52,8 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     # llama.cpp's converter writes no pooling type for rerankers: a classifier head is one.
     has_head = any(t.name in ("cls.weight", "cls.output.weight") for t in hdr.tensors)
     is_rank = gguf_pooling == "rank" or (
-        cfg.kind == "rerank" and gguf_pooling in (None, "none") and has_head)
+        cfg.kind == "rerank" and gguf_pooling in (None, "none") and has_head
+    )
     if is_rank and arch.startswith("qwen3"):
         raise EngineError(
             "unsupported",
@@ -67,8 +68,9 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
         kind = cfg.kind
     elif is_rank:
         kind = "rerank"
-    elif cfg.embedding or (cfg.embedding is None and (gguf_pooling not in (None, "none")
-                                                      or not causal)):
+    elif cfg.embedding or (
+        cfg.embedding is None and (gguf_pooling not in (None, "none") or not causal)
+    ):
         kind = "embed"
     else:
         kind = "generate"

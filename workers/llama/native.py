@@ -117,8 +117,11 @@ def _view(ptr: Any, ctype: type, n: int) -> np.ndarray:
 
 def batch_views(b: llama_cpp.llama_batch, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy views of a llama_batch's positions, sequence counts and output flags."""
-    return (_view(b.pos, ctypes.c_int32, n), _view(b.n_seq_id, ctypes.c_int32, n),
-            _view(b.logits, ctypes.c_int8, n))
+    return (
+        _view(b.pos, ctypes.c_int32, n),
+        _view(b.n_seq_id, ctypes.c_int32, n),
+        _view(b.logits, ctypes.c_int8, n),
+    )
 
 
 @dataclass
@@ -134,8 +137,9 @@ class EmbdBatch:
     @classmethod
     def create(cls, capacity: int, n_embd: int) -> EmbdBatch:
         b = llama_cpp.llama_batch_init(capacity, n_embd, 1)
-        embd = np.ctypeslib.as_array(ctypes.cast(b.embd, ctypes.POINTER(ctypes.c_float)),
-                                     shape=(capacity, n_embd))
+        embd = np.ctypeslib.as_array(
+            ctypes.cast(b.embd, ctypes.POINTER(ctypes.c_float)), shape=(capacity, n_embd)
+        )
         pos, nsid, out = batch_views(b, capacity)
         return cls(b, embd, pos, nsid, out)
 

@@ -25,11 +25,28 @@ import sys
 ENV = "OPENBLAS_CORETYPE"
 
 # openblas_get_corename() names of kernels older than AVX: what an unknown CPU falls back to.
-_PRE_AVX = frozenset({
-    "prescott", "katmai", "coppermine", "northwood", "banias", "core2", "penryn",
-    "dunnington", "nehalem", "atom", "athlon", "opteron", "opteron_sse3", "barcelona",
-    "bobcat", "nano", "generic", "unknown",
-})
+_PRE_AVX = frozenset(
+    {
+        "prescott",
+        "katmai",
+        "coppermine",
+        "northwood",
+        "banias",
+        "core2",
+        "penryn",
+        "dunnington",
+        "nehalem",
+        "atom",
+        "athlon",
+        "opteron",
+        "opteron_sse3",
+        "barcelona",
+        "bobcat",
+        "nano",
+        "generic",
+        "unknown",
+    }
+)
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
 
 _PROBE = (
@@ -80,8 +97,14 @@ def corename(lib: str, coretype: str | None = None) -> str | None:
     if coretype:
         env[ENV] = coretype
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, lib], env=env, capture_output=True,
-                              text=True, timeout=30, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, lib],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     name = done.stdout.strip()

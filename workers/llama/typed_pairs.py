@@ -31,8 +31,9 @@ TOKEN_TYPES = "token_types.weight"
 class TypedPairs:
     """The two tensors a typed pair needs, mapped from the GGUF (rows gathered on use)."""
 
-    def __init__(self, token_rows: np.ndarray, qtype: gguf.GGMLQuantizationType,
-                 type_rows: np.ndarray) -> None:
+    def __init__(
+        self, token_rows: np.ndarray, qtype: gguf.GGMLQuantizationType, type_rows: np.ndarray
+    ) -> None:
         self._token_rows = token_rows  # (n_vocab, bytes of one row), memory-mapped
         self._qtype = qtype
         self._delta = (type_rows - type_rows[0]).astype(np.float32)  # (n_types, n_embd)
@@ -50,11 +51,13 @@ class TypedPairs:
 
         def rows(t) -> np.ndarray:  # ggml order: shape[0] is the row width, shape[1] the rows
             n_rows = int(np.prod(t.shape[1:]))
-            return np.memmap(path, np.uint8, "r", hdr.data_offset + t.offset,
-                             (n_rows, t.nbytes // n_rows))
+            return np.memmap(
+                path, np.uint8, "r", hdr.data_offset + t.offset, (n_rows, t.nbytes // n_rows)
+            )
 
-        type_rows = gguf.quants.dequantize(np.asarray(rows(types)),
-                                           gguf.GGMLQuantizationType(types.type))
+        type_rows = gguf.quants.dequantize(
+            np.asarray(rows(types)), gguf.GGMLQuantizationType(types.type)
+        )
         type_rows = np.asarray(type_rows, np.float32).reshape(-1, int(types.shape[0]))
         if type_rows.shape[0] < 2:
             return None

@@ -31,14 +31,21 @@ def tokenize_with_llama(gguf: str | Path, texts: Sequence[str]) -> list[dict[str
     request = json.dumps({"model": str(gguf), "texts": list(texts)})
     env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
     try:
-        proc = subprocess.run([sys.executable, "-m", "workers.llama.vocab_probe"],
-                              input=request, capture_output=True, text=True, env=env,
-                              timeout=PROBE_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, "-m", "workers.llama.vocab_probe"],
+            input=request,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=PROBE_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as e:
         raise ProbeFailed(f"llama.cpp's tokenizer took over {PROBE_TIMEOUT_S} s") from e
     if proc.returncode != 0:
-        raise ProbeFailed(f"llama.cpp could not tokenize with {gguf} (exit {proc.returncode}): "
-                          f"{proc.stderr.strip()[-2000:]}")
+        raise ProbeFailed(
+            f"llama.cpp could not tokenize with {gguf} (exit {proc.returncode}): "
+            f"{proc.stderr.strip()[-2000:]}"
+        )
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError as e:
@@ -56,8 +63,12 @@ def _main() -> int:
     out = []
     for text in request["texts"]:
         raw = text.encode("utf-8")
-        out.append({"special": llm.tokenize(raw, add_bos=True, special=False),
-                    "plain": llm.tokenize(raw, add_bos=False, special=False)})
+        out.append(
+            {
+                "special": llm.tokenize(raw, add_bos=True, special=False),
+                "plain": llm.tokenize(raw, add_bos=False, special=False),
+            }
+        )
     json.dump(out, sys.stdout)
     return 0
 
