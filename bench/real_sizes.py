@@ -198,8 +198,11 @@ def _save_weights(model, out: Path) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def xlmr_tokenizer(out: Path, max_seq_length: int) -> int:
-    """XLM-RoBERTa's tokenizer files from a Unigram model trained here; its size."""
+def xlmr_tokenizer(out: Path, max_seq_length: int, vocab_size: int = 8000) -> int:
+    """XLM-RoBERTa's tokenizer files (fairseq ids <s>=0 <pad>=1 </s>=2 <unk>=3) from a Unigram
+    model trained here on the certification corpus, with SentencePiece's precompiled normalizer
+    as the hub's files carry; its size (<mask> comes after the trained pieces). One training
+    thread: the same pieces every run, so seeded models built on it are the same every run."""
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
     from transformers import XLMRobertaTokenizer
@@ -208,7 +211,7 @@ def xlmr_tokenizer(out: Path, max_seq_length: int) -> int:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(list(corpus()) * 3),
         model_writer=buf,
-        vocab_size=8000,
+        vocab_size=vocab_size,
         model_type="unigram",
         character_coverage=1.0,
         bos_id=0,

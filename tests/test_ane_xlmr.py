@@ -10,8 +10,6 @@ covered where a real lane serves them (certification, the CLI)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import shutil
 import tempfile
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
 from certification.thresholds import thresholds_for
 from formats.owned.manifest import Manifest, UnsupportedModel, ingest_owned
@@ -47,50 +46,7 @@ PACKED = {"rows": 2, "seq_len": POSITIONS, "packed": True, "max_segments": 8}
 
 
 def _unigram_tokenizer(dst: Path) -> int:
-    """An XLM-RoBERTa tokenizer (fairseq ids <s>=0 <pad>=1 </s>=2 <unk>=3) from a Unigram
-    model trained here, with SentencePiece's precompiled normalizer as the hub's files carry
-    (as tests/test_hf_xlmr.py builds it)."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-    from transformers import XLMRobertaTokenizer
-
-    buf = io.BytesIO()
-    # One thread: the same pieces every run, so the seeded models (and the figures the tests
-    # print) are the same every run too.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3),
-        model_writer=buf,
-        vocab_size=700,
-        model_type="unigram",
-        character_coverage=1.0,
-        bos_id=0,
-        pad_id=1,
-        eos_id=2,
-        unk_id=3,
-        hard_vocab_limit=False,
-        minloglevel=2,
-        num_threads=1,
-    )
-    proto = pb.ModelProto()
-    proto.ParseFromString(buf.getvalue())
-    tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
-    tok.model_max_length = MAX_SEQ
-    tok.save_pretrained(dst)
-    spec = json.loads((dst / "tokenizer.json").read_text())
-    spec["normalizer"] = {
-        "type": "Sequence",
-        "normalizers": [
-            {
-                "type": "Precompiled",
-                "precompiled_charsmap": base64.b64encode(
-                    proto.normalizer_spec.precompiled_charsmap
-                ).decode(),
-            },
-            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
-        ],
-    }
-    (dst / "tokenizer.json").write_text(json.dumps(spec))
-    return len(tok)  # <mask> comes after the trained pieces
+    return xlmr_tokenizer(dst, MAX_SEQ, vocab_size=700)
 
 
 def _config(n_vocab: int, **extra):

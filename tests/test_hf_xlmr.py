@@ -6,8 +6,6 @@ map) and the e5 prompts."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import tempfile
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
@@ -32,46 +31,7 @@ HIDDEN = 64
 
 
 def _unigram_tokenizer(dst: Path, max_seq: int = MAX_SEQ) -> int:
-    """An XLM-RoBERTa tokenizer (fairseq ids <s>=0 <pad>=1 </s>=2 <unk>=3) from a Unigram
-    model trained here, with SentencePiece's precompiled normalizer as the hub's files carry."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-    from transformers import XLMRobertaTokenizer
-
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3),
-        model_writer=buf,
-        vocab_size=700,
-        model_type="unigram",
-        character_coverage=1.0,
-        bos_id=0,
-        pad_id=1,
-        eos_id=2,
-        unk_id=3,
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
-    proto = pb.ModelProto()
-    proto.ParseFromString(buf.getvalue())
-    tok = XLMRobertaTokenizer(vocab=[(p.piece, p.score) for p in proto.pieces])
-    tok.model_max_length = max_seq
-    tok.save_pretrained(dst)
-    spec = json.loads((dst / "tokenizer.json").read_text())
-    spec["normalizer"] = {
-        "type": "Sequence",
-        "normalizers": [
-            {
-                "type": "Precompiled",
-                "precompiled_charsmap": base64.b64encode(
-                    proto.normalizer_spec.precompiled_charsmap
-                ).decode(),
-            },
-            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
-        ],
-    }
-    (dst / "tokenizer.json").write_text(json.dumps(spec))
-    return len(tok)
+    return xlmr_tokenizer(dst, max_seq, vocab_size=700)
 
 
 def _config(n_vocab: int, max_seq: int = MAX_SEQ, **extra):
