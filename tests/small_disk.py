@@ -89,3 +89,27 @@ def fill_disk_when(disk: str | Path, ready: Callable[[], bool]) -> threading.Thr
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+_FILL_WHEN_APPEARS = """
+import sys, time
+from pathlib import Path
+from tests.small_disk import fill_disk
+disk, parent, prefix = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+while not any(p.is_dir() and p.name.startswith(prefix) for p in parent.iterdir()):
+    time.sleep(0.001)
+fill_disk(disk)
+"""
+
+
+def fill_disk_when_dir_appears(disk: str | Path, parent: Path, prefix: str) -> subprocess.Popen:
+    """A started process that waits until a directory named `prefix...` appears in `parent`
+    (say, a build's temp dir), then fills `disk`; wait for it before looking at the result.
+    A process, not a thread: a build running in the caller's process can hold the GIL for the
+    whole of one large write, and a thread would then only look after the build is done."""
+    root = str(Path(__file__).resolve().parents[1])
+    return subprocess.Popen(
+        [sys.executable, "-c", _FILL_WHEN_APPEARS, str(disk), str(parent), prefix],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )

@@ -412,21 +412,21 @@ from ingest.model_packages import minilm_dir
 from ingest import ArtifactStore
 from common.errors import StorageFull
 from ingest.owned import ensure_owned, owned_dir
-from tests.small_disk import fill_disk_when
+from tests.small_disk import fill_disk_when_dir_appears
 d = Path(os.environ["DISK"])
 store = ArtifactStore(d / "models")
 record = store.ingest_hf_dir(minilm_dir(), name="mini", dtype="f16")
 out = owned_dir(store, record)
 
 out.parent.mkdir(parents=True, exist_ok=True)
-thread = fill_disk_when(d, lambda: any(  # once the worker-side ingest has its temp dir
-    p.is_dir() and p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()))
+# Once the build has its temp dir, another writer takes the rest of the disk.
+filler = fill_disk_when_dir_appears(d, out.parent, f".{out.name}.")
 try:
     ensure_owned(store, record)
     err = None
 except StorageFull as e:
     err = {"code": e.code, "msg": e.message}
-thread.join()
+filler.wait(60)
 left = sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock"))
 (d / "filler").unlink()
 built, digest = ensure_owned(store, record)
