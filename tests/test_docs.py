@@ -310,11 +310,12 @@ def test_the_parts_of_the_protocol_left_unbuilt_are_listed_and_really_absent():
     assert not any("stream" in f for f in m.TEXT.__struct_fields__)
 
 
-# Citations of documents the repository does not hold: a design document's sections, issue and
-# pull-request numbers, "the seed" / "the spec" the code was first written from. This file is
-# not scanned: it holds the examples the check is proven on.
+# A comment must state its reason, not point at a text the repository's readers never see: a
+# design document's numbered parts, a tracker's numbers, the first specification. The pattern
+# and its examples are spelled in pieces so that this file is scanned like every other.
+_DOC = "DES" + "IGN"
 _CITATIONS = re.compile(
-    r"\bDESIGN\b|\b(?:[Ii]ssue|PR|[Pp]ull request)s? ?#?\d|\b[Ss]ection \d"
+    rf"\b{_DOC}\b|\b(?:[Ii]ssue|PR|[Pp]ull request)s? ?#?\d|\b[Ss]ection \d"
     r"|\u00a7|\b[Tt]he (?:issue|seed|spec)\b"
 )
 CITATION_DIRS = [*CODE_DIRS, "bench", "tests"]
@@ -326,7 +327,7 @@ def test_no_code_comment_cites_a_document_outside_the_repository():
         for d in CITATION_DIRS
         for p in sorted((ROOT / d).rglob("*.py"))
         for n, line in enumerate(p.read_text().splitlines(), 1)
-        if _CITATIONS.search(line) and p != Path(__file__).resolve()
+        if _CITATIONS.search(line)
     ]
     assert cited == []
 
@@ -334,12 +335,12 @@ def test_no_code_comment_cites_a_document_outside_the_repository():
 @pytest.mark.parametrize(
     "line",
     [
-        "see DESIGN section 3",
-        "(issue 10, section 6)",
-        "issue #14",
-        "the issue's tolerance",
-        "DESIGN 8: most FLOPs",
-        "written from the seed",
+        f"see {_DOC} sect" + "ion 3",
+        "(iss" + "ue 10, sect" + "ion 6)",
+        "iss" + "ue #14",
+        "the iss" + "ue's tolerance",
+        f"{_DOC} 8: most FLOPs",
+        "written from the se" + "ed",
         "\u00a75",
     ],
 )
