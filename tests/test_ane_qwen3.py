@@ -15,7 +15,7 @@ from certification.corpus import corpus
 from formats.owned.manifest import Manifest, UnsupportedModel, build_body, ingest_owned
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
-from tests.test_hf_qwen3 import HIDDEN, PROMPTS, _save_st, _tokenizer
+from tests.test_hf_qwen3 import HIDDEN, PROMPTS, _save_st, tiny_qwen3
 from workers.ane import builder_qwen3, placement, program_ir
 from workers.ane.build_options import BuildOptions
 from workers.ane.builder import convert_and_save
@@ -40,26 +40,7 @@ LOUD_GAIN = 2048.0
 
 
 def _qwen3(dst: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3Model
-
-    torch.manual_seed(0)
-    n_vocab = _tokenizer(dst)
-    config = Qwen3Config(
-        vocab_size=n_vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    Qwen3Model(config).eval().save_pretrained(dst)
-    return dst
+    return tiny_qwen3(dst)
 
 
 @pytest.fixture(scope="module")

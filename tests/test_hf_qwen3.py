@@ -88,17 +88,16 @@ def _save_st(raw: Path, dst: Path, pooling: str = "lasttoken") -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def dirs(module_tmp) -> dict[str, Path]:
+def tiny_qwen3(dst: Path) -> Path:
+    """A seeded 2-layer Qwen3 with its trained tokenizer, written to `dst`. head_dim is not
+    hidden / heads (as in Qwen3-Embedding-0.6B), heads are grouped, and the random weights are
+    wide (0.3) so another pooling, a lost EOS or prompt, a shorter cut each fail the 0.9999
+    bar."""
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
-    raw = module_tmp / "qwen3-raw"
-    n_vocab = _tokenizer(raw)
-    # head_dim is not hidden / heads (as in Qwen3-Embedding-0.6B), heads are grouped, and the
-    # random weights are wide (0.3) so another pooling, a lost EOS or prompt, a shorter cut
-    # each fail the 0.9999 bar.
+    n_vocab = _tokenizer(dst)
     config = Qwen3Config(
         vocab_size=n_vocab,
         hidden_size=HIDDEN,
@@ -112,7 +111,13 @@ def dirs(module_tmp) -> dict[str, Path]:
         tie_word_embeddings=True,
         initializer_range=0.3,
     )
-    Qwen3Model(config).eval().save_pretrained(raw)
+    Qwen3Model(config).eval().save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def dirs(module_tmp) -> dict[str, Path]:
+    raw = tiny_qwen3(module_tmp / "qwen3-raw")
     return {"raw": raw, "st": _save_st(raw, module_tmp / "qwen3-st")}
 
 
