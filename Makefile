@@ -46,18 +46,24 @@ lock:
 run: $(STAMP)
 	$(BIN)/synapse quickstart
 
+# Two test processes: most tests wait on a worker, a socket or a subprocess, so two keep both
+# cores busy. Each module runs whole in one process (tests/conftest.py). PYTEST_WORKERS=0 runs
+# everything in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/actionlint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 # The inner loop: every test that starts no model worker and builds no model (each such test
 # declares the marker `model`; tests/conftest.py refuses a model fixture without it).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not model"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not model"
 
 # actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)

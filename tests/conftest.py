@@ -143,7 +143,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "model: starts a model worker or builds a real model")
 
 
+# ---- Two test processes (pytest-xdist, `--dist loadgroup`) ------------------------------------
+# Each module runs whole in one process, so its module-scoped artifacts are built once. Every
+# module that starts a Ray runs in the same process, one after another: two Rays at once on two
+# cores starve each other's agents past their startup wait. The Ray modules go first, being the
+# longest group: started last, they would leave the other process idle at the end.
+RAY_GROUP = "ray"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks
 def pytest_collection_modifyitems(config, items):
+    ray_modules = {
+        item.path
+        for item in items
+        if "ray_session" in item.fixturenames or "_ray" in item.path.stem
+    }
+
+    def group(item) -> str:
+        return RAY_GROUP if item.path in ray_modules else item.path.stem
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(name=group(item)))
+    items.sort(key=lambda item: group(item) != RAY_GROUP)  # stable: modules stay whole
     unmarked = [
         f"{item.nodeid} (uses {', '.join(sorted(MODEL_FIXTURES & set(item.fixturenames)))})"
         for item in items
