@@ -50,7 +50,7 @@ run: $(STAMP)
 # cores busy. Each module runs whole in one process (tests/conftest.py). PYTEST_WORKERS=0 runs
 # everything in this process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import shutil
 import tempfile
@@ -143,28 +144,46 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "model: starts a model worker or builds a real model")
 
 
-# ---- Two test processes (pytest-xdist, `--dist loadgroup`) ------------------------------------
+# ---- Two test processes (pytest-xdist, `--dist loadscope`) ------------------------------------
 # Each module runs whole in one process, so its module-scoped artifacts are built once. Every
-# module that starts a Ray runs in the same process, one after another: two Rays at once on two
-# cores starve each other's agents past their startup wait. The Ray modules go first, being the
-# longest group: started last, they would leave the other process idle at the end.
-RAY_GROUP = "ray"
+# module that starts a Ray shares one scope and so one process, one module after another: two
+# Rays at once on two cores starve each other's agents past their startup wait. The scopes are
+# handed out in collection order, which puts the longest first (the Ray scope, then the modules
+# that build models): one started last would leave the other process idle at the end.
+# (pytest-xdist's own `loadgroup` cannot do this under pytest 9: it renames `Item._nodeid`,
+# which pytest 9 no longer reads.)
+RAY_SCOPE = "ray"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the group marks
+@functools.cache
+def _module_scope(path: Path) -> str:
+    source = path.read_text()
+    if "_ray" in path.stem or "ray_session" in source:
+        return RAY_SCOPE
+    return str(path)
+
+
+def _runs_first(path: Path) -> int:
+    if _module_scope(path) == RAY_SCOPE:
+        return 0
+    return 1 if _declares_model_mark(path) else 2
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _module_scope(config.rootpath / nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False  # keep the order below
+    return ModuleScopes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    ray_modules = {
-        item.path
-        for item in items
-        if "ray_session" in item.fixturenames or "_ray" in item.path.stem
-    }
-
-    def group(item) -> str:
-        return RAY_GROUP if item.path in ray_modules else item.path.stem
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(name=group(item)))
-    items.sort(key=lambda item: group(item) != RAY_GROUP)  # stable: modules stay whole
+    items.sort(key=lambda item: _runs_first(item.path))  # stable: a module stays whole
     unmarked = [
         f"{item.nodeid} (uses {', '.join(sorted(MODEL_FIXTURES & set(item.fixturenames)))})"
         for item in items

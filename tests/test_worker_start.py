@@ -23,8 +23,10 @@ from workers.protocol import messages as m
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
-HELLO_S = 1.0
-IMPORT_S = 2.5  # > HELLO_S: a library whose import alone outlasts the HELLO window
+# The window holds an interpreter's start with room to spare on a loaded 2-core machine (the
+# suite runs in two processes); the import alone outlasts it.
+HELLO_S = 2.0
+IMPORT_S = 4.0
 
 
 def _lane(runtime_dir: str, *extra: str) -> Lane:
@@ -42,7 +44,7 @@ def _lane(runtime_dir: str, *extra: str) -> Lane:
 async def test_engine_import_slower_than_the_hello_window_runs_in_load(short_runtime_dir):
     lane = _lane(short_runtime_dir)
     try:
-        await lane.start()  # HELLO from cheap state, well inside 1 s
+        await lane.start()  # HELLO from cheap state, well inside the window
         load = m.LOAD(
             req_id=0,
             artifact_path="-",
@@ -50,7 +52,7 @@ async def test_engine_import_slower_than_the_hello_window_runs_in_load(short_run
             format="echo",
             runtime_config={"model_ref": "echo"},
         )
-        loaded, _ = await lane.request(load)  # the 2.5 s import happens here
+        loaded, _ = await lane.request(load)  # the slow import happens here
         assert isinstance(loaded, m.LOADED)
         req = m.EMBED_BATCH(req_id=0, model_ref="echo", items=[m.EmbedItem(id=0, n_tokens=3)])
         reply, vectors = await lane.request(req, np.array([1, 2, 3], np.int32))
