@@ -13,7 +13,9 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
+
+from formats.safetensors_io import read_safetensors
 
 
 def truncate_mantissa(arr: np.ndarray, bits: int) -> np.ndarray:
@@ -28,7 +30,7 @@ def truncate_mantissa(arr: np.ndarray, bits: int) -> np.ndarray:
 def truncated_mantissa_copy(src_dir: str | Path, out_dir: str | Path, bits: int) -> Path:
     src, out = Path(src_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = load_file(str(src / "model.safetensors"))
+    weights = read_safetensors(src / "model.safetensors")
     degraded = {
         name: truncate_mantissa(w, bits) if w.dtype.kind == "f" else np.ascontiguousarray(w)
         for name, w in weights.items()

@@ -35,8 +35,9 @@ import tokenizers
 from certification.certificate import NUMPY_REFERENCE
 from certification.errors import ReferenceUnavailable
 from certification.reference.bert import POOLINGS, BertReference
+from common.errors import ArtifactInvalid
+from formats.hf_config import HfConfig, HfConfigInvalid
 from host.tokenization import model_limits
-from ingest.errors import ArtifactInvalid
 from ingest.owned import hf_source_dir
 from ingest.store import ModelRecord
 
@@ -97,14 +98,16 @@ def select_reference(model_dir: str | Path, *, st_available: bool | None = None)
 
 
 def _model_type(path: Path) -> str:
-    return str(_config(path).get("model_type", "bert"))  # BERT configs of old omit it
+    return _config(path).model_type
 
 
-def _config(path: Path) -> dict:
+def _config(path: Path) -> HfConfig:
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"reference dir {path}: unreadable config.json: {exc}") from None
+        return HfConfig.read(path)
+    except HfConfigInvalid as exc:
+        # The reference directory is the caller's argument (--reference-dir): a bad one is
+        # their request's fault, as every other refusal of it here.
+        raise ValueError(f"reference dir {path}: {exc.message}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -173,7 +176,7 @@ class Oracle:
         self.dir = Path(model_dir)
         _check_reference_dir(self.dir)  # --reference-dir too, not only the store's source
         config = _config(self.dir)
-        model_type = str(config.get("model_type", "bert"))
+        model_type = config.model_type
         if reference == NUMPY and model_type != "bert":
             raise ReferenceUnavailable(
                 f"{self.dir} is a {model_type!r} model: the numpy reference judges BERT models "

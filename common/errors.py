@@ -8,7 +8,8 @@ subclasses that only refine the cause for callers and logs (a crashed engine tha
 broke the protocol) inherit it.
 
 This module is a leaf: every package may import it, and it imports nothing of ours. The codes
-used by more than one package live here; each package's own codes live in its `errors`
+used by more than one package live here (`artifact_invalid`: the file readers in `formats`
+raise it as well as `ingest`); each package's own codes live in its `errors`
 module. The worker's `ERR` codes are the wire protocol's, not this family's
 (`workers/protocol`).
 """
@@ -60,6 +61,13 @@ class StorageFull(SynapseError):
 
     code = "storage_full"
     http_status = 507
+
+
+class ArtifactInvalid(SynapseError):
+    """The input files are missing, unreadable, corrupt or of an unsupported architecture."""
+
+    code = "artifact_invalid"
+    http_status = 422
 
 
 def _jsonable(details: dict) -> dict:

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
 from formats.st_layout import LayoutError, read_layout
 from host.errors import ConfigInvalid
 from host.sanitize import sanitize
@@ -393,10 +394,14 @@ def model_limits(model_dir: str | Path) -> tuple[int, int]:
     layout: see formats/st_layout.py).
     """
     d = Path(model_dir)
-    cfg = _read_json(d / "config.json")
-    hard = int(cfg.get("max_position_embeddings", 512))
-    if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
-        hard -= int(cfg.get("pad_token_id", 1)) + 1  # positions start after the pad index
+    try:
+        cfg = HfConfig.read(d, missing_ok=True)  # a bare tokenizer directory has none
+        hard = cfg.positive_int("max_position_embeddings")
+        if cfg.model_type in ("roberta", "xlm-roberta", "camembert"):
+            # positions start after the pad index
+            hard -= _token_id(cfg.value("pad_token_id"), cfg) + 1
+    except ArtifactInvalid as e:
+        raise ConfigInvalid(f"{d}: {e.message}") from None
     tok_cfg = _read_json(d / "tokenizer_config.json")
     model_max = tok_cfg.get("model_max_length")
     if isinstance(model_max, int) and 0 < model_max < hard:
@@ -406,6 +411,12 @@ def model_limits(model_dir: str | Path) -> tuple[int, int]:
     except LayoutError as e:
         raise ConfigInvalid(f"{d}: {e}") from None
     return hard, min(default, hard)
+
+
+def _token_id(value: object, cfg: HfConfig) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigInvalid(f"{cfg.path}: pad_token_id {value!r} is not a token id")
+    return value
 
 
 def _read_json(path: Path) -> dict:

@@ -5,7 +5,7 @@ run in worker processes only).
 """
 
 from ingest.bert_to_gguf import BertGGUFInfo, convert_bert_dir
-from ingest.errors import ArtifactExists, ArtifactInvalid
+from ingest.errors import ArtifactExists
 from ingest.gemma import assemble_gemma
 from ingest.hf_common import ConvertedModel
 from ingest.hf_dir import FAMILIES, convert_hf_dir
@@ -13,7 +13,6 @@ from ingest.store import ArtifactStore, Manifest, ModelRecord, default_root
 
 __all__ = [
     "ArtifactExists",
-    "ArtifactInvalid",
     "ArtifactStore",
     "BertGGUFInfo",
     "ConvertedModel",

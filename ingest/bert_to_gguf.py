@@ -36,8 +36,9 @@ import gguf
 import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
-from common.errors import InvalidRequest
-from ingest.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,
@@ -52,7 +53,6 @@ from ingest.hf_common import (
     write_gguf,
 )
 from ingest.hf_vocab import Vocab, unigram_vocab
-from ingest.safetensors_io import read_model_weights
 
 _EMBED_ARCHS = {"BertModel", "BertForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM"}
 _RERANK_ARCHS = {"BertForSequenceClassification", "XLMRobertaForSequenceClassification"}
@@ -101,30 +101,27 @@ _LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _KEEP_F32 = {MODEL_TENSOR.POS_EMBD, MODEL_TENSOR.TOKEN_TYPES}
 
 
-def _model_kind(config: dict) -> Literal["embed", "rerank"]:
-    model_type = config.get("model_type", "bert")
+def _model_kind(config: HfConfig) -> Literal["embed", "rerank"]:
+    model_type = config.model_type
     if model_type not in _DEFAULT_ARCH:
         raise ArtifactInvalid(f"unsupported model_type {model_type!r} (bert or xlm-roberta)")
-    archs = config.get("architectures") or [_DEFAULT_ARCH[model_type]]
-    if len(archs) != 1:
-        raise ArtifactInvalid(f"expected one architecture, got {archs}")
-    if not archs[0].startswith(_DEFAULT_ARCH[model_type].removesuffix("Model")):
-        raise ArtifactInvalid(
-            f"unsupported architecture {archs[0]!r} for model_type {model_type!r}"
-        )
-    if archs[0] in _EMBED_ARCHS:
+    arch = config.architecture(_DEFAULT_ARCH[model_type])
+    if not arch.startswith(_DEFAULT_ARCH[model_type].removesuffix("Model")):
+        raise ArtifactInvalid(f"unsupported architecture {arch!r} for model_type {model_type!r}")
+    if arch in _EMBED_ARCHS:
         return "embed"
-    if archs[0] in _RERANK_ARCHS:
+    if arch in _RERANK_ARCHS:
         return "rerank"
-    raise ArtifactInvalid(f"unsupported architecture {archs[0]!r}")
+    raise ArtifactInvalid(f"unsupported architecture {arch!r}")
 
 
-def _check_config(config: dict) -> None:
+def _check_config(config: HfConfig) -> None:
     # llama.cpp's BERT graph is absolute-position, GELU; anything else would load and be wrong.
-    if config.get("position_embedding_type", "absolute") != "absolute":
+    if config.string("position_embedding_type") != "absolute":
         raise ArtifactInvalid("only absolute position embeddings are supported")
-    if config.get("hidden_act", "gelu") not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-        raise ArtifactInvalid(f"unsupported hidden_act {config.get('hidden_act')!r}")
+    act = config.string("hidden_act")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ArtifactInvalid(f"unsupported hidden_act {act!r}")
     for key in (
         "hidden_size",
         "num_hidden_layers",
@@ -133,9 +130,8 @@ def _check_config(config: dict) -> None:
         "max_position_embeddings",
         "vocab_size",
     ):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
-            raise ArtifactInvalid(f"config.json: {key} missing or not a positive integer")
-    if config["hidden_size"] % config["num_attention_heads"]:
+        config.positive_int(key)
+    if config.positive_int("hidden_size") % config.positive_int("num_attention_heads"):
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
 
 
@@ -263,12 +259,12 @@ def _map_tensors(
     return out
 
 
-def _check_shapes(tensors: dict[str, np.ndarray], config: dict, n_labels: int) -> None:
-    h, ff = config["hidden_size"], config["intermediate_size"]
+def _check_shapes(tensors: dict[str, np.ndarray], config: HfConfig, n_labels: int) -> None:
+    h, ff = config.positive_int("hidden_size"), config.positive_int("intermediate_size")
     want = {
-        "token_embd.weight": (config["vocab_size"], h),
-        "position_embd.weight": (config["max_position_embeddings"], h),
-        "token_types.weight": (config.get("type_vocab_size", 2), h),
+        "token_embd.weight": (config.positive_int("vocab_size"), h),
+        "position_embd.weight": (config.positive_int("max_position_embeddings"), h),
+        "token_types.weight": (config.positive_int("type_vocab_size"), h),
         "blk.0.attn_q.weight": (h, h),
         "blk.0.ffn_up.weight": (ff, h),
         "blk.0.ffn_down.weight": (h, ff),
@@ -297,27 +293,26 @@ def convert_bert_dir(
     model_dir, out_path = Path(model_dir), Path(out_path)
     if not model_dir.is_dir():
         raise ArtifactInvalid(f"{model_dir} is not a directory")
-    config = load_json(model_dir / "config.json")
+    config = HfConfig.read(model_dir)
     return convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)
 
 
 def convert(
     model_dir: Path,
-    config: dict,
+    config: HfConfig,
     out_path: Path,
     dtype: Dtype,
     pooling: PoolingName | None,
     name: str,
 ) -> ConvertedModel:
-    model_type = config.get("model_type", "bert")
+    model_type = config.model_type
     kind = _model_kind(config)
     _check_config(config)
 
     n_labels = 0
     labels: list[str] = []
     if kind == "rerank":
-        id2label = config.get("id2label") or {"0": "LABEL_0"}
-        labels = [v for _, v in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
+        labels = config.labels()
         n_labels = len(labels)
         if pooling not in (None, "rank"):
             raise InvalidRequest("a sequence classifier is served with rank pooling only")
@@ -329,18 +324,18 @@ def convert(
     elif pooling == "rank":
         raise InvalidRequest("rank pooling needs a sequence-classification model")
 
-    n_layers = config["num_hidden_layers"]
+    n_layers = config.positive_int("num_hidden_layers")
     mapped = _map_tensors(read_model_weights(model_dir), kind, n_layers)
     by_name = {n: a for _, n, a in mapped}
     _check_shapes(by_name, config, n_labels)
-    n_ctx_train = config["max_position_embeddings"]
+    n_ctx_train = config.positive_int("max_position_embeddings")
     if model_type == "xlm-roberta":
         offset = _position_offset(config)
         n_ctx_train -= offset
         mapped = [(t, n, a[offset:] if t == MODEL_TENSOR.POS_EMBD else a) for t, n, a in mapped]
-        vocab = _unigram_vocab(model_dir, config["vocab_size"])
+        vocab = _unigram_vocab(model_dir, config.positive_int("vocab_size"))
     else:
-        vocab = _wordpiece_vocab(model_dir, config["vocab_size"])
+        vocab = _wordpiece_vocab(model_dir, config.positive_int("vocab_size"))
     special = _special_ids(model_dir, vocab.ids, model_type)
     max_seq = st_layout(model_dir).max_seq_length
 
@@ -363,10 +358,10 @@ def convert(
     return ConvertedModel(
         kind=kind,
         dtype=dtype,
-        dims=config["hidden_size"],
+        dims=config.positive_int("hidden_size"),
         pooling=pooling,
         n_ctx_train=n_ctx_train,
-        vocab_size=config["vocab_size"],
+        vocab_size=config.positive_int("vocab_size"),
         n_layers=n_layers,
         n_labels=n_labels,
         cls_id=special["cls"],
@@ -375,10 +370,11 @@ def convert(
     )
 
 
-def _position_offset(config: dict) -> int:
+def _position_offset(config: HfConfig) -> int:
     """HF numbers XLM-RoBERTa positions from `pad_token_id + 1` on; llama.cpp from 0."""
-    pad = config.get("pad_token_id", 1)
-    if not isinstance(pad, int) or not 0 <= pad < config["max_position_embeddings"] - 1:
+    pad = config.value("pad_token_id")
+    rows = config.positive_int("max_position_embeddings")
+    if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < rows - 1:
         raise ArtifactInvalid(f"config.json: pad_token_id {pad!r} cannot offset the positions")
     return pad + 1
 
@@ -386,7 +382,7 @@ def _position_offset(config: dict) -> int:
 def _fill(
     w: gguf.GGUFWriter,
     mapped: list[tuple[MODEL_TENSOR, str, np.ndarray]],
-    config: dict,
+    config: HfConfig,
     n_ctx_train: int,
     dtype: Dtype,
     pooling: PoolingName,
@@ -399,18 +395,18 @@ def _fill(
     w.add_name(model_name)
     w.add_file_type(file_type(dtype))
     w.add_context_length(n_ctx_train)
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-12)))
+    w.add_embedding_length(config.positive_int("hidden_size"))
+    w.add_feed_forward_length(config.positive_int("intermediate_size"))
+    w.add_block_count(config.positive_int("num_hidden_layers"))
+    w.add_head_count(config.positive_int("num_attention_heads"))
+    w.add_layer_norm_eps(config.number("layer_norm_eps"))
     w.add_causal_attention(False)
     w.add_pooling_type(POOLING_TYPES[pooling])
     if labels:
         w.add_classifier_output_labels(labels)
 
     vocab.add_to(w)
-    w.add_token_type_count(int(config.get("type_vocab_size", 2)))
+    w.add_token_type_count(config.positive_int("type_vocab_size"))
     if vocab.model == "t5":  # SentencePiece's defaults, as XLM-RoBERTa is trained with
         w.add_add_space_prefix(True)
         w.add_remove_extra_whitespaces(True)

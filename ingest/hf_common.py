@@ -4,6 +4,8 @@ sentence-transformers facts it reads, and the atomic GGUF write with llama.cpp's
 Each family converter (`ingest.bert_to_gguf` for BERT and XLM-RoBERTa, `ingest.hf_qwen3`,
 `ingest.hf_modernbert`, `ingest.hf_gemma3`) is `convert(model_dir, config, out_path, dtype,
 pooling, name) -> ConvertedModel`; `ingest.hf_dir` picks one by `config.json`'s `model_type`.
+`config` is the directory's `formats.hf_config.HfConfig` (the one reader of config.json, which
+the owned Core ML manifest reads too) and the weights come from `formats.safetensors_io`.
 They are the project's own (numpy + safetensors + the pinned `gguf` package's tensor names),
 not llama.cpp's `convert_hf_to_gguf.py`: that script imports torch and transformers (several GB
 a serving machine does not otherwise need) and is not shipped in any wheel. Tests prove each
@@ -23,9 +25,8 @@ import gguf
 import msgspec
 import numpy as np
 
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from formats.st_layout import Layout, LayoutError, read_layout
-from ingest.errors import ArtifactInvalid
 
 Dtype = Literal["f32", "f16"]
 PoolingName = Literal["mean", "cls", "last", "rank"]
@@ -102,6 +103,8 @@ def embed_pooling(model_dir: Path, pooling: PoolingName | None) -> PoolingName:
 
 
 def positive_ints(config: dict, keys: Iterable[str]) -> None:
+    """Positive integers of a sentence-transformers module's config.json (the model's own
+    config.json is `formats.hf_config`'s)."""
     for key in keys:
         if (
             not isinstance(config.get(key), int)

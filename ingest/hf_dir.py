@@ -1,6 +1,7 @@
 """A Hugging Face / sentence-transformers directory -> GGUF, by its `config.json` `model_type`.
 
-One converter per family (see `ingest.hf_common` for what they share and why they are our
+config.json is read once (`formats.hf_config`) and handed to the family's converter. One
+converter per family (see `ingest.hf_common` for what they share and why they are our
 own). A directory of any other family is refused, naming its model_type and the ones we read.
 """
 
@@ -9,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from common.errors import ArtifactInvalid
+from formats.hf_config import HfConfig
 from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_qwen3
-from ingest.errors import ArtifactInvalid
-from ingest.hf_common import ConvertedModel, Dtype, PoolingName, check_request, load_json
+from ingest.hf_common import ConvertedModel, Dtype, PoolingName, check_request
 
-Converter = Callable[[Path, dict, Path, Dtype, "PoolingName | None", str], ConvertedModel]
+Converter = Callable[[Path, HfConfig, Path, Dtype, "PoolingName | None", str], ConvertedModel]
 
 FAMILIES: dict[str, Converter] = {
     "bert": bert_to_gguf.convert,
@@ -39,8 +41,8 @@ def convert_hf_dir(
     model_dir, out_path = Path(model_dir), Path(out_path)
     if not model_dir.is_dir():
         raise ArtifactInvalid(f"{model_dir} is not a directory")
-    config = load_json(model_dir / "config.json")
-    model_type = config.get("model_type", "bert")
+    config = HfConfig.read(model_dir)
+    model_type = config.model_type
     convert = FAMILIES.get(model_type)
     if convert is None:
         raise ArtifactInvalid(

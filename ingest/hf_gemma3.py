@@ -29,8 +29,10 @@ import gguf
 import numpy as np
 from gguf.constants import MODEL_ARCH
 
+from common.errors import ArtifactInvalid
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_model_weights, read_safetensors
 from formats.st_layout import module_kind
-from ingest.errors import ArtifactInvalid
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,
@@ -47,20 +49,9 @@ from ingest.hf_common import (
     write_gguf,
 )
 from ingest.hf_vocab import Vocab, spm_vocab
-from ingest.safetensors_io import read_model_weights, read_safetensors
 
 ARCH = MODEL_ARCH.GEMMA_EMBEDDING
-# transformers' Gemma3TextConfig defaults: what it computes with when config.json omits a key.
-_DEFAULTS = {
-    "head_dim": 256,
-    "num_key_value_heads": 4,
-    "query_pre_attn_scalar": 256,
-    "rms_norm_eps": 1e-6,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "max_position_embeddings": 131_072,
-}
+# Keys config.json omits take transformers' Gemma3TextConfig defaults (formats.hf_config).
 _THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 # ggml's GELU is the tanh approximation; these are the HF names of that function.
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")
@@ -69,38 +60,24 @@ _DENSE_NAMES = ("dense_2", "dense_3")  # llama.cpp's two projections, in the ord
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 
 
-def _get(config: dict, key: str):
-    value = config.get(key)
-    return _DEFAULTS[key] if value is None else value
-
-
-def _int(config: dict, key: str) -> int:
-    """A positive integer of config.json, or transformers' default when it is absent."""
-    value = _get(config, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ArtifactInvalid(f"config.json: {key} {value!r} is not a positive integer")
-    return value
-
-
-def _check_config(config: dict) -> None:
-    archs = config.get("architectures") or ["Gemma3TextModel"]
+def _check_config(config: HfConfig) -> None:
+    archs = config.architectures or ["Gemma3TextModel"]
     if archs != ["Gemma3TextModel"]:
         raise ArtifactInvalid(
             f"architectures {archs}: only Gemma3TextModel (a text encoder) is converted"
         )
-    positive_ints(
-        config,
-        (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        ),
-    )
-    for key in ("head_dim", "num_key_value_heads", "max_position_embeddings"):
-        _int(config, key)
-    if config["num_attention_heads"] % _int(config, "num_key_value_heads"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "vocab_size",
+        "head_dim",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
+        config.positive_int(key)
+    if config.positive_int("num_attention_heads") % config.positive_int("num_key_value_heads"):
         raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
     if config.get("use_bidirectional_attention") is not True:
         raise ArtifactInvalid(
@@ -112,20 +89,21 @@ def _check_config(config: dict) -> None:
             "attn_logit_softcapping is set: llama.cpp's gemma-embedding "
             "does not cap attention logits"
         )
-    if _get(config, "query_pre_attn_scalar") != _int(config, "head_dim"):
+    scalar = config.value("query_pre_attn_scalar")
+    if scalar != config.positive_int("head_dim"):
         raise ArtifactInvalid(
-            f"query_pre_attn_scalar {_get(config, 'query_pre_attn_scalar')} != head_dim "
-            f"{_get(config, 'head_dim')}: llama.cpp's gemma-embedding scales queries by "
+            f"query_pre_attn_scalar {scalar} != head_dim "
+            f"{config.positive_int('head_dim')}: llama.cpp's gemma-embedding scales queries by "
             "1/sqrt(head_dim)"
         )
-    act = _get(config, "hidden_activation")
+    act = config.value("hidden_activation")
     if act not in _TANH_GELU:
         raise ArtifactInvalid(
             f"hidden_activation {act!r}: llama.cpp's gemma-embedding "
             "computes tanh-approximated GELU only"
         )
-    eps = _get(config, "rms_norm_eps")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+    eps = config.number("rms_norm_eps")
+    if not eps < 1:
         raise ArtifactInvalid(f"config.json: rms_norm_eps {eps!r} is not a small positive number")
     if config.get("attention_bias"):
         raise ArtifactInvalid(
@@ -133,12 +111,12 @@ def _check_config(config: dict) -> None:
         )
 
 
-def _layer_types(config: dict) -> list[bool]:
+def _layer_types(config: HfConfig) -> list[bool]:
     """Per layer: does it slide? transformers' own rule when layer_types is absent."""
-    n = config["num_hidden_layers"]
+    n = config.positive_int("num_hidden_layers")
     types = config.get("layer_types")
     if types is None:
-        pattern = _int(config, "sliding_window_pattern")
+        pattern = config.positive_int("sliding_window_pattern")
         slides = [bool((i + 1) % pattern) for i in range(n)]
     else:
         if not isinstance(types, list) or len(types) != n:
@@ -162,7 +140,7 @@ def _layer_types(config: dict) -> list[bool]:
     return slides
 
 
-def _rope_bases(config: dict) -> dict[str, float]:
+def _rope_bases(config: HfConfig) -> dict[str, float]:
     """RoPE base per layer type, read as transformers reads it (either format); scaled RoPE is
     refused."""
     params = config.get("rope_parameters")
@@ -170,9 +148,9 @@ def _rope_bases(config: dict) -> dict[str, float]:
         scaling = config.get("rope_scaling") or {}
         if not isinstance(scaling, dict):
             raise ArtifactInvalid(f"config.json: rope_scaling {scaling!r} is not an object")
-        full = {"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}
+        full = {"rope_theta": config.get("rope_theta")} if "rope_theta" in config else {}
         local = (
-            {"rope_theta": config["rope_local_base_freq"]}
+            {"rope_theta": config.get("rope_local_base_freq")}
             if "rope_local_base_freq" in config
             else {}
         )
@@ -303,8 +281,8 @@ def _dense_layers(dense_dirs: tuple[Path, ...], hidden: int) -> list[np.ndarray]
     return out
 
 
-def _tensors(model_dir: Path, config: dict, dense: list[np.ndarray]) -> dict[str, np.ndarray]:
-    n_layers = config["num_hidden_layers"]
+def _tensors(model_dir: Path, config: HfConfig, dense: list[np.ndarray]) -> dict[str, np.ndarray]:
+    n_layers = config.positive_int("num_hidden_layers")
     weights = read_model_weights(model_dir)
     projections = {f"{n}.weight": w for n, w in zip(_DENSE_NAMES, dense, strict=False)}
     clash = sorted(projections.keys() & weights.keys())
@@ -314,10 +292,12 @@ def _tensors(model_dir: Path, config: dict, dense: list[np.ndarray]) -> dict[str
     tensors = map_names(
         weights | projections, ARCH, n_layers, ignored=lambda key: key == "lm_head.weight"
     )
-    h, ff, hd = config["hidden_size"], config["intermediate_size"], _int(config, "head_dim")
-    q, kv = config["num_attention_heads"] * hd, _int(config, "num_key_value_heads") * hd
+    h, ff = config.positive_int("hidden_size"), config.positive_int("intermediate_size")
+    hd = config.positive_int("head_dim")
+    q = config.positive_int("num_attention_heads") * hd
+    kv = config.positive_int("num_key_value_heads") * hd
     shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (config["vocab_size"], h),
+        "token_embd.weight": (config.positive_int("vocab_size"), h),
         "output_norm.weight": (h,),
     }
     shapes |= {name: tuple(w.shape) for name, w in projections.items()}
@@ -385,7 +365,7 @@ def _space_prefix(tok: dict) -> bool:
 
 def convert(
     model_dir: Path,
-    config: dict,
+    config: HfConfig,
     out_path: Path,
     dtype: Dtype,
     pooling: PoolingName | None,
@@ -393,7 +373,7 @@ def convert(
 ) -> ConvertedModel:
     _check_config(config)
     swa = _layer_types(config)
-    window = _int(config, "sliding_window")
+    window = config.positive_int("sliding_window")
     bases = _rope_bases(config)
     pooling = embed_pooling(model_dir, pooling)
     _check_modules(model_dir)
@@ -403,7 +383,7 @@ def convert(
             "the Pooling module excludes the prompt's tokens: llama.cpp "
             "pools over every token it is given"
         )
-    hidden = config["hidden_size"]
+    hidden = config.positive_int("hidden_size")
     dense = _dense_layers(layout.dense_dirs, hidden)
     tensors = _tensors(model_dir, config, dense)
 
@@ -411,21 +391,21 @@ def convert(
     if not tok_path.is_file():
         raise ArtifactInvalid(f"missing tokenizer.json in {model_dir}")
     tok = load_json(tok_path)
-    vocab = spm_vocab(tok, config["vocab_size"])
+    vocab = spm_vocab(tok, config.positive_int("vocab_size"))
     special, add_bos, add_eos = _special_ids(model_dir, tok, vocab)
 
     def fill(w: gguf.GGUFWriter) -> None:
         w.add_name(name)
         w.add_file_type(file_type(dtype))
-        w.add_context_length(_int(config, "max_position_embeddings"))
+        w.add_context_length(config.positive_int("max_position_embeddings"))
         w.add_embedding_length(hidden)
-        w.add_block_count(config["num_hidden_layers"])
-        w.add_feed_forward_length(config["intermediate_size"])
-        w.add_head_count(config["num_attention_heads"])
-        w.add_head_count_kv(_int(config, "num_key_value_heads"))
-        w.add_key_length(_int(config, "head_dim"))
-        w.add_value_length(_int(config, "head_dim"))
-        w.add_layer_norm_rms_eps(float(_get(config, "rms_norm_eps")))
+        w.add_block_count(config.positive_int("num_hidden_layers"))
+        w.add_feed_forward_length(config.positive_int("intermediate_size"))
+        w.add_head_count(config.positive_int("num_attention_heads"))
+        w.add_head_count_kv(config.positive_int("num_key_value_heads"))
+        w.add_key_length(config.positive_int("head_dim"))
+        w.add_value_length(config.positive_int("head_dim"))
+        w.add_layer_norm_rms_eps(config.number("rms_norm_eps"))
         w.add_rope_freq_base(bases["full_attention"])
         w.add_rope_freq_base_swa(bases["sliding_attention"])
         w.add_sliding_window(window)
@@ -458,9 +438,9 @@ def convert(
         dtype=dtype,
         dims=dense[-1].shape[0] if dense else hidden,
         pooling=pooling,
-        n_ctx_train=_int(config, "max_position_embeddings"),
-        vocab_size=config["vocab_size"],
-        n_layers=config["num_hidden_layers"],
+        n_ctx_train=config.positive_int("max_position_embeddings"),
+        vocab_size=config.positive_int("vocab_size"),
+        n_layers=config.positive_int("num_hidden_layers"),
         n_labels=0,
         cls_id=None,
         sep_id=None,

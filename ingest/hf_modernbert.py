@@ -35,8 +35,9 @@ from typing import Literal
 import gguf
 import numpy as np
 
-from common.errors import InvalidRequest
-from ingest.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,
@@ -45,14 +46,12 @@ from ingest.hf_common import (
     embed_pooling,
     file_type,
     load_json,
-    positive_ints,
     require,
     st_layout,
     tensor_dtype,
     write_gguf,
 )
 from ingest.hf_vocab import Vocab, byte_bpe_vocab
-from ingest.safetensors_io import read_model_weights
 
 ARCH = gguf.MODEL_ARCH.MODERN_BERT
 ARCH_NAME = gguf.MODEL_ARCH_NAMES[ARCH]  # "modern-bert"
@@ -82,61 +81,55 @@ _KEY_HIDDEN_ACT = getattr(gguf.Keys.LLM, "HIDDEN_ACT", "{arch}.hidden_activation
 _KEY_CLS_POOLING = getattr(gguf.Keys.Classifier, "POOLING_TYPE", "{arch}.classifier.pooling_type")
 
 
-def _kind(config: dict) -> Literal["embed", "rerank"]:
-    archs = config.get("architectures") or ["ModernBertModel"]
-    if len(archs) != 1:
-        raise ArtifactInvalid(f"expected one architecture, got {archs}")
-    if archs[0] in _EMBED_ARCHS:
+def _kind(config: HfConfig) -> Literal["embed", "rerank"]:
+    arch = config.architecture("ModernBertModel")
+    if arch in _EMBED_ARCHS:
         return "embed"
-    if archs[0] in _RERANK_ARCHS:
+    if arch in _RERANK_ARCHS:
         return "rerank"
     raise ArtifactInvalid(
-        f"unsupported ModernBERT architecture {archs[0]!r} (supported: "
+        f"unsupported ModernBERT architecture {arch!r} (supported: "
         f"{', '.join(sorted(_EMBED_ARCHS | _RERANK_ARCHS))})"
     )
 
 
-def _check_config(config: dict, kind: str) -> None:
-    positive_ints(
-        config,
-        (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "max_position_embeddings",
-            "vocab_size",
-        ),
-    )
-    if config["hidden_size"] % config["num_attention_heads"]:
+def _check_config(config: HfConfig, kind: str) -> None:
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "vocab_size",
+    ):
+        config.positive_int(key)
+    if config.positive_int("hidden_size") % config.positive_int("num_attention_heads"):
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
     for key in ("attention_bias", "mlp_bias", "norm_bias"):
-        if config.get(key):
+        if config.flag(key):
             raise ArtifactInvalid(
-                f"{key}={config[key]!r}: llama.cpp's modern-bert graph has "
+                f"{key}={config.get(key)!r}: llama.cpp's modern-bert graph has "
                 "no biases (its layers would compute without them)"
             )
-    act = config.get("hidden_activation", "gelu")
+    act = config.value("hidden_activation")
     if act not in _FFN_ACTS:
         raise ArtifactInvalid(
             f"hidden_activation {act!r}: llama.cpp's modern-bert GLU computes "
             f"only {', '.join(sorted(_FFN_ACTS))}"
         )
-    eps = config.get("norm_eps", 1e-5)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        raise ArtifactInvalid(f"config.json: norm_eps {eps!r} is not a positive number")
+    config.number("norm_eps")
     if kind == "rerank":
-        if config.get("classifier_pooling", "cls") not in ("cls", "mean"):
+        if config.value("classifier_pooling") not in ("cls", "mean"):
             raise ArtifactInvalid(
-                f"classifier_pooling {config['classifier_pooling']!r}: "
+                f"classifier_pooling {config.value('classifier_pooling')!r}: "
                 "llama.cpp pools a ModernBERT classifier by cls or mean only"
             )
-        if config.get("classifier_bias"):
+        if config.flag("classifier_bias"):
             raise ArtifactInvalid(
                 "classifier_bias=true: llama.cpp's modern-bert head loads no "
                 "bias for its dense layer"
             )
-        head_act = config.get("classifier_activation", "gelu")
+        head_act = config.value("classifier_activation")
         if head_act not in _HEAD_ACTS:
             raise ArtifactInvalid(
                 f"classifier_activation {head_act!r}: llama.cpp applies GELU "
@@ -144,27 +137,23 @@ def _check_config(config: dict, kind: str) -> None:
             )
 
 
-def _layer_types(config: dict) -> list[str]:
+def _layer_types(config: HfConfig) -> list[str]:
     """Each layer's attention, as HF decides it: `layer_types` when given (transformers 5
     writes it), else every `global_attn_every_n_layers`-th layer from 0 global."""
-    n = config["num_hidden_layers"]
+    n = config.positive_int("num_hidden_layers")
     types = config.get("layer_types")
     if types is None:
-        every = config.get("global_attn_every_n_layers", 3)
-        if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
-            raise ArtifactInvalid(
-                "config.json: global_attn_every_n_layers is not a positive integer"
-            )
+        every = config.positive_int("global_attn_every_n_layers")
         return [_LAYER_TYPES[bool(i % every)] for i in range(n)]
     if not isinstance(types, list) or len(types) != n or any(t not in _LAYER_TYPES for t in types):
         raise ArtifactInvalid(f"config.json: layer_types must list {n} of {_LAYER_TYPES}")
     return types
 
 
-def _rope_theta(config: dict, layer_type: str, legacy: str, default: float) -> float:
+def _rope_theta(config: HfConfig, layer_type: str, legacy: str) -> float:
     """The RoPE base of one attention kind. transformers 5 writes `rope_parameters` per layer
     type; hub configs carry `global_rope_theta` / `local_rope_theta`."""
-    params = (config.get("rope_parameters") or {}).get(layer_type) or {}
+    params = config.mapping("rope_parameters").get(layer_type) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ArtifactInvalid(
@@ -175,13 +164,13 @@ def _rope_theta(config: dict, layer_type: str, legacy: str, default: float) -> f
         raise ArtifactInvalid(
             "partial_rotary_factor: llama.cpp's modern-bert rotates every head dimension"
         )
-    theta = params.get("rope_theta", config.get(legacy, default))
+    theta = params.get("rope_theta", config.value(legacy))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ArtifactInvalid(f"config.json: {layer_type} rope_theta {theta!r} is not positive")
     return float(theta)
 
 
-def _swa_pattern(types: list[str], config: dict) -> int | list[bool]:
+def _swa_pattern(types: list[str], config: HfConfig) -> int | list[bool]:
     """What llama.cpp's `sliding_window_pattern` reads (dense first): an int n when layer i is
     global exactly when i % n == 0 (what llama.cpp's converter writes), else one flag per
     layer (True = sliding)."""
@@ -219,9 +208,9 @@ def _map_tensors(weights: dict[str, np.ndarray], kind: str, n_layers: int) -> di
     return out
 
 
-def _expected_shapes(config: dict, kind: str, n_labels: int) -> dict[str, tuple[int, ...]]:
-    h, ff, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    v = config["vocab_size"]
+def _expected_shapes(config: HfConfig, kind: str, n_labels: int) -> dict[str, tuple[int, ...]]:
+    h, ff = config.positive_int("hidden_size"), config.positive_int("intermediate_size")
+    n, v = config.positive_int("num_hidden_layers"), config.positive_int("vocab_size")
     want: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (v, h),
         "token_embd_norm.weight": (h,),
@@ -325,17 +314,9 @@ def _check_pair_template(tok: dict, specials: dict[str, int]) -> None:
         )
 
 
-def _labels(config: dict) -> list[str]:
-    id2label = config.get("id2label") or {"0": "LABEL_0"}
-    try:
-        return [str(v) for _, v in sorted(id2label.items(), key=lambda kv: int(kv[0]))]
-    except (AttributeError, ValueError) as e:
-        raise ArtifactInvalid(f"config.json: unreadable id2label: {e}") from e
-
-
 def convert(
     model_dir: Path,
-    config: dict,
+    config: HfConfig,
     out_path: Path,
     dtype: Dtype,
     pooling: PoolingName | None,
@@ -353,20 +334,20 @@ def convert(
         if pooling not in (None, "rank"):
             raise InvalidRequest("a sequence classifier is served with rank pooling only")
         pooling = "rank"
-        labels = _labels(config)
+        labels = config.labels()
     else:
         pooling = embed_pooling(model_dir, pooling)
 
     types = _layer_types(config)
-    global_theta = _rope_theta(config, "full_attention", "global_rope_theta", 160_000.0)
-    local_theta = _rope_theta(config, "sliding_attention", "local_rope_theta", 10_000.0)
+    global_theta = _rope_theta(config, "full_attention", "global_rope_theta")
+    local_theta = _rope_theta(config, "sliding_attention", "local_rope_theta")
     if config.get("rope_scaling"):
         raise ArtifactInvalid("rope_scaling: only unscaled RoPE is supported")
     sliding = "sliding_attention" in types
     if sliding:
-        positive_ints(config, ("local_attention",))
+        config.positive_int("local_attention")
 
-    n_layers = config["num_hidden_layers"]
+    n_layers = config.positive_int("num_hidden_layers")
     tensors = _map_tensors(read_model_weights(model_dir), kind, n_layers)
     _check_tensors(tensors, _expected_shapes(config, kind, len(labels)))
 
@@ -375,7 +356,7 @@ def convert(
         raise ArtifactInvalid(f"missing tokenizer.json in {model_dir}")
     tok = load_json(tok_path)
     _check_byte_level(tok)
-    vocab = byte_bpe_vocab(tok, config["vocab_size"], PRE_TOKENIZER)
+    vocab = byte_bpe_vocab(tok, config.positive_int("vocab_size"), PRE_TOKENIZER)
     specials = _specials(model_dir, vocab)
     if kind == "rerank":
         _check_pair_template(tok, specials)
@@ -383,30 +364,30 @@ def convert(
     def fill(w: gguf.GGUFWriter) -> None:
         w.add_name(name)
         w.add_file_type(file_type(dtype))
-        w.add_context_length(config["max_position_embeddings"])
-        w.add_embedding_length(config["hidden_size"])
-        w.add_feed_forward_length(config["intermediate_size"])
+        w.add_context_length(config.positive_int("max_position_embeddings"))
+        w.add_embedding_length(config.positive_int("hidden_size"))
+        w.add_feed_forward_length(config.positive_int("intermediate_size"))
         w.add_block_count(n_layers)
-        w.add_head_count(config["num_attention_heads"])
-        w.add_layer_norm_eps(float(config.get("norm_eps", 1e-5)))
+        w.add_head_count(config.positive_int("num_attention_heads"))
+        w.add_layer_norm_eps(config.number("norm_eps"))
         w.add_causal_attention(False)
         w.add_pooling_type(POOLING_TYPES[pooling])
-        w.add_vocab_size(config["vocab_size"])
+        w.add_vocab_size(config.positive_int("vocab_size"))
         w.add_rope_freq_base(global_theta)
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         if sliding:
-            w.add_sliding_window(config["local_attention"])
+            w.add_sliding_window(config.positive_int("local_attention"))
             w.add_sliding_window_pattern(_swa_pattern(types, config))
             w.add_rope_freq_base_swa(local_theta)
         w.add_string(
             _KEY_HIDDEN_ACT.format(arch=ARCH_NAME),
-            _FFN_ACTS[config.get("hidden_activation", "gelu")],
+            _FFN_ACTS[config.value("hidden_activation")],
         )
         if kind == "rerank":
             w.add_classifier_output_labels(labels)
             w.add_uint32(
                 _KEY_CLS_POOLING.format(arch=ARCH_NAME),
-                POOLING_TYPES[config.get("classifier_pooling", "cls")].value,
+                POOLING_TYPES[config.value("classifier_pooling")].value,
             )
 
         vocab.add_to(w)
@@ -432,10 +413,10 @@ def convert(
     return ConvertedModel(
         kind=kind,
         dtype=dtype,
-        dims=config["hidden_size"],
+        dims=config.positive_int("hidden_size"),
         pooling=pooling,
-        n_ctx_train=config["max_position_embeddings"],
-        vocab_size=config["vocab_size"],
+        n_ctx_train=config.positive_int("max_position_embeddings"),
+        vocab_size=config.positive_int("vocab_size"),
         n_layers=n_layers,
         n_labels=len(labels),
         cls_id=specials["cls"],

@@ -23,8 +23,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from common.errors import InvalidRequest
-from ingest.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,
@@ -34,37 +35,29 @@ from ingest.hf_common import (
     file_type,
     load_json,
     map_names,
-    positive_ints,
     require,
     st_layout,
     tensor_dtype,
     write_gguf,
 )
 from ingest.hf_vocab import byte_bpe_vocab
-from ingest.safetensors_io import read_model_weights
 
 ARCH = gguf.MODEL_ARCH.QWEN3
 _EMBED_ARCHS = {"Qwen3Model", "Qwen3ForCausalLM"}
 
 
-def _rope_theta(config: dict) -> float:
-    # transformers 5 nests rope settings under rope_parameters; 4.x kept them top-level.
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in ("default", None):
+def _rope_theta(config: HfConfig) -> float:
+    kind, theta = config.rope()
+    if kind != "default":
         raise ArtifactInvalid(
             f"rope scaling {kind!r} is not computed by llama.cpp's qwen3 "
             "graph as transformers computes it"
         )
-    theta = rope.get("rope_theta", config.get("rope_theta", 1_000_000.0))
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise ArtifactInvalid(f"config.json: rope_theta {theta!r} is not a positive number")
-    return float(theta)
+    return theta
 
 
-def _check_config(config: dict) -> None:
-    archs = config.get("architectures") or ["Qwen3Model"]
+def _check_config(config: HfConfig) -> None:
+    archs = config.architectures or ["Qwen3Model"]
     if len(archs) != 1 or archs[0] not in _EMBED_ARCHS:
         if archs and archs[0] == "Qwen3ForSequenceClassification":
             raise ArtifactInvalid(
@@ -73,31 +66,25 @@ def _check_config(config: dict) -> None:
                 "reproduce as trained"
             )
         raise ArtifactInvalid(f"unsupported architecture {archs} for model_type 'qwen3'")
-    positive_ints(
-        config,
-        (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "vocab_size",
-        ),
-    )
-    if config.get("hidden_act", "silu") != "silu":
-        raise ArtifactInvalid(
-            f"unsupported hidden_act {config.get('hidden_act')!r} (llama.cpp's "
-            "qwen3 graph is SwiGLU)"
-        )
-    if config.get("attention_bias"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "vocab_size",
+    ):
+        config.positive_int(key)
+    act = config.string("hidden_act")
+    if act != "silu":
+        raise ArtifactInvalid(f"unsupported hidden_act {act!r} (llama.cpp's qwen3 graph is SwiGLU)")
+    if config.flag("attention_bias"):
         raise ArtifactInvalid("attention_bias: llama.cpp's qwen3 graph has no q/k/v/o biases")
-    if config.get("use_sliding_window"):
+    if config.flag("use_sliding_window"):
         raise ArtifactInvalid(
             "use_sliding_window: llama.cpp's qwen3 graph attends to the whole sequence"
         )
-    if config["num_attention_heads"] % config.get(
-        "num_key_value_heads", config["num_attention_heads"]
-    ):
+    if config.positive_int("num_attention_heads") % config.kv_heads():
         raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
 
 
@@ -107,7 +94,7 @@ def _ignored(key: str) -> bool:
 
 def convert(
     model_dir: Path,
-    config: dict,
+    config: HfConfig,
     out_path: Path,
     dtype: Dtype,
     pooling: PoolingName | None,
@@ -120,11 +107,10 @@ def convert(
         # A causal decoder's early tokens never see the later ones: mean or first-token
         # pooling is not what Qwen3 embedders are trained with.
         raise InvalidRequest(f"Qwen3 embedders pool the last token, not {pooling!r}")
-    h, n_layers = config["hidden_size"], config["num_hidden_layers"]
-    n_head = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads", n_head)
-    head_dim = config.get("head_dim") or h // n_head
-    ff, n_vocab = config["intermediate_size"], config["vocab_size"]
+    h, n_layers = config.positive_int("hidden_size"), config.positive_int("num_hidden_layers")
+    n_head, n_kv = config.positive_int("num_attention_heads"), config.kv_heads()
+    head_dim = config.head_dim()
+    ff, n_vocab = config.positive_int("intermediate_size"), config.positive_int("vocab_size")
     tensors = map_names(read_model_weights(model_dir), ARCH, n_layers, _ignored)
     shapes = {"token_embd.weight": (n_vocab, h), "output_norm.weight": (h,)}
     for b in range(n_layers):
@@ -154,7 +140,7 @@ def convert(
     def fill(w: gguf.GGUFWriter) -> None:
         w.add_name(name)
         w.add_file_type(file_type(dtype))
-        w.add_context_length(config["max_position_embeddings"])
+        w.add_context_length(config.positive_int("max_position_embeddings"))
         w.add_embedding_length(h)
         w.add_feed_forward_length(ff)
         w.add_block_count(n_layers)
@@ -164,7 +150,7 @@ def convert(
         w.add_value_length(head_dim)
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(theta)
-        w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        w.add_layer_norm_rms_eps(config.number("rms_norm_eps"))
         w.add_pooling_type(POOLING_TYPES[pooling])
         vocab.add_to(w)
         w.add_eos_token_id(eos)
@@ -183,7 +169,7 @@ def convert(
         dtype=dtype,
         dims=h,
         pooling=pooling,
-        n_ctx_train=config["max_position_embeddings"],
+        n_ctx_train=config.positive_int("max_position_embeddings"),
         vocab_size=n_vocab,
         n_layers=n_layers,
         n_labels=0,

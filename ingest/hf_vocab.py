@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import gguf
 
-from ingest.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = (
     int(gguf.TokenType.NORMAL),

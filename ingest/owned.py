@@ -22,10 +22,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from common.errors import StorageFull
+from common.errors import ArtifactInvalid, StorageFull
 from formats.owned.manifest import ingest_owned
 from ingest.durable import free_bytes, mib, require_space
-from ingest.errors import ArtifactInvalid
 from ingest.gguf_model import read_header
 from ingest.model_packages import MINILM_PACKAGE, minilm_dir
 from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord

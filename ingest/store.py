@@ -44,9 +44,10 @@ import msgspec
 import platformdirs
 from filelock import FileLock
 
-from common.errors import InvalidRequest, ModelNotFound, StorageFull
+from common.errors import ArtifactInvalid, InvalidRequest, ModelNotFound, StorageFull
 from formats.digest import sha256_file
 from formats.gguf_header import ArrayInfo
+from formats.safetensors_io import weight_elements
 from ingest import gemma
 from ingest.digest import copy_with_digest, read_digest_file, write_digest_file
 from ingest.durable import (
@@ -58,7 +59,7 @@ from ingest.durable import (
     require_space,
 )
 from ingest.encode_options import EncodeOptions, encode_options, fitted, given_options
-from ingest.errors import ArtifactExists, ArtifactInvalid
+from ingest.errors import ArtifactExists
 from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
@@ -66,7 +67,6 @@ from ingest.hf_dir import convert_hf_dir
 from ingest.model_packages import minilm_dir, minilm_source
 from ingest.precision import embed_precision
 from ingest.quantization import QuantizationRanges
-from ingest.safetensors_io import weight_elements
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"

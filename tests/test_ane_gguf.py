@@ -23,11 +23,11 @@ from certification.corpus import corpus
 from certification.reference.cross_encoder import minilm_dir
 from certification.thresholds import thresholds_for
 from certification.tokenizer_proof import prove_gguf_tokenizer
+from common.errors import ArtifactInvalid
 from formats.owned.gguf_weights import QuantizedTensor
 from formats.owned.manifest import Manifest, ingest_owned, load_manifest
 from formats.owned.manifest_gguf import UnsupportedArchitecture
 from host.sanitize import sanitize
-from ingest.errors import ArtifactInvalid
 from ingest.hf_dir import convert_hf_dir
 from ingest.owned import ensure_owned, hf_source
 from ingest.store import ArtifactStore

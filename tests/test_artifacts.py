@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from certification.reference.cross_encoder import build_test_cross_encoder
-from common.errors import InvalidRequest, ModelNotFound, SynapseError
-from ingest import ArtifactExists, ArtifactInvalid, ArtifactStore, convert_bert_dir, default_root
+from common.errors import ArtifactInvalid, InvalidRequest, ModelNotFound, SynapseError
+from formats.safetensors_io import read_safetensors
+from ingest import ArtifactExists, ArtifactStore, convert_bert_dir, default_root
 from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
-from ingest.safetensors_io import read_safetensors
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
@@ -511,6 +511,7 @@ def _as_sentence_transformers_6(src: Path, dst: Path) -> Path:
 
 
 def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_path: Path) -> None:
+    from formats.hf_config import HfConfig
     from formats.owned.manifest import _config_from_hf, _head_from_hf
     from host.tokenization import model_limits
 
@@ -527,8 +528,9 @@ def test_a_sentence_transformers_6_directory_ingests_like_the_legacy_one(tmp_pat
     assert b.size_bytes == a.size_bytes  # the same tensors (general.name: the entry's name)
     # The default truncation agrees; version 6 stores it as the tokenizer's own limit.
     assert model_limits(native)[1] == model_limits(MINILM)[1] == 256
-    config = _config_from_hf(native)  # the Core ML lane reads the same facts
-    assert config.max_seq_length == 256 and _head_from_hf(native, config).normalize
+    cfg = HfConfig.read(native)
+    config = _config_from_hf(native, cfg)  # the Core ML lane reads the same facts
+    assert config.max_seq_length == 256 and _head_from_hf(native, cfg, config).normalize
 
 
 def test_prompts_and_matryoshka_dims_round_trip_through_the_manifest(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ import certification.errors
 import cli.main
 import common.errors
 import compile_cache.errors
+import formats.hf_config
+import formats.safetensors_io
 import host.errors
 import ingest.errors
 import service.auth
@@ -29,10 +31,16 @@ import service.encoding
 import service.errors
 from batch.errors import BatchUsageError, JobAborted
 from certification.errors import CertificateNotFound
-from common.errors import InvalidRequest, ModelNotFound, NotFound, StorageFull, SynapseError
+from common.errors import (
+    ArtifactInvalid,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    StorageFull,
+    SynapseError,
+)
 from compile_cache.errors import EntryLeased, EntryNotFound, InvalidKey, LockTimeout
 from host.errors import ConfigInvalid, EngineCrashed, Overloaded, WorkerError
-from ingest.errors import ArtifactInvalid
 from service.app import SynapseApp, _endpoint
 from service.config import ServeConfig
 from service.errors import PayloadTooLarge
@@ -52,6 +60,8 @@ ERROR_MODULES = [
     service.disconnect,
     service.encoding,
     certification.errors,
+    formats.hf_config,
+    formats.safetensors_io,
 ]
 
 
@@ -82,6 +92,7 @@ def test_the_family_spans_every_package():
         "batch",
         "service",
         "certification",
+        "formats",
     }
 
 
@@ -94,7 +105,13 @@ def test_every_code_is_assigned_by_exactly_one_class():
 
 def test_the_codes_several_packages_raise_live_in_common():
     codes = _assigned_codes()
-    for code in ("invalid_request", "model_not_found", "not_found", "storage_full"):
+    for code in (
+        "invalid_request",
+        "model_not_found",
+        "not_found",
+        "storage_full",
+        "artifact_invalid",
+    ):
         assert codes[code] == [f"common.errors.{_class_of(code).__name__}"]
     # What the review found doubled is gone: one StorageFull, one InvalidRequest.
     names = [cls.__name__ for cls in _family()]

@@ -19,12 +19,12 @@ import tokenizers
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
 from certification.tokenizer_proof import prove_gguf_tokenizer
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
 from ingest.bert_to_gguf import convert_bert_dir
-from ingest.errors import ArtifactInvalid, TokenizerMismatch
+from ingest.errors import TokenizerMismatch
 from ingest.gguf_model import inspect_gguf
 from ingest.model_packages import minilm_dir
 from ingest.store import ArtifactStore

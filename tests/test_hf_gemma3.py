@@ -18,10 +18,10 @@ import pytest
 
 from certification.corpus import corpus
 from certification.tokenizer_proof import prove_gguf_tokenizer
+from common.errors import ArtifactInvalid
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
-from ingest.errors import ArtifactInvalid
 from ingest.hf_dir import convert_hf_dir
 from ingest.store import ArtifactStore
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from certification.corpus import corpus
+from common.errors import ArtifactInvalid
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
-from ingest.errors import ArtifactInvalid
 from ingest.hf_dir import convert_hf_dir
 from ingest.store import ArtifactStore
 

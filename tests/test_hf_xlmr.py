@@ -15,10 +15,10 @@ import pytest
 
 from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
+from common.errors import ArtifactInvalid
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
-from ingest.errors import ArtifactInvalid
 from ingest.hf_dir import convert_hf_dir
 from ingest.store import ArtifactStore
 

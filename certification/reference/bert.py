@@ -27,7 +27,6 @@ zero weight). Batching therefore changes results only by GEMM blocking/summation
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,9 @@ from pathlib import Path
 
 import numpy as np
 from numpy.polynomial import chebyshev as cheb
-from safetensors.numpy import load_file
+
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_safetensors
 
 # Bucket sizes: enough rows for efficient GEMMs, attention scores bounded in memory.
 _MAX_BATCH_TOKENS = 8192
@@ -150,25 +151,28 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> BertConfig:
-        act = cfg.get("hidden_act", "gelu")
+        return cls.from_hf(HfConfig(cfg))
+
+    @classmethod
+    def from_hf(cls, cfg: HfConfig) -> BertConfig:
+        """The config.json facts the forward needs, read (defaults included) as every other
+        reader of the directory reads them (formats.hf_config)."""
+        act = cfg.string("hidden_act")
         if act != "gelu":
             # "gelu_new"/tanh approximations are different functions; refuse, do not guess.
             raise ValueError(f"hidden_act={act!r}: the reference implements exact erf GELU only")
-        if cfg.get("position_embedding_type", "absolute") != "absolute":
+        if cfg.string("position_embedding_type") != "absolute":
             raise ValueError("only absolute position embeddings are implemented")
-        archs = cfg.get("architectures") or ["BertModel"]
-        arch = archs[0]
-        labels = 0
-        if arch == "BertForSequenceClassification":
-            labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {"0": ""}))
+        arch = (cfg.architectures or ["BertModel"])[0]
+        labels = len(cfg.labels()) if arch == "BertForSequenceClassification" else 0
         return cls(
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=int(cfg["num_attention_heads"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_positions=int(cfg.get("max_position_embeddings", 512)),
-            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            hidden_size=cfg.positive_int("hidden_size"),
+            num_layers=cfg.positive_int("num_hidden_layers"),
+            num_heads=cfg.positive_int("num_attention_heads"),
+            intermediate_size=cfg.positive_int("intermediate_size"),
+            max_positions=cfg.positive_int("max_position_embeddings"),
+            type_vocab_size=cfg.positive_int("type_vocab_size"),
+            layer_norm_eps=cfg.number("layer_norm_eps"),
             num_labels=labels,
             architecture=arch,
         )
@@ -248,8 +252,8 @@ class BertReference:
     @classmethod
     def from_dir(cls, path: str | Path) -> BertReference:
         d = Path(path)
-        config = BertConfig.from_dict(json.loads((d / "config.json").read_text()))
-        return cls(config, load_file(str(d / "model.safetensors")))
+        config = BertConfig.from_hf(HfConfig.read(d))
+        return cls(config, read_safetensors(d / "model.safetensors"))
 
     # -- public API ------------------------------------------------------------------------
 

@@ -30,7 +30,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
+
+from formats.hf_config import HfConfig
+from formats.safetensors_io import read_safetensors
 
 # Tests and benches take the default package's directory from here.
 from ingest.model_packages import minilm_dir
@@ -51,7 +54,7 @@ def build_test_cross_encoder(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    base = load_file(str(src / "model.safetensors"))
+    base = read_safetensors(src / "model.safetensors")
     # `position_ids` is a buffer, not a weight: modern checkpoints omit it.
     weights = {
         f"bert.{k}": np.ascontiguousarray(v)
@@ -67,7 +70,7 @@ def build_test_cross_encoder(
     weights["classifier.bias"] = _normal(rng, (1,), 0.1)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    config = json.loads((src / "config.json").read_text())
+    config = HfConfig.read(src).as_dict()
     config.update(
         architectures=["BertForSequenceClassification"],
         id2label={"0": "LABEL_0"},

@@ -12,7 +12,10 @@ advertises, what LOAD's `artifact_digest` must equal, and the first field of a c
 
 `load_manifest` re-verifies the body digest, the tokenizer and every tensor digest, and raises a
 typed `ManifestError` (code `artifact_invalid`) on any mismatch: a worker never builds a graph
-from weights other than the ones the digest names.
+from weights other than the ones the digest names. The source directory's config.json is read
+by `formats.hf_config` and every safetensors file by `formats.safetensors_io`; their errors are
+`common.errors.ArtifactInvalid`s (`HfConfigInvalid`, `SafetensorsInvalid`), and a damaged
+artifact's weights are said as a `ManifestError`, the error the worker answers LOAD with.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from common.errors import ArtifactInvalid
 from formats.digest import sha256_file
+from formats.hf_config import HfConfig
+from formats.safetensors_io import SINGLE_FILE, read_safetensors
 from formats.st_layout import Layout, LayoutError, read_layout
 
 FORMAT = "coreml-owned"
@@ -58,7 +63,8 @@ _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 
 
 class ManifestError(Exception):
-    """The artifact is unusable; `code` is the worker error code it maps to."""
+    """The artifact is unusable; `code` is the worker error code it maps to (a wire protocol
+    code, not one of the `common.errors` family's)."""
 
     code = "artifact_invalid"
 
@@ -263,25 +269,24 @@ def _read_json(path: Path) -> Any:
         raise ManifestError(f"{path.name}: {e}") from e
 
 
-def _config_from_hf(src: Path) -> ModelConfig:
-    cfg = _read_json(src / "config.json")
-    model_type = cfg.get("model_type", "bert")
-    arch = (cfg.get("architectures") or [_DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
+def _config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
+    model_type = cfg.model_type
+    arch = (cfg.architectures or [_DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
     if model_type not in _DEFAULT_ARCHITECTURE or _ARCHITECTURES.get(arch) != model_type:
         raise UnsupportedModel(
             f"model_type={model_type!r} / {arch}: BERT or XLM-RoBERTa "
             f"only ({', '.join(sorted(_ARCHITECTURES))})"
         )
-    if cfg.get("hidden_act", "gelu") != "gelu":
-        raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: exact (erf) GELU only")
-    if cfg.get("position_embedding_type", "absolute") != "absolute":
+    act = cfg.string("hidden_act")
+    if act != "gelu":
+        raise UnsupportedModel(f"hidden_act={act!r}: exact (erf) GELU only")
+    if cfg.string("position_embedding_type") != "absolute":
         raise UnsupportedModel("only absolute position embeddings are implemented")
-    # XLM-RoBERTa's HF config defaults (pad 1); BERT's pad id is 0 when unset.
-    pad = cfg.get("pad_token_id", 1 if model_type == "xlm-roberta" else 0)
-    if model_type == "xlm-roberta" and not isinstance(pad, int):
-        raise UnsupportedModel(f"pad_token_id={pad!r}: XLM-RoBERTa positions are offset by it")
-    pad = int(pad or 0)
-    rows = int(cfg.get("max_position_embeddings", 512))
+    # transformers' default pad id: XLM-RoBERTa's 1, BERT's 0 (formats.hf_config).
+    pad = cfg.value("pad_token_id")
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise UnsupportedModel(f"pad_token_id={pad!r}: not a token id")
+    rows = cfg.positive_int("max_position_embeddings")
     # Positions the graph can serve: the table's rows after XLM-RoBERTa's offset rows
     # (514 rows serve 512 tokens), every row for BERT.
     max_pos = rows - (pad + 1 if model_type == "xlm-roberta" else 0)
@@ -292,14 +297,14 @@ def _config_from_hf(src: Path) -> ModelConfig:
     max_seq = _layout(src).max_seq_length or max_pos
     config = ModelConfig(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=int(cfg["num_attention_heads"]),
-        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=cfg.positive_int("vocab_size"),
+        hidden_size=cfg.positive_int("hidden_size"),
+        num_layers=cfg.positive_int("num_hidden_layers"),
+        num_heads=cfg.positive_int("num_attention_heads"),
+        intermediate_size=cfg.positive_int("intermediate_size"),
         max_positions=max_pos,
-        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=cfg.positive_int("type_vocab_size"),
+        layer_norm_eps=cfg.number("layer_norm_eps"),
         hidden_act="gelu",
         pad_token_id=pad,
         max_seq_length=min(max_seq, max_pos),
@@ -312,10 +317,9 @@ def _config_from_hf(src: Path) -> ModelConfig:
     return config
 
 
-def _head_from_hf(src: Path, config: ModelConfig) -> Head:
+def _head_from_hf(src: Path, cfg: HfConfig, config: ModelConfig) -> Head:
     if config.is_cross_encoder:
-        cfg = _read_json(src / "config.json")
-        labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {"0": "LABEL_0"}))
+        labels = len(cfg.labels())
         return Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
     layout = _layout(src)
     # What the graph computes after the encoder is one pooling of every token, prompt
@@ -354,18 +358,14 @@ def tensor_digest(arr: np.ndarray) -> str:
 
 
 def _load_hf_tensors(src: Path, wanted: list[str]) -> dict[str, np.ndarray]:
-    path = src / "model.safetensors"
+    path = src / SINGLE_FILE
     if not path.exists():
         raise ManifestError(f"{src}: no model.safetensors")
     out: dict[str, np.ndarray] = {}
-    try:
-        with safe_open(str(path), "np") as f:
-            for name in f.keys():
-                canon = _canonical_name(name)
-                if canon in wanted:
-                    out[canon] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
-    except Exception as e:  # safetensors raises its own error types for damaged headers
-        raise ManifestError(f"model.safetensors: {e}") from e
+    for name, arr in read_safetensors(path).items():
+        canon = _canonical_name(name)
+        if canon in wanted:
+            out[canon] = np.ascontiguousarray(arr, dtype=np.float32)
     missing = [n for n in wanted if n not in out]
     if missing:
         raise ManifestError(f"model.safetensors lacks {missing[:3]} ({len(missing)} missing)")
@@ -392,15 +392,16 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
     """The manifest body and canonical tensors of a HF directory (nothing written)."""
     src = Path(src_dir)
     tok = src / TOKENIZER_NAME
-    if _read_json(src / "config.json").get("model_type") == "qwen3":
+    cfg = HfConfig.read(src)
+    if cfg.model_type == "qwen3":
         if not tok.exists():
             raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
         from formats.owned.manifest_qwen3 import config_head_tensors  # its own config and names
 
-        config, head, tensors = config_head_tensors(src)
+        config, head, tensors = config_head_tensors(src, cfg)
     else:
-        config = _config_from_hf(src)
-        head = _head_from_hf(src, config)
+        config = _config_from_hf(src, cfg)
+        head = _head_from_hf(src, cfg, config)
         if not tok.exists():
             raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
         tensors = _load_hf_tensors(src, required_tensors(config, head))
@@ -504,33 +505,30 @@ def _publish(
 
 
 def _read_tensors(path: Path, records: dict[str, TensorRecord] | None) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
     try:
-        with safe_open(str(path), "np") as f:
-            names = set(f.keys())
-            if records is not None and names != set(records):
-                extra, missing = sorted(names - set(records)), sorted(set(records) - names)
+        tensors = read_safetensors(path)
+    except ArtifactInvalid as e:  # damaged weights are a damaged artifact, said as one
+        raise ManifestError(e.message) from e
+    names = set(tensors)
+    if records is not None and names != set(records):
+        extra, missing = sorted(names - set(records)), sorted(set(records) - names)
+        raise ManifestError(
+            f"weights: tensors differ from manifest (extra {extra[:3]}, missing {missing[:3]})"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(names):
+        arr = tensors[name]
+        if records is not None:
+            rec = records[name]
+            if str(arr.dtype) != rec.dtype or list(arr.shape) != rec.shape:
                 raise ManifestError(
-                    f"weights: tensors differ from manifest "
-                    f"(extra {extra[:3]}, missing {missing[:3]})"
+                    f"tensor {name!r}: {arr.dtype}{list(arr.shape)} "
+                    f"!= manifest {rec.dtype}{rec.shape}"
                 )
-            for name in sorted(names):
-                arr = f.get_tensor(name)
-                if records is not None:
-                    rec = records[name]
-                    if str(arr.dtype) != rec.dtype or list(arr.shape) != rec.shape:
-                        raise ManifestError(
-                            f"tensor {name!r}: {arr.dtype}{list(arr.shape)} "
-                            f"!= manifest {rec.dtype}{rec.shape}"
-                        )
-                    actual = tensor_digest(arr)
-                    if actual != rec.sha256:
-                        raise WeightDigestMismatch(name, rec.sha256, actual)
-                out[name] = arr.astype(np.float32, copy=False)
-    except ManifestError:
-        raise
-    except Exception as e:
-        raise ManifestError(f"{path.name}: {e}") from e
+            actual = tensor_digest(arr)
+            if actual != rec.sha256:
+                raise WeightDigestMismatch(name, rec.sha256, actual)
+        out[name] = arr.astype(np.float32, copy=False)
     return out
 
 

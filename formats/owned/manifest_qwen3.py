@@ -16,13 +16,11 @@ needed to embed and is left out (its digest would otherwise pin a tensor the gra
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
+from formats.hf_config import HfConfig
 from formats.owned.manifest import (
     Head,
     ManifestError,
@@ -31,6 +29,7 @@ from formats.owned.manifest import (
     _layout,
     _read_json,
 )
+from formats.safetensors_io import read_safetensors, weight_files
 
 ARCHITECTURES = ("Qwen3Model", "Qwen3ForCausalLM")
 
@@ -41,26 +40,13 @@ ARCHITECTURES = ("Qwen3Model", "Qwen3ForCausalLM")
 MAX_GRAPH_POSITIONS = 2048
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    # transformers 5 nests rope settings under rope_parameters; 4.x kept them top-level.
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in ("default", None):
+def _rope_theta(cfg: HfConfig) -> float:
+    kind, theta = cfg.rope()
+    if kind != "default":
         raise UnsupportedModel(
             f"rope scaling {kind!r}: the graph's rotary tables are the unscaled ones"
         )
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-        raise ManifestError(f"config.json: rope_theta {theta!r} is not a positive number")
-    return float(theta)
-
-
-def _positive(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ManifestError(f"config.json: {key} missing or not a positive integer")
-    return value
+    return theta
 
 
 def _eos_id(src: Path) -> int:
@@ -78,48 +64,46 @@ def _eos_id(src: Path) -> int:
     return int(ids[text])
 
 
-def config_from_hf(src: Path) -> ModelConfig:
-    cfg = _read_json(src / "config.json")
-    archs = cfg.get("architectures") or ["Qwen3Model"]
+def config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
+    archs = cfg.architectures or ["Qwen3Model"]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise UnsupportedModel(
             f"architectures {archs}: Qwen3 embedders only "
             f"({', '.join(ARCHITECTURES)}); Qwen3 classifiers are not built"
         )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"hidden_act={cfg.get('hidden_act')!r}: the MLP is SwiGLU (silu)")
-    if cfg.get("attention_bias"):
+    act = cfg.string("hidden_act")
+    if act != "silu":
+        raise UnsupportedModel(f"hidden_act={act!r}: the MLP is SwiGLU (silu)")
+    if cfg.flag("attention_bias"):
         raise UnsupportedModel("attention_bias: the graph's q/k/v/o projections have no biases")
-    if cfg.get("use_sliding_window"):
+    if cfg.flag("use_sliding_window"):
         raise UnsupportedModel("use_sliding_window: the graph attends to the whole sequence")
-    hidden = _positive(cfg, "hidden_size")
-    heads = _positive(cfg, "num_attention_heads")
-    kv_heads = _positive(cfg, "num_key_value_heads", heads)
+    hidden = cfg.positive_int("hidden_size")
+    heads = cfg.positive_int("num_attention_heads")
+    kv_heads = cfg.kv_heads()
     if heads % kv_heads:
         raise UnsupportedModel(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
         )
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+    head_dim = cfg.head_dim()
+    if head_dim % 2:
         raise ManifestError(
             f"config.json: head_dim {head_dim!r} is not a positive even integer "
             "(rotary embeddings rotate half of it)"
         )
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, int | float) or eps <= 0:
-        raise ManifestError(f"config.json: rms_norm_eps {eps!r} is not a positive number")
-    max_pos = min(_positive(cfg, "max_position_embeddings"), MAX_GRAPH_POSITIONS)
+    eps = cfg.number("rms_norm_eps")
+    max_pos = min(cfg.positive_int("max_position_embeddings"), MAX_GRAPH_POSITIONS)
     max_seq = _layout(src).max_seq_length or max_pos
     return ModelConfig(
         architecture=archs[0],
-        vocab_size=_positive(cfg, "vocab_size"),
+        vocab_size=cfg.positive_int("vocab_size"),
         hidden_size=hidden,
-        num_layers=_positive(cfg, "num_hidden_layers"),
+        num_layers=cfg.positive_int("num_hidden_layers"),
         num_heads=heads,
-        intermediate_size=_positive(cfg, "intermediate_size"),
+        intermediate_size=cfg.positive_int("intermediate_size"),
         max_positions=max_pos,
         type_vocab_size=0,  # a decoder has no token types: the graph takes none
-        layer_norm_eps=float(eps),  # RMSNorm's epsilon
+        layer_norm_eps=eps,  # RMSNorm's epsilon
         hidden_act="silu",
         # Padding positions carry the end-of-text id: any valid id serves (never pooled,
         # never attended to by a real token).
@@ -171,20 +155,6 @@ def required_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _weight_files(src: Path) -> list[Path]:
-    single = src / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise ManifestError(f"{index.name}: {e}") from e
-        return [src / n for n in names]
-    raise ManifestError(f"{src}: no model.safetensors (or sharded index)")
-
-
 def _ignored(name: str) -> bool:
     return name.startswith("lm_head.") or name.endswith("rotary_emb.inv_freq")
 
@@ -195,19 +165,15 @@ def load_tensors(src: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     expect = required_tensors(config)
     out: dict[str, np.ndarray] = {}
     extra: list[str] = []
-    for path in _weight_files(src):
-        try:
-            with safe_open(str(path), "np") as f:
-                for name in f.keys():
-                    canon = name.removeprefix("model.")
-                    if _ignored(canon):
-                        continue
-                    if canon not in expect:
-                        extra.append(name)
-                        continue
-                    out[canon] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
-        except Exception as e:  # safetensors raises its own error types for damaged headers
-            raise ManifestError(f"{path.name}: {e}") from e
+    for path in weight_files(src):
+        for name, arr in read_safetensors(path).items():
+            canon = name.removeprefix("model.")
+            if _ignored(canon):
+                continue
+            if canon not in expect:
+                extra.append(name)
+                continue
+            out[canon] = np.ascontiguousarray(arr, dtype=np.float32)
     if extra:
         raise UnsupportedModel(f"tensors the Qwen3 graph does not use: {sorted(extra)[:5]}")
     missing = [n for n in expect if n not in out]
@@ -219,7 +185,9 @@ def load_tensors(src: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def config_head_tensors(src: Path) -> tuple[ModelConfig, Head, dict[str, np.ndarray]]:
-    config = config_from_hf(src)
+def config_head_tensors(
+    src: Path, cfg: HfConfig
+) -> tuple[ModelConfig, Head, dict[str, np.ndarray]]:
+    config = config_from_hf(src, cfg)
     head = head_from_hf(src)
     return config, head, load_tensors(src, config)
