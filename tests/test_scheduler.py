@@ -132,6 +132,26 @@ async def test_a_second_batch_waits_at_the_lane_and_a_third_in_the_queue():
     assert [r.vectors[:, 3].tolist() for r in results[1:4]] == [[0], [1], [2]]  # one batch
 
 
+async def test_a_batch_takes_whole_requests_up_to_its_item_and_token_bounds():
+    cfg = SchedulerConfig(max_batch_items=4, max_batch_tokens=512, batches_in_flight=1)
+    async with faulty(cfg) as (models, sched, batches):
+        with frozen(models):
+            blocker = asyncio.create_task(sched.embed_texts(["x"]))  # 3 tokens
+            await _until(lambda: _busy(models.lane))
+            pairs = [asyncio.create_task(sched.embed_texts([f"s {i}", f"t {i}"])) for i in range(3)]
+            longs = [asyncio.create_task(sched.embed_texts([LONG])) for _ in range(3)]  # 256 each
+            await _until(lambda: sched.queue_depth()[MODEL] == 9)
+        await asyncio.wait_for(asyncio.gather(blocker, *pairs, *longs), 60)
+    # Two pairs fill 4 items; a pair and one long input (the next would pass 512 tokens);
+    # two long inputs are exactly 512.
+    assert [(b.requests, b.items, b.tokens) for b in batches] == [
+        (1, 1, 3),
+        (2, 4, 16),
+        (2, 3, 264),
+        (2, 2, 512),
+    ]
+
+
 async def test_token_arrays_are_validated_then_embedded_as_given():
     async with faulty() as (models, sched, _):
         tok = await models.tokenizer(MODEL)
