@@ -547,6 +547,13 @@ class Lane:
         return self._worker
 
     @property
+    def requests_sent(self) -> int:
+        """Requests this lane has tried to send to its workers, one req_id each (PINGs and
+        replayed LOADs included); one that ended while it waited for the worker, such as one
+        whose deadline passed, took none."""
+        return self._req_ids
+
+    @property
     def hello(self) -> m.HELLO | None:
         return self._worker.hello if self._worker is not None else None
 

@@ -380,6 +380,12 @@ class Residency:
         if time.monotonic() + ttl < self._next_sweep:
             self._wake.set()
 
+    def is_unloading(self, name: str) -> bool:
+        """`name` is being unloaded now: calls that arrive wait until it is done (then the
+        model loads again for them)."""
+        e = self._entries.get(name)
+        return e is not None and e.gate is not None
+
     def is_idle(self, name: str) -> bool:
         e = self._entries.get(name)
         if e is not None and (e.busy or e.gate is not None):

@@ -30,14 +30,15 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 import numpy as np
 
 from common.errors import InvalidRequest, SynapseError
+from host.admission import Admission
 from host.errors import ConfigInvalid, DeadlineExceeded, LaneStopped, Overloaded, WorkerError
-from host.module import Module
+from host.lane import Lane
 from host.tokenization import Encoded, Tokenizer
 from ingest.store import DEFAULT_EMBED
 from service.coalesce import DEFAULT, Coalescer, Options
@@ -49,6 +50,45 @@ T = TypeVar("T")
 # Inputs larger than this are tokenized in a thread so one big request cannot stall the loop;
 # the loop tokenizes at most this much text at once when it tokenizes requests together.
 _THREAD_TOKENIZE_BYTES = 64 * 1024
+
+
+class ModelKind(Protocol):
+    @property
+    def kind(self) -> str:
+        """ "embed", "rerank" or "generate"."""
+        ...
+
+
+class EmbeddingModels(Protocol):
+    """What the scheduler reads and does of the models it batches for (host.module.Module is
+    one): their tokenizers, prompts and admission budgets, embedding of token ids, and the
+    supervisor whose quarantine refuses work before it is queued."""
+
+    admission: Admission
+
+    def record(self, name: str) -> ModelKind:
+        """What model `name` is; its `kind` says whether it embeds."""
+        ...
+
+    def prompt(
+        self, model: str | None = None, prompt_name: str | None = None, prompt: str | None = None
+    ) -> str:
+        """The text prepended to every input for these arguments."""
+        ...
+
+    async def tokenizer(self, model: str | None = None) -> Tokenizer:
+        """The model's tokenizer, loading the model if needed (`ModelNotFound` if unknown)."""
+        ...
+
+    async def embed_token_ids(
+        self, ids: list[np.ndarray], model: str | None = None, normalize: bool = True
+    ) -> np.ndarray:
+        """One row per input of `ids`, already admitted (a coalesced batch)."""
+        ...
+
+    def supervisor(self, name: str) -> Lane | None:
+        """The lane serving `name` (None when not loaded)."""
+        ...
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -363,7 +403,7 @@ class Scheduler:
 
     def __init__(
         self,
-        module: Module,
+        module: EmbeddingModels,
         config: SchedulerConfig | None = None,
         on_batch: Callable[[BatchStats], None] | None = None,
     ) -> None:
@@ -502,6 +542,23 @@ class Scheduler:
             depth[model] = depth.get(model, 0) + q.queued_items
         return depth
 
+    def awaiting_tokenization(self) -> dict[str, int]:
+        """Inputs per model that arrived and wait to be tokenized with the next batch (not
+        yet in `queue_depth`; `max_queue_items` counts them too)."""
+        waiting: dict[str, int] = {}
+        for (model, _), q in self._queues.items():
+            if q.coalescer is not None:
+                waiting[model] = waiting.get(model, 0) + q.coalescer.items
+        return waiting
+
+    def running_batches(self) -> dict[str, int]:
+        """Batches per model sent to the module and not yet answered (at most
+        `batches_in_flight` each)."""
+        running: dict[str, int] = {}
+        for (model, _), q in self._queues.items():
+            running[model] = running.get(model, 0) + len(q.running)
+        return running
+
     def retry_after(self, queued_tokens: int) -> float:
         """Seconds until the queue has likely drained: a hint for Retry-After."""
         if self._tokens_per_s <= 0:
@@ -547,7 +604,7 @@ class Scheduler:
         kind = self._kinds.get(name)
         if kind is None:
             await self.module.tokenizer(name)  # loads the model; ModelNotFound if unknown
-            kind = self._kinds[name] = self.module.store.get(name).kind
+            kind = self._kinds[name] = self.module.record(name).kind
         if kind != "embed":
             raise InvalidRequest(
                 f"model {name!r} is a {kind} model, not an embedding model",

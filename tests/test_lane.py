@@ -54,17 +54,14 @@ def config(runtime_dir: str, **kw) -> HostConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_lane(runtime_dir, fault: str | None = None, start=True, clock=None, **kw):
+async def running_lane(runtime_dir, fault: str | None = None, clock=None, **kw):
     argv = WORKER + (["--fault", fault] if fault else [])
     lane = Lane(
         LaneConfig(lane_id="t", argv=argv),
         config(runtime_dir, **kw),
         **({"clock": clock} if clock else {}),
     )
-    if start:
-        await lane.start()
-    else:
-        lane._running = True  # requests start the worker lazily
+    await lane.start()
     try:
         yield lane
     finally:
@@ -302,22 +299,22 @@ async def test_deadline_while_queued_sends_nothing(short_runtime_dir):
         slow, slow_ids = embed_req("fault:slow:3:0.2")
         first = asyncio.create_task(lane.request(slow, slow_ids))
         await until(lambda: lane.state().health.status == "busy")  # the first holds the worker
-        sent_before = lane._req_ids
+        sent_before = lane.requests_sent
         with pytest.raises(DeadlineExceeded):
             await lane.request(*embed_req("fault:sigkill"), deadline_s=0.1)
         await first
         await asyncio.sleep(0.1)
-        assert lane._req_ids == sent_before  # the queued request never reached the worker
+        assert lane.requests_sent == sent_before  # the queued request never reached the worker
         await honest(lane)
 
 
 async def _on_the_wire(lane: Lane, req, ids) -> asyncio.Task:
     """Start a request with no deadline (the lane's fast path: it runs in the caller's own
     task) and return once it has been sent."""
-    sent = lane._req_ids
+    sent = lane.requests_sent
     task = asyncio.create_task(lane.request(req, ids))
     await asyncio.sleep(0)  # one turn: the fast path sends without suspending
-    assert lane._req_ids == sent + 1 and lane._stream.locked()
+    assert lane.requests_sent == sent + 1 and lane.state().health.status == "busy"
     return task
 
 
@@ -330,7 +327,7 @@ async def test_cancelled_caller_on_the_fast_path_drains_and_the_next_reply_is_it
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert lane._stream.locked()  # the drain task holds the stream until the reply
+        assert lane.state().health.status == "busy"  # the drain holds the worker until the reply
         _, elapsed = await timed(honest(lane, first_id=7), bound=5)
         assert elapsed > 0.3  # it waited for the abandoned reply to drain
         assert lane.worker.pid == pid and lane.state().strikes == 0
@@ -345,9 +342,9 @@ async def test_cancelled_caller_whose_worker_goes_silent_still_kills_and_strikes
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.wait_for(asyncio.gather(*lane._jobs, return_exceptions=True), 10)
+        await until(lambda: lane.state().strikes == 1, 10)  # the drain's fault: killed, reaped
         assert_reaped(pid)  # the drain's watchdog killed it, as the caller's would have
-        assert lane.state().strikes == 1 and isinstance(lane.last_crash, WatchdogExpired)
+        assert isinstance(lane.last_crash, WatchdogExpired)
         await recovers_on_fresh_worker(lane, pid)
 
 
@@ -602,11 +599,10 @@ async def test_a_request_queued_behind_stop_gets_lane_stopped_and_no_new_worker(
     await lane.start()
     first = lane.worker.pid
     hung = asyncio.create_task(lane.request(*embed_req("fault:hang")))
-    async with asyncio.timeout(10):
-        while not lane._stream.locked():
-            await asyncio.sleep(0.01)
+    await until(lambda: lane.state().health.status == "busy", 10)
     queued = asyncio.create_task(lane.request(*embed_req()))
     async with asyncio.timeout(10):
+        # No public reading counts the requests waiting for a worker: its job task does.
         while not lane._jobs:  # its job task exists ...
             await asyncio.sleep(0.01)
     await asyncio.sleep(0)  # ... and waits for the stream
@@ -646,9 +642,7 @@ async def test_a_fast_path_request_never_reaches_a_worker_a_queued_one_crashed(
             return await lane.request(*embed_req())
 
         sequence = asyncio.create_task(a_then_b())
-        async with asyncio.timeout(10):
-            while not lane._stream.locked():
-                await asyncio.sleep(0.01)
+        await until(lambda: lane.state().health.status == "busy", 10)
         crasher = asyncio.create_task(lane.request(*embed_req("fault:sigkill")))
         reply, vectors = await asyncio.wait_for(sequence, 20)
         assert isinstance(reply, m.VECTORS) and vectors.shape[0] == 2

@@ -141,9 +141,11 @@ async def test_unload_drains_calls_inside_and_holds_new_ones(store_root, short_r
         await mod.embed(["warm"], model=F32)
         old_pid = mod.supervisor(F32, "llama").worker.pid
         long = asyncio.create_task(mod.embed(LONG_INPUT, model=F32))
-        await _until(lambda: mod.residency._entries[F32].busy == 1)
+        await _until(
+            lambda: mod.residency.describe(F32, "llama", mod.store.get(F32))["in_flight"] == 1
+        )
         unload = asyncio.create_task(mod.residency.unload(F32))
-        await _until(lambda: mod.residency._entries[F32].gate is not None)
+        await _until(lambda: mod.residency.is_unloading(F32))
         late = asyncio.create_task(mod.embed(["late"], model=F32))  # waits at the gate
         assert await unload is True
         assert long.done() and long.result().vectors.shape[0] == len(LONG_INPUT)

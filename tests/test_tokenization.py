@@ -208,7 +208,7 @@ def test_other_tokenizer_files_load(tmp_path: Path) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(max_size=300), max_size=4), st.booleans())
 def test_any_text_tokenizes_within_the_limit(texts: list[str], truncate: bool) -> None:
-    t = _shared()
+    t, _ = _shared()
     try:
         enc = t.encode(texts, truncate=truncate, max_tokens=64)
     except InvalidRequest:
@@ -219,13 +219,17 @@ def test_any_text_tokenizes_within_the_limit(texts: list[str], truncate: bool) -
         assert len(ids) == n <= 64 and ids[0] == CLS and ids[-1] == SEP
 
 
-_SHARED: list[Tokenizer] = []
+_SHARED: list[tuple[Tokenizer, tokenizers.Tokenizer]] = []
 
 
-def _shared() -> Tokenizer:
+def _shared() -> tuple[Tokenizer, tokenizers.Tokenizer]:
+    """MiniLM's Tokenizer (as `from_model_dir` builds it) and the library tokenizer it was
+    given, configured by it: the plain rule below runs on the very same object."""
     # hypothesis forbids function-scoped fixtures; build once per process instead.
     if not _SHARED:
-        _SHARED.append(Tokenizer.from_model_dir(minilm_dir()))
+        hard, default = model_limits(minilm_dir())
+        hf = tokenizers.Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+        _SHARED.append((Tokenizer(hf, max_tokens=default, hard_limit=hard), hf))
     return _SHARED[0]
 
 
@@ -235,8 +239,7 @@ def test_one_call_path_equals_encode_cut_then_add_specials(texts: list[str], lim
     # `encode` asks the library for the template's tokens in the same call and re-encodes
     # only inputs over the limit; the ids must be those of the plain rule: encode bare, cut
     # to the limit minus the template's tokens, then add them.
-    t = _shared()
-    hf = t._tok
+    t, hf = _shared()
     enc = t.encode(texts, truncate=True, max_tokens=limit)
     for text, ids, cut in zip(texts, enc.ids, enc.truncated, strict=True):
         bare = hf.encode(sanitize(text), add_special_tokens=False)

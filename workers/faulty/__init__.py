@@ -27,4 +27,6 @@ Request faults come from the `model_ref` of a request, `fault:NAME[:ARG[:ARG]]`:
     echo              one item; reply n=1, dims=n_tokens with the ids' bytes as f32 (bench)
 
 Any other model_ref answers normally: item vector = [sum(ids), n_tokens, first id, item id].
+Its LOAD may name `n_vocab` in runtime_config: then an EMBED_BATCH with an id outside
+0..n_vocab-1 is refused with ERR invalid_request, as a real engine refuses one.
 """

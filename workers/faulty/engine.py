@@ -33,6 +33,9 @@ class FaultEngine(Engine):
     def __init__(self) -> None:
         self.channel: BlockingChannel | None = None  # set by FaultRuntime after handshake
         self.loaded: set[str] = set()
+        # model_ref -> the vocabulary size its LOAD named (runtime_config "n_vocab"): honest
+        # answers refuse an id outside it, as an engine validating its input again does.
+        self.n_vocab: dict[str, int] = {}
         self.slow_library_pending = False  # --import-s: LOAD imports it first
 
     def import_slow_library(self) -> None:
@@ -56,12 +59,16 @@ class FaultEngine(Engine):
         model_ref = str(req.runtime_config.get("model_ref", "echo"))
         progress.advance("control")
         self.loaded.add(model_ref)
+        n_vocab = req.runtime_config.get("n_vocab")
+        if n_vocab is not None:
+            self.n_vocab[model_ref] = int(n_vocab)
         return m.LOADED(req_id=req.req_id, model_ref=model_ref, dims=DIMS, cold_load_ms=0.1)
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
         if req.model_ref not in self.loaded:
             raise EngineError("model_not_loaded", f"{req.model_ref!r} is not loaded")
         self.loaded.discard(req.model_ref)
+        self.n_vocab.pop(req.model_ref, None)
 
     def models_loaded(self) -> list[str]:
         return sorted(self.loaded)
@@ -78,6 +85,10 @@ class FaultEngine(Engine):
     # -- honest behaviours --
 
     def _fault_ok(self, req, ids, progress):
+        n_vocab = self.n_vocab.get(req.model_ref)
+        if n_vocab is not None and len(ids) and not (0 <= ids.min() and ids.max() < n_vocab):
+            bad = next(int(t) for t in ids if not 0 <= t < n_vocab)
+            raise EngineError("invalid_request", f"token id {bad} is outside 0..{n_vocab - 1}")
         progress.advance("inference")
         return honest_vectors(req, ids)
 
