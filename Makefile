@@ -46,24 +46,30 @@ lock:
 run: $(STAMP)
 	$(BIN)/synapse quickstart
 
-# Two test processes: most tests wait on a worker, a socket or a subprocess, so two keep both
-# cores busy. Each module runs whole in one process (tests/conftest.py). PYTEST_WORKERS=0 runs
-# everything in this process.
+# The suite runs in parallel processes (pytest-xdist): most tests wait on a worker, a socket or
+# a subprocess, so more processes than one keep both cores busy; each module runs whole in one
+# process (tests/conftest.py). The inner loop's tests wait more (watchdog windows, worker starts)
+# than they compute, so it takes three. PYTEST_WORKERS=0 runs everything in this process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope
+PYTEST_FAST_WORKERS ?= 3
+PYTEST_SCOPES := --dist loadscope
+# The suite starts hundreds of Python processes over the same modules, and pytest rewrites the
+# test modules and its plugins on every start unless it may cache them: an environment that
+# turns bytecode caching off (PYTHONDONTWRITEBYTECODE) would make each start seconds slower.
+test test-fast: export PYTHONDONTWRITEBYTECODE =
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/actionlint
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_SCOPES)
 
 # The inner loop: every test that starts no model worker and builds no model (each such test
 # declares the marker `model`; tests/conftest.py refuses a model fixture without it).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not model"
+	$(BIN)/python -m pytest -q -n $(PYTEST_FAST_WORKERS) $(PYTEST_SCOPES) -m "not model"
 
 # actionlint checks every workflow under .github/workflows (expressions, runners, actions).
 lint: $(STAMP)

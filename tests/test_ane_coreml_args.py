@@ -14,7 +14,6 @@ from workers.ane.coreml_args import (
     compiled_model_arguments,
     uses_gpu,
 )
-from workers.ane.ct_quiet import ct
 
 
 @pytest.mark.parametrize("macos", ["13.6", "14.4.1", "15.1", "26.0", None])
@@ -53,6 +52,10 @@ def test_bad_asks_are_value_errors_naming_what_is_there():
 
 
 def test_compute_unit_members_exist_in_the_pinned_coremltools():
+    # Imported here, not at the top: coremltools takes seconds to import, and every test process
+    # collects this module.
+    from workers.ane.ct_quiet import ct
+
     for ours, member in COMPUTE_UNIT_MEMBERS.items():
         assert getattr(ct.ComputeUnit, member).name == member, ours
 
