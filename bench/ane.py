@@ -89,7 +89,8 @@ import tokenizers
 
 from certification.corpus import corpus
 from certification.reference.bert import BertReference
-from formats.owned.manifest import EMBED_HEADS, Manifest, ingest_owned, load_manifest
+from formats.owned.manifest import Manifest, ingest_owned, load_manifest
+from formats.owned.model import EMBED_HEADS
 from ingest.model_packages import minilm_dir
 from workers.ane.engine import AneEngine
 from workers.ane.packing import plan

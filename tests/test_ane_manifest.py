@@ -12,13 +12,11 @@ from formats.owned.manifest import (
     MANIFEST_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
-    ManifestError,
-    UnsupportedModel,
-    WeightDigestMismatch,
     digest_of,
     ingest_owned,
     load_manifest,
 )
+from formats.owned.model import ManifestError, UnsupportedModel, WeightDigestMismatch
 from ingest.model_packages import minilm_dir
 from tests import test_ane_helpers as h
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from certification.corpus import corpus
-from formats.owned.manifest import Manifest, UnsupportedModel, build_body, ingest_owned
+from formats.owned.manifest import Manifest, build_body, ingest_owned
+from formats.owned.model import UnsupportedModel
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from tests.test_hf_qwen3 import HIDDEN, PROMPTS, _save_st, tiny_qwen3

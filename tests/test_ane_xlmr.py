@@ -21,7 +21,8 @@ import pytest
 from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
 from certification.thresholds import thresholds_for
-from formats.owned.manifest import Manifest, UnsupportedModel, ingest_owned
+from formats.owned.manifest import Manifest, ingest_owned
+from formats.owned.model import UnsupportedModel
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize

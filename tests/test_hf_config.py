@@ -20,7 +20,8 @@ from formats.hf_config import (
     HfConfig,
     HfConfigInvalid,
 )
-from formats.owned.manifest import ManifestError, build_body
+from formats.owned.manifest import build_body
+from formats.owned.model import ManifestError
 from host.tokenization import model_limits
 from ingest.bert_to_gguf import convert_bert_dir
 from ingest.model_packages import minilm_dir

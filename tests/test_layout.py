@@ -161,19 +161,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # Cycles that were there before this check and are not broken yet, each with how it runs:
 # the list may only shrink (a broken one must leave it, a new cycle fails).
 KNOWN_CYCLES = [
-    # manifest dispatches to the Qwen3 and GGUF readers lazily (by model_type / by file);
-    # they build on manifest's ModelConfig, Head and errors, gguf_weights on its errors.
-    [
-        "formats.owned.gguf_weights",
-        "formats.owned.manifest",
-        "formats.owned.manifest_gguf",
-        "formats.owned.manifest_qwen3",
-    ],
     # store.py keeps QuantizationRanges in the manifest; quantization names the store's
     # types for its hints only (under TYPE_CHECKING).
     ["ingest.quantization", "ingest.store"],
-    # backends opens the macOS backend lazily; coreml_backend raises backends' error type.
-    ["workers.ane.backends", "workers.ane.coreml_backend"],
 ]
 
 

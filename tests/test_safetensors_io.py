@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from common.errors import ArtifactInvalid
-from formats.owned.manifest import WEIGHTS_NAME, ManifestError, build_body, load_manifest
+from formats.owned.manifest import WEIGHTS_NAME, build_body, load_manifest
+from formats.owned.model import ManifestError
 from formats.safetensors_io import (
     SafetensorsInvalid,
     read_model_weights,

@@ -23,7 +23,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from formats.gguf_header import GGUFFormatError, GGUFHeader, TensorInfo, read_gguf_header
-from formats.owned.manifest import ManifestError, UnsupportedModel
+from formats.owned.model import ManifestError, UnsupportedModel
 
 _FLOAT_TYPES: dict[GGMLQuantizationType, np.dtype] = {
     GGMLQuantizationType.F32: np.dtype("<f4"),

@@ -26,7 +26,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -35,8 +34,20 @@ from safetensors.numpy import save_file
 from common.errors import ArtifactInvalid
 from formats.digest import sha256_file
 from formats.hf_config import HfConfig
+from formats.owned.model import (
+    DEFAULT_ARCHITECTURE,
+    FAMILY_BY_ARCHITECTURE,
+    Head,
+    ManifestError,
+    ModelConfig,
+    UnsupportedModel,
+    WeightDigestMismatch,
+    classifier_layers,
+    read_json,
+    required_tensors,
+    source_layout,
+)
 from formats.safetensors_io import SINGLE_FILE, read_safetensors
-from formats.st_layout import Layout, LayoutError, read_layout
 
 FORMAT = "coreml-owned"
 FORMAT_VERSION = 1
@@ -44,105 +55,7 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
 
-HeadType = Literal["embed_mean", "embed_cls", "embed_last", "cross_encoder"]
-EMBED_HEADS = ("embed_mean", "embed_cls", "embed_last")
-
-# The encoder families the graph builds, by the architectures config.json names. XLM-RoBERTa
-# is BERT's encoder with positions offset by the padding index, one token type and its own
-# classifier head names; the builder branches on `ModelConfig.family` for exactly those.
-_ARCHITECTURES = {
-    "BertModel": "bert",
-    "BertForSequenceClassification": "bert",
-    "XLMRobertaModel": "xlm-roberta",
-    "XLMRobertaForSequenceClassification": "xlm-roberta",
-    # A decoder with its own graph (builder_qwen3) and its own ingest (manifest_qwen3).
-    "Qwen3Model": "qwen3",
-    "Qwen3ForCausalLM": "qwen3",
-}
-_DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
-
-
-class ManifestError(Exception):
-    """The artifact is unusable; `code` is the worker error code it maps to (a wire protocol
-    code, not one of the `common.errors` family's)."""
-
-    code = "artifact_invalid"
-
-
-class WeightDigestMismatch(ManifestError):
-    def __init__(self, name: str, expected: str, actual: str) -> None:
-        super().__init__(f"tensor {name!r}: sha256 {actual[:16]}... != manifest {expected[:16]}...")
-        self.tensor = name
-
-
-class UnsupportedModel(ManifestError):
-    """A well-formed checkpoint this builder does not implement (refused, never guessed at)."""
-
-    code = "unsupported"
-
-
 # ---- manifest body -------------------------------------------------------------------------
-
-
-# omit_defaults: the decoder-only fields below are left out of an encoder's manifest (and so
-# of its digest), which therefore stays what it was before they existed.
-class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_positions: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    hidden_act: str
-    pad_token_id: int
-    max_seq_length: int  # sentence-transformers' default truncation (<= max_positions)
-    # Qwen3 only (None for the encoders): grouped K/V heads, a head size that is not
-    # hidden / heads, and the rotary base.
-    num_kv_heads: int | None = None
-    attention_head_dim: int | None = None
-    rope_theta: float | None = None
-    # The position table's row for position 0 when it is not the family's own: a GGUF's
-    # XLM-RoBERTa table was already cut past the padding rows by its converter, so it is 0
-    # there. None (left out of the manifest and its digest) means the family's default.
-    first_position_row: int | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_head_dim or self.hidden_size // self.num_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    # Derived, not stored: `architecture` (in the digest) already names the family, and a
-    # new field would change the digest of every BERT artifact already ingested.
-    @property
-    def family(self) -> str:
-        return _ARCHITECTURES[self.architecture]
-
-    @property
-    def position_offset(self) -> int:
-        """Rows of the position table before position 0: HF numbers XLM-RoBERTa positions
-        from `pad_token_id + 1` (the rows below are never looked up), BERT's from 0."""
-        if self.first_position_row is not None:
-            return self.first_position_row
-        return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
-
-    @property
-    def is_cross_encoder(self) -> bool:
-        return self.architecture.endswith("ForSequenceClassification")
-
-
-class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    type: HeadType
-    # mean for embed_mean; cls (the first token) for embed_cls and cross_encoder; last (the
-    # appended end-of-text) for embed_last
-    pooling: Literal["mean", "cls", "last"]
-    normalize: bool  # default L2 normalisation of embeddings (requests may override)
-    num_labels: int  # 0 for embedders
 
 
 class FileRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -207,48 +120,6 @@ def digest_of(body: ManifestBody) -> str:
 # ---- ingest ----------------------------------------------------------------------------------
 
 
-def _layer_names(i: int) -> list[str]:
-    p = f"encoder.layer.{i}."
-    names = []
-    for part in (
-        "attention.self.query",
-        "attention.self.key",
-        "attention.self.value",
-        "attention.output.dense",
-        "intermediate.dense",
-        "output.dense",
-    ):
-        names += [f"{p}{part}.weight", f"{p}{part}.bias"]
-    for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
-        names += [f"{p}{ln}.weight", f"{p}{ln}.bias"]
-    return names
-
-
-def required_tensors(config: ModelConfig, head: Head) -> list[str]:
-    names = [
-        "embeddings.word_embeddings.weight",
-        "embeddings.position_embeddings.weight",
-        "embeddings.token_type_embeddings.weight",
-        "embeddings.LayerNorm.weight",
-        "embeddings.LayerNorm.bias",
-    ]
-    for i in range(config.num_layers):
-        names += _layer_names(i)
-    if head.type == "cross_encoder":
-        for layer in classifier_layers(config):
-            names += [f"{layer}.weight", f"{layer}.bias"]
-    return names
-
-
-def classifier_layers(config: ModelConfig) -> tuple[str, str]:
-    """A cross-encoder's (dense + tanh, output) layers: BERT's pooler and classifier, or
-    XLM-RoBERTa's classification head. The same function (out(tanh(dense(h_first)))) under
-    HF's own names, kept as HF saved them so the tensor digests are the checkpoint's."""
-    if config.family == "xlm-roberta":
-        return "classifier.dense", "classifier.out_proj"
-    return "pooler.dense", "classifier"
-
-
 def _canonical_name(name: str) -> str:
     # HF BertForSequenceClassification nests the encoder under "bert." (XLM-RoBERTa's under
     # "roberta."); the original TF port names LayerNorm parameters gamma/beta.
@@ -262,20 +133,13 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ManifestError(f"{path.name}: {e}") from e
-
-
 def _config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
     model_type = cfg.model_type
-    arch = (cfg.architectures or [_DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
-    if model_type not in _DEFAULT_ARCHITECTURE or _ARCHITECTURES.get(arch) != model_type:
+    arch = (cfg.architectures or [DEFAULT_ARCHITECTURE.get(model_type, "?")])[0]
+    if model_type not in DEFAULT_ARCHITECTURE or FAMILY_BY_ARCHITECTURE.get(arch) != model_type:
         raise UnsupportedModel(
             f"model_type={model_type!r} / {arch}: BERT or XLM-RoBERTa "
-            f"only ({', '.join(sorted(_ARCHITECTURES))})"
+            f"only ({', '.join(sorted(FAMILY_BY_ARCHITECTURE))})"
         )
     act = cfg.string("hidden_act")
     if act != "gelu":
@@ -294,7 +158,7 @@ def _config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
         raise UnsupportedModel(
             f"max_position_embeddings={rows} leaves no position after the {pad + 1} offset rows"
         )
-    max_seq = _layout(src).max_seq_length or max_pos
+    max_seq = source_layout(src).max_seq_length or max_pos
     config = ModelConfig(
         architecture=arch,
         vocab_size=cfg.positive_int("vocab_size"),
@@ -321,7 +185,7 @@ def _head_from_hf(src: Path, cfg: HfConfig, config: ModelConfig) -> Head:
     if config.is_cross_encoder:
         labels = len(cfg.labels())
         return Head(type="cross_encoder", pooling="cls", normalize=False, num_labels=labels)
-    layout = _layout(src)
+    layout = source_layout(src)
     # What the graph computes after the encoder is one pooling of every token, prompt
     # included, then (optionally) L2: a Dense projection or a pooling that leaves the prompt
     # out would be served silently wrong, so they are refused.
@@ -338,14 +202,6 @@ def _head_from_hf(src: Path, cfg: HfConfig, config: ModelConfig) -> Head:
             f"pooling {list(layout.pooling_modes)}: mean or cls pooling is built"
         )
     return Head(type="embed_mean", pooling="mean", normalize=layout.normalize, num_labels=0)
-
-
-def _layout(src: Path) -> Layout:
-    """The sentence-transformers facts of `src` (either layout: formats/st_layout.py)."""
-    try:
-        return read_layout(src)
-    except LayoutError as e:  # unreadable or impossible sentence-transformers files
-        raise ManifestError(f"{src}: {e}") from e
 
 
 def tensor_digest(arr: np.ndarray) -> str:
@@ -539,7 +395,7 @@ def load_manifest(dir: str | os.PathLike[str], *, verify_weights: bool = True) -
     """Read and verify `<dir>/manifest.json`: body digest, tokenizer digest and (unless
     `verify_weights=False`) every tensor's digest. Raises `ManifestError` subclasses."""
     d = Path(dir)
-    raw = _read_json(d / MANIFEST_NAME)
+    raw = read_json(d / MANIFEST_NAME)
     if not isinstance(raw, dict):
         raise ManifestError(f"{MANIFEST_NAME}: expected a JSON object, got {type(raw).__name__}")
     stored = raw.pop("manifest_digest", None)

@@ -32,7 +32,7 @@ from gguf.constants import Keys
 from formats.gguf_header import GGUFHeader
 from formats.owned import manifest_qwen3
 from formats.owned.gguf_weights import check_float, read_header, read_tensor
-from formats.owned.manifest import (
+from formats.owned.model import (
     Head,
     ManifestError,
     ModelConfig,

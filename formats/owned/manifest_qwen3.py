@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from formats.hf_config import HfConfig
-from formats.owned.manifest import (
+from formats.owned.model import (
     Head,
     ManifestError,
     ModelConfig,
     UnsupportedModel,
-    _layout,
-    _read_json,
+    read_json,
+    source_layout,
 )
 from formats.safetensors_io import read_safetensors, weight_files
 
@@ -52,11 +52,11 @@ def _rope_theta(cfg: HfConfig) -> float:
 def _eos_id(src: Path) -> int:
     """The id of the token the model pools: the tokenizer's end-of-text token."""
     cfg_path = src / "tokenizer_config.json"
-    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
     text = cfg.get("eos_token", "<|endoftext|>")
     if isinstance(text, dict):  # AddedToken serialised as an object
         text = text.get("content")
-    tok = _read_json(src / "tokenizer.json")
+    tok = read_json(src / "tokenizer.json")
     ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
     ids.update(tok.get("model", {}).get("vocab", {}) or {})
     if text not in ids:
@@ -93,7 +93,7 @@ def config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
         )
     eps = cfg.number("rms_norm_eps")
     max_pos = min(cfg.positive_int("max_position_embeddings"), MAX_GRAPH_POSITIONS)
-    max_seq = _layout(src).max_seq_length or max_pos
+    max_seq = source_layout(src).max_seq_length or max_pos
     return ModelConfig(
         architecture=archs[0],
         vocab_size=cfg.positive_int("vocab_size"),
@@ -116,7 +116,7 @@ def config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
 
 
 def head_from_hf(src: Path) -> Head:
-    layout = _layout(src)
+    layout = source_layout(src)
     if layout.dense_dirs:
         raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: not built")
     if layout.pooling_modes != ("lasttoken",):

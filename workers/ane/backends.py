@@ -23,19 +23,11 @@ from typing import Protocol
 import numpy as np
 
 from workers.ane import placement, program_ir
+from workers.ane.backend_errors import BackendUnavailable
 from workers.ane.config import COMPUTE_UNITS
 from workers.ane.executor import CompiledProgram
 
 BACKENDS = ("reference", "coreml")
-
-
-class BackendUnavailable(Exception):
-    """The backend cannot run on this platform."""
-
-
-class BackendOpenFailed(Exception):
-    """A compiled form could not be opened or warmed up (Core ML's native errors arrive as
-    bare Exception/RuntimeError): the engine answers `compile_failed` and keeps serving."""
 
 
 class ShapeRunner(Protocol):

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.owned.manifest import Manifest, classifier_layers
+from formats.owned.manifest import Manifest
+from formats.owned.model import classifier_layers
 from workers.ane.build_options import BuildOptions
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
 from workers.ane.identity import (  # noqa: F401  (re-exported for callers of the builder)

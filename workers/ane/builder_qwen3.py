@@ -49,7 +49,8 @@ import math
 
 import numpy as np
 
-from formats.owned.manifest import Manifest, ModelConfig
+from formats.owned.manifest import Manifest
+from formats.owned.model import ModelConfig
 from workers.ane.build_options import BuildOptions
 from workers.ane.builder import MASK_BIAS, convert_and_save, truncate_mantissa  # noqa: F401
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types

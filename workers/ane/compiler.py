@@ -30,7 +30,8 @@ import numpy as np
 
 from compile_cache import CompileCache, Entry, EntryEvicted, Lease, make_key
 from formats.owned.manifest import Manifest
-from workers.ane.backends import Backend, BackendOpenFailed, ShapeRunner
+from workers.ane.backend_errors import BackendOpenFailed
+from workers.ane.backends import Backend, ShapeRunner
 from workers.ane.executor import UnsupportedOp
 from workers.ane.identity import (
     DEPLOYMENT_TARGET,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from workers.ane import apple_device, compute_plan, coreml_args, placement, program_ir
-from workers.ane.backends import BackendOpenFailed
+from workers.ane.backend_errors import BackendOpenFailed
 from workers.ane.ct_quiet import ct
 
 if sys.platform != "darwin":  # fail at import, not halfway through a request

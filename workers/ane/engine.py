@@ -50,14 +50,10 @@ import numpy as np
 
 from compile_cache import CompileCache, CompileCacheError, default_root
 from compile_cache.paths import default_budget
-from formats.owned.manifest import EMBED_HEADS, FORMAT, Manifest, ManifestError, load_manifest
-from workers.ane.backends import (
-    Backend,
-    BackendOpenFailed,
-    BackendUnavailable,
-    default_backend,
-    open_backend,
-)
+from formats.owned.manifest import FORMAT, Manifest, load_manifest
+from formats.owned.model import EMBED_HEADS, ManifestError
+from workers.ane.backend_errors import BackendOpenFailed, BackendUnavailable
+from workers.ane.backends import Backend, default_backend, open_backend
 from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import CompiledShape, admit
 from workers.ane.config import (
