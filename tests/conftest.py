@@ -196,6 +196,7 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
+@functools.cache  # asked once per test item, and a module has hundreds
 def _declares_model_mark(path: Path) -> bool:
     """The module's own `pytestmark` names `pytest.mark.model` (read from its source: importing
     it would load what it tests)."""

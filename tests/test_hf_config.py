@@ -26,7 +26,11 @@ from host.tokenization import model_limits
 from ingest.bert_to_gguf import convert_bert_dir
 from ingest.model_packages import minilm_dir
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    import transformers  # here, not at the top: every test process collects this module
+
+    return transformers
 
 
 def _dir(tmp_path: Path, text: str | bytes) -> Path:
@@ -124,7 +128,7 @@ _CLASSES = {
 
 
 def _theirs(model_type: str, key: str):
-    config = getattr(transformers, _CLASSES[model_type]).from_dict({})
+    config = getattr(_transformers(), _CLASSES[model_type]).from_dict({})
     if model_type == "qwen3" and key == "rope_theta":
         return config.rope_parameters["rope_theta"]
     if model_type == "modernbert" and key in ("global_rope_theta", "local_rope_theta"):
@@ -151,7 +155,7 @@ def test_every_default_is_the_one_transformers_computes_with(model_type, key):
 
 def test_labels_are_read_as_transformers_reads_them():
     def theirs(data: dict) -> int:
-        return transformers.BertConfig.from_dict(data).num_labels
+        return _transformers().BertConfig.from_dict(data).num_labels
 
     for data in (
         {},
@@ -161,7 +165,7 @@ def test_labels_are_read_as_transformers_reads_them():
         {"id2label": {"0": "a", "1": "b"}, "num_labels": 2},
     ):
         assert HfConfig(data).labels() == list(
-            transformers.BertConfig.from_dict(data).id2label.values()
+            _transformers().BertConfig.from_dict(data).id2label.values()
         ), data
         assert len(HfConfig(data).labels()) == theirs(data), data
     assert HfConfig({}).labels() == ["LABEL_0", "LABEL_1"] and DEFAULT_NUM_LABELS == 2
@@ -182,7 +186,7 @@ def test_every_reader_takes_transformers_position_count_when_config_omits_it(tmp
     # The GGUF converter used to refuse this config while the Core ML manifest, the reference
     # and the host's limits took 512: now all four take transformers' 512.
     d = _minilm_without(tmp_path, "max_position_embeddings")
-    assert transformers.BertConfig.from_dict({}).max_position_embeddings == 512
+    assert _transformers().BertConfig.from_dict({}).max_position_embeddings == 512
     assert convert_bert_dir(d, tmp_path / "m.gguf", "f32").n_ctx_train == 512
     assert build_body(d)[0].config.max_positions == 512
     assert ReferenceBertConfig.from_hf(HfConfig.read(d)).max_positions == 512
@@ -196,7 +200,7 @@ def test_the_converter_and_the_manifest_count_a_cross_encoders_labels_alike(tmp_
     d = build_test_cross_encoder(tmp_path / "xenc")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(cfg | {"num_labels": 2}))
-    assert transformers.BertConfig.from_dict(cfg | {"num_labels": 2}).num_labels == 2
+    assert _transformers().BertConfig.from_dict(cfg | {"num_labels": 2}).num_labels == 2
     assert len(HfConfig.read(d).labels()) == 2
     with pytest.raises(ArtifactInvalid, match="shape"):
         convert_bert_dir(d, tmp_path / "x.gguf", "f32")
