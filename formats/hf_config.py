@@ -69,6 +69,15 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_MODEL_TYPE = "bert"
 # PretrainedConfig's label count when a config names neither id2label nor num_labels.
 DEFAULT_NUM_LABELS = 2
+# The sizes every transformer's converter needs stated (or defaulted) as positive integers.
+SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "vocab_size",
+)
 
 _REQUIRED = object()
 

@@ -37,7 +37,7 @@ import numpy as np
 from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.hf_config import HfConfig
+from formats.hf_config import SIZE_KEYS, HfConfig
 from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
     POOLING_TYPES,
@@ -122,14 +122,7 @@ def _check_config(config: HfConfig) -> None:
     act = config.string("hidden_act")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise ArtifactInvalid(f"unsupported hidden_act {act!r}")
-    for key in (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "intermediate_size",
-        "max_position_embeddings",
-        "vocab_size",
-    ):
+    for key in SIZE_KEYS:
         config.positive_int(key)
     if config.positive_int("hidden_size") % config.positive_int("num_attention_heads"):
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.hf_config import HfConfig
+from formats.hf_config import SIZE_KEYS, HfConfig
 from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
     POOLING_TYPES,
@@ -66,14 +66,7 @@ def _check_config(config: HfConfig) -> None:
                 "reproduce as trained"
             )
         raise ArtifactInvalid(f"unsupported architecture {archs} for model_type 'qwen3'")
-    for key in (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "intermediate_size",
-        "max_position_embeddings",
-        "vocab_size",
-    ):
+    for key in SIZE_KEYS:
         config.positive_int(key)
     act = config.string("hidden_act")
     if act != "silu":
