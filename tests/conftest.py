@@ -53,10 +53,18 @@ def test_cross_encoder_dir(tmp_path_factory):
 def synapse_cache_dir(tmp_path_factory):
     """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
     from ingest.defaults import ensure_defaults
+    from ingest.store import MANIFEST_FILE
 
     cache = tmp_path_factory.mktemp("synapse-cache")
     ensure_defaults(str(cache / "models"))
-    return cache
+    # Every module reads these models as ingest wrote them: a test that changes one (records a
+    # calibration, say) must do it in a store of its own (tests/encoding_support.private_store),
+    # or the outcome of later modules depends on the order they run in.
+    manifests = {p: p.read_bytes() for p in (cache / "models").glob(f"*/{MANIFEST_FILE}")}
+    assert manifests, "the default models were not ingested"
+    yield cache
+    changed = sorted(p.parent.name for p, text in manifests.items() if p.read_bytes() != text)
+    assert not changed, f"a test changed the session store's manifests of {changed}"
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
 from service.routes import ROUTES as TABLE
+from tests.encoding_support import private_store
 from tests.test_serve_support import ServerProcess, server_config
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
@@ -45,11 +46,17 @@ ROUTES = [
 REPLY_BOUND_S = 30.0  # every answer comes well within this; a hang fails the test
 
 
+SERVED = ["minilm-l6-v2", "gemma3-270m"]
+
+
 @pytest.fixture(scope="module")
-def server(store_root):
+def server(store_root, module_tmp):
+    # A store of its own: the int8 warm-up below records the models' calibration in their
+    # manifests, which the session's store must keep as ingest wrote them for other modules.
+    root = private_store(store_root, module_tmp / "models", SERVED)
     cfg = server_config(
-        store_root,
-        preload=["minilm-l6-v2", "gemma3-270m"],
+        root,
+        preload=SERVED,
         api_keys=[KEY],
         aliases={"text-embedding-3-small": "minilm-l6-v2"},
         max_body_bytes=MAX_BODY,
