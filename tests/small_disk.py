@@ -92,24 +92,45 @@ def fill_disk_when(disk: str | Path, ready: Callable[[], bool]) -> threading.Thr
 
 
 _FILL_WHEN_APPEARS = """
-import sys, time
+import os, signal, sys, time
 from pathlib import Path
 from tests.small_disk import fill_disk
-disk, parent, prefix = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+disk, parent, prefix, builder = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+print("ready", flush=True)
 while not any(p.is_dir() and p.name.startswith(prefix) for p in parent.iterdir()):
     time.sleep(0.001)
-fill_disk(disk)
+os.kill(builder, signal.SIGSTOP)  # the build stands still while the space goes
+try:
+    fill_disk(disk)
+finally:
+    os.kill(builder, signal.SIGCONT)
 """
 
 
 def fill_disk_when_dir_appears(disk: str | Path, parent: Path, prefix: str) -> subprocess.Popen:
     """A started process that waits until a directory named `prefix...` appears in `parent`
-    (say, a build's temp dir), then fills `disk`; wait for it before looking at the result.
-    A process, not a thread: a build running in the caller's process can hold the GIL for the
-    whole of one large write, and a thread would then only look after the build is done."""
+    (say, a build's temp dir), then stops this process (SIGSTOP), fills `disk` and lets it go
+    on (SIGCONT); wait for it before looking at the result. Returns once it is watching.
+    A process, not a thread: a build running in this process can hold the GIL for the whole of
+    one large write. The stop makes the outcome certain: left running, a build on a fast disk
+    can write all it needs before the filler has taken the space."""
     root = str(Path(__file__).resolve().parents[1])
-    return subprocess.Popen(
-        [sys.executable, "-c", _FILL_WHEN_APPEARS, str(disk), str(parent), prefix],
+    filler = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _FILL_WHEN_APPEARS,
+            str(disk),
+            str(parent),
+            prefix,
+            str(os.getpid()),
+        ],
         cwd=root,
         env={**os.environ, "PYTHONPATH": root},
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    assert filler.stdout is not None
+    line = filler.stdout.readline()  # the build may start: the filler is watching
+    assert line == "ready\n", f"the filler did not start: {line!r}"
+    return filler
