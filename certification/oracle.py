@@ -37,6 +37,7 @@ from certification.errors import ReferenceUnavailable
 from certification.reference.bert import POOLINGS, BertReference
 from common.errors import ArtifactInvalid
 from formats.hf_config import HfConfig, HfConfigInvalid
+from formats.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsInvalid, weight_files
 from host.tokenization import model_limits
 from ingest.owned import hf_source_dir
 from ingest.store import ModelRecord
@@ -111,20 +112,16 @@ def _config(path: Path) -> HfConfig:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """model.safetensors, or a sharded checkpoint's index and shards."""
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            raise ValueError(f"reference dir {path}: unreadable {index.name}: {exc}") from None
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise ValueError(f"reference dir {path} lacks the weight shard {missing[0]}")
-        return [index, *(path / s for s in shards)]
-    raise ValueError(f"reference dir {path} lacks model.safetensors/config.json")
+    """The files a reference's weights are: model.safetensors, or a sharded checkpoint's
+    index and every shard it lists (each must be there: all of them are hashed)."""
+    try:
+        files = weight_files(path)
+    except SafetensorsInvalid as exc:
+        raise ValueError(f"reference dir {path} lacks model.safetensors: {exc}") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"reference dir {path} lacks the weight shard {missing[0]}")
+    return files if files == [path / SINGLE_FILE] else [path / INDEX_FILE, *files]
 
 
 def _check_reference_dir(path: Path) -> None:

@@ -119,9 +119,7 @@ class HfConfig:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise HfConfigInvalid(f"unreadable {path}: not JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise HfConfigInvalid(f"{path}: expected a JSON object, got {type(data).__name__}")
-        return cls(data, path)
+        return cls(data, path)  # which refuses anything but an object
 
     # ---- raw access ---------------------------------------------------------------------
 
@@ -135,10 +133,6 @@ class HfConfig:
     def as_dict(self) -> dict[str, Any]:
         """A copy of every key as written."""
         return dict(self._data)
-
-    def default(self, key: str) -> Any:
-        """transformers' default of `key` for this model_type (`_REQUIRED` when it has none)."""
-        return TRANSFORMERS_DEFAULTS.get(self.model_type, {}).get(key, _REQUIRED)
 
     def value(self, key: str, default: Any = _REQUIRED) -> Any:
         """The key's value, or (absent or null) the family's default, else `default`; a
@@ -156,15 +150,7 @@ class HfConfig:
     def number(self, key: str, default: Any = _REQUIRED, *, positive: bool = True) -> float:
         """A real number (an int is one too); positive unless `positive=False`."""
         kind = "a positive number" if positive else "a number"
-        value = self._value_or_missing(key, default, kind)
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or value != value  # NaN
-            or (positive and value <= 0)
-        ):
-            raise self._wrong(key, value, kind)
-        return float(value)
+        return self._real(key, self._value_or_missing(key, default, kind), positive)
 
     def string(self, key: str, default: Any = _REQUIRED) -> str:
         value = self._value_or_missing(key, default, "a string")
@@ -253,17 +239,27 @@ class HfConfig:
         theta = params.get("rope_theta")
         if theta is None:
             return str(kind), self.number("rope_theta")
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-            raise self._wrong("rope_parameters.rope_theta", theta, "a positive number")
-        return str(kind), float(theta)
+        return str(kind), self._real("rope_parameters.rope_theta", theta, positive=True)
 
     # ---- errors ---------------------------------------------------------------------------
+
+    def _real(self, key: str, value: Any, positive: bool) -> float:
+        kind = "a positive number" if positive else "a number"
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or value != value  # NaN
+            or (positive and value <= 0)
+        ):
+            raise self._wrong(key, value, kind)
+        return float(value)
 
     def _value_or_missing(self, key: str, default: Any, kind: str) -> Any:
         value = self._data.get(key)
         if value is not None:
             return value
-        value = self.default(key)
+        # transformers' default for this model_type, else the caller's
+        value = TRANSFORMERS_DEFAULTS.get(self.model_type, {}).get(key, _REQUIRED)
         if value is _REQUIRED:
             value = default
         if value is _REQUIRED:
