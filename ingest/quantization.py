@@ -12,8 +12,14 @@ the two byte for byte on the same vectors and ranges; torch stays out of the ser
     ubinary   the same packed bytes, as uint8
 
 int8 and uint8 need ranges: per width the vectors are served at (a Matryoshka cut is cut and
-renormalized first, then quantized, so each width has its own ranges), the per-dimension
-[min, max] of a calibration set embedded by the model itself. They are a property of the
+renormalized first, then quantized, so each width has its own ranges), from a calibration set
+embedded by the model itself. The ranges are symmetric and share one scale across every
+dimension (`SCHEME`): a vector store ranks int8 rows by their plain integer dot product, and
+only codes that are one common multiple of the float values keep that ranking. Each
+dimension's own [min, max] (what `quantize_embeddings` computes from calibration embeddings)
+gives each dimension its own offset and step, and the codes' dot products then pick the float
+nearest neighbour far less often. `quantize_embeddings` given these ranges still matches
+byte for byte: only the ranges differ, not the arithmetic. They are a property of the
 model, not of a request: computed once (see `certification.calibration`) and kept in the
 manifest as `quantization` (`QuantizationRanges`), so every process serving the model
 quantizes alike and a resumed batch job continues with the ranges it began with.
@@ -42,6 +48,12 @@ class WidthRanges(msgspec.Struct, frozen=True):
     max: list[float]
 
 
+# How the recorded ranges were chosen. Manifests written before the symmetric ranges carry no
+# scheme (read as "per-dimension"); their ranges are not used, and the model calibrates anew.
+SCHEME = "symmetric"
+OLD_SCHEME = "per-dimension"
+
+
 class QuantizationRanges(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a manifest records for int8/uint8: per served width, each dimension's range."""
 
@@ -49,6 +61,7 @@ class QuantizationRanges(msgspec.Struct, frozen=True, omit_defaults=True):
     lane: str  # the lane that embedded it (ranges are the model's; the lane is provenance)
     created_at: str
     widths: dict[int, WidthRanges] = {}
+    scheme: str = OLD_SCHEME
 
 
 def quantize(vectors: np.ndarray, precision: str, ranges: np.ndarray | None = None) -> np.ndarray:
@@ -96,15 +109,24 @@ def truncate(vectors: np.ndarray, width: int) -> np.ndarray:
 
 
 def calibration_ranges(vectors: np.ndarray, width: int) -> np.ndarray:
-    """(2, width) float32: each dimension's [min, max] over the calibration vectors cut to
-    `width` (as `quantize_embeddings` computes them from `calibration_embeddings`)."""
+    """(2, width) float32 symmetric ranges of the calibration vectors cut to `width`: every
+    dimension [-128.5 s, 126.5 s] with one scale s = max |x| / 127 over all of them.
+
+    With these, `quantize`'s step is s and its bucket minus 128 is floor(x / s + 0.5): x / s
+    rounded to the nearest integer, 0 for 0, and +-127 at the largest magnitude calibrated
+    (a larger one clips at 127 or -128). Every code is then the same multiple of its value, so
+    an int8 dot product is the float one scaled by 1/s^2 up to rounding, and ranks alike."""
     cut = truncate(vectors, width)
-    return np.vstack((cut.min(axis=0), cut.max(axis=0))).astype(np.float32)
+    peak = float(np.max(np.abs(cut))) if cut.size else 0.0
+    scale = np.float32(peak / 127 if peak > 0 else 1.0)
+    lo = np.full(width, np.float32(-128.5) * scale, dtype=np.float32)
+    hi = np.full(width, np.float32(126.5) * scale, dtype=np.float32)
+    return np.vstack((lo, hi))
 
 
 def stored_ranges(manifest: Manifest, width: int) -> np.ndarray | None:
     q = manifest.quantization
-    found = q.widths.get(width) if q is not None else None
+    found = q.widths.get(width) if q is not None and q.scheme == SCHEME else None
     if found is None or len(found.min) != width or len(found.max) != width:
         return None
     return np.array([found.min, found.max], dtype=np.float32)
@@ -137,6 +159,8 @@ def record_ranges(
 
     def merge(manifest: Manifest) -> Manifest:
         old = manifest.quantization
+        if old is not None and old.scheme != SCHEME:
+            old = None  # ranges of another scheme are replaced whole, never mixed with these
         widths = dict(old.widths) if old is not None else {}
         for width, ranges in computed.items():
             widths.setdefault(width, _as_width_ranges(ranges))
@@ -144,7 +168,11 @@ def record_ranges(
             q = msgspec.structs.replace(old, widths=widths)
         else:
             q = QuantizationRanges(
-                calibration=calibration, lane=lane, created_at=created_at, widths=widths
+                calibration=calibration,
+                lane=lane,
+                created_at=created_at,
+                widths=widths,
+                scheme=SCHEME,
             )
         return msgspec.structs.replace(manifest, quantization=q)
 
