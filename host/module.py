@@ -836,6 +836,39 @@ class Module:
             ids.append(enc.ids[0])
             n_first.append(enc.n_first[0])
             cut.append(enc.truncated[0])
+        with self.admission.reserve(sum(len(x) for x in ids)):
+            logits = await self._classify_ids(served, ids, n_first, deadline_s)
+        return self._classified(served, logits, [len(x) for x in ids], cut)
+
+    @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
+    async def classify_token_ids(
+        self,
+        ids: list[np.ndarray],
+        model: str,
+        n_first: Sequence[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> ClassifyResult:
+        """Classify already-tokenized sequences (special tokens included; `n_first`: segment
+        A's tokens of each, default all of them), as a bulk job does; the caller admitted
+        them. Always the llama lane (see `classify`)."""
+        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", "llama")
+        firsts = list(n_first) if n_first is not None else [len(x) for x in ids]
+        logits = await self._classify_ids(served, ids, firsts, deadline_s)
+        return self._classified(served, logits, [len(x) for x in ids], [False] * len(ids))
+
+    def labels(self, model: str) -> list[str]:
+        """A sequence classifier's label names by id (generic ones when its record has none)."""
+        man = self.record(model).manifest
+        n_labels = man.n_labels or len(man.labels) or 1
+        return list(man.labels) or [f"LABEL_{i}" for i in range(n_labels)]
+
+    async def _classify_ids(
+        self,
+        served: _Served,
+        ids: list[np.ndarray],
+        n_first: Sequence[int],
+        deadline_s: float | None,
+    ) -> np.ndarray:
         lengths = [len(x) for x in ids]
 
         def request(chunk: range) -> tuple[m.Request, np.ndarray]:
@@ -848,23 +881,18 @@ class Module:
             )
             return req, np.concatenate([ids[i] for i in chunk])
 
-        man = served.record.manifest
-        n_labels = man.n_labels or len(man.labels) or 1
-        labels = list(man.labels) or [f"LABEL_{i}" for i in range(n_labels)]
-        total = sum(lengths)
-        with self.admission.reserve(total):
-            logits = await self._request_in_chunks(
-                served,
-                lengths,
-                n_labels,
-                np.empty((len(ids), n_labels), dtype=np.float32),
-                request,
-                deadline_s,
-            )
+        n_labels = len(self.labels(served.record.name))
+        out = np.empty((len(ids), n_labels), dtype=np.float32)
+        return await self._request_in_chunks(served, lengths, n_labels, out, request, deadline_s)
+
+    def _classified(
+        self, served: _Served, logits: np.ndarray, lengths: list[int], cut: list[bool]
+    ) -> ClassifyResult:
+        labels = self.labels(served.record.name)
         return ClassifyResult(
             logits=logits,
             labels=labels,
-            activation=activation_for(man.problem_type, n_labels),
+            activation=activation_for(served.record.manifest.problem_type, len(labels)),
             model=served.record.name,
             n_tokens=lengths,
             truncated=cut,
