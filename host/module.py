@@ -797,7 +797,9 @@ class Module:
         through the model's pair template as a cross-encoder's is), from a sequence
         classifier's head; `ClassifyResult.scores()` applies the model's activation."""
         if model is None:
-            raise InvalidRequest("classify needs a model: name a sequence classifier", param="model")
+            raise InvalidRequest(
+                "classify needs a model: name a sequence classifier", param="model"
+            )
         batch = list(inputs)
         kinds, singles, pairs = split_inputs(batch)
         self.admission.check_inputs([*singles, *(t for p in pairs for t in p)])

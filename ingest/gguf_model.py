@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
+from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 
 ENCODER_ARCHITECTURES = frozenset(
     {

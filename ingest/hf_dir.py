@@ -55,6 +55,4 @@ def convert_hf_dir(
         return info
     # What the host scores a classifier's labels with (service/predict.py): their names, by
     # id as the GGUF's classifier.output_labels holds them, and the activation's problem type.
-    return msgspec.structs.replace(
-        info, labels=config.labels(), problem_type=config.problem_type()
-    )
+    return msgspec.structs.replace(info, labels=config.labels(), problem_type=config.problem_type())

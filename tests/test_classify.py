@@ -275,7 +275,8 @@ def test_predict_over_http_in_teis_shape(http, reference):
             dict(zip(labels, raw[j], strict=True)), abs=5e-2
         )
     info = http.get("/info", params={"model": name}).json()
-    assert info["model_type"]["classifier"]["id2label"] == {"0": "toxic", "1": "insult", "2": "threat"}
+    head = info["model_type"]["classifier"]
+    assert head["id2label"] == {"0": "toxic", "1": "insult", "2": "threat"}
     for bad in ({"inputs": ["a", "b", "c"]}, {"inputs": []}, {"inputs": [["a"], "b"]}):
         resp = http.post("/predict", json={**bad, "model": name})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "inputs", resp.text
