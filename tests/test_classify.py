@@ -349,3 +349,19 @@ async def test_batch_classify_writes_label_score_and_every_score(
     assert np.abs(scores - want).max() <= PROB_TOL
     assert table.column("label").to_pylist() == [labels[j] for j in scores.argmax(axis=1)]
     assert np.array(table.column("score").to_pylist()) == pytest.approx(scores.max(axis=1))
+
+
+async def test_certify_judges_a_classifier_against_the_pipeline(store, module_tmp, runtime_dir):
+    from certification.runner import RunOptions, certify
+    from certification.store import CertificateStore
+
+    certs = CertificateStore(module_tmp / "certificates")
+    async with _module(store, runtime_dir) as mod:
+        cert = await certify(mod, RunOptions(model="bert-toxicity", sample_stride=8), certs)
+    checks = {c.name: c for c in cert.checks}
+    error = checks["quality.label_score_max_abs_error"]
+    assert error.status == "pass" and error.value <= PROB_TOL, error
+    assert checks["quality.top_label_agreement"].status == "pass"
+    assert len(cert.measurements.rerank_errors) == cert.corpus.n_items  # one per item
+    assert cert.reference.startswith("sentence-transformers"), cert.reference
+    assert cert.status == "certified", cert.failing
