@@ -66,7 +66,7 @@ def run_classify(args: argparse.Namespace) -> int:
     what = "raw logits" if args.raw_scores else result.activation
     console.print(f"model [bold]{escape(result.model)}[/] ({what}, llama lane)")
     for item, row, cut in zip(inputs, ranked, result.truncated, strict=True):
-        shown = " | ".join(item) if isinstance(item, tuple) else item
+        shown = " | ".join(map(str, item)) if isinstance(item, tuple) else str(item)
         note = " (truncated)" if cut else ""
         console.print(f"  {escape(repr(shown)[:70])}{note}")
         console.print("    " + "  ".join(f"{escape(label)} {score:.4f}" for label, score in row))

@@ -213,7 +213,9 @@ async def test_llama_lane_scores_as_the_transformers_pipeline(store, runtime_dir
     assert multi != np.allclose(got.sum(axis=1), 1.0, atol=1e-5)
     # raw_scores: the head's own logits, as the pipeline gives them with no function.
     raw = _matrix(reference[name]["none"], labels)
-    assert np.abs(result.scores(raw_scores=True) - raw).max() <= 5e-2
+    raw_diff = np.abs(result.scores(raw_scores=True) - raw).max()
+    print(f"{name}: max |prob diff| {diff:.2e}, max |logit diff| {raw_diff:.2e}")
+    assert raw_diff <= 1e-2
     spread = raw.max() - raw.min()
     assert spread > 1.0, spread  # the test sees label differences, not a flat head
     ranked = result.ranked()
