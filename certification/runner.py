@@ -117,11 +117,6 @@ async def certify(
         )
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
     elif record.kind == "rerank" and (record.manifest.n_labels or 1) > 1:
-        if options.lane != "llama":
-            raise ValueError(
-                f"{options.model} is a sequence classifier: its labels are served and "
-                "certified on the llama lane (the Core ML graph's head has one output)"
-            )
         judged = await _judge_classify(client, tok, oracle, texts, options, thresholds, measured)
         checks += gates.embedding_not_applicable("sequence classifier") + judged.checks
     elif record.kind == "rerank":

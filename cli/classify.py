@@ -32,6 +32,9 @@ def add_classify_parser(sub: argparse._SubParsersAction) -> None:
         help="read the texts two at a time as (text, text_pair) pairs",
     )
     cls.add_argument("--raw-scores", action="store_true", help="the head's logits")
+    cls.add_argument(
+        "--lane", choices=["llama", "ane"], help="llama (default) or the Core ML graph"
+    )
     cls.add_argument("--no-truncate", action="store_true", help="refuse an over-long input")
     cls.add_argument("--json", action="store_true", help="print the scores as JSON")
     cls.set_defaults(func=run_classify)
@@ -55,7 +58,9 @@ def run_classify(args: argparse.Namespace) -> int:
 
     async def go():
         async with build_module(ModuleConfig()) as mod:
-            return await mod.classify(inputs, args.model, truncate=not args.no_truncate)
+            return await mod.classify(
+                inputs, args.model, truncate=not args.no_truncate, lane=args.lane
+            )
 
     result = asyncio.run(go())
     ranked = result.ranked(args.raw_scores)
@@ -64,7 +69,7 @@ def run_classify(args: argparse.Namespace) -> int:
         print(json.dumps({"model": result.model, "activation": result.activation, "data": rows}))
         return 0
     what = "raw logits" if args.raw_scores else result.activation
-    console.print(f"model [bold]{escape(result.model)}[/] ({what}, llama lane)")
+    console.print(f"model [bold]{escape(result.model)}[/] ({what}, {args.lane or 'llama'} lane)")
     for item, row, cut in zip(inputs, ranked, result.truncated, strict=True):
         shown = " | ".join(map(str, item)) if isinstance(item, tuple) else str(item)
         note = " (truncated)" if cut else ""

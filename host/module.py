@@ -810,13 +810,9 @@ class Module:
                 param="model",
                 model=model,
             )
-        # The Core ML lane's graph has a one-logit head only: labels come from llama.cpp.
-        if lane not in (None, "llama"):
-            raise InvalidRequest(
-                f"lane {lane!r} has no sequence-classification head; classify runs on llama",
-                param="lane",
-            )
-        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", "llama")
+        # llama.cpp unless the caller asks for the Core ML graph: both heads are N wide, and
+        # no certificate policy covers classifiers yet to choose between them.
+        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", lane or "llama")
         tok = served.tokenizer
         single = tok.encode(singles, truncate, direction=truncation_direction)
         ids: list[np.ndarray] = []
@@ -849,11 +845,12 @@ class Module:
         model: str,
         n_first: Sequence[int] | None = None,
         deadline_s: float | None = None,
+        lane: str | None = None,
     ) -> ClassifyResult:
         """Classify already-tokenized sequences (special tokens included; `n_first`: segment
         A's tokens of each, default all of them), as a bulk job does; the caller admitted
-        them. Always the llama lane (see `classify`)."""
-        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", "llama")
+        them. The lane as `classify` picks it."""
+        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", lane or "llama")
         firsts = list(n_first) if n_first is not None else [len(x) for x in ids]
         logits = await self._classify_ids(served, ids, firsts, deadline_s)
         return self._classified(served, logits, [len(x) for x in ids], [False] * len(ids))

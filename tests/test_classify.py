@@ -229,12 +229,64 @@ async def test_a_many_label_model_is_no_reranker(store, runtime_dir):
         assert "negative, neutral, positive" in info.value.message
         assert info.value.http_status == 400
         assert module.served_lanes() == []  # refused before a worker started
-        with pytest.raises(InvalidRequest, match="no sequence-classification head"):
-            await module.classify(["text"], "bert-sentiment", lane="ane")
+        with pytest.raises(InvalidRequest, match="lane 'gpu'"):
+            await module.classify(["text"], "bert-sentiment", lane="gpu")
         with pytest.raises(InvalidRequest, match="a text or a pair"):
             await module.classify([("a", "b", "c")], "bert-sentiment")  # type: ignore[list-item]
         with pytest.raises(InvalidRequest, match="over the limit"):
             await module.classify([" ".join(["word"] * 200)], "bert-sentiment", truncate=False)
+
+
+@pytest.mark.parametrize("name", ["bert-sentiment", "xlmr-toxicity"])
+def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, name):
+    # The owned graph's cross-encoder head, N outputs wide, through the reference executor
+    # (fp16 end to end), packed and unpacked, against the same pipeline.
+    from certification.thresholds import thresholds_for
+    from formats.owned.manifest import ingest_owned
+    from host.classify import activate
+    from host.tokenization import Tokenizer
+    from workers.ane.engine import AneEngine
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    tok = Tokenizer.from_model_dir(dirs[name])
+    single = tok.encode(TEXTS, truncate=True)
+    pairs = [tok.encode_pairs(a, [b], truncate=True) for a, b in PAIRS]
+    ids = [*single.ids, *(p.ids[0] for p in pairs)]
+    n_first = [*single.n_tokens, *(p.n_first[0] for p in pairs)]
+    seqs = [m.RerankSequence(n_tokens=len(x), n_first=f) for x, f in zip(ids, n_first, strict=True)]
+    request = m.CLASSIFY(req_id=2, model_ref=name, sequences=seqs)
+    man = ingest_owned(dirs[name], module_tmp / "owned" / name)
+    labels = [MODELS[name][1][i] for i in range(3)]
+    want = _matrix(reference[name]["default"], labels)
+    bar = thresholds_for("ane", "fp16").rerank_max_abs
+    for shape in ({"rows": 4, "seq_len": 64}, {"rows": 2, "seq_len": 64, "packed": True}):
+        engine = AneEngine(man.dir, backend="reference")
+        try:
+            engine.load(
+                m.LOAD(
+                    req_id=1,
+                    artifact_path=str(man.dir),
+                    artifact_digest=man.digest,
+                    format="coreml-owned",
+                    runtime_config={
+                        "cache_root": str(module_tmp / "compile-cache"),
+                        "model_ref": name,
+                        "shapes": [shape],
+                    },
+                ),
+                NullProgress(),
+            )
+            logits = engine.classify(request, np.concatenate(ids), NullProgress())
+        finally:
+            engine.close()
+        assert logits.shape == (len(ids), 3)
+        multi = MODELS[name][2] == "multi_label_classification"
+        activation = "sigmoid" if multi else "softmax"
+        diff = np.abs(activate(logits, activation) - want).max()  # type: ignore[arg-type]
+        print(f"{name} on the Core ML graph {shape}: max |prob diff| {diff:.2e}")
+        assert diff <= bar, (shape, diff)
+        assert (logits.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
 # ---- HTTP, CLI, bulk ---------------------------------------------------------------------------
