@@ -237,10 +237,17 @@ async def test_a_many_label_model_is_no_reranker(store, runtime_dir):
             await module.classify([" ".join(["word"] * 200)], "bert-sentiment", truncate=False)
 
 
-@pytest.mark.parametrize("name", ["bert-sentiment", "xlmr-toxicity"])
-def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, name):
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("bert-sentiment", {"rows": 4, "seq_len": 64}),
+        ("xlmr-toxicity", {"rows": 2, "seq_len": 64, "packed": True, "max_segments": 8}),
+    ],
+)
+def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, name, shape):
     # The owned graph's cross-encoder head, N outputs wide, through the reference executor
-    # (fp16 end to end), packed and unpacked, against the same pipeline.
+    # (fp16 end to end), unpacked and packed (one shape a model: each costs a conversion),
+    # against the same pipeline.
     from certification.thresholds import thresholds_for
     from formats.owned.manifest import ingest_owned
     from host.classify import activate
@@ -260,33 +267,32 @@ def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, nam
     labels = [MODELS[name][1][i] for i in range(3)]
     want = _matrix(reference[name]["default"], labels)
     bar = thresholds_for("ane", "fp16").rerank_max_abs
-    for shape in ({"rows": 4, "seq_len": 64}, {"rows": 2, "seq_len": 64, "packed": True}):
-        engine = AneEngine(man.dir, backend="reference")
-        try:
-            engine.load(
-                m.LOAD(
-                    req_id=1,
-                    artifact_path=str(man.dir),
-                    artifact_digest=man.digest,
-                    format="coreml-owned",
-                    runtime_config={
-                        "cache_root": str(module_tmp / "compile-cache"),
-                        "model_ref": name,
-                        "shapes": [shape],
-                    },
-                ),
-                NullProgress(),
-            )
-            logits = engine.classify(request, np.concatenate(ids), NullProgress())
-        finally:
-            engine.close()
-        assert logits.shape == (len(ids), 3)
-        multi = MODELS[name][2] == "multi_label_classification"
-        activation = "sigmoid" if multi else "softmax"
-        diff = np.abs(activate(logits, activation) - want).max()  # type: ignore[arg-type]
-        print(f"{name} on the Core ML graph {shape}: max |prob diff| {diff:.2e}")
-        assert diff <= bar, (shape, diff)
-        assert (logits.argmax(axis=1) == want.argmax(axis=1)).all()
+    engine = AneEngine(man.dir, backend="reference")
+    try:
+        engine.load(
+            m.LOAD(
+                req_id=1,
+                artifact_path=str(man.dir),
+                artifact_digest=man.digest,
+                format="coreml-owned",
+                runtime_config={
+                    "cache_root": str(module_tmp / "compile-cache"),
+                    "model_ref": name,
+                    "shapes": [shape],
+                },
+            ),
+            NullProgress(),
+        )
+        logits = engine.classify(request, np.concatenate(ids), NullProgress())
+    finally:
+        engine.close()
+    assert logits.shape == (len(ids), 3)
+    multi = MODELS[name][2] == "multi_label_classification"
+    activation = "sigmoid" if multi else "softmax"
+    diff = np.abs(activate(logits, activation) - want).max()  # type: ignore[arg-type]
+    print(f"{name} on the Core ML graph {shape}: max |prob diff| {diff:.2e}")
+    assert diff <= bar, (shape, diff)
+    assert (logits.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
 # ---- HTTP, CLI, bulk ---------------------------------------------------------------------------
