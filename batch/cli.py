@@ -1,4 +1,5 @@
-"""`synapse batch embed INPUT -o OUTPUT.parquet ...`: argument parsing and exit statuses.
+"""`synapse batch embed INPUT -o OUTPUT.parquet ...` and `synapse batch classify ...`:
+argument parsing and exit statuses.
 
 Exit 0: the output is complete (the summary says how many rows failed). Exit 1: the job
 stopped before that — too many bad rows, an engine that keeps crashing, a full disk, Ctrl-C or
@@ -20,7 +21,7 @@ from common.errors import StorageFull, SynapseError
 
 
 def add_batch_parser(sub: argparse._SubParsersAction) -> None:
-    batch = sub.add_parser("batch", help="bulk jobs over a corpus: embed")
+    batch = sub.add_parser("batch", help="bulk jobs over a corpus: embed, classify")
     batch_sub = batch.add_subparsers(dest="batch_command", required=True)
     embed = batch_sub.add_parser(
         "embed",
@@ -93,6 +94,61 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     )
     embed.add_argument("--json", action="store_true", help="print the summary as JSON")
     embed.set_defaults(func=run_batch_embed)
+    _add_classify_parser(batch_sub)
+
+
+def _add_classify_parser(batch_sub: argparse._SubParsersAction) -> None:
+    """The same streaming, checkpointed job as `batch embed`, with a sequence classifier's
+    label scores for columns (batch/output.py `classify_schema`)."""
+    cls = batch_sub.add_parser(
+        "classify",
+        help="classify a corpus with a sequence classifier into a Parquet file",
+        description="Rows as for `batch embed`. Columns: id, label (the best), score (its "
+        "score), scores (every label's, in the order of the file's synapse.labels), "
+        "n_tokens, truncated. Scores are the model's activation (softmax, or sigmoid for a "
+        "multi-label model), or the raw logits with --raw-scores.",
+    )
+    cls.add_argument("input", help="rows file (.jsonl .txt .parquet .csv) or - for stdin")
+    cls.add_argument("-o", "--output", required=True, help="OUTPUT.parquet")
+    cls.add_argument("--model", required=True, help="the sequence classifier")
+    cls.add_argument("--text-field", default="text")
+    cls.add_argument("--id-field", default="id")
+    cls.add_argument("--workers", type=_positive, default=None, help="lanes on this machine")
+    cls.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    cls.add_argument("--max-errors", type=_non_negative, default=1000)
+    cls.add_argument("--no-truncate", action="store_true", help="an over-long text is a row error")
+    cls.add_argument("--raw-scores", action="store_true", help="the head's logits, unactivated")
+    cls.add_argument("--window-rows", type=_positive, default=4096)
+    cls.add_argument("--json", action="store_true", help="print the summary as JSON")
+    cls.set_defaults(func=run_batch_classify)
+
+
+def run_batch_classify(args: argparse.Namespace) -> int:
+    from batch.job import JobOptions, default_workers, run_job, validate
+
+    opts = JobOptions(
+        input=args.input,
+        output=args.output,
+        model=args.model,
+        lane="llama",
+        text_field=args.text_field,
+        id_field=args.id_field,
+        workers=args.workers or default_workers(),
+        resume=args.resume,
+        max_errors=args.max_errors,
+        truncate=not args.no_truncate,
+        window_rows=args.window_rows,
+        task="classify",
+        raw_scores=args.raw_scores,
+    )
+    try:
+        validate(opts)
+        summary = _run_interruptible(run_job(opts), opts.output)
+    except SynapseError as exc:
+        print(f"synapse batch: {_what(exc)}: {exc.message}", file=sys.stderr)
+        return exit_status(exc)
+    _print_summary(summary, args.json)
+    return 0
 
 
 def _positive(text: str) -> int:

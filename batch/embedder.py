@@ -44,8 +44,12 @@ class LaneEmbedder:
         runtime_config: dict | None = None,
         crash_budget: int = 8,
         prompt_name: str | None = None,
+        task: str = "embed",
     ) -> None:
         self.module = module
+        # "embed": rows -> vectors; "classify": rows -> a sequence classifier's raw logits,
+        # one per label (`dims` is then the label count), on the llama lane.
+        self.task = task
         self.model = model or DEFAULT_EMBED
         self.prompt_name = prompt_name  # None: the model's default prompt, if it has one
         self.prompt = ""  # the text prepended to every row, known once started
@@ -63,7 +67,9 @@ class LaneEmbedder:
         """Load the model (its lane starts a supervised worker) and learn what serves it:
         the requested lane, else llama.cpp for runtime settings (they are LOAD extras of an
         explicit lane), else the lane the Module's policy chooses."""
-        if self.requested_lane is not None:
+        if self.task == "classify":
+            self.lane = "llama"  # the lane with a classifier head of any width
+        elif self.requested_lane is not None:
             self.lane = self.requested_lane
         elif self.runtime_config:
             self.lane = "llama"
@@ -72,6 +78,9 @@ class LaneEmbedder:
         if self.runtime_config:
             await self.module.load(self.model, self.lane, self.runtime_config)
         self.tokenizer = await self.module.tokenizer(self.model, lane=self.lane)
+        if self.task == "classify":
+            self.dims = len(self.module.labels(self.model))
+            return
         self.prompt = self.module.prompt(self.model, self.prompt_name)
         self.dims = self.module.dims(self.model, self.lane)
 
@@ -117,9 +126,12 @@ class LaneEmbedder:
         if lane.state().quarantined:
             lane.clear_quarantine()  # our crash budget, not the lane's, decides (see above)
         try:
-            vectors = await self.module.embed_token_ids(
-                ids, self.model, normalize=self.normalize, lane=self.lane
-            )
+            if self.task == "classify":
+                vectors = (await self.module.classify_token_ids(ids, self.model)).logits
+            else:
+                vectors = await self.module.embed_token_ids(
+                    ids, self.model, normalize=self.normalize, lane=self.lane
+                )
         except EngineCrashed as exc:
             self.crashes += 1
             self.crashes_in_a_row += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import os
 import threading
@@ -28,13 +29,21 @@ from batch.dtypes import DTYPES, convert, dtype_metadata, needs_ranges
 from batch.embedder import LaneEmbedder
 from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
 from batch.metadata import describe
-from batch.output import make_table, merge_parts, output_schema, publish_copy
+from batch.output import (
+    classify_schema,
+    make_classify_table,
+    make_table,
+    merge_parts,
+    output_schema,
+    publish_copy,
+)
 from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
 from batch.windows import Window, error_record, windows
 from certification.calibration import Calibrations, calibration_set
 from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
+from host.classify import activate, activation_for
 from host.module import ModuleConfig
 from ingest.durable import full_disk_as
 
@@ -61,6 +70,9 @@ class JobOptions:
     module: ModuleConfig | None = None  # store, host windows; planned_workers is set here
     runtime_config: dict | None = None  # LOAD extras for the lane (tests shrink n_ubatch)
     progress_interval_s: float = 5.0
+    # "embed" (vectors) or "classify" (a sequence classifier's label scores, batch/output.py)
+    task: str = "embed"
+    raw_scores: bool = False  # classify: the head's logits, not the model's activation
 
     def errors_output(self) -> Path:
         return Path(self.output).with_name(Path(self.output).name + ".errors.jsonl")
@@ -80,6 +92,7 @@ class JobOptions:
             # Only when not the default: a checkpoint from before --dtype has no key and
             # was embedded as float32, so it still resumes.
             **({"dtype": self.dtype} if self.dtype != "float32" else {}),
+            **({"task": self.task, "raw_scores": self.raw_scores} if self.task != "embed" else {}),
         }
 
 
@@ -111,6 +124,13 @@ def validate(opts: JobOptions) -> InputSpec:
         )
     if opts.window_rows < 1:
         raise BatchUsageError("window_rows must be >= 1")
+    if opts.task not in ("embed", "classify"):
+        raise BatchUsageError(f"task {opts.task!r}: embed or classify")
+    if opts.task == "classify":
+        if opts.model is None:
+            raise BatchUsageError("batch classify needs --model: a sequence classifier")
+        if opts.lane not in (None, "llama"):
+            raise BatchUsageError("batch classify runs on the llama lane (--lane llama)")
     spec = InputSpec(opts.input, opts.text_field, opts.id_field)
     spec.check()
     if Path(opts.output).suffix.lower() != ".parquet":
@@ -145,11 +165,14 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
                 opts.normalize,
                 opts.runtime_config,
                 prompt_name=opts.prompt_name,
+                task=opts.task,
             )
             for mod in modules
         ]
         await asyncio.gather(*(e.start() for e in embedders))
         meta = describe(embedders[0], opts.normalize)
+        if opts.task == "classify":
+            meta.update(_classify_metadata(embedders[0], opts.raw_scores))
         ranges = None
         if needs_ranges(opts.dtype):  # the model's own, recorded on its first int8 use
             first = embedders[0]
@@ -197,7 +220,7 @@ def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> st
         errors_file = str(errors_dest)
     else:
         errors_dest.unlink(missing_ok=True)  # a stale one from an earlier run
-    merge_parts(ckpt.parts(), output, output_schema(int(meta["dims"]), meta, opts.dtype))
+    merge_parts(ckpt.parts(), output, _schema(opts, meta, with_metadata=True))
     ckpt.remove()
     return errors_file
 
@@ -207,7 +230,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress, ran
     cfg = embedders[0].module.config
     ready: asyncio.Queue = asyncio.Queue(maxsize=opts.ahead)  # windows, in order, or the end
     work: asyncio.Queue = asyncio.Queue()  # (window, batch) for the lane runners
-    schema = output_schema(int(meta["dims"]), None, opts.dtype)
+    schema = _schema(opts, meta, with_metadata=False)
     stop_reader = threading.Event()
 
     def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
@@ -316,18 +339,44 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=N
         error_record(w.rows[i], ENGINE_CRASHED, msg) for i, msg in state.crashed.items()
     ]
     errors.sort(key=lambda e: e["line"])
-    table = make_table(
-        cast("list[str]", [w.rows[i].id for i in keep]),  # ok rows have ids
-        convert(state.vectors[keep], opts.dtype, ranges),
-        [len(w.ids[i]) for i in keep],
-        [w.truncated[i] for i in keep],
-        schema,
-    )
+    row_ids = cast("list[str]", [w.rows[i].id for i in keep])  # ok rows have ids
+    n_tokens = [len(w.ids[i]) for i in keep]
+    truncated = [w.truncated[i] for i in keep]
+    if opts.task == "classify":
+        labels = json.loads(schema.metadata[b"synapse.labels"])
+        activation = schema.metadata[b"synapse.activation"].decode()
+        scores = state.vectors[keep]  # the head's raw logits
+        if not opts.raw_scores:
+            scores = activate(scores, activation)  # type: ignore[arg-type]
+        table = make_classify_table(row_ids, scores, labels, n_tokens, truncated, schema)
+    else:
+        vectors = convert(state.vectors[keep], opts.dtype, ranges)
+        table = make_table(row_ids, vectors, n_tokens, truncated, schema)
     tokens = sum(len(w.ids[i]) for i in keep)
     with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
         ckpt.commit(table, errors, w.next_line, tokens)
     progress.update(len(keep), tokens, len(errors))
     _raise_if_over_max_errors(ckpt, opts)
+
+
+def _classify_metadata(emb: LaneEmbedder, raw_scores: bool) -> dict[str, str]:
+    labels = emb.module.labels(emb.model)
+    problem_type = emb.module.record(emb.model).manifest.problem_type
+    return {
+        "task": "classify",
+        "labels": json.dumps(labels),
+        "activation": activation_for(problem_type, len(labels)),
+        "raw_scores": "true" if raw_scores else "false",
+    }
+
+
+def _schema(opts: JobOptions, meta: dict[str, str], *, with_metadata: bool):
+    """The output's schema; a part file carries the classify keys it is committed with."""
+    if opts.task == "classify":
+        keys = ("labels", "activation")
+        part_meta = meta if with_metadata else {k: meta[k] for k in keys}
+        return classify_schema(int(meta["dims"]), part_meta)
+    return output_schema(int(meta["dims"]), meta if with_metadata else None, opts.dtype)
 
 
 def _full_disk_aborts(where: Path, advice: str):

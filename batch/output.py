@@ -7,6 +7,10 @@ none), `synapse.normalize` ("true"/"false"), `synapse.dims` (the model's width, 
 bits), `synapse.dtype`, and for int8/uint8 `synapse.quantization_ranges`. Plain Arrow types
 only, so DuckDB, pandas, polars and LanceDB read the file as is.
 
+`synapse batch classify` writes `classify_schema`'s columns instead (`label`, `score`, `scores`
+for `embedding`), with `synapse.task` "classify", `synapse.labels` (a JSON list: the label of
+each `scores` column), `synapse.activation` and `synapse.raw_scores`.
+
 Publication is atomic: the final file is written beside its path under a temporary name,
 fsynced and renamed over it, so OUTPUT exists only when complete.
 """
@@ -57,6 +61,50 @@ def make_table(
         [
             pa.array(ids, pa.string()),
             embedding,
+            pa.array(list(n_tokens), pa.int32()),
+            pa.array(list(truncated), pa.bool_()),
+        ],
+        schema=schema,
+    )
+
+
+def classify_schema(n_labels: int, metadata: dict[str, str] | None = None) -> pa.Schema:
+    """`synapse batch classify`'s columns: `id`, `label` (the best label), `score` (its
+    score), `scores` (every label's, in label-id order: `synapse.labels` names them),
+    `n_tokens`, `truncated`."""
+    schema = pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("label", pa.string(), nullable=False),
+            pa.field("score", pa.float32(), nullable=False),
+            pa.field("scores", pa.list_(pa.float32(), n_labels), nullable=False),
+            pa.field("n_tokens", pa.int32(), nullable=False),
+            pa.field("truncated", pa.bool_(), nullable=False),
+        ]
+    )
+    if metadata:
+        schema = schema.with_metadata({f"synapse.{k}": str(v) for k, v in metadata.items()})
+    return schema
+
+
+def make_classify_table(
+    ids: list[str],
+    scores: np.ndarray,
+    labels: list[str],
+    n_tokens: Iterable[int],
+    truncated: Iterable[bool],
+    schema: pa.Schema,
+) -> pa.Table:
+    """`scores` (n, n_labels) float32, already activated (or raw, as the job asked); the
+    best label is the first of the highest score, as argmax picks it."""
+    scores = np.ascontiguousarray(scores, dtype=np.float32).reshape(len(ids), len(labels))
+    best = scores.argmax(axis=1) if len(ids) else np.zeros(0, dtype=np.intp)
+    return pa.Table.from_arrays(
+        [
+            pa.array(ids, pa.string()),
+            pa.array([labels[j] for j in best], pa.string()),
+            pa.array(scores[np.arange(len(ids)), best], pa.float32()),
+            pa.FixedSizeListArray.from_arrays(pa.array(scores.reshape(-1)), len(labels)),
             pa.array(list(n_tokens), pa.int32()),
             pa.array(list(truncated), pa.bool_()),
         ],

@@ -91,6 +91,34 @@ def rerank_check(errors: np.ndarray, t: Thresholds, note: str) -> Check:
     )
 
 
+def label_score_checks(errors: np.ndarray, agree: np.ndarray, t: Thresholds) -> list[Check]:
+    """A sequence classifier: every label's score within the rerank bar of the reference's,
+    and the same top label on every item whose reference margin is wider than twice that bar
+    (a closer call may flip within the allowed error without the lane being wrong)."""
+    worst = float(errors.max())
+    n_bad = int((~agree).sum())
+    return [
+        Check(
+            name="quality.label_score_max_abs_error",
+            gate="quality",
+            status="pass" if worst <= t.rerank_max_abs else "fail",
+            value=worst,
+            threshold=t.rerank_max_abs,
+            op="<=",
+            detail=f"{len(errors)} items, every label; mean {float(errors.mean()):.2e}",
+        ),
+        Check(
+            name="quality.top_label_agreement",
+            gate="quality",
+            status="pass" if n_bad == 0 else "fail",
+            value=n_bad,
+            threshold=0,
+            op="<=",
+            detail=f"items whose top label differs, of {len(agree)} with a clear reference margin",
+        ),
+    ]
+
+
 def rerank_not_applicable(kind: str) -> Check:
     return Check(
         name="quality.rerank_max_abs_error",

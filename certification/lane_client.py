@@ -113,6 +113,13 @@ class LaneClient:
             scores[index] = score
         return scores, ms
 
+    async def classify(self, texts: list[str]) -> tuple[np.ndarray, float]:
+        """Every label's score (the model's activation) through Module.classify, in label-id
+        order, and the request's latency in ms."""
+        start = time.perf_counter()
+        result = await self.module.classify(texts, self.model, truncate=True, **self._kw)
+        return result.scores(), (time.perf_counter() - start) * 1e3
+
     async def placement(self) -> tuple[float | None, str | None]:
         if self.lane == "llama":
             return None, None

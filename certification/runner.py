@@ -116,6 +116,9 @@ async def certify(
             client, tok, oracle, texts, options, thresholds, measured, progress
         )
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+    elif record.kind == "rerank" and (record.manifest.n_labels or 1) > 1:
+        judged = await _judge_classify(client, tok, oracle, texts, options, thresholds, measured)
+        checks += gates.embedding_not_applicable("sequence classifier") + judged.checks
     elif record.kind == "rerank":
         if not oracle.is_cross_encoder:
             raise ValueError(
@@ -308,6 +311,40 @@ async def _judge_rerank(
     probe, _ = await client.rerank(qs[0], probe_set())
     progress.advance("probe")
     return _Judged([gates.rerank_check(errors, t, note)], probe, t.fingerprint_grid_rerank)
+
+
+# ---- quality: sequence classifiers -----------------------------------------------------------
+
+
+async def _judge_classify(
+    client: LaneClient,
+    tok: Tokenizer,
+    oracle: Oracle,
+    texts: list[str],
+    options: RunOptions,
+    t: Thresholds,
+    measured: Measurements,
+) -> _Judged:
+    """Every corpus item classified by the lane, against transformers' pipeline scores of the
+    same ids; the per-item error is its worst label's (recorded where rerank errors go)."""
+    ids = tok.encode(texts, truncate=True).ids  # what the lane scores: the same cut
+    ref = await asyncio.to_thread(oracle.label_scores, ids)
+    rows = []
+    for start in range(0, len(texts), options.batch_size):
+        chunk = texts[start : start + options.batch_size]
+        scores, ms = await client.classify(chunk)
+        measured.latencies_ms.append(round(ms, 3))
+        measured.request_items.append(len(chunk))
+        rows.append(scores)
+    lane = np.concatenate(rows).astype(np.float64)
+    errors = np.abs(lane - ref).max(axis=1)
+    measured.rerank_errors = [float(e) for e in errors]
+    top2 = np.sort(ref, axis=1)[:, -2:] if ref.shape[1] > 1 else np.zeros((len(ref), 2))
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * t.rerank_max_abs
+    agree = lane.argmax(axis=1)[clear] == ref.argmax(axis=1)[clear]
+    probe, _ = await client.classify(probe_set())
+    checks = gates.label_score_checks(errors, agree, t)
+    return _Judged(checks, probe.reshape(-1), t.fingerprint_grid_rerank)
 
 
 def _pair_composer(

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(sub)
 
+    from cli.classify import add_classify_parser
+
+    add_classify_parser(sub)
+
     from batch.cli import add_batch_parser
 
     add_batch_parser(sub)

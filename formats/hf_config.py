@@ -69,6 +69,8 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_MODEL_TYPE = "bert"
 # PretrainedConfig's label count when a config names neither id2label nor num_labels.
 DEFAULT_NUM_LABELS = 2
+# PretrainedConfig's allowed `problem_type` values (null: decided by the label count).
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 # The sizes every transformer's converter needs stated (or defaulted) as positive integers.
 SIZE_KEYS = (
     "hidden_size",
@@ -217,6 +219,15 @@ class HfConfig:
             return [label for _, label in items]
         n = self.positive_int("num_labels", DEFAULT_NUM_LABELS)
         return [f"LABEL_{i}" for i in range(n)]
+
+    def problem_type(self) -> str | None:
+        """A classifier's `problem_type` (which activation its scores take), or None when the
+        config leaves it to the label count; any other value is refused, as transformers'
+        PretrainedConfig refuses it."""
+        value = self._data.get("problem_type")
+        if value is not None and value not in PROBLEM_TYPES:
+            raise self._wrong("problem_type", value, f"one of {', '.join(PROBLEM_TYPES)}")
+        return value
 
     def kv_heads(self) -> int:
         """Grouped K/V heads: `num_key_value_heads`; null means one per attention head."""

@@ -580,4 +580,6 @@ def _reply_array(reply: object, raw: bytes | bytearray | None) -> np.ndarray | N
         return None
     if type(reply) is m.VECTORS:
         return payloads.floats_view(raw, (reply.n, reply.dims))
+    if type(reply) is m.LABEL_SCORES:
+        return payloads.floats_view(raw, (reply.n, reply.n_labels))
     return payloads.floats_view(raw, (-1,))

@@ -37,6 +37,7 @@ import numpy as np
 from common.errors import InvalidRequest, ModelNotFound, StorageFull, SynapseError
 from host.admission import Admission, Budgets
 from host.batching import plan_chunks
+from host.classify import ClassifyInput, ClassifyResult, activation_for, split_inputs
 from host.config import HostConfig, LaneConfig
 from host.errors import CertificateRequired, ConfigInvalid
 from host.lane import Lane, LaneState
@@ -655,6 +656,7 @@ class Module:
         self.admission.check_inputs(docs, "document")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
+        _refuse_classifier(self.record(model or DEFAULT_EMBED))
         served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
         cut = (truncate, truncation_direction, max_doc_tokens)
         if served.record.kind == "rerank" and served.lane_kind == "ane":
@@ -778,6 +780,123 @@ class Module:
             )
         return scores, seg
 
+    # ---- sequence classification ----------------------------------------------------------
+
+    @uses_model(DEFAULT_EMBED)
+    async def classify(
+        self,
+        inputs: Sequence[ClassifyInput],
+        model: str | None = None,
+        truncate: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        *,
+        truncation_direction: str = "right",
+    ) -> ClassifyResult:
+        """Every label's raw logit for each input (a text, or a (text, text_pair) pair composed
+        through the model's pair template as a cross-encoder's is), from a sequence
+        classifier's head; `ClassifyResult.scores()` applies the model's activation."""
+        if model is None:
+            raise InvalidRequest(
+                "classify needs a model: name a sequence classifier", param="model"
+            )
+        batch = list(inputs)
+        kinds, singles, pairs = split_inputs(batch)
+        self.admission.check_inputs([*singles, *(t for p in pairs for t in p)])
+        record = self.record(model)
+        if record.kind != "rerank":
+            raise InvalidRequest(
+                f"model {model!r} is a {record.kind} model, not a sequence classifier",
+                param="model",
+                model=model,
+            )
+        # llama.cpp unless the caller asks for the Core ML graph: both heads are N wide, and
+        # no certificate policy covers classifiers yet to choose between them.
+        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", lane or "llama")
+        tok = served.tokenizer
+        single = tok.encode(singles, truncate, direction=truncation_direction)
+        ids: list[np.ndarray] = []
+        n_first: list[int] = []
+        cut: list[bool] = []
+        it_single, it_pair = iter(range(len(singles))), iter(pairs)
+        for kind in kinds:
+            if kind == 0:
+                j = next(it_single)
+                ids.append(single.ids[j])
+                n_first.append(single.n_tokens[j])
+                cut.append(single.truncated[j])
+                continue
+            text, text_pair = next(it_pair)
+            try:
+                enc = tok.encode_pairs(text, [text_pair], truncate, direction=truncation_direction)
+            except InvalidRequest as exc:
+                raise _renamed(exc, "pair 0", f"input {len(ids)}", "inputs") from None
+            ids.append(enc.ids[0])
+            n_first.append(enc.n_first[0])
+            cut.append(enc.truncated[0])
+        with self.admission.reserve(sum(len(x) for x in ids)):
+            logits = await self._classify_ids(served, ids, n_first, deadline_s)
+        return self._classified(served, logits, [len(x) for x in ids], cut)
+
+    @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
+    async def classify_token_ids(
+        self,
+        ids: list[np.ndarray],
+        model: str,
+        n_first: Sequence[int] | None = None,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+    ) -> ClassifyResult:
+        """Classify already-tokenized sequences (special tokens included; `n_first`: segment
+        A's tokens of each, default all of them), as a bulk job does; the caller admitted
+        them. The lane as `classify` picks it."""
+        served = await self._load_for_call(model, DEFAULT_EMBED, "rerank", lane or "llama")
+        firsts = list(n_first) if n_first is not None else [len(x) for x in ids]
+        logits = await self._classify_ids(served, ids, firsts, deadline_s)
+        return self._classified(served, logits, [len(x) for x in ids], [False] * len(ids))
+
+    def labels(self, model: str) -> list[str]:
+        """A sequence classifier's label names by id (generic ones when its record has none)."""
+        man = self.record(model).manifest
+        n_labels = man.n_labels or len(man.labels) or 1
+        return list(man.labels) or [f"LABEL_{i}" for i in range(n_labels)]
+
+    async def _classify_ids(
+        self,
+        served: _Served,
+        ids: list[np.ndarray],
+        n_first: Sequence[int],
+        deadline_s: float | None,
+    ) -> np.ndarray:
+        lengths = [len(x) for x in ids]
+
+        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
+            req = m.CLASSIFY(
+                req_id=0,
+                model_ref=served.record.name,
+                sequences=[
+                    m.RerankSequence(n_tokens=lengths[i], n_first=n_first[i]) for i in chunk
+                ],
+            )
+            return req, np.concatenate([ids[i] for i in chunk])
+
+        n_labels = len(self.labels(served.record.name))
+        out = np.empty((len(ids), n_labels), dtype=np.float32)
+        return await self._request_in_chunks(served, lengths, n_labels, out, request, deadline_s)
+
+    def _classified(
+        self, served: _Served, logits: np.ndarray, lengths: list[int], cut: list[bool]
+    ) -> ClassifyResult:
+        labels = self.labels(served.record.name)
+        return ClassifyResult(
+            logits=logits,
+            labels=labels,
+            activation=activation_for(served.record.manifest.problem_type, len(labels)),
+            model=served.record.name,
+            n_tokens=lengths,
+            truncated=cut,
+        )
+
     # ---- generation -----------------------------------------------------------------------
 
     @uses_model(DEFAULT_GENERATE)
@@ -828,6 +947,20 @@ def _renamed(exc: InvalidRequest, old: str, new: str, param: str) -> InvalidRequ
         return exc
     details = {**exc.details, "param": param}
     return InvalidRequest(exc.message.replace(old, new, 1), **details)
+
+
+def _refuse_classifier(record: ModelRecord) -> None:
+    """Rerank ranks by one relevance logit; a head of several labels has none to rank by."""
+    n = record.manifest.n_labels or 1
+    if record.kind == "rerank" and n != 1:
+        labels = ", ".join(record.manifest.labels) or f"{n} labels"
+        raise InvalidRequest(
+            f"model {record.name!r} is a sequence classifier with {n} labels ({labels}), not a "
+            "reranker: rerank needs a single relevance score; score its labels with /predict "
+            "or `synapse classify`",
+            param="model",
+            model=record.name,
+        )
 
 
 def _check_prompt_args(prompt_name: str | None, prompt: str | None) -> None:

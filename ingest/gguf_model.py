@@ -21,12 +21,12 @@ Rules, from the llama.cpp that llama-cpp-python 0.3.36 vendors:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.gguf_header import ArrayInfo, GGUFFormatError, GGUFHeader, read_gguf_header
+from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 
 ENCODER_ARCHITECTURES = frozenset(
     {
@@ -84,6 +84,7 @@ class GGUFModel:
     dtype: str
     vocabulary: str  # tokenizer.ggml.model: bert (WPM), llama (SPM), gpt2 (BPE), t5 (UGM)
     n_labels: int | None = None
+    labels: list[str] = field(default_factory=list)  # classifier.output_labels, by id
 
 
 def read_header(path: str | Path) -> GGUFHeader:
@@ -131,12 +132,11 @@ def inspect_gguf(
         if pooling not in (None, "rank"):
             raise InvalidRequest("a reranker is served with rank pooling only")
         pooling = "rank"
-        labels = hdr.arch_get("classifier.output_labels")
-        n_labels = labels.length if isinstance(labels, ArrayInfo) else 1
-        if n_labels != 1:
-            raise InvalidRequest(f"rerank needs one classifier output, this one has {n_labels}")
+        label_names = _output_labels(path, hdr)
+        # A head of N labels is a sequence classifier: served by /predict, refused by rerank.
+        n_labels = len(label_names) or 1
     else:
-        n_labels = None
+        n_labels, label_names = None, []
         if is_rank and declared == "rank":
             raise InvalidRequest("this GGUF declares rank pooling: ingest it as a reranker")
         pooling = pooling or (declared if declared in EMBED_POOLINGS else None)
@@ -166,4 +166,19 @@ def inspect_gguf(
         else "unknown",
         vocabulary=str(hdr.kv.get("tokenizer.ggml.model", "")),
         n_labels=n_labels,
+        labels=label_names,
     )
+
+
+def _output_labels(path: str | Path, hdr: GGUFHeader) -> list[str]:
+    """The classifier's label names (`classifier.output_labels`), [] when it names none."""
+    key = f"{hdr.architecture}.classifier.output_labels"
+    if key not in hdr.kv:
+        return []
+    try:
+        labels = read_gguf_header(path, want_arrays=frozenset({key})).kv[key]
+    except (OSError, GGUFFormatError) as e:
+        raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise ArtifactInvalid(f"{path}: {key} is not a list of strings")
+    return labels

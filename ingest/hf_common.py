@@ -55,6 +55,10 @@ class ConvertedModel(msgspec.Struct, frozen=True):
     sep_id: int | None
     max_seq_length: int | None  # sentence-transformers' trained sequence length, if any
     architecture: str = "bert"  # general.architecture of the GGUF written
+    # A sequence classifier's label names by id and `problem_type` (ingest.hf_dir fills them
+    # from config.json for every family, so converters need not).
+    labels: list[str] = []
+    problem_type: str | None = None
 
 
 def load_json(path: Path) -> dict:

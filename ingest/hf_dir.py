@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from common.errors import ArtifactInvalid
 from formats.hf_config import HfConfig
 from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_qwen3
@@ -48,4 +50,9 @@ def convert_hf_dir(
         raise ArtifactInvalid(
             f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})"
         )
-    return convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)
+    info = convert(model_dir, config, out_path, dtype, pooling, name or model_dir.name)
+    if info.kind != "rerank":
+        return info
+    # What the host scores a classifier's labels with (service/predict.py): their names, by
+    # id as the GGUF's classifier.output_labels holds them, and the activation's problem type.
+    return msgspec.structs.replace(info, labels=config.labels(), problem_type=config.problem_type())

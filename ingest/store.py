@@ -114,6 +114,10 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     dtype: str | None = None  # f32|f16|q4_k_m
     max_new_tokens: int | None = None  # generation default cap
     n_labels: int | None = None  # classifier outputs (rerank)
+    # A sequence classifier's label names by id, and its problem_type (None: by the label
+    # count, as transformers decides); host.classify picks the activation from them.
+    labels: list[str] = []
+    problem_type: str | None = None
     # sentence-transformers' prompts (name -> text prepended to every input), and the one a
     # call that names none gets.
     prompts: dict[str, str] = {}
@@ -332,6 +336,7 @@ class ArtifactStore:
                     pooling=info.pooling,
                     dtype=info.dtype,
                     n_labels=info.n_labels,
+                    labels=info.labels,
                     prompts=options.prompts,
                     default_prompt_name=options.default_prompt_name,
                     matryoshka_dims=options.matryoshka_dims,
@@ -535,6 +540,8 @@ class ArtifactStore:
                 pooling=info.pooling,
                 dtype=info.dtype,
                 n_labels=info.n_labels or None,
+                labels=info.labels,
+                problem_type=info.problem_type,
                 prompts=options.prompts,
                 default_prompt_name=options.default_prompt_name,
                 matryoshka_dims=options.matryoshka_dims,

@@ -21,6 +21,7 @@ from service import (
     embeddings,
     lifecycle,
     openapi,
+    predict,
     rerank,
     schemas,
     status,
@@ -73,6 +74,10 @@ ROUTES: tuple[Route, ...] = (
           schemas.RerankResponse, rerank.RerankRequest, INFERENCE_ERRORS, direct=True),
     Route("/rerank", "post", rerank.rerank_tei, "Rerank texts against a query (TEI shape)",
           list[schemas.TeiRerankItem], rerank.TeiRerankRequest, INFERENCE_ERRORS, direct=True),
+    Route("/predict", "post", predict.predict,
+          "Classify texts or text pairs with a sequence classifier (TEI shape): every "
+          "label's score, best first",
+          predict.PredictResponse, predict.PredictRequest, INFERENCE_ERRORS, direct=True),
     Route("/v1/completions", "post", completions.create_completion,
           "Short greedy generation (OpenAI completion shape)",
           schemas.CompletionResponse, completions.CompletionRequest, INFERENCE_ERRORS,

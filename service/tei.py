@@ -68,6 +68,7 @@ class TeiClassifierModel(_Body):
 
 class TeiModelType(_Body):
     embedding: TeiEmbeddingModel | None = None
+    classifier: TeiClassifierModel | None = None
     reranker: TeiClassifierModel | None = None
 
 
@@ -142,10 +143,13 @@ async def info(request: Request, state: ServerState) -> Response:
         kind = TeiModelType(embedding=TeiEmbeddingModel(pooling=man.pooling or "mean"))
         concurrent = state.config.scheduler.max_queue_items
     elif man.kind == "rerank":
-        # One relevance logit: what TEI reports for a sequence-classification reranker.
-        kind = TeiModelType(
-            reranker=TeiClassifierModel(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        # TEI's rule: one label is a reranker, several a classifier (served by /predict).
+        labels = state.module.labels(model)
+        head = TeiClassifierModel(
+            id2label={str(i): label for i, label in enumerate(labels)},
+            label2id={label: i for i, label in enumerate(labels)},
         )
+        kind = TeiModelType(reranker=head) if len(labels) == 1 else TeiModelType(classifier=head)
         concurrent = state.config.scheduler.max_pending
     else:
         raise InvalidRequest(

@@ -26,6 +26,7 @@ TO_WORKER = [
     m.RERANK_SEQUENCES(
         req_id=4, model_ref="m", sequences=[m.RerankSequence(n_tokens=5, n_first=2)]
     ),
+    m.CLASSIFY(req_id=10, model_ref="c", sequences=[m.RerankSequence(n_tokens=4, n_first=4)]),
     m.GENERATE(req_id=5, model_ref="g", max_tokens=8, grammar='root ::= "a"'),
     m.ADMIT_SHAPE(req_id=6, model_ref="m", rows=4, seq_len=128, packed=True),
     m.EVICT(req_id=7, model_ref="m", shape_id="s1"),
@@ -47,6 +48,7 @@ TO_HOST = [
     m.LOADED(req_id=1, model_ref="m", dims=384, cold_load_ms=12.5),
     m.VECTORS(req_id=2, dims=384, n=1),
     m.SCORES(req_id=3),
+    m.LABEL_SCORES(req_id=10, n=1, n_labels=3),
     m.TEXT(req_id=5, text="hi", n_prompt=3, n_gen=1, finish_reason="stop"),
     m.SHAPE_ADMITTED(req_id=6, shape_id="s1", cache_hit=False, compile_ms=900.0),
     m.EVICTED(req_id=7, shape_ids=["s1"], freed_bytes=10),
@@ -82,7 +84,7 @@ def test_every_message_of_the_design_exists_once():
     assert names == set(
         "HELLO HELLO_ACK LOAD LOADED EMBED_BATCH VECTORS RERANK RERANK_SEQUENCES SCORES GENERATE "
         "TEXT ADMIT_SHAPE SHAPE_ADMITTED EVICT EVICTED UNLOAD UNLOADED PING PONG SHUTDOWN "
-        "PROGRESS ERR".split()
+        "PROGRESS ERR CLASSIFY LABEL_SCORES".split()
     )
 
 

@@ -15,6 +15,7 @@ ROUTES = {
     ("/v1/embeddings", "post"),
     ("/v1/rerank", "post"),
     ("/rerank", "post"),
+    ("/predict", "post"),
     ("/v1/completions", "post"),
     ("/v2/embed", "post"),
     ("/v2/rerank", "post"),

@@ -172,6 +172,53 @@ def test_scores_length_follows_the_request():
     assert isinstance(s.receive_frame(b"\x00" * 12), ReplyReceived)
 
 
+def classify(req_id=1, n=(3, 5)) -> m.CLASSIFY:
+    seqs = [m.RerankSequence(n_tokens=k, n_first=k) for k in n]
+    return m.CLASSIFY(req_id=req_id, model_ref="c", sequences=seqs)
+
+
+def test_label_scores_carry_n_rows_of_n_labels():
+    s = ready_host()
+    s.start_request(classify(), raw_len=8 * 4)
+    s.receive_frame(progress(completed=1))
+    assert s.receive_frame(m.encode(m.LABEL_SCORES(req_id=1, n=2, n_labels=3))) is None
+    event = s.receive_frame(np.zeros(6, np.float32).tobytes())
+    assert isinstance(event, ReplyReceived) and len(event.raw) == 24
+    assert s.state is State.IDLE
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        # a count that is not the request's: one row per sequence, at least one label
+        ([m.encode(m.LABEL_SCORES(req_id=1, n=3, n_labels=3))], "n=3 for 2 sequences"),
+        ([m.encode(m.LABEL_SCORES(req_id=1, n=2, n_labels=0))], "n_labels=0"),
+        ([b'{"type":"LABEL_SCORES","req_id":1,"n":-1,"n_labels":3}'], "undecodable"),
+        # a frame of the wrong length: never truncated or reshaped
+        ([m.encode(m.LABEL_SCORES(req_id=1, n=2, n_labels=3)), b"\x00" * 20], "implies 24"),
+        ([m.encode(m.LABEL_SCORES(req_id=1, n=2, n_labels=3)), b"\x00" * 28], "implies 24"),
+        ([m.encode(m.SCORES(req_id=1))], "does not answer CLASSIFY"),
+    ],
+)
+def test_label_scores_violations(frames, match):
+    s = ready_host()
+    s.start_request(classify(), raw_len=8 * 4)
+    with pytest.raises(ProtocolError, match=match):
+        for f in frames:
+            s.receive_frame(f)
+    assert s.state is State.FAILED
+
+
+def test_classify_ids_frame_must_match_the_sequences():
+    with pytest.raises(ProtocolError, match="header implies 32"):
+        ready_host().start_request(classify(), raw_len=7 * 4)
+    w = WorkerSession()
+    w.receive_frame(m.encode(m.HELLO_ACK(v=3, accept=True, max_frame=99)))
+    assert w.receive_frame(m.encode(classify())) is None
+    with pytest.raises(ProtocolError, match="header implies 32"):
+        w.receive_frame(np.arange(9, dtype="<i4").tobytes())
+
+
 def test_generate_accepts_any_whole_number_of_ids():
     s = ready_host()
     s.start_request(m.GENERATE(req_id=1, model_ref="g", max_tokens=4), raw_len=40)

@@ -85,6 +85,10 @@ class Engine:
         """Return float32 (len(req.sequences),)."""
         raise EngineError("unsupported", "this engine does not rerank composed sequences")
 
+    def classify(self, req: m.CLASSIFY, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        """Return float32 (len(req.sequences), n_labels): the head's raw logits."""
+        raise EngineError("unsupported", "this engine has no sequence-classification head")
+
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         raise EngineError("unsupported", "this engine does not generate")
 

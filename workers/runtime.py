@@ -186,6 +186,13 @@ class WorkerRuntime:
             scores = engine.rerank_sequences(req, ids, progress)
             scores = _check_f32(scores, len(req.sequences), "rerank_sequences")
             return m.SCORES(req_id=req.req_id), payloads.floats_to_wire(scores)
+        if isinstance(req, m.CLASSIFY):
+            logits = _check_f32(engine.classify(req, ids, progress), len(req.sequences), "classify")
+            if logits.ndim != 2 or logits.shape[1] < 1:
+                raise RuntimeError(f"classify: engine returned shape {logits.shape}")
+            return m.LABEL_SCORES(
+                req_id=req.req_id, n=logits.shape[0], n_labels=logits.shape[1]
+            ), payloads.floats_to_wire(logits)
         if isinstance(req, m.GENERATE):
             g = engine.generate(req, ids, progress)
             return m.TEXT(

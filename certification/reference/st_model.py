@@ -148,6 +148,12 @@ class STReference:
         out = self._run(self.cross_encoder(), ids, types, "scores")
         return np.ascontiguousarray(out.reshape(len(ids), -1)[:, 0], dtype=np.float32)
 
+    def label_logits(self, ids: Sequence[np.ndarray], types: Sequence[np.ndarray]) -> np.ndarray:
+        """Every label's raw logit of each sequence (the CrossEncoder built with no
+        activation): float32 (n, n_labels)."""
+        out = self._run(self.cross_encoder(), ids, types, "scores")
+        return np.ascontiguousarray(out.reshape(len(ids), -1), dtype=np.float32)
+
     def _run(self, model, ids, types, key: str) -> np.ndarray:
         seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in ids]
         if not seqs:

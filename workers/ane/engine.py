@@ -452,18 +452,35 @@ class AneEngine(Engine):
         head = model.manifest.head
         if head.type != "cross_encoder" or head.num_labels != 1:
             raise EngineError("unsupported", f"{model.ref} is not a one-logit cross-encoder")
-        seqs = self._split(model, ids, [s.n_tokens for s in req.sequences])
+        seqs, types = self._composed(model, ids, req.sequences)
+        return self._run(model, seqs, types, "logits", 1, progress)[:, 0]
+
+    def classify(self, req: m.CLASSIFY, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        """Every label's raw logit: the cross-encoder head is N outputs wide (the graph's
+        `logits`, (rows, num_labels)); the host applies the model's activation."""
+        model = self._require(req.model_ref)
+        head = model.manifest.head
+        if head.type != "cross_encoder":
+            raise EngineError("unsupported", f"{model.ref} has no sequence-classification head")
+        seqs, types = self._composed(model, ids, req.sequences)
+        return self._run(model, seqs, types, "logits", head.num_labels, progress)
+
+    def _composed(
+        self, model: _Model, ids: np.ndarray, sequences: list[m.RerankSequence]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The sequences and their token types: segment A ([CLS] a [SEP]) type 0, segment B
+        (b [SEP]) type 1; a single text is all segment A."""
+        seqs = self._split(model, ids, [s.n_tokens for s in sequences])
         types = []
-        for i, s in enumerate(req.sequences):
+        for i, s in enumerate(sequences):
             if not 1 <= s.n_first <= s.n_tokens:
                 raise EngineError(
                     "invalid_request", f"sequence {i}: n_first {s.n_first} outside 1..{s.n_tokens}"
                 )
-            # Segment A ([CLS] a [SEP]) is token type 0, segment B (b [SEP]) type 1.
             tt = np.zeros(s.n_tokens, np.int32)
             tt[s.n_first :] = 1
             types.append(tt)
-        return self._run(model, seqs, types, "logits", 1, progress)[:, 0]
+        return seqs, types
 
     def _split(self, model: _Model, ids: np.ndarray | None, counts: list[int]) -> list[np.ndarray]:
         if not counts:

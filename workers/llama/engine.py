@@ -120,11 +120,9 @@ class LlamaEngine(Engine):
         except (OSError, GGUFFormatError) as e:
             raise EngineError("artifact_invalid", f"{path}: not a valid GGUF: {e}") from e
         kind, pooling = model_kind.decide_kind(hdr, cfg)
+        # A rank-pooled model of any head width loads: RERANK needs its one logit (see
+        # `rerank`), CLASSIFY reads every label's.
         n_cls_out = model_kind.n_cls_out(hdr)
-        if kind == "rerank" and n_cls_out != 1:
-            raise EngineError(
-                "unsupported", f"rerank needs a single-logit classifier, this one has {n_cls_out}"
-            )
 
         try:
             gpu_layers = resolve_gpu_layers(
@@ -200,6 +198,12 @@ class LlamaEngine(Engine):
         workers/llama/typed_pairs.py).
         """
         mdl = self._get(req.model_ref, "rerank")
+        if mdl.n_cls_out != 1:
+            raise EngineError(
+                "unsupported",
+                f"rerank needs a single-logit classifier, this one has {mdl.n_cls_out} labels "
+                "(score it with CLASSIFY)",
+            )
         lengths = [req.query_n_tokens] + [c.n_tokens for c in req.candidates]
         if not req.candidates:
             return np.zeros(0, dtype=np.float32)
@@ -226,6 +230,36 @@ class LlamaEngine(Engine):
             types = [pair_types(n_first, len(p)) for p in pairs]
         scores = encode.encode(mdl, pairs, progress, self._decode_tokens, types)
         return np.ascontiguousarray(scores[:, 0], dtype=np.float32)
+
+    def classify(self, req: m.CLASSIFY, ids: np.ndarray, progress: Progress) -> np.ndarray:
+        """Every label's raw logit for each sequence, from the model's RANK head.
+
+        The host composed the sequences with the model's own tokenizer (`[CLS] a [SEP]`, or a
+        pair through its pair template), so the worker adds nothing; `n_first` gives a BERT
+        pair its token types (1 after segment A), as for a cross-encoder. No activation: the
+        host applies softmax or sigmoid as the model's problem type says.
+        """
+        mdl = self._get(req.model_ref, "rerank")
+        lengths = [s.n_tokens for s in req.sequences]
+        ids = self._check_ids(mdl, ids, lengths)
+        if not _unsafe():
+            for i, s in enumerate(req.sequences):
+                if not 1 <= s.n_tokens <= mdl.item_limit:
+                    raise EngineError(
+                        "invalid_request",
+                        f"sequence {i} has {s.n_tokens} tokens; allowed 1..{mdl.item_limit}",
+                    )
+                if s.n_first > s.n_tokens:
+                    raise EngineError(
+                        "invalid_request",
+                        f"sequence {i}: n_first {s.n_first} exceeds its {s.n_tokens} tokens",
+                    )
+        seqs = _split(ids, lengths)
+        types = None
+        if mdl.typed is not None:
+            types = [pair_types(s.n_first, s.n_tokens) for s in req.sequences]
+        logits = encode.encode(mdl, seqs, progress, self._decode_tokens, types)
+        return np.ascontiguousarray(logits, dtype=np.float32)
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         """Greedy decoding (argmax, first index on ties — llama.cpp's greedy sampler).

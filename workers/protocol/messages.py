@@ -120,6 +120,15 @@ class RERANK_SEQUENCES(_Msg, tag="RERANK_SEQUENCES", frozen=True):
     sequences: list[RerankSequence]
 
 
+class CLASSIFY(_Msg, tag="CLASSIFY", frozen=True):
+    """Sequences the host composed (a text, or a pair through the tokenizer's pair template);
+    `n_first` counts segment A's tokens, specials included (all of them for a single text)."""
+
+    req_id: U64
+    model_ref: str
+    sequences: list[RerankSequence]
+
+
 class GENERATE(_Msg, tag="GENERATE", frozen=True):
     req_id: U64
     model_ref: str
@@ -177,6 +186,14 @@ class VECTORS(_Msg, tag="VECTORS", frozen=True):
 
 class SCORES(_Msg, tag="SCORES", frozen=True):
     req_id: U64
+
+
+class LABEL_SCORES(_Msg, tag="LABEL_SCORES", frozen=True):
+    """Label scores per item: `n` rows of `n_labels` raw f32 logits follow, row-major."""
+
+    req_id: U64
+    n: Count
+    n_labels: Count
 
 
 class TEXT(_Msg, tag="TEXT", frozen=True):
@@ -240,6 +257,7 @@ HostToWorker = Union[
     EMBED_BATCH,
     RERANK,
     RERANK_SEQUENCES,
+    CLASSIFY,
     GENERATE,
     ADMIT_SHAPE,
     EVICT,
@@ -252,6 +270,7 @@ WorkerToHost = Union[
     LOADED,
     VECTORS,
     SCORES,
+    LABEL_SCORES,
     TEXT,
     SHAPE_ADMITTED,
     EVICTED,
@@ -262,7 +281,16 @@ WorkerToHost = Union[
 ]
 
 Request = Union[
-    LOAD, EMBED_BATCH, RERANK, RERANK_SEQUENCES, GENERATE, ADMIT_SHAPE, EVICT, UNLOAD, PING
+    LOAD,
+    EMBED_BATCH,
+    RERANK,
+    RERANK_SEQUENCES,
+    CLASSIFY,
+    GENERATE,
+    ADMIT_SHAPE,
+    EVICT,
+    UNLOAD,
+    PING,
 ]
 
 # Which reply ends which request, and which phase its PROGRESS runs in after setup.
@@ -271,13 +299,16 @@ REPLY_FOR: dict[type, type] = {
     EMBED_BATCH: VECTORS,
     RERANK: SCORES,
     RERANK_SEQUENCES: SCORES,
+    CLASSIFY: LABEL_SCORES,
     GENERATE: TEXT,
     ADMIT_SHAPE: SHAPE_ADMITTED,
     EVICT: EVICTED,
     UNLOAD: UNLOADED,
     PING: PONG,
 }
-INFERENCE_REQUESTS: frozenset[type] = frozenset({EMBED_BATCH, RERANK, RERANK_SEQUENCES, GENERATE})
+INFERENCE_REQUESTS: frozenset[type] = frozenset(
+    {EMBED_BATCH, RERANK, RERANK_SEQUENCES, CLASSIFY, GENERATE}
+)
 CONTROL_REQUESTS: frozenset[type] = frozenset({LOAD, ADMIT_SHAPE, EVICT, UNLOAD})
 
 _encoder = msgspec.json.Encoder()

@@ -27,7 +27,7 @@ def request_payload_tokens(req: object) -> int | None:
         return sum(item.n_tokens for item in req.items)
     if type(req) is m.RERANK:
         return req.query_n_tokens + sum(c.n_tokens for c in req.candidates)
-    if type(req) is m.RERANK_SEQUENCES:
+    if type(req) is m.RERANK_SEQUENCES or type(req) is m.CLASSIFY:
         return sum(s.n_tokens for s in req.sequences)
     if type(req) is m.GENERATE:
         # GENERATE's header does not state the prompt length; its raw frame is "the prompt
@@ -46,6 +46,8 @@ def reply_payload_floats(reply: object, req: object) -> int | None:
         if type(req) is m.RERANK_SEQUENCES:
             return len(req.sequences)
         raise ProtocolError(f"SCORES in reply to {m.message_name(req)}")
+    if type(reply) is m.LABEL_SCORES:
+        return reply.n * reply.n_labels
     return None
 
 

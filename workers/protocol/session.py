@@ -9,6 +9,8 @@ Host side (`HostSession`), the frames it may receive:
     IDLE         (nothing: unsolicited frame = violation)
     REQUEST      PROGRESS (valid)             -> REQUEST
     REQUEST      reply / ERR                  -> IDLE, or AWAIT_RAW if a raw frame follows
+                 (VECTORS n and LABEL_SCORES n must equal the request's item count,
+                 LABEL_SCORES n_labels >= 1)
     AWAIT_RAW    raw frame of exact length    -> IDLE
     anything else                             -> FAILED (ProtocolError; close + kill)
 
@@ -235,6 +237,12 @@ class HostSession(_Base):
         if type(msg) is m.VECTORS and type(req) is m.EMBED_BATCH:
             if msg.n != len(req.items):
                 raise ProtocolError(f"VECTORS n={msg.n} for {len(req.items)} items")
+        if type(msg) is m.LABEL_SCORES and type(req) is m.CLASSIFY:
+            # One row per sequence, and at least one label: a row of nothing is no answer.
+            if msg.n != len(req.sequences):
+                raise ProtocolError(f"LABEL_SCORES n={msg.n} for {len(req.sequences)} sequences")
+            if msg.n_labels < 1:
+                raise ProtocolError("LABEL_SCORES n_labels=0: a classifier has a label")
         floats = payloads.reply_payload_floats(msg, req)
         if floats is not None:
             self._pending_reply, self._raw_count = msg, floats
