@@ -2,11 +2,12 @@
 
 Every byte comes through `huggingface_hub` (never an HTTP client of ours), into the standard
 Hugging Face cache (`HF_HOME` / `HF_HUB_CACHE`): files other tools fetched are reused, ours are
-reused by them, an interrupted download resumes, and `HF_TOKEN`, `HF_ENDPOINT` and
+reused by them, a transfer the network cuts resumes where it stopped (huggingface_hub asks
+for the rest with a Range request; a pull stopped midway keeps the files it completed and the
+next one fetches only the others), and `HF_TOKEN`, `HF_ENDPOINT` and
 `HF_HUB_OFFLINE` mean what they mean to every other Hugging Face tool. The cache is the Hub
 library's; the store (`ingest.store`) is ours, and nothing is written to it until the files
-are complete, so a download that fails (a full disk included) leaves the store as it was and
-the partial files where the next pull resumes them.
+are complete, so a download that fails (a full disk included) leaves the store as it was.
 
 The rules, in the order a pull applies them:
 
@@ -145,7 +146,12 @@ def store_name(repo: str, dtype: Dtype | None = None) -> str:
 
 
 def needed_files(repo: str, listing: list[str]) -> list[str]:
-    """The files of `listing` a model needs; refused when none are weights we read."""
+    """The files of `listing` a model needs; refused when none are weights we read, or when
+    there is no `config.json` to say what the model is."""
+    if "config.json" not in listing:
+        raise UnsupportedArchitecture(
+            f"{repo} has no config.json: not a transformers model we can convert"
+        )
     weights = [f for f in listing if "/" not in f and f.endswith(".safetensors")]
     if not weights:
         pickled = sorted(f for f in listing if f.endswith(PICKLE_SUFFIXES))
@@ -243,7 +249,8 @@ def hub_errors(ref: RepoRef) -> Iterator[None]:
             raise StorageFull(
                 f"the disk of the Hugging Face cache ({cache_dir()}) filled up while "
                 f"downloading {ref}: {mib(free_bytes(cache_dir()))} are free; the store is "
-                "untouched and the next pull resumes the download once there is space"
+                "untouched, the files completed stay in the cache, and the next pull fetches "
+                "the rest once there is space"
             ) from None
         if _is_network_error(e):
             raise HubUnreachable(f"cannot reach {where}: {e}") from None
@@ -309,7 +316,12 @@ def cached_snapshot(ref: RepoRef, files: list[str] | None = None) -> Path:
 
     try:
         path = snapshot_download(
-            ref.repo, revision=ref.revision, allow_patterns=files or list(NEEDED),
+            ref.repo,
+            revision=ref.revision,
+            # Only what must be there: a cache another tool filled (a sentence-transformers
+            # run) may lack a file we would have fetched, and the converter names what it
+            # misses.
+            allow_patterns=files or list(CONFIG_FILES),
             local_files_only=True,
         )
     except (hf.LocalEntryNotFoundError, FileNotFoundError):
@@ -325,7 +337,7 @@ def cached_snapshot(ref: RepoRef, files: list[str] | None = None) -> Path:
 
 def download(ref: RepoRef, listing: Listing, files: list[str]) -> Path:
     """`files` of `ref` at `listing.commit` into the cache (those already there are not
-    fetched again; a partial file resumes), with huggingface_hub's progress bars."""
+    fetched again; a cut transfer resumes), with huggingface_hub's progress bars."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     with hub_errors(ref):

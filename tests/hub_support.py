@@ -14,7 +14,8 @@ What it answers, as huggingface.co does (read in huggingface_hub's `hf_api.py`,
   `X-Repo-Commit` and `ETag` (its git blob sha1); an LFS file (`*.safetensors`) answers 302 to
   the CDN, another host (127.0.0.2, so the client does not follow it for metadata), carrying
   `X-Repo-Commit`, `X-Linked-Etag` (its sha256) and `X-Linked-Size`. GETs honour `Range`
-  (206), which is how an interrupted download resumes.
+  (206), which is how huggingface_hub resumes a transfer the network cut
+  (`HubServer.interrupt` cuts one).
 - `GET /api/agent-harnesses`: the registry huggingface_hub fetches for itself (at most once
   a day, cached under HF_HOME), empty.
 - Errors with the headers huggingface_hub maps to its exceptions: `X-Error-Code:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,6 +50,9 @@ class Repo:
     commit: str = ""
     gated_token: str | None = None  # a gated repository opens to this token only
     branches: dict[str, str] = field(default_factory=dict)
+    # The listing leaves sizes out (as for files still being uploaded): a client cannot tell
+    # the space a download needs before it starts.
+    hide_sizes: bool = False
 
     def __post_init__(self) -> None:
         if not self.commit:
@@ -69,6 +74,9 @@ class HubServer:
         self.repos = repos
         self.log: list[tuple[str, str]] = []
         self.ranges: list[tuple[str, str]] = []  # (path, Range header) of ranged GETs
+        # sha256s of LFS files whose next whole GET is cut after half its bytes (the
+        # connection closes), as a network drop cuts a download.
+        self.interrupt: set[str] = set()
         self._lock = threading.Lock()
         handler = self._handler()
         self._api = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -218,7 +226,10 @@ class HubServer:
                             "private": False,
                             "gated": "auto" if repo.gated_token else False,
                             "tags": [],
-                            "siblings": [self._sibling(f, d, blobs) for f, d in repo.files.items()],
+                            "siblings": [
+                                self._sibling(f, d, blobs and not repo.hide_sizes)
+                                for f, d in repo.files.items()
+                            ],
                         }
                     )
                 elif tail[0] == "tree" and len(tail) >= 2:
@@ -289,9 +300,22 @@ class HubServer:
             def _cdn(self, rest: str, body: bool) -> None:
                 repo_id, _, sha = rest.rpartition("/")
                 repo = hub.repos.get(repo_id)
-                for data in (repo.files.values() if repo else []):
-                    if hashlib.sha256(data).hexdigest() == sha:
-                        return self._ranged(data, {"ETag": f'"{sha}"'}, body)
+                for data in repo.files.values() if repo else []:
+                    if hashlib.sha256(data).hexdigest() != sha:
+                        continue
+                    with hub._lock:
+                        cut = body and "Range" not in self.headers and sha in hub.interrupt
+                        hub.interrupt.discard(sha)
+                    if cut:
+                        self.send_response(200)
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return None
+                    return self._ranged(data, {"ETag": f'"{sha}"'}, body)
                 self._send(404, b"", {}, body)
 
             def _ranged(self, data: bytes, headers: dict[str, str], body: bool) -> None:

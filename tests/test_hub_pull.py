@@ -112,19 +112,25 @@ def _fetched(hub: HubServer) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pulled(module_tmp, hub, source):
-    """One pull of REPO into a fresh Hugging Face cache and store, with half of the weights
-    left in the cache as an interrupted download leaves them (it must resume)."""
+    """One pull of REPO into a fresh Hugging Face cache and store, the connection dropped
+    halfway through the weights (the transfer must resume, not start over)."""
     tmp = module_tmp / "pull"
     weights = (source / "model.safetensors").read_bytes()
     sha = hashlib.sha256(weights).hexdigest()
-    blobs = tmp / "hf" / "hub" / "models--acme--tiny-embed" / "blobs"
-    blobs.mkdir(parents=True)
-    (blobs / f"{sha}.incomplete").write_bytes(weights[: len(weights) // 2])
     env = _env(tmp, hub.endpoint)
     hub.clear()
+    hub.interrupt.add(sha)
     proc = synapse(env, "models", "pull", REPO)
     assert proc.returncode == 0, proc.stderr
-    return {"tmp": tmp, "env": env, "proc": proc, "requests": hub.requests(), "sha": sha}
+    return {
+        "tmp": tmp,
+        "env": env,
+        "proc": proc,
+        "requests": hub.requests(),
+        "ranges": hub.range_requests(),
+        "sha": sha,
+        "half": len(weights) // 2,
+    }
 
 
 def test_pull_fetches_only_what_the_model_needs_and_builds_what_ingest_dir_builds(
@@ -144,9 +150,10 @@ def test_pull_fetches_only_what_the_model_needs_and_builds_what_ingest_dir_build
     fetched = " ".join(p for m, p in pulled["requests"] if m == "GET")
     for name in EXTRA:
         assert name not in fetched
-    # The half-downloaded weights resumed (a Range request), and the result is whole.
-    ranged = [h for h in hub.range_requests() if pulled["sha"] in h[0]]
-    assert ranged and ranged[0][1].startswith("bytes=") and ranged[0][1] != "bytes=0-"
+    # The cut transfer resumed where it stopped (a Range request), and the result is whole
+    # (the digests above).
+    ranged = [r for p, r in pulled["ranges"] if pulled["sha"] in p]
+    assert ranged == [f"bytes={pulled['half']}-"], pulled["ranges"]
     # The same directory given to `models ingest DIR` makes the same GGUF, byte for byte.
     ref = ArtifactStore(module_tmp / "ref-store").ingest_hf_dir(source, name="tiny-embed")
     assert rec.digest == ref.digest
@@ -263,17 +270,31 @@ def test_serve_config_names_models_by_repository_id(tmp_path, hub, pulled):
 
 
 @pytest.mark.skipif(small_disk.unavailable() is not None, reason=str(small_disk.unavailable()))
-def test_a_cache_disk_too_small_is_storage_full_and_the_store_keeps_nothing(tmp_path, hub):
+def test_a_full_disk_is_storage_full_the_store_keeps_nothing_and_the_next_pull_resumes(
+    tmp_path, hub, source
+):
+    """On a real small filesystem holding both the Hugging Face cache and the store: a download
+    the disk cannot hold is refused before it starts; one whose size the listing does not
+    give fills the disk midway; neither leaves anything in the store, and once there is
+    space the next pull completes it and builds the model."""
+    hub.repos["acme/unsized"] = Repo(repo_from_dir(source), hide_sizes=True)
     disk = tmp_path / "disk"
     disk.mkdir()
     env = _env(disk, hub.endpoint)
-    proc = small_disk.run_on_small_disk(
-        disk, "2M", f'$PY -m cli models pull {REPO}; echo "exit=$?"; ls -A "$DISK/synapse/models" || true',
-        env=env,
+    store = '"$DISK/synapse/models"'
+    script = (
+        f"$PY -m cli models pull {REPO} 2>&1 | tail -n1; ls -A {store}; echo '--'\n"
+        "remount 3M\n"
+        f"$PY -m cli models pull acme/unsized 2>&1 | tail -n1; ls -A {store}; echo '--'\n"
+        "remount 64M\n"
+        f"$PY -m cli models pull acme/unsized 2>&1 | tail -n3; ls -A {store}\n"
     )
-    out = proc.stdout
-    assert "exit=2" in out, (proc.stdout, proc.stderr)
-    line = _error_line(subprocess.CompletedProcess([], 2, "", proc.stderr))
-    assert line.startswith("error[storage_full]: ") and "Hugging Face cache" in line
-    listed = out.split("exit=2", 1)[1].split()
-    assert [n for n in listed if n != ".lock"] == []
+    hub.clear()
+    proc = small_disk.run_on_small_disk(disk, "2M", script, env=env)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    before, midway, after = proc.stdout.split("--\n")
+    assert before.startswith("error[storage_full]: ") and "needs about" in before, before
+    assert before.split()[-1] == ".lock"  # the store holds nothing but its lock
+    assert midway.startswith("error[storage_full]: ") and "filled up while downloading" in midway
+    assert midway.split()[-1] == ".lock", midway
+    assert "downloaded and built" in after and after.split()[-1] == "unsized", after
