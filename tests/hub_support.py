@@ -40,6 +40,11 @@ LFS_SUFFIXES = (".safetensors", ".pt", ".bin", ".gguf")
 CDN_HOST = "127.0.0.2"  # loopback too, but another host to the client
 
 
+def cut_at(data: bytes) -> int:
+    """Where an interrupted transfer of `data` stops."""
+    return max(len(data) - (1 << 20), 0)
+
+
 def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -74,7 +79,7 @@ class HubServer:
         self.repos = repos
         self.log: list[tuple[str, str]] = []
         self.ranges: list[tuple[str, str]] = []  # (path, Range header) of ranged GETs
-        # sha256s of LFS files whose next whole GET is cut after half its bytes (the
+        # sha256s of LFS files whose next whole GET is cut one MiB before its end (the
         # connection closes), as a network drop cuts a download.
         self.interrupt: set[str] = set()
         self._lock = threading.Lock()
@@ -310,7 +315,7 @@ class HubServer:
                         self.send_response(200)
                         self.send_header("Content-Length", str(len(data)))
                         self.end_headers()
-                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.write(data[: cut_at(data)])
                         self.wfile.flush()
                         self.close_connection = True
                         self.connection.shutdown(socket.SHUT_RDWR)
@@ -334,12 +339,14 @@ class HubServer:
 
 # ---- tiny models, built here -----------------------------------------------------------------
 
-TINY_HIDDEN = 32
+# Wide enough that the weights (~12 MB) exceed huggingface_hub's 10 MiB read chunk: a transfer
+# cut after the first chunk has bytes on disk to resume from.
+TINY_HIDDEN = 96
 
 
 def tiny_bert_dir(dst: Path, seed: int = 0) -> Path:
     """A sentence-transformers BERT embedder as the Hub lays one out: MiniLM's tokenizer and
-    module files around a tiny seeded random BertModel (2 layers, width 32) that transformers
+    module files around a tiny seeded random BertModel (2 layers, width 96) that transformers
     writes (config.json, model.safetensors), with an e5-style prompt."""
     import shutil
 
@@ -360,7 +367,7 @@ def tiny_bert_dir(dst: Path, seed: int = 0) -> Path:
         hidden_size=TINY_HIDDEN,
         num_hidden_layers=2,
         num_attention_heads=4,
-        intermediate_size=64,
+        intermediate_size=128,
         max_position_embeddings=512,
         initializer_range=0.3,
     )
