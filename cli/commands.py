@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from common.errors import InvalidRequest
 from cli.sources import ingest_reference, is_model_reference, print_available, pull_model
+from common.errors import InvalidRequest
 from host.module import Module, ModuleConfig
 from ingest.defaults import ensure_defaults
 from ingest.precision import embed_precision, lane_precisions

@@ -63,7 +63,10 @@ def _gguf(ref: str, origin: str, path: Path) -> Available | None:
     except ArtifactInvalid:
         return None
     return Available(
-        ref, origin, info.kind, f"{info.architecture}, {info.pooling}, {info.dtype}",
+        ref,
+        origin,
+        info.kind,
+        f"{info.architecture}, {info.pooling}, {info.dtype}",
         path.stat().st_size,
     )
 

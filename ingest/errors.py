@@ -56,7 +56,7 @@ class NoSupportedWeights(ArtifactInvalid):
     code = "no_supported_weights"
 
 
-class UnsupportedArchitecture(ArtifactInvalid):
+class UnsupportedModelType(ArtifactInvalid):
     """The repository's `config.json` names a `model_type` no converter of ours reads; known
     before any weight is downloaded."""
 

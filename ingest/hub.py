@@ -59,7 +59,7 @@ from ingest.errors import (
     NoSupportedWeights,
     RepoGated,
     RepoNotFound,
-    UnsupportedArchitecture,
+    UnsupportedModelType,
 )
 from ingest.hf_common import Dtype
 from ingest.hf_dir import FAMILIES
@@ -149,7 +149,7 @@ def needed_files(repo: str, listing: list[str]) -> list[str]:
     """The files of `listing` a model needs; refused when none are weights we read, or when
     there is no `config.json` to say what the model is."""
     if "config.json" not in listing:
-        raise UnsupportedArchitecture(
+        raise UnsupportedModelType(
             f"{repo} has no config.json: not a transformers model we can convert"
         )
     weights = [f for f in listing if "/" not in f and f.endswith(".safetensors")]
@@ -177,9 +177,9 @@ def check_config(repo: str, model_dir: Path) -> HfConfig:
     try:
         config = HfConfig.read(model_dir)
     except ArtifactInvalid as e:
-        raise UnsupportedArchitecture(f"{repo}: {e.message}") from None
+        raise UnsupportedModelType(f"{repo}: {e.message}") from None
     if config.model_type not in FAMILIES:
-        raise UnsupportedArchitecture(
+        raise UnsupportedModelType(
             f"{repo} is a {config.model_type!r} model; we convert "
             f"{', '.join(sorted(FAMILIES))} (refused before downloading its weights)"
         )
@@ -311,8 +311,8 @@ def resolve(ref: RepoRef) -> Listing:
 def cached_snapshot(ref: RepoRef, files: list[str] | None = None) -> Path:
     """The cache's snapshot of `ref` (a branch or tag as the cache's refs last resolved it),
     without the network; `HubUnreachable`-free: a miss is `ModelNotFound`."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf
+    from huggingface_hub import snapshot_download
 
     try:
         path = snapshot_download(

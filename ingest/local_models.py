@@ -125,7 +125,9 @@ def resolve_ollama(ref: str, check_digest: bool = True) -> LocalGguf:
         revision=_sha256_bytes(data),
         files={"model.gguf": hexdigest},
     )
-    return LocalGguf(blob, hexdigest, prov, _store_name(name if tag == "latest" else f"{name}-{tag}"))
+    return LocalGguf(
+        blob, hexdigest, prov, _store_name(name if tag == "latest" else f"{name}-{tag}")
+    )
 
 
 def _model_layer(manifest: Path, data: bytes) -> str:

@@ -300,7 +300,9 @@ class HubServer:
                         "ETag": f'"{git_blob_sha1(data)}"',
                     }
                     return self._send(302, b"", headers, body)
-                self._ranged(data, {"X-Repo-Commit": commit, "ETag": f'"{git_blob_sha1(data)}"'}, body)
+                self._ranged(
+                    data, {"X-Repo-Commit": commit, "ETag": f'"{git_blob_sha1(data)}"'}, body
+                )
 
             def _cdn(self, rest: str, body: bool) -> None:
                 repo_id, _, sha = rest.rpartition("/")

@@ -51,12 +51,18 @@ def ollama_model(root: Path, name: str, gguf: Path, tag: str = "latest") -> Path
     manifest = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
-                   "digest": f"sha256:{license_hex}", "size": len(license_blob)},
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json",
+            "digest": f"sha256:{license_hex}",
+            "size": len(license_blob),
+        },
         "layers": [
             {"mediaType": OLLAMA_MODEL_LAYER, "digest": f"sha256:{hexdigest}", "size": len(data)},
-            {"mediaType": "application/vnd.ollama.image.license",
-             "digest": f"sha256:{license_hex}", "size": len(license_blob)},
+            {
+                "mediaType": "application/vnd.ollama.image.license",
+                "digest": f"sha256:{license_hex}",
+                "size": len(license_blob),
+            },
         ],
     }
     path = root / "manifests" / "registry.ollama.ai" / "library" / name / tag
@@ -119,8 +125,11 @@ def test_a_store_on_another_filesystem_records_a_reference(tmp_path, built, monk
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli", *args],
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
-             "PYTHONPATH": str(ROOT), **env},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
+            "PYTHONPATH": str(ROOT),
+            **env,
+        },
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -163,9 +172,11 @@ def _hf_snapshot(hub: Path, repo: str, src: Path, config: dict | None = None, st
         rel = path.relative_to(src).as_posix()
         if path.is_dir() or (not st and ("/" in rel or rel.startswith(("modules", "sentence")))):
             continue
-        data = path.read_bytes() if rel != "config.json" or config is None else json.dumps(
-            config
-        ).encode()
+        data = (
+            path.read_bytes()
+            if rel != "config.json" or config is None
+            else json.dumps(config).encode()
+        )
         blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
         blob.write_bytes(data)
@@ -206,3 +217,25 @@ def test_lm_studio_model_is_ingested_in_place_from_the_command_line(tools):
     missing = _cli(tools, "models", "ingest", "ollama:nomic-embed-text")
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error[model_not_found]: Ollama's store")
+
+
+def test_a_tokenizer_llama_cpp_disagrees_with_is_refused_and_leaves_no_link(
+    tmp_path, built, monkeypatch
+):
+    """As for any GGUF: the derived tokenizer is proven against llama.cpp or the model is
+    refused with the text they differ on; the staging link to Ollama's blob goes too."""
+    import gguf
+
+    from ingest.errors import TokenizerMismatch
+
+    odd = rewrite_gguf(
+        built["gguf"],
+        tmp_path / "keep-accents.gguf",
+        set_kv={"tokenizer.ggml.normalizer.strip_accents": (False, gguf.GGUFValueType.BOOL)},
+    )
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    blob = ollama_model(tmp_path / "ollama", "odd-embed", odd)
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(TokenizerMismatch, match="differs from llama.cpp's on text"):
+        ingest_local(store, "ollama:odd-embed", None, prove_gguf_tokenizer)
+    assert store.ls() == [] and os.stat(blob).st_nlink == 1
