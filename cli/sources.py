@@ -90,7 +90,8 @@ _ACTIONS = {
 def _said(rec: ModelRecord, action: str) -> None:
     man = rec.manifest
     origin = f" from {man.provenance.label()}" if man.provenance else ""
-    console.print(escape(f"{rec.name} ({man.kind}, {man.dims} dims){origin}: {_ACTIONS[action]}"))
+    line = f"{rec.name} ({man.kind}, {man.dims} dims){origin}: {_ACTIONS[action]}"
+    console.print(escape(line), soft_wrap=True)
 
 
 def print_available(as_json: bool) -> int:

@@ -11,9 +11,10 @@ are complete, so a download that fails (a full disk included) leaves the store a
 
 The rules, in the order a pull applies them:
 
-1. The revision (default `main`) resolves to a commit (one API call). A model of the store
-   already pulled from that repository at that commit is the answer: nothing is downloaded.
-   With `HF_HUB_OFFLINE=1` the revision resolves from the cache's refs: no network at all.
+1. The revision (default `main`) resolves to a commit (one API call, `resolve_revision`,
+   which records it in the cache's `refs/`). A model of the store already pulled from that
+   repository at that commit is the answer: nothing else is asked, nothing downloaded. With
+   `HF_HUB_OFFLINE=1` (or no network) the revision resolves from that record: no request.
 2. The repository's listing must hold weights we read: `*.safetensors` (or a sharded index)
    at its top level. Pickled checkpoints (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`) run code when
    loaded and are never fetched; GGUF-only repositories are files to `models ingest`.
@@ -289,14 +290,35 @@ class Listing:
     lfs: dict[str, str]  # file -> sha256 the Hub stores it under (LFS files)
 
 
-def resolve(ref: RepoRef) -> Listing:
-    """The commit `ref.revision` names now and the files there (one API call)."""
+def resolve_commit(ref: RepoRef) -> str:
+    """The commit `ref.revision` names: asked of the Hub (one API call), which huggingface_hub
+    records in the cache's `refs/`; that record when the Hub cannot be reached or
+    `HF_HUB_OFFLINE` is set."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf
+
+    try:
+        with hub_errors(ref):
+            resolved = HfApi().resolve_revision(ref.repo, revision=ref.revision)
+    except hf.RevisionResolutionError as e:
+        if offline():
+            raise HubUnreachable(
+                f"HF_HUB_OFFLINE is set and the Hugging Face cache ({cache_dir()}) has no record "
+                f"of {ref}: unset it, or pull on a machine with network"
+            ) from None
+        why = _first_line(e.__cause__ or e)
+        raise HubUnreachable(f"cannot reach {endpoint()} for {ref}: {why}") from None
+    return str(resolved.resolved)
+
+
+def listing_at(ref: RepoRef, commit: str) -> Listing:
+    """The files of `ref` at `commit`, with their sizes and LFS digests (one API call)."""
     from huggingface_hub import HfApi
 
     with hub_errors(ref):
-        info = HfApi().model_info(ref.repo, revision=ref.revision, files_metadata=True)
-    if not info.sha or not _COMMIT.fullmatch(info.sha):
-        raise HubUnreachable(f"{endpoint()} gave no commit for {ref}")
+        info = HfApi().model_info(ref.repo, revision=commit, files_metadata=True)
+    if info.sha != commit:
+        raise HubUnreachable(f"{endpoint()} answered commit {info.sha} for {commit}")
     sizes: dict[str, int] = {}
     lfs: dict[str, str] = {}
     for s in info.siblings or []:
@@ -470,13 +492,15 @@ def pull(
 ) -> PullResult:
     """`models pull ORG/NAME[@REVISION]`: resolve, refuse what we cannot serve before the
     download, download what is missing, ingest. See the module docstring for the rules."""
-    if offline():
-        # No network at all: the cache's refs say what the revision was when last resolved.
-        return ingest_cached(store, ref, name, dtype, **options)
-    listing = resolve(ref)
-    present = store.find("huggingface", ref.repo, listing.commit)
+    commit = resolve_commit(ref)
+    present = store.find("huggingface", ref.repo, commit)
     if present and name is None:
         return PullResult(present[0], "present")
+    if offline():
+        # No network at all: what the cache holds at that commit, or a refusal.
+        # (the cache's refs, which gave `commit`, name the same snapshot).
+        return ingest_cached(store, ref, name, dtype, **options)
+    listing = listing_at(ref, commit)
     files = needed_files(ref.repo, listing.files)
     at_commit = RepoRef(ref.repo, listing.commit)
     try:

@@ -358,7 +358,9 @@ def tiny_bert_dir(dst: Path, seed: int = 0) -> Path:
     from ingest.model_packages import minilm_dir
 
     src = minilm_dir()
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
+    shutil.copytree(src, dst)
+    for own in ("model.safetensors", "config.json"):  # the tiny model's, written below
+        (dst / own).unlink()
     pooling = dst / "1_Pooling" / "config.json"
     spec = json.loads(pooling.read_text())
     spec["word_embedding_dimension"] = TINY_HIDDEN
