@@ -129,7 +129,7 @@ def _hf_snapshot(repo: str, snapshot: Path) -> Available | None:
     try:
         config = HfConfig.read(snapshot)
         model_type = config.model_type
-        architectures = config.architectures()
+        architectures = config.architectures
         layout = st_layout(snapshot)
     except (ArtifactInvalid, ValueError):
         return None
