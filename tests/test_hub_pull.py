@@ -204,29 +204,55 @@ def test_ingest_by_repo_id_reads_the_cache_without_the_network(pulled, hub):
     assert _error_line(missing).startswith("error[model_not_found]: the Hugging Face cache")
 
 
-@pytest.mark.parametrize(
-    ("repo", "extra_env", "code", "exit_code", "says"),
-    [
-        ("acme/no-such-repo", {}, "repo_not_found", 2, "no repository acme/no-such-repo"),
-        (f"{REPO}@v9", {}, "revision_not_found_or_repo", 2, "has no revision 'v9'"),
-        ("acme/gated-embed", {}, "repo_gated", 2, "no token was given"),
-        ("acme/gated-embed", {"HF_TOKEN": "hf_wrong"}, "repo_gated", 2, "has no access"),
-        ("acme/pickles-only", {}, "no_supported_weights", 2, "pytorch_model.bin"),
-        ("acme/llama-chat", {}, "unsupported_architecture", 2, "'llama'"),
-        (REPO, {"HF_ENDPOINT": "dead"}, "hub_unreachable", 3, "cannot reach"),
-    ],
-)
-def test_each_refusal_is_one_line_with_its_code_and_the_store_is_untouched(
-    tmp_path, hub, repo, extra_env, code, exit_code, says
-):
-    if extra_env.get("HF_ENDPOINT") == "dead":
-        extra_env = {"HF_ENDPOINT": _dead_endpoint()}
-    code = "repo_not_found" if code == "revision_not_found_or_repo" else code
+# (repository, HF_TOKEN, code, exit status, what the line says)
+REFUSALS = [
+    ("acme/no-such-repo", None, "repo_not_found", 2, "no repository acme/no-such-repo"),
+    (f"{REPO}@v9", None, "repo_not_found", 2, "has no revision 'v9'"),
+    ("acme/gated-embed", None, "repo_gated", 2, "no token was given"),
+    ("acme/gated-embed", "hf_wrong", "repo_gated", 2, "has no access"),
+    ("acme/pickles-only", None, "no_supported_weights", 2, "pytorch_model.bin"),
+    ("acme/llama-chat", None, "unsupported_architecture", 2, "'llama'"),
+]
+# One interpreter runs every case through the command line's own entry point (each case a
+# separate `main()`, its stderr captured): the same boundary, without an interpreter start per
+# case.
+_RUN_CASES = """
+import contextlib, io, json, os, sys
+from cli.main import main
+out = []
+for repo, token in json.loads(sys.argv[1]):
+    os.environ.pop("HF_TOKEN", None)
+    if token:
+        os.environ["HF_TOKEN"] = token
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["models", "pull", repo])
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_each_refusal_is_one_line_with_its_code_and_the_store_is_untouched(tmp_path, hub):
     hub.clear()
-    proc = synapse(_env(tmp_path, hub.endpoint, **extra_env), "models", "pull", repo)
-    assert proc.returncode == exit_code, proc.stderr
-    line = _error_line(proc)
-    assert line.startswith(f"error[{code}]: ") and says in line, line
+    cases = json.dumps([[repo, token] for repo, token, *_ in REFUSALS])
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_CASES, cases],
+        env=_env(tmp_path, hub.endpoint),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout.splitlines()[-1])
+    for (repo, _, code, exit_code, says), (got, stderr) in zip(REFUSALS, results, strict=True):
+        line = _error_line(subprocess.CompletedProcess([], got, "", stderr))
+        assert (got, line.startswith(f"error[{code}]: ")) == (exit_code, True), (repo, line)
+        assert says in line, (repo, line)
+    # No network: the same one line, exit 3 (the same command may work later).
+    dead = synapse(_env(tmp_path, _dead_endpoint()), "models", "pull", REPO)
+    assert dead.returncode == 3
+    assert _error_line(dead).startswith("error[hub_unreachable]: cannot reach http://127.0.0.1:")
     store = tmp_path / "synapse" / "models"
     assert not store.exists() or [p.name for p in store.iterdir() if p.name != ".lock"] == []
     # Refused before the download: no weights were fetched.
