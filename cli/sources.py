@@ -25,7 +25,8 @@ def is_model_reference(text: str) -> bool:
     from ingest.hub import parse_ref
     from ingest.local_models import is_local_ref
 
-    return is_local_ref(text) or parse_ref(text) is not None
+    # A missing `dir/model.gguf` is a mistyped path, not a repository.
+    return is_local_ref(text) or (parse_ref(text) is not None and not text.endswith(".gguf"))
 
 
 def _options(args: argparse.Namespace) -> dict:
