@@ -19,6 +19,9 @@ Schema v1, one JSON object per certificate:
     measurements  per-item cosines, per-request latencies, rerank errors, placement detail
     created_at, duration_s, synapse_version
     reference_dir the HF directory of the reference
+    provenance    where the model's files came from (ingest.provenance: the Hub repository and
+                  commit, an Ollama model...) with their sha256s; absent for a local directory
+                  or file, and in certificates written before it was recorded
     reference     which forward judged the lane, with its versions: "sentence-transformers
                   6.2.0 (transformers 5.24.0, torch 2.13.0, fp32 CPU)" or "numpy BERT
                   reference (numpy 2.3.1, fp32 CPU)"; absent in certificates written before it
@@ -34,6 +37,7 @@ import msgspec
 from certification.fingerprint import Fingerprint
 from certification.identity import CertificateKey
 from certification.thresholds import Thresholds
+from ingest.provenance import Provenance
 
 SCHEMA_VERSION = 1
 # The judge of every certificate that does not name one: the only reference there was.
@@ -108,6 +112,7 @@ class Certificate(msgspec.Struct, kw_only=True):
     synapse_version: str = ""
     reference_dir: str = ""
     reference: str = NUMPY_REFERENCE
+    provenance: Provenance | None = None
 
 
 def encode(cert: Certificate) -> bytes:

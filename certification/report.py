@@ -35,6 +35,10 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 {% if c.overrides %} Threshold overrides: {{ c.overrides }}.{% endif %}</p>
 <p id="reference">Reference (the fp32 judge): {{ c.reference }}{% if c.reference_dir %}, on
  <code>{{ c.reference_dir }}</code>{% endif %}.</p>
+{% if c.provenance %}<p id="provenance">Model files: {{ c.provenance.origin }}
+ <code>{{ c.provenance.repo }}</code>{% if c.provenance.revision %} at
+ <code>{{ c.provenance.revision }}</code>{% endif %}{% if c.provenance.endpoint %} from
+ {{ c.provenance.endpoint }}{% endif %}.</p>{% endif %}
 
 <h2>Checks</h2>
 <table id="checks"><tr><th>check</th><th>gate</th><th>status</th><th>value</th>

@@ -181,6 +181,7 @@ async def certify(
         synapse_version=_synapse_version(),
         reference_dir=str(ref_dir),
         reference=oracle.reference_name,
+        provenance=record.manifest.provenance,
     )
     if options.save:
         store.save(cert)

@@ -70,6 +70,8 @@ def print_certificate(console: Console, cert: Certificate) -> None:
         f"({escape(k.precision)}, {escape(k.engine)} {escape(k.engine_version)}): "
         f"[{STYLE[cert.status]}]{cert.status.upper()}[/]  certificate {cert.id}"
     )
+    if cert.provenance is not None:
+        console.print(f"  [dim]model files:[/] {escape(cert.provenance.label())}")
     # Narrow terminals: details go below the table rather than into a 2-character column.
     wide = console.width >= 110
     table = Table()

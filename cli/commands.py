@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from cli.sources import ingest_reference, is_model_reference, print_available, pull_model
 from common.errors import InvalidRequest
 from host.module import Module, ModuleConfig
 from ingest.defaults import ensure_defaults
@@ -35,18 +36,30 @@ QUICKSTART_SENTENCES = [
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
-    models = sub.add_parser("models", help="the artifact store: ls | ingest PATH | rm NAME")
+    models = sub.add_parser(
+        "models", help="the artifact store: ls | pull ORG/NAME | ingest PATH | rm NAME"
+    )
     models_sub = models.add_subparsers(dest="models_command", required=True)
     ls = models_sub.add_parser("ls", help="list installed models")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument(
+        "--available",
+        action="store_true",
+        help="list the embedding and rerank models Ollama, LM Studio and the Hugging Face "
+        "cache already hold (what `models ingest` takes)",
+    )
     ls.set_defaults(func=_models_ls)
     ingest = models_sub.add_parser(
         "ingest",
         help="add a model: a Hugging Face / sentence-transformers dir (BERT, "
-        "XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 embedding; converted to GGUF) or a GGUF file",
+        "XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3 embedding; converted to GGUF), a GGUF file, "
+        "ORG/NAME from the Hugging Face cache, ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO",
     )
     ingest.add_argument(
-        "path", nargs="?", help="model dir or .gguf file; omit to install the defaults"
+        "path",
+        nargs="?",
+        help="model dir, .gguf file, ORG/NAME[@REVISION] (Hugging Face cache), "
+        "ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE]; omit to install the defaults",
     )
     ingest.add_argument("--name")
     ingest.add_argument(
@@ -65,24 +78,23 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     ingest.add_argument(
         "--max-tokens", type=int, help="GGUF only: default truncation (default: the model's limit)"
     )
-    ingest.add_argument(
-        "--prompt",
-        action="append",
-        type=_named_prompt,
-        metavar="NAME=TEXT",
-        help="a prompt prepended to inputs embedded with --prompt-name NAME; adds to or "
-        "replaces the model's own (repeatable)",
-    )
-    ingest.add_argument(
-        "--default-prompt", metavar="NAME", help="the prompt applied when a call names none"
-    )
-    ingest.add_argument(
-        "--matryoshka-dims",
-        type=_widths,
-        metavar="D1,D2,...",
-        help="widths the model was trained to be cut to (Matryoshka), e.g. 512,256,128",
-    )
+    _add_encode_options(ingest)
     ingest.set_defaults(func=_models_ingest)
+    pull = models_sub.add_parser(
+        "pull",
+        help="download a model from the Hugging Face Hub (into its cache) and ingest it",
+        description="Download ORG/NAME[@REVISION] with huggingface_hub into the Hugging Face "
+        "cache (only the files the model needs; resumable; HF_TOKEN, HF_ENDPOINT and "
+        "HF_HUB_OFFLINE apply) and ingest it as `models ingest DIR` does. A model already "
+        "pulled at the commit the revision names is left as it is.",
+    )
+    pull.add_argument("repo", metavar="ORG/NAME[@REVISION]")
+    pull.add_argument("--name", help="store name (default: NAME, lowercased)")
+    pull.add_argument(
+        "--dtype", choices=["f16", "f32"], help="default: this platform's (see `models ls`)"
+    )
+    _add_encode_options(pull)
+    pull.set_defaults(func=_models_pull)
     rm = models_sub.add_parser("rm", help="remove a model")
     rm.add_argument("name")
     rm.set_defaults(func=_models_rm)
@@ -132,6 +144,26 @@ _LANE_HELP = (
 )
 
 
+def _add_encode_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        type=_named_prompt,
+        metavar="NAME=TEXT",
+        help="a prompt prepended to inputs embedded with --prompt-name NAME; adds to or "
+        "replaces the model's own (repeatable)",
+    )
+    parser.add_argument(
+        "--default-prompt", metavar="NAME", help="the prompt applied when a call names none"
+    )
+    parser.add_argument(
+        "--matryoshka-dims",
+        type=_widths,
+        metavar="D1,D2,...",
+        help="widths the model was trained to be cut to (Matryoshka), e.g. 512,256,128",
+    )
+
+
 def _named_prompt(text: str) -> tuple[str, str]:
     name, sep, prompt = text.partition("=")
     if not sep or not name.strip():
@@ -160,6 +192,8 @@ def _store() -> ArtifactStore:
 
 
 def _models_ls(args: argparse.Namespace) -> int:
+    if getattr(args, "available", False):
+        return print_available(args.json)
     records = _store().ls()
     if args.json:
         print(json.dumps([{"name": r.name, **_manifest_dict(r)} for r in records]))
@@ -184,6 +218,8 @@ def _models_ls(args: argparse.Namespace) -> int:
     for r in records:
         if r.manifest.prompts or r.manifest.matryoshka_dims:
             console.print(escape(f"{r.name}: {_encode_options_line(r.manifest)}"))
+        if r.manifest.provenance is not None:
+            console.print(escape(f"{r.name}: from {r.manifest.provenance.label()}"))
     choice = embed_precision()
     console.print(f"[dim]{DEFAULT_EMBED} is {choice.dtype} on this machine: {choice.reason}[/]")
     return 0
@@ -208,6 +244,7 @@ def _manifest_dict(record) -> dict:
         "default_prompt_name": man.default_prompt_name,
         "matryoshka_dims": man.matryoshka_dims,
         "precision": lane_precisions(man.kind, man.dtype),
+        "provenance": msgspec.to_builtins(man.provenance),
     }
 
 
@@ -218,6 +255,8 @@ def _models_ingest(args: argparse.Namespace) -> int:
                 "--prompt, --default-prompt and --matryoshka-dims need a model PATH"
             )
         ensure_defaults()
+    elif not Path(args.path).exists() and is_model_reference(args.path):
+        ingest_reference(args)
     elif Path(args.path).is_file():
         if args.dtype is not None:
             raise InvalidRequest(
@@ -254,6 +293,11 @@ def _models_ingest(args: argparse.Namespace) -> int:
             matryoshka_dims=args.matryoshka_dims,
         )
         console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
+    return _models_ls(argparse.Namespace(json=False))
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    pull_model(args)
     return _models_ls(argparse.Namespace(json=False))
 
 

@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SynapseError as exc:
-        Console(stderr=True).print(escape(f"error[{exc.code}]: {exc.message}"))
+        # soft_wrap: one line whatever the terminal's width, for scripts reading it.
+        Console(stderr=True).print(escape(f"error[{exc.code}]: {exc.message}"), soft_wrap=True)
         return exit_status(exc)
 
 

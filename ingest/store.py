@@ -66,6 +66,7 @@ from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
 from ingest.model_packages import minilm_dir, minilm_source
 from ingest.precision import embed_precision
+from ingest.provenance import Provenance
 from ingest.quantization import QuantizationRanges
 
 Kind = Literal["embed", "rerank", "generate"]
@@ -126,6 +127,9 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     # int8/uint8 ranges per served width, recorded on first use (ingest.quantization); a
     # manifest without them is simply not calibrated yet.
     quantization: QuantizationRanges | None = None
+    # What the files are upstream (a Hub repository at a commit, an Ollama model...), with
+    # the digests of the files read; None for a local directory or file (`source` says which).
+    provenance: Provenance | None = None
 
 
 class ModelRecord(msgspec.Struct, frozen=True):
@@ -211,6 +215,18 @@ class ArtifactStore:
                 continue  # a damaged entry must not hide the others; `verify` reports it
         return out
 
+    def find(self, origin: str, repo: str, revision: str | None = None) -> list[ModelRecord]:
+        """The installed models whose provenance is `repo` from `origin` (at `revision`, a
+        resolved commit or digest, when given)."""
+        return [
+            r
+            for r in self.ls()
+            if (p := r.manifest.provenance) is not None
+            and p.origin == origin
+            and p.repo == repo
+            and (revision is None or p.revision == revision)
+        ]
+
     def verify(self, name: str) -> ModelRecord:
         """Re-hash the artifact and compare with the digest recorded at ingest."""
         rec = self.get(name)
@@ -248,6 +264,7 @@ class ArtifactStore:
         prompts: dict[str, str] | None = None,
         default_prompt_name: str | None = None,
         matryoshka_dims: list[int] | None = None,
+        provenance: Provenance | None = None,
     ) -> ModelRecord:
         """Convert a Hugging Face directory of a supported family (`ingest.hf_dir.FAMILIES`) to
         GGUF and publish it as `name`.
@@ -271,7 +288,13 @@ class ArtifactStore:
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
             return self._build_hf(
-                path, name, dtype, pooling, source or f"hf-dir:{path}", options=options
+                path,
+                name,
+                dtype,
+                pooling,
+                source or f"hf-dir:{path}",
+                options=options,
+                provenance=provenance,
             )
 
     def ingest_gguf(
@@ -287,6 +310,9 @@ class ArtifactStore:
         prompts: dict[str, str] | None = None,
         default_prompt_name: str | None = None,
         matryoshka_dims: list[int] | None = None,
+        provenance: Provenance | None = None,
+        link: bool = False,
+        digest: str | None = None,
     ) -> ModelRecord:
         """Publish an embedding or rerank GGUF as `name`, with a module-side tokenizer derived
         from its own vocabulary and proven equal to llama.cpp's by `prove(gguf, tokenizer)`
@@ -294,7 +320,12 @@ class ArtifactStore:
         What the GGUF is comes from its metadata (`ingest.gguf_model`); `kind` / `pooling`
         say what it does not, `max_tokens` lowers the default truncation. A GGUF holds no
         sentence-transformers prompts: `prompts` / `default_prompt_name` / `matryoshka_dims`
-        give them (see ingest.encode_options)."""
+        give them (see ingest.encode_options).
+
+        `link`: the file belongs to another tool's store (Ollama's blobs, LM Studio's folder)
+        and is not copied: the artifact is a hard link to it when both stores share a
+        filesystem, else a symbolic link (a reference the worker's digest check at LOAD
+        guards). `digest`: its sha256 when the caller has just checked it."""
         path = Path(path)
         info = inspect_gguf(path, kind, pooling)
         options = fitted(
@@ -309,10 +340,14 @@ class ArtifactStore:
             self._sweep()
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
-            size = path.stat().st_size
+            size = 0 if link else path.stat().st_size
             with self._staging(name, size + GGUF_OVERHEAD_BYTES) as staging:
                 artifact = staging / ARTIFACT_FILE
-                digest = copy_with_digest(path, artifact)
+                if link:
+                    digest = digest or sha256_file(path)
+                    link_artifact(path, artifact)
+                else:
+                    digest = copy_with_digest(path, artifact)
                 write_digest_file(artifact, digest)
                 try:
                     write_tokenizer_json(artifact, staging / TOKENIZER_FILE)
@@ -340,6 +375,7 @@ class ArtifactStore:
                     prompts=options.prompts,
                     default_prompt_name=options.default_prompt_name,
                     matryoshka_dims=options.matryoshka_dims,
+                    provenance=provenance,
                 )
                 return self._publish(staging, manifest)
 
@@ -506,6 +542,7 @@ class ArtifactStore:
         source: str,
         model_name: str | None = None,
         options: EncodeOptions | None = None,
+        provenance: Provenance | None = None,
     ) -> ModelRecord:
         options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
@@ -545,6 +582,7 @@ class ArtifactStore:
                 prompts=options.prompts,
                 default_prompt_name=options.default_prompt_name,
                 matryoshka_dims=options.matryoshka_dims,
+                provenance=provenance,
             )
             return self._publish(staging, manifest)
 
@@ -615,6 +653,17 @@ class ArtifactStore:
                 (rec.dir / (MANIFEST_FILE + ".tmp")).unlink(missing_ok=True)
                 raise
         return ModelRecord(manifest=manifest, dir=rec.dir)
+
+
+def link_artifact(src: Path, artifact: Path) -> str:
+    """Make `artifact` name `src`'s bytes without a second copy: a hard link where both are
+    on one filesystem, else a symbolic link to its absolute path. Which one it made."""
+    try:
+        os.link(src, artifact)
+        return "hard link"
+    except OSError:  # EXDEV (another filesystem), EPERM, EMLINK: a reference instead
+        os.symlink(src.resolve(), artifact)
+        return "reference"
 
 
 def hf_build_bytes(model_dir: Path, dtype: Dtype) -> int:

@@ -23,6 +23,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="API keys, one per line (SIGHUP re-reads it); keys are never taken as arguments",
     )
     parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="never reach the Hugging Face Hub: models the config names by repository id "
+        "come from the store or the Hugging Face cache",
+    )
+    parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
 
@@ -63,6 +69,17 @@ def run_serve(args: argparse.Namespace) -> int:
     except SynapseError as exc:
         print(
             f"synapse serve: cannot install the default models: error[{exc.code}]: {exc.message}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from service.hub_models import resolve_repo_models
+
+        config = resolve_repo_models(config, offline=getattr(args, "offline", False))
+    except SynapseError as exc:
+        print(
+            f"synapse serve: cannot get the models the config names: error[{exc.code}]: "
+            f"{exc.message}",
             file=sys.stderr,
         )
         return 2

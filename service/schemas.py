@@ -168,6 +168,15 @@ class ModelWorker(_Body):
     rss_mb: float | None  # the worker's resident memory from its latest PONG
 
 
+class ModelProvenance(_Body):
+    origin: str  # huggingface | ollama | lmstudio
+    repo: str  # Hub repository id, Ollama NAME:TAG, LM Studio PUBLISHER/REPO/FILE
+    revision: str = ""  # the Hub commit the revision resolved to; Ollama's manifest sha256
+    requested: str | None = None  # the branch or tag asked for, when not a commit
+    endpoint: str | None = None  # the Hub it came from, when not huggingface.co
+    files: dict[str, str] = {}  # file -> sha256 of what was read
+
+
 class ModelEntry(_Body):
     id: str
     object: Literal["model"]
@@ -191,6 +200,8 @@ class ModelEntry(_Body):
     last_used: float | None  # unix seconds of its latest use (null: not used yet)
     keep_alive_s: float | None  # idle seconds before it is unloaded (null: never)
     expires_at: float | None  # unix seconds it will be unloaded if still idle (null: none)
+    # Where its files came from (null: a local directory or file).
+    provenance: ModelProvenance | None = None
     alias_for: str | None = None  # set on aliases: the installed model this name serves
 
 

@@ -77,6 +77,9 @@ def _model_entry(record, loaded: set[str], module) -> dict:
         "default_prompt_name": man.default_prompt_name,
         "matryoshka_dims": list(man.matryoshka_dims or []),
         "precision": lane_precisions(man.kind, man.dtype),  # what each lane computes with
+        # Where its files came from: a Hub repository at a commit, an Ollama model... (None:
+        # a local directory or file), with the sha256 of each file read.
+        "provenance": msgspec.to_builtins(man.provenance),
         "loaded": record.name in loaded,
         "lane": choice.lane,
         "lane_reason": choice.reason,
