@@ -55,6 +55,13 @@ TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window_pattern": 6,
         "max_position_embeddings": 131_072,
     },
+    "nomic_bert": {
+        "max_position_embeddings": 2048,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "hidden_act": "silu",
+        "rope_theta": 1000.0,
+    },
     "modernbert": {
         "hidden_activation": "gelu",
         "norm_eps": 1e-5,

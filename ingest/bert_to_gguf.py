@@ -134,7 +134,7 @@ def _phantom(token: str, control: bool) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def _wordpiece_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+def wordpiece_vocab(model_dir: Path, n_vocab: int) -> Vocab:
     """Tokens in phantom form, token types, and the raw token -> id map."""
     tok_path = model_dir / "tokenizer.json"
     special: set[str] = set()
@@ -183,7 +183,7 @@ _SPECIAL_DEFAULTS = {
 }
 
 
-def _special_ids(model_dir: Path, vocab: dict[str, int], model_type: str) -> dict[str, int]:
+def special_ids(model_dir: Path, vocab: dict[str, int], model_type: str) -> dict[str, int]:
     cfg_path = model_dir / "tokenizer_config.json"
     cfg = load_json(cfg_path) if cfg_path.is_file() else {}
     ids: dict[str, int] = {}
@@ -328,8 +328,8 @@ def convert(
         mapped = [(t, n, a[offset:] if t == MODEL_TENSOR.POS_EMBD else a) for t, n, a in mapped]
         vocab = _unigram_vocab(model_dir, config.positive_int("vocab_size"))
     else:
-        vocab = _wordpiece_vocab(model_dir, config.positive_int("vocab_size"))
-    special = _special_ids(model_dir, vocab.ids, model_type)
+        vocab = wordpiece_vocab(model_dir, config.positive_int("vocab_size"))
+    special = special_ids(model_dir, vocab.ids, model_type)
     max_seq = st_layout(model_dir).max_seq_length
 
     def fill(w: gguf.GGUFWriter) -> None:

@@ -14,7 +14,7 @@ import msgspec
 
 from common.errors import ArtifactInvalid
 from formats.hf_config import HfConfig
-from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_qwen3
+from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_nomic_bert, hf_qwen3
 from ingest.hf_common import ConvertedModel, Dtype, PoolingName, check_request
 
 Converter = Callable[[Path, HfConfig, Path, Dtype, "PoolingName | None", str], ConvertedModel]
@@ -23,6 +23,7 @@ FAMILIES: dict[str, Converter] = {
     "bert": bert_to_gguf.convert,
     "xlm-roberta": bert_to_gguf.convert,
     "modernbert": hf_modernbert.convert,
+    "nomic_bert": hf_nomic_bert.convert,
     "gemma3_text": hf_gemma3.convert,
     "qwen3": hf_qwen3.convert,
 }

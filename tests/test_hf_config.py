@@ -124,12 +124,13 @@ _CLASSES = {
     "qwen3": "Qwen3Config",
     "gemma3_text": "Gemma3TextConfig",
     "modernbert": "ModernBertConfig",
+    "nomic_bert": "NomicBertConfig",
 }
 
 
 def _theirs(model_type: str, key: str):
     config = getattr(_transformers(), _CLASSES[model_type]).from_dict({})
-    if model_type == "qwen3" and key == "rope_theta":
+    if model_type in ("qwen3", "nomic_bert") and key == "rope_theta":
         return config.rope_parameters["rope_theta"]
     if model_type == "modernbert" and key in ("global_rope_theta", "local_rope_theta"):
         kind = "full_attention" if key == "global_rope_theta" else "sliding_attention"
