@@ -86,9 +86,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # The executor and the reference forward both run numpy matmuls in this process: on the
 # OpenBLAS kernels our workers choose, decided before numpy loads its OpenBLAS (bench.kernels).
-from bench import kernels
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
 
-KERNEL_CHOICE = kernels.match_workers()
+# isort: split
 
 import numpy as np
 import tokenizers
@@ -586,7 +586,7 @@ def run_model(
         },
     }
     # Executor and reference share this process, hence its kernels.
-    out["kernels"] = {"choice": KERNEL_CHOICE, "this_process": kernels.process_kernels()}
+    out["kernels"] = {"choice": kernels.CHOICE, "this_process": kernels.process_kernels()}
     if reference is None:
         out["reference_skipped"] = reference_impl
     else:

@@ -35,9 +35,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # The ceiling shards, the job's workers and Ray's inherit the OpenBLAS kernels our workers
 # choose, decided here before numpy loads OpenBLAS (bench.kernels).
-from bench import kernels
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
 
-KERNEL_CHOICE = kernels.match_workers()
+# isort: split
 
 import numpy as np
 
@@ -220,7 +220,7 @@ def main() -> None:
             "ceiling": ceil,
             "job": job,
             "job_ratio": round(job["rows_per_s"] / ceil["rows_per_s"], 3),
-            "kernel_choice": KERNEL_CHOICE,
+            "kernel_choice": kernels.CHOICE,
             "kernels_same": kernels.agree({"ceiling": ceil["kernels"], "job": job["kernels"]}),
         }
         if not args.skip_ray:

@@ -49,9 +49,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
 
-from bench import kernels
+# isort: split
+
+import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # same as the lane's workers
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sentence-transformers loads a local dir only
@@ -253,9 +255,9 @@ async def _bench(
     prompt_name: str | None = None,
     baselines: bool = True,
 ) -> dict:
-    # The kernel choice the lane's workers make, made here before anything in this process
-    # loads llama_cpp (and with it OpenBLAS): the in-process engine runs on the same kernels.
-    choice = kernels.match_workers()
+    # The kernel choice the lane's workers make, made when bench.kernels was imported (before
+    # numpy and llama_cpp loaded OpenBLAS): the in-process engine runs on the same kernels.
+    choice = kernels.CHOICE
     from workers.llama.native import registered_backends  # llama.cpp, as in _in_process
 
     store = ArtifactStore(store_root)

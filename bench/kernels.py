@@ -10,7 +10,8 @@ workers with a peer server, or an in-process ceiling, on SSE3.
 - `match_workers()`: the workers' choice, made in the bench process before anything in it
   loads OpenBLAS, and left in `os.environ`, so every process the bench starts afterwards (a
   peer server, our server and its workers, ceiling shards) is exec'd with the same
-  `OPENBLAS_CORETYPE`. Call it first thing in a bench's entry point.
+  `OPENBLAS_CORETYPE`. Importing this module makes it (`CHOICE`, the workers' log line): a
+  bench imports it before anything that loads OpenBLAS (numpy does, at import).
 - `process_kernels(pid)`: what one process runs on: each OpenBLAS mapped into it (Linux:
   /proc/PID/maps) and the kernel family it picked. In this process the library itself says
   (`openblas_get_corename`); for another process, the family the same library file picks under
@@ -56,6 +57,10 @@ def match_workers(environ: dict[str, str] | os._Environ | None = None) -> str:
     """Make the llama workers' OpenBLAS choice for this process and everything it starts.
     Returns the workers' own log line (what was chosen and why)."""
     return openblas_core.apply(os.environ if environ is None else environ)
+
+
+# At import, so a bench that imports this module first has decided before OpenBLAS loads.
+CHOICE = match_workers()
 
 
 def openblas_libraries(maps: str) -> list[str]:

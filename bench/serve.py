@@ -60,9 +60,9 @@ from pathlib import Path
 
 # Every side on the OpenBLAS kernels our workers run on, decided before anything here loads
 # OpenBLAS (numpy below does) and inherited by both servers: see bench.kernels.
-from bench import kernels
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
 
-KERNEL_CHOICE = kernels.match_workers()
+# isort: split
 
 import httpx
 import numpy as np
@@ -530,7 +530,7 @@ def _kernels_ran(ours_pid: int, theirs_pid: int, engine: _Engine | None) -> dict
         for child in psutil.Process(ours_pid).children(recursive=True)
     ]
     ran: dict = {
-        "choice": KERNEL_CHOICE,
+        "choice": kernels.CHOICE,
         "synapse_workers": workers,
         "llama_cpp_server": kernels.process_kernels(theirs_pid),
     }

@@ -272,9 +272,7 @@ class Module:
             # A CPU lane's worker starts with Metal switched off (see host.cpu_lane).
             env = llama_worker_env(extra.get("gpu_layers")) if lane == "llama" else {}
             lane_obj = Lane(
-                LaneConfig(
-                    lane_id=f"{lane}.{name}"[:48], argv=argv, env=env, device=LANES[lane]
-                ),
+                LaneConfig(lane_id=f"{lane}.{name}"[:48], argv=argv, env=env, device=LANES[lane]),
                 self.config.host,
                 self.permits,
             )

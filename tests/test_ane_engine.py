@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from compile_cache import CompileCache
+from host import HostConfig, Lane, LaneConfig
 from tests import test_ane_helpers as h
 from workers.ane import builder
-from host import HostConfig, Lane, LaneConfig
 from workers.ane.backends import PLACEMENT_DELAY_ENV, ReferenceBackend, placement_delay_s
 from workers.ane.builder import KERNEL_REVISION, BuildOptions, convert_and_save
 from workers.ane.compiler import cache_key
@@ -557,9 +557,7 @@ async def test_a_slow_compute_plan_is_paid_at_admission_and_never_costs_a_strike
     manifest = h.minilm()  # its 4x256 shape is in the shared cache (embed_engine built it)
     argv = ["python", "-m", "workers.ane", "--artifact", str(manifest.dir),
             "--backend", "reference"]  # fmt: skip
-    host = HostConfig(
-        runtime_dir=short_runtime_dir, ping_window_s=PING_WINDOW_S, ping_interval_s=0
-    )
+    host = HostConfig(runtime_dir=short_runtime_dir, ping_window_s=PING_WINDOW_S, ping_interval_s=0)
     env = {PLACEMENT_DELAY_ENV: str(SLOW_PLAN_S)}
     lane = Lane(LaneConfig(lane_id="slow-plan", argv=argv, env=env, device="ane"), host)
     try:
