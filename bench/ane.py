@@ -84,6 +84,12 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# The executor and the reference forward both run numpy matmuls in this process: on the
+# OpenBLAS kernels our workers choose, decided before numpy loads its OpenBLAS (bench.kernels).
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+
+# isort: split
+
 import numpy as np
 import tokenizers
 
@@ -579,6 +585,8 @@ def run_model(
             "note": "a shared machine: other work ran beside this one",
         },
     }
+    # Executor and reference share this process, hence its kernels.
+    out["kernels"] = {"choice": kernels.CHOICE, "this_process": kernels.process_kernels()}
     if reference is None:
         out["reference_skipped"] = reference_impl
     else:

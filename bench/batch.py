@@ -12,7 +12,9 @@ lengths of ~5 to ~250 tokens), in one run:
   seconds from the call to Ray being up and to the first embedded row.
 Prints one JSON object: rows/s and tokens/s of each, `job_ratio` = job / ceiling (target
 >= 0.9), `ray_ratio` = ray / job (target >= 0.8), and `uptime` load before and after (the
-machine may be shared: ratios, measured in the same run, are the figures to read).
+machine may be shared: ratios, measured in the same run, are the figures to read). Every side
+runs on the OpenBLAS kernels our workers choose (bench.kernels): the ceiling shards and the
+job's workers each report theirs (`kernels`), and `kernels_same` says they agree.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# The ceiling shards, the job's workers and Ray's inherit the OpenBLAS kernels our workers
+# choose, decided here before numpy loads OpenBLAS (bench.kernels).
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+
+# isort: split
 
 import numpy as np
 
@@ -94,6 +102,7 @@ def ceiling(path: Path, config: ModuleConfig, workers: int) -> dict:
     seconds = time.perf_counter() - start
     result = _rates(sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards), seconds)
     result["engines"], result["threads_each"] = workers, shards[0]["threads"]
+    result["kernels"] = [s["kernels"] for s in shards]
     return result
 
 
@@ -150,6 +159,7 @@ def run_shard(shard: str, corpus_path: str, max_tokens: int, max_items: int) -> 
                 "rows": sum(len(r.items) for r, _ in mine),
                 "tokens": int(sum(len(p) for _, p in mine)),
                 "threads": threads,
+                "kernels": kernels.process_kernels(),  # the engine's, read in this shard
             }
         )
     )
@@ -199,15 +209,19 @@ def main() -> None:
             progress_interval_s=3600,
         )
         start = time.perf_counter()
-        summary = asyncio.run(run_job(opts))
+        with kernels.WorkerWatch() as watch:  # reads the job's llama workers while they run
+            summary = asyncio.run(run_job(opts))
         job = _rates(summary.rows, summary.tokens, time.perf_counter() - start)
         job["workers"] = args.workers
+        job["kernels"] = watch.seen
         result = {
             "corpus_rows": args.rows,
             "cores": os.cpu_count(),
             "ceiling": ceil,
             "job": job,
             "job_ratio": round(job["rows_per_s"] / ceil["rows_per_s"], 3),
+            "kernel_choice": kernels.CHOICE,
+            "kernels_same": kernels.agree({"ceiling": ceil["kernels"], "job": job["kernels"]}),
         }
         if not args.skip_ray:
             from batch.ray_job import run_ray_job

@@ -27,7 +27,9 @@ store has the default generation model.
 n_ubatch...) and `openblas_core` which kernels the system OpenBLAS runs llama.cpp's BLAS
 backend on in this process (a generic "Prescott" means SSE3 matmuls; workers.llama.openblas_core
 names the AVX kernels an older OpenBLAS does not pick by itself, in the workers and here):
-what to read first when the lane is slow.
+what to read first when the lane is slow. `kernels` says what every contender ran on: the
+lane's worker and the in-process engine (OpenBLAS, read from each process; `same`: they
+agree), torch's CPU capability for sentence-transformers, ONNX Runtime's MLAS (bench.kernels).
 
 `run_bench(...)` is the same run as a function (bench.real_sizes and the tests call it).
 """
@@ -46,6 +48,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+
+# isort: split
 
 import numpy as np
 
@@ -233,41 +239,6 @@ def _plan(engine, config: ModuleConfig, target: Target, lengths: list[int]) -> d
     }
 
 
-def openblas_cores() -> dict[str, str]:
-    """The kernel family each OpenBLAS loaded in this process picked (Linux: from
-    /proc/self/maps). llama.cpp's BLAS backend runs every encoder matmul through the system
-    OpenBLAS; one too old to know the CPU falls back to its SSE3 "Prescott" kernels (Debian's
-    0.3.21 on a family 6 model 207 Xeon), which `OPENBLAS_CORETYPE` overrides."""
-    import ctypes
-
-    out: dict[str, str] = {}
-    if sys.platform != "linux":  # /proc is Linux's; Accelerate, not OpenBLAS, on a Mac
-        return out
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
-    except OSError:
-        return out
-    for path in sorted(paths):
-        if not path.startswith("/") or ".so" not in path:
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for fn in (
-            "openblas_get_corename",
-            "scipy_openblas_get_corename64_",
-            "openblas_get_corename64_",
-        ):
-            get = getattr(lib, fn, None)
-            if get is not None:
-                get.restype = ctypes.c_char_p
-                out[Path(path).name] = (get() or b"?").decode()
-                break
-    return out
-
-
 def _median_rate(times: list[float], n: int) -> float:
     return n / statistics.median(times)
 
@@ -284,11 +255,9 @@ async def _bench(
     prompt_name: str | None = None,
     baselines: bool = True,
 ) -> dict:
-    from workers.llama import openblas_core
-
-    # The kernel choice the lane's workers make, made here before anything in this process
-    # loads llama_cpp (and with it OpenBLAS): the in-process engine runs on the same kernels.
-    openblas_core.apply()
+    # The kernel choice the lane's workers make, made when bench.kernels was imported (before
+    # numpy and llama_cpp loaded OpenBLAS): the in-process engine runs on the same kernels.
+    choice = kernels.CHOICE
     from workers.llama.native import registered_backends  # llama.cpp, as in _in_process
 
     store = ArtifactStore(store_root)
@@ -320,6 +289,13 @@ async def _bench(
                 _same_ids_as_hf(tokenizer, texts, target) if target.hf_dir is not None else None
             )
             tokens = result.usage.total_tokens
+            lane = mod.supervisor(embed_model)
+            lane_pid = lane.state().pid if lane is not None else None
+            ran: dict = {
+                "choice": choice,
+                "lane_worker": kernels.process_kernels(lane_pid) if lane_pid else None,
+                "in_process": kernels.process_kernels(),
+            }
             vectors = {"lane": result.vectors, "in_process": embed_once()}
             contenders: dict[str, Callable[[], object]] = {"in_process": embed_once}
             # ORT first: its export loads the HF model once more, best before ST holds one.
@@ -329,6 +305,14 @@ async def _bench(
                 if run is not None:
                     vectors[name] = np.asarray(run(texts))  # warm
                     contenders[name] = lambda run=run: run(texts)
+            if st[0] is not None:
+                ran["sentence_transformers"] = kernels.torch_kernels()
+            if ort[0] is not None:
+                embedder = getattr(ort[0], "__self__", None)  # OrtEmbedder.embed's owner
+                ran["ort"] = kernels.onnxruntime_kernels(getattr(embedder, "session", None))
+            ran["same"] = kernels.agree(
+                {k: ran[k] for k in ("lane_worker", "in_process") if ran.get(k)}
+            )
             times: dict[str, list[float]] = {"lane": [], **{k: [] for k in contenders}}
             lane_g, inproc_g = [], []
             n_gen_lane = n_gen_inproc = 0
@@ -373,8 +357,9 @@ async def _bench(
         "threads": threads,
         # how the engine computes here: BLAS or not, and one stream per thread by default
         "llama_backends": registered_backends(),
-        "openblas_core": openblas_cores(),  # what the BLAS backend's matmuls run on
+        "openblas_core": ran["in_process"]["openblas"],  # what its BLAS matmuls run on
         "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE"),
+        "kernels": ran,  # what every contender ran on (bench.kernels)
         "repeats": repeats,
         "load_avg_1m": round(os.getloadavg()[0], 2),  # this machine is shared: context
         "seconds_per_repeat": {k: round(statistics.median(v), 3) for k, v in times.items()},

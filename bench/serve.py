@@ -33,6 +33,9 @@ the ceiling stays near or below that (above it only as far as the served engine 
 faster than the in-process one). `engine_cores` compares the cores the served engine kept busy
 with those the in-process engine did between the slices: unlike the share, it does not move
 with the machine's speed, so it tells a change in the serving path from drift.
+`kernels` says which OpenBLAS kernels each side ran on (our workers, the peer server, the
+in-process ceiling; `same`: they agree): every side gets the kernels our workers choose
+(bench.kernels), or the ratios would measure the kernels, not the servers.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+# Every side on the OpenBLAS kernels our workers run on, decided before anything here loads
+# OpenBLAS (numpy below does) and inherited by both servers: see bench.kernels.
+from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+
+# isort: split
 
 import httpx
 import numpy as np
@@ -512,9 +521,28 @@ def _vector(embedding: list[float] | str) -> np.ndarray:
     return np.array(embedding)
 
 
+def _kernels_ran(ours_pid: int, theirs_pid: int, engine: _Engine | None) -> dict:
+    """The OpenBLAS kernels each side runs on (bench.kernels), read from the live processes:
+    our engine workers (the server's children), llama-cpp-python's server, and this process
+    (the in-process ceiling, when it is measured)."""
+    workers = [
+        kernels.process_kernels(child.pid)
+        for child in psutil.Process(ours_pid).children(recursive=True)
+    ]
+    ran: dict = {
+        "choice": kernels.CHOICE,
+        "synapse_workers": workers,
+        "llama_cpp_server": kernels.process_kernels(theirs_pid),
+    }
+    if engine is not None:
+        ran["in_process_ceiling"] = kernels.process_kernels()
+    ran["same"] = kernels.agree({k: v for k, v in ran.items() if k != "choice"})
+    return ran
+
+
 async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine | None):
     """Both servers started, every (length, concurrency) point measured, both stopped:
-    (vector agreement, points)."""
+    (vector agreement, points, the kernels each side ran)."""
     env = {**os.environ, "OMP_WAIT_POLICY": "passive", "OPENBLAS_NUM_THREADS": "1"}
     workdir = tempfile.mkdtemp(prefix="syn-bench-", dir="/tmp")  # short: worker socket paths
     procs: list[_Proc] = []
@@ -525,6 +553,7 @@ async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine 
         procs.append(theirs)
         urls = {"synapse": ours_url, "llama_cpp_server": theirs_url}
         meter = _CpuMeter(ours.proc.pid)
+        ran = _kernels_ran(ours.proc.pid, theirs.proc.pid, engine)
         agreement = _agreement(
             ours_url, theirs_url, texts[args.lengths[0]][0], args.encoding_format
         )
@@ -550,7 +579,7 @@ async def _serve_points(args, rec, texts: dict[int, list[str]], engine: _Engine 
                         else None,
                     }
                 )
-        return agreement, points
+        return agreement, points, ran
     finally:
         for p in reversed(procs):
             p.stop()
@@ -567,7 +596,7 @@ async def _run(args) -> dict:
     texts = {n: _texts(tokenizer, n, 64) for n in args.lengths}
     engine = _Engine(rec, args.threads) if args.ceiling else None
     try:
-        agreement, points = await _serve_points(args, rec, texts, engine)
+        agreement, points, ran = await _serve_points(args, rec, texts, engine)
         # After the servers have stopped, so that they do not share the cores with it.
         ceiling = _engine_ceiling(engine, args.lengths) if engine is not None else None
     finally:
@@ -596,6 +625,7 @@ async def _run(args) -> dict:
         "requests_per_point": args.requests,
         "rounds": args.rounds,
         "vector_agreement_cosine": round(agreement, 6),
+        "kernels": ran,
         "points": points,
         "engine_in_process_ceiling": ceiling,
         "synapse_share_of_ceiling": of_ceiling,

@@ -107,7 +107,10 @@ def chip() -> str:
 
 
 def macos_version() -> str | None:
-    return (platform.mac_ver()[0] or None) if sys.platform == "darwin" else None
+    """`sw_vers -productVersion`, as certificates record it (see workers.ane.apple_device)."""
+    from workers.ane import apple_device
+
+    return apple_device.macos_version()
 
 
 def neural_engine() -> dict:

@@ -39,6 +39,7 @@ from host.admission import Admission, Budgets
 from host.batching import plan_chunks
 from host.classify import ClassifyInput, ClassifyResult, activation_for, split_inputs
 from host.config import HostConfig, LaneConfig
+from host.cpu_lane import llama_worker_env
 from host.errors import CertificateRequired, ConfigInvalid
 from host.lane import Lane, LaneState
 from host.lane_policy import (
@@ -269,8 +270,10 @@ class Module:
                     **_kind_and_pooling(record),
                     **extra,
                 }
+            # A CPU lane's worker starts with Metal switched off (see host.cpu_lane).
+            env = llama_worker_env(extra.get("gpu_layers")) if lane == "llama" else {}
             lane_obj = Lane(
-                LaneConfig(lane_id=f"{lane}.{name}"[:48], argv=argv, device=LANES[lane]),
+                LaneConfig(lane_id=f"{lane}.{name}"[:48], argv=argv, env=env, device=LANES[lane]),
                 self.config.host,
                 self.permits,
             )

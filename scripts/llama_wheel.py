@@ -9,13 +9,17 @@ pip's own wheel cache is keyed by the source archive, not by the build flags, so
 hand back a wheel built without BLAS: this script builds with `--no-cache-dir` into a
 directory named after the version and the flavour, under the user cache dir, and reuses it.
 
-Flavours:
-- macOS: "accelerate" — llama.cpp's default build there (Apple's Accelerate BLAS and Metal).
+Flavours (each named for what the wheel contains):
+- macOS: "metal-accelerate" — llama.cpp's default build there (Metal, and Apple's Accelerate
+  as the BLAS backend); with SYNAPSE_LLAMA_BLAS=0, "metal": still Metal (llama.cpp builds it
+  on Apple whatever the BLAS choice), llama.cpp's own CPU kernels instead of Accelerate. A CPU
+  lane of either runs without Metal only because its worker starts with Metal switched off
+  (host/cpu_lane.py), not because of the wheel.
 - Linux with OpenBLAS's headers (Debian/Ubuntu: libopenblas-dev): "openblas". When they are
   missing and apt-get is there, it installs libopenblas-dev first (as root, or with
   `sudo -n`).
-- otherwise, or with SYNAPSE_LLAMA_BLAS=0: "cpu" — llama.cpp's own kernels only (slower
-  embedding on x86, same results within float rounding).
+- otherwise, or with SYNAPSE_LLAMA_BLAS=0 off Apple: "cpu" — llama.cpp's own CPU kernels only
+  (slower embedding on x86, same results within float rounding).
 The CPU: llama.cpp builds with GGML_NATIVE by default (-march=native on x86, -mcpu=native on
 ARM), so a wheel built on one CPU can die with SIGILL on another (a CI cache restored onto a
 runner of another generation). The wheel directory is therefore also named after the CPU's
@@ -59,10 +63,12 @@ def pinned_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
 
 def flavour(system: str, openblas: bool, blas_env: str | None) -> tuple[str, str]:
     """(flavour name, CMAKE_ARGS) for this machine."""
+    if system == "Darwin":  # llama.cpp builds Metal on Apple whatever the BLAS choice
+        if blas_env == "0":
+            return "metal", "-DGGML_BLAS=OFF"
+        return "metal-accelerate", ""  # llama.cpp's Apple default: Metal + Accelerate BLAS
     if blas_env == "0":
         return "cpu", "-DGGML_BLAS=OFF"
-    if system == "Darwin":
-        return "accelerate", ""  # llama.cpp's Apple default: Accelerate BLAS + Metal
     if system == "Linux" and openblas:
         return "openblas", OPENBLAS_ARGS
     return "cpu", ""

@@ -53,7 +53,7 @@ def test_cold_admission_publishes_both_kinds_then_hits_the_compiled_form(cache_r
     cache, cold = _admit(cache_root, stages)
     try:
         assert not cold.cache_hit and cold.package_hit is False
-        assert stages == ["graph", "converted", "compiled", "loaded"]
+        assert stages == ["graph", "converted", "compiled", "loaded", "placed"]
         t = cold.timings
         assert t.build_ms > 0 and t.compile_ms > 0 and t.load_ms > 0 and t.warmup_ms == 0
         assert _kinds(cache) == [PACKAGE_KIND, "reference-program"]
@@ -68,7 +68,7 @@ def test_cold_admission_publishes_both_kinds_then_hits_the_compiled_form(cache_r
     cache, warm = _admit(cache_root, stages)
     try:
         assert warm.cache_hit and warm.package_hit is None  # the package was not looked at
-        assert stages == ["loaded"]
+        assert stages == ["loaded", "placed"]
         assert warm.timings.build_ms == warm.timings.compile_ms == 0
         assert warm.entry == cold.entry and len(cache.ls()) == 2
     finally:
@@ -114,7 +114,7 @@ def test_losing_a_kind_costs_only_its_stages(cache_root):
     try:
         # The package came from the cache: compiled again, nothing rebuilt.
         assert not again.cache_hit and again.package_hit is True
-        assert stages == ["compiled", "loaded"]
+        assert stages == ["compiled", "loaded", "placed"]
         assert again.timings.build_ms == 0 and again.timings.compile_ms > 0
     finally:
         again.release()

@@ -2,7 +2,8 @@
 
 coremltools 9.0 hands any non-empty function name to `MLModelConfiguration.functionName`,
 which throws on macOS < 15: a single-function package must be opened without one (or every
-load fails on macOS 13 and 14), and a multifunction package needs macOS 15."""
+load fails on macOS 14, the oldest our macOS 14-targeted packages open on), and a
+multifunction package needs macOS 15."""
 
 from __future__ import annotations
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from compile_cache import CompileCache
+from host import HostConfig, Lane, LaneConfig
 from tests import test_ane_helpers as h
 from workers.ane import builder
-from workers.ane.backends import ReferenceBackend
+from workers.ane.backends import PLACEMENT_DELAY_ENV, ReferenceBackend, placement_delay_s
 from workers.ane.builder import KERNEL_REVISION, BuildOptions, convert_and_save
 from workers.ane.compiler import cache_key
 from workers.ane.config import ENV_COMPUTE_UNITS, parse_runtime_config, resolve_compute_units
@@ -537,3 +539,46 @@ def test_a_compiled_form_the_runtime_cannot_open_is_a_typed_compile_failure(monk
         assert _embed(engine, [h.encode("still serving")]).shape == (1, 384)
     finally:
         engine.close()
+
+
+# A slow compute plan (MLComputePlan for a Qwen3-size model) made real on Linux: the reference
+# backend's placement really takes this long (PLACEMENT_DELAY_ENV), over PING's real window.
+SLOW_PLAN_S = 2.5
+PING_WINDOW_S = 1.0
+
+
+async def test_a_slow_compute_plan_is_paid_at_admission_and_never_costs_a_strike(
+    embed_engine: AneEngine, short_runtime_dir
+) -> None:
+    """The placement is computed at shape admission (LOAD's control window, PROGRESS around
+    it), never inside PING: PING answers within its 1 s window with the share, and the lane
+    keeps its worker with no strike. Computed lazily in PING, the same plan would miss the
+    window, and the host would kill the worker and strike the lane."""
+    manifest = h.minilm()  # its 4x256 shape is in the shared cache (embed_engine built it)
+    argv = ["python", "-m", "workers.ane", "--artifact", str(manifest.dir),
+            "--backend", "reference"]  # fmt: skip
+    host = HostConfig(runtime_dir=short_runtime_dir, ping_window_s=PING_WINDOW_S, ping_interval_s=0)
+    env = {PLACEMENT_DELAY_ENV: str(SLOW_PLAN_S)}
+    lane = Lane(LaneConfig(lane_id="slow-plan", argv=argv, env=env, device="ane"), host)
+    try:
+        await lane.start()
+        pid = lane.state().pid
+        started = time.monotonic()
+        loaded, _ = await lane.request(h.load_request(manifest, shapes=[h.EMBED_UNPACKED]))
+        assert isinstance(loaded, m.LOADED)
+        # The slow plan ran inside LOAD: the seam really made it slow.
+        assert time.monotonic() - started >= SLOW_PLAN_S
+        pong = await lane.ping()
+        assert pong.placement_source == "estimate" and 0.9 < pong.placement_share <= 1.0
+        state = lane.state()
+        assert state.strikes == 0 and state.restarts == 0 and state.pid == pid
+    finally:
+        await lane.stop()
+
+
+def test_placement_delay_is_read_as_seconds() -> None:
+    assert placement_delay_s({}) == 0.0
+    assert placement_delay_s({PLACEMENT_DELAY_ENV: " 1.5 "}) == 1.5
+    assert placement_delay_s({PLACEMENT_DELAY_ENV: "-3"}) == 0.0
+    with pytest.raises(ValueError, match=PLACEMENT_DELAY_ENV):
+        placement_delay_s({PLACEMENT_DELAY_ENV: "soon"})

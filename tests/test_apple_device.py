@@ -3,6 +3,7 @@ from Core ML's device list (core count read from the device, never guessed from 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -46,3 +47,56 @@ def test_off_macos_every_answer_is_none_with_the_reason():
     assert apple_device.neural_engine() == (None, None)
     assert apple_device.describe()["reason"] == apple_device.NOT_MACOS
     assert apple_device.describe()["neural_engine_cores"] is None
+
+
+@pytest.mark.parametrize(
+    ("stdout", "version"),
+    [
+        ("26.0.1\n", "26.0.1"),  # macOS 26 as sw_vers says it (mac_ver() may say "16.0")
+        ("14.4\n", "14.4"),
+        ("  15.7.2  \n", "15.7.2"),
+        ("", None),
+        ("\n", None),
+        ("26.0 beta\n", None),
+        ("ProductVersion: 26.0\n", None),  # plain `sw_vers` output: not what we asked for
+        ("26..1\n", None),
+    ],
+)
+def test_the_product_version_is_parsed_as_coremltools_reads_it(stdout, version):
+    assert apple_device.parse_product_version(stdout) == version
+
+
+def _fake_sw_vers(bin_dir, body: str) -> None:
+    script = bin_dir / "sw_vers"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac runs the real sw_vers below")
+def test_the_version_comes_from_sw_vers_product_version(tmp_path, monkeypatch):
+    """A real `sw_vers` process on PATH (as coremltools finds it): it answers a version only to
+    exactly `-productVersion`, and logs the arguments it was given."""
+    log = tmp_path / "argv"
+    _fake_sw_vers(
+        tmp_path,
+        f'printf "%s\\n" "$@" > {log}\n'
+        'if [ "$#" -eq 1 ] && [ "$1" = "-productVersion" ]; then echo 26.0.1; exit 0; fi\n'
+        "echo 'ProductName: macOS'; exit 1\n",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert apple_device.SW_VERS_ARGV == ("sw_vers", "-productVersion")
+    assert apple_device.product_version() == "26.0.1"
+    assert log.read_text().splitlines() == ["-productVersion"]
+    # A failing or missing sw_vers is "unknown", never a wrong guess.
+    _fake_sw_vers(tmp_path, "exit 3\n")
+    assert apple_device.product_version() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert apple_device.product_version() is None
+
+
+@pytest.mark.skipif(sys.platform != "darwin", reason="macOS only: the real sw_vers")
+def test_on_macos_the_version_is_sw_vers_product_version():
+    import subprocess
+
+    out = subprocess.run(["sw_vers", "-productVersion"], capture_output=True, text=True)
+    assert apple_device.macos_version() == out.stdout.strip()

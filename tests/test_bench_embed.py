@@ -53,12 +53,28 @@ def _check_kernels(result: dict) -> None:
 
     from workers.llama import openblas_core as oc
 
+    ran = result["kernels"]
+    assert ran["choice"].startswith("openblas: ")
+    st, ort = result["sentence_transformers"], result["ort"]
+    if "skipped" not in st:  # torch picks its own kernels: the report names them
+        assert ran["sentence_transformers"]["cpu_capability"]
+    if "skipped" not in ort:
+        assert ran["ort"]["providers"] == ["CPUExecutionProvider"]
     if not sys.platform.startswith("linux"):
         return
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
         flags = oc.cpu_flags(f.read())
     for lib, core in result["openblas_core"].items():
         assert oc.choose(core, flags, {}) is None, (lib, core)
+    # The lane's worker, read from its own process, runs what the in-process engine runs.
+    worker, here = ran["lane_worker"], ran["in_process"]
+    assert worker["pid"] != here["pid"] and ran["same"] is True
+    assert here["openblas"] == result["openblas_core"]
+    shared = set(worker["openblas"]) & set(here["openblas"])
+    assert shared or oc.library() is None, ran  # both map the system OpenBLAS (BLAS build)
+    for lib in shared:
+        assert worker["openblas"][lib] == here["openblas"][lib], (lib, ran)
+        assert oc.choose(worker["openblas"][lib], flags, {}) is None, (lib, ran)
 
 
 def test_texts_are_fixed_and_can_be_kept_short():

@@ -30,8 +30,9 @@ def test_pinned_version_is_the_one_pyproject_pins() -> None:
         ("Linux", True, None, ("openblas", llama_wheel.OPENBLAS_ARGS)),
         ("Linux", False, None, ("cpu", "")),
         ("Linux", True, "0", ("cpu", "-DGGML_BLAS=OFF")),
-        ("Darwin", False, None, ("accelerate", "")),  # llama.cpp's own Apple default
-        ("Darwin", False, "0", ("cpu", "-DGGML_BLAS=OFF")),
+        ("Darwin", False, None, ("metal-accelerate", "")),  # llama.cpp's own Apple default
+        # Without BLAS an Apple build still has Metal: the name says so, never "cpu".
+        ("Darwin", False, "0", ("metal", "-DGGML_BLAS=OFF")),
         ("Windows", True, None, ("cpu", "")),
     ],
 )

@@ -8,7 +8,6 @@ None and `describe()` says "not macOS". Hosted macOS VMs run Core ML without a N
 from __future__ import annotations
 
 import functools
-import platform
 import subprocess
 import sys
 
@@ -32,9 +31,37 @@ def chip() -> str | None:
     return _sysctl("machdep.cpu.brand_string") if is_macos() else None
 
 
+# What coremltools runs for its own version checks (`coremltools.models.utils._macos_version`).
+# `platform.mac_ver()` is not used: under a Python built with an older SDK it reports the
+# compatibility version ("16.0" on macOS 26), so one Mac's certificates would differ by
+# interpreter, and version gates (MLComputePlan from 14.4, function names from 15) would
+# read the wrong number.
+SW_VERS_ARGV = ("sw_vers", "-productVersion")
+
+
+def parse_product_version(text: str) -> str | None:
+    """`sw_vers -productVersion`'s answer ("26.0.1\n") as "26.0.1"; None when it is not
+    dot-separated numbers (coremltools turns each part into an int, so do we, to check)."""
+    value = text.strip()
+    parts = value.split(".")
+    if not value or not all(p.isdigit() for p in parts):
+        return None
+    return value
+
+
+def product_version(argv: tuple[str, ...] = SW_VERS_ARGV) -> str | None:
+    """Run `sw_vers -productVersion` (found on PATH, as coremltools runs it); None when it
+    cannot run or says nothing a version looks like."""
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_product_version(out.stdout) if out.returncode == 0 else None
+
+
 @functools.cache
 def macos_version() -> str | None:
-    return (platform.mac_ver()[0] or None) if is_macos() else None
+    return product_version() if is_macos() else None
 
 
 @functools.cache

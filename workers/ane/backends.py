@@ -12,11 +12,19 @@ opening: Core ML compiles for the Neural Engine while it opens the model, and th
 prediction still allocates and finishes lazy set-up; numpy has neither, so the reference
 backend skips it), `compiled_key_fields()` (what the compiled form
 depends on beyond the package), `compile(package, out_dir)`, `open(compiled_dir)`.
+
+A runner's placement is computed once, at admission (`compute_placement`, under the long
+control window with PROGRESS before and after), and only read afterwards (`placement`): Core
+ML's compute plan for a Qwen3-size model can take longer than PING's window, and a PING that
+computed it would cost the lane a strike. `SYNAPSE_ANE_PLACEMENT_DELAY_S` (test only) makes the
+reference backend's placement take that many seconds longer: the slow compute plan, on Linux.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -28,14 +36,28 @@ from workers.ane.config import COMPUTE_UNITS
 from workers.ane.executor import CompiledProgram
 
 BACKENDS = ("reference", "coreml")
+PLACEMENT_DELAY_ENV = "SYNAPSE_ANE_PLACEMENT_DELAY_S"
+
+
+def placement_delay_s(environ: dict[str, str] | None = None) -> float:
+    """The test-only extra seconds of the reference backend's placement (0 when unset)."""
+    raw = (os.environ if environ is None else environ).get(PLACEMENT_DELAY_ENV, "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{PLACEMENT_DELAY_ENV}={raw!r}: expected seconds") from None
 
 
 class ShapeRunner(Protocol):
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """int32 feeds by input name -> float32 outputs by output name."""
 
-    def placement(self) -> tuple[float, str]:
-        """(share of the work on the Neural Engine, "estimate" | "compute_plan")."""
+    def compute_placement(self) -> tuple[float, str]:
+        """(share of the work on the Neural Engine, "estimate" | "compute_plan"), computed now
+        and kept: may take long (Core ML's compute plan). Admission calls it once."""
+
+    def placement(self) -> tuple[float, str] | None:
+        """What `compute_placement` found; None before it ran. Never computes."""
 
     def close(self) -> None: ...
 
@@ -59,12 +81,21 @@ def default_backend() -> str:
 class ReferenceRunner:
     def __init__(self, func: program_ir.Function) -> None:
         self.program = CompiledProgram(func)  # raises UnsupportedOp for unknown ops
-        self._placement = placement.estimate(func)
+        self._func = func
+        self._placement: tuple[float, str] | None = None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.program.run(feeds)
 
-    def placement(self) -> tuple[float, str]:
+    def compute_placement(self) -> tuple[float, str]:
+        if self._placement is None:
+            delay = placement_delay_s()
+            if delay:
+                time.sleep(delay)  # stands in for a slow MLComputePlan.load_from_path
+            self._placement = placement.estimate(self._func)
+        return self._placement
+
+    def placement(self) -> tuple[float, str] | None:
         return self._placement
 
     def close(self) -> None:

@@ -6,9 +6,10 @@
 
 Admission = compiled form from the cache if there (no build, no compile) -> else the package
 (from the cache or built: graph, convert, save) -> compile it with the backend -> publish the
-compiled form -> open it -> one warm-up prediction. `on_stage` is called after each completed
-stage ("graph", "converted", "compiled", "loaded", "warmed"), which the engine turns into
-PROGRESS; `AdmitTimings` carries the milliseconds of each stage for SHAPE_ADMITTED.
+compiled form -> open it -> one warm-up prediction -> its placement share. `on_stage` is
+called after each completed stage ("graph", "converted", "compiled", "loaded", "warmed",
+"placed"), which the engine turns into PROGRESS; `AdmitTimings` carries the milliseconds of
+each stage for SHAPE_ADMITTED.
 
 The package key (what the compile cache files the package under) is (manifest_digest,
 kernel_revision, shape, precision, deployment target, coremltools version) plus `packed`, the
@@ -78,6 +79,7 @@ class AdmitTimings:
     compile_ms: float = 0.0  # package -> compiled form (0 on a compiled hit)
     load_ms: float = 0.0  # opening the compiled form
     warmup_ms: float = 0.0  # the first prediction (buffers, lazy set-up; Core ML compiles at load)
+    placement_ms: float = 0.0  # the placement share (Core ML: its compute plan)
 
 
 @dataclass
@@ -179,6 +181,12 @@ def admit(
                 runner.run(warmup_feeds)
                 timings.warmup_ms = (time.perf_counter() - start) * 1e3
                 stage("warmed")
+            # Here, under the control window, never in PING (see backends): Core ML's
+            # compute plan can take longer than PING's window.
+            start = time.perf_counter()
+            runner.compute_placement()
+            timings.placement_ms = (time.perf_counter() - start) * 1e3
+            stage("placed")
         except BaseException as e:
             if "runner" in locals():
                 runner.close()

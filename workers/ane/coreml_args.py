@@ -5,7 +5,9 @@ coremltools 9.0's `CompiledMLModel(path, compute_units, function_name=None)` tur
 `MLModelConfiguration.functionName` for any non-empty name, which exists only on macOS >= 15:
 on older systems it throws "The 'functionName' property can only be set on macOS >= 15.0".
 So a name is passed only to select one function of a multifunction package; a package with
-one function is opened without it, which works on every macOS that has `CompiledMLModel`.
+one function is opened without it, which works on macOS 14, the oldest system our packages
+open on at all: the builders target macOS 14 (`ct.target.macOS14`, specification version 8),
+which macOS 13's Core ML refuses whatever the arguments.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def compiled_model_arguments(
     if len(functions) == 1:
         if function_name not in (None, functions[0]):
             raise ValueError(f"no function {function_name!r} in the package ({functions[0]!r})")
-        return args  # the only function: no name, so macOS 13 and 14 can open it
+        return args  # the only function: no name, so macOS 14 (our minimum) can open it
     if function_name is None:
         raise ValueError(f"a multifunction package ({', '.join(functions)}) needs a function name")
     if function_name not in functions:

@@ -6,7 +6,8 @@ Core ML's compute plan where it runs.
              (no recompilation; a function name only for multifunction packages: see
              coreml_args, since Core ML takes one only on macOS >= 15)
     placement: MLComputePlan.load_from_path(<.mlmodelc>) -> compute_plan.share (macOS >= 14.4;
-             older systems report the static estimate, labelled "estimate")
+             older systems report the static estimate, labelled "estimate"), computed once
+             at admission: it can outlast PING's window for a large model
 
 Import this module only on macOS (`backends.open_backend` does): coremltools' native runtime
 (`libcoremlpython`) does not exist elsewhere. Tests that need it are skipped off macOS.
@@ -15,6 +16,7 @@ Import this module only on macOS (`backends.open_backend` does): coremltools' na
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from coremltools.models.compute_device import (
     MLNeuralEngineComputeDevice,
 )
 from coremltools.models.compute_plan import MLComputePlan
+
+log = logging.getLogger("synapse.ane")
 
 COMPUTE_UNITS = {
     ours: getattr(ct.ComputeUnit, member)
@@ -101,14 +105,23 @@ class CoreMLRunner:
         out = self.model.predict({k: np.ascontiguousarray(v, np.int32) for k, v in feeds.items()})
         return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
-    def placement(self) -> tuple[float, str]:
+    def compute_placement(self) -> tuple[float, str]:
+        """At admission (the long control window), never in PING: MLComputePlan can take
+        longer than PING's window for a large model. A plan Core ML cannot give falls back
+        to the static estimate, labelled so (certification caps it at provisional)."""
         if self._placement is None:
             if apple_device.version_at_least(apple_device.macos_version(), COMPUTE_PLAN_MIN_MACOS):
-                self._placement = compute_plan_share(
-                    self.path, self.compute_units, self.function_name
-                )
-            else:
+                try:
+                    self._placement = compute_plan_share(
+                        self.path, self.compute_units, self.function_name
+                    )
+                except Exception as e:  # native errors from the plan: say so, estimate
+                    log.warning("compute plan of %s failed (%s); using the estimate", self.path, e)
+            if self._placement is None:
                 self._placement = placement.estimate(program_ir.load(self.ops_dir))
+        return self._placement
+
+    def placement(self) -> tuple[float, str] | None:
         return self._placement
 
     def close(self) -> None:

@@ -180,8 +180,9 @@ class AneEngine(Engine):
         model = self._model
         if model is None or not model.shapes:
             return None, None
-        share, source = next(reversed(model.shapes.values())).runner.placement()
-        return share, source
+        # Computed at admission; PING only reads it (it must answer within its window).
+        found = next(reversed(model.shapes.values())).runner.placement()
+        return found if found is not None else (None, None)
 
     def pong_extras(self) -> dict:
         stats = self.cache_stats
@@ -355,7 +356,7 @@ class AneEngine(Engine):
             progress.advance("control")
             return None
 
-        def on_stage(stage: str) -> None:  # graph, converted, compiled, loaded, warmed
+        def on_stage(stage: str) -> None:  # graph, converted, compiled, loaded, warmed, placed
             progress.advance("control")
 
         name = model.backend.name
