@@ -10,6 +10,8 @@ the cache's size after a worker's last admission, the largest reported). PONG ra
 SHAPE_ADMITTED because LOAD admits its shapes without one; rather than the host opening the
 cache index, because a scrape must stay cheap and the hit/miss events happen in the workers.
 A replaced worker starts counting from 0 again, which Prometheus reads as a counter reset.
+Restarts and quarantines are counted per lane id across loads: what a lane counted before it
+was unloaded (by the memory budget, keep_alive or an operator) is added to its next load's.
 
 Each `Metrics` owns its registry: two servers in one process (tests) never share counters.
 """
