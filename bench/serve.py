@@ -88,7 +88,7 @@ def _texts(tokenizer: Tokenizer, n_tokens: int, count: int) -> list[str]:
     out: list[str] = []
     start = 0
     while len(out) < count:
-        lo, hi = 1, n_tokens * 2
+        lo, hi = 1, n_tokens  # every word is at least one token: more words never fit
         while lo < hi:  # the most words that still fit
             mid = (lo + hi + 1) // 2
             text = " ".join(words[start : start + mid])

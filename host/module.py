@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import platform
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -204,6 +205,11 @@ class Module:
         self._choices: dict[str, LaneChoice] = {}
         self._choosing: dict[str, asyncio.Lock] = {}
         self.llama_device: str | None = None  # from the last llama.cpp HELLO
+        # Fault counts of lanes already unloaded, by lane id, so that /metrics' counters never
+        # go back when a model is unloaded (by the memory budget or keep_alive): a worker
+        # replaced after a crash must stay counted after its lane is gone.
+        self.retired_restarts: Counter[str] = Counter()
+        self.retired_quarantines: Counter[str] = Counter()
         self.residency = Residency(self, residency)
 
     async def __aenter__(self) -> Module:
@@ -451,6 +457,9 @@ class Module:
                 await served.lane.request(m.UNLOAD(req_id=0, model_ref=name))
         finally:
             await served.lane.stop()
+            lane_id = served.lane.config.lane_id
+            self.retired_restarts[lane_id] += served.lane.restarts
+            self.retired_quarantines[lane_id] += served.lane.quarantines
 
     async def close(self) -> None:
         await self.residency.close()

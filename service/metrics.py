@@ -10,12 +10,15 @@ the cache's size after a worker's last admission, the largest reported). PONG ra
 SHAPE_ADMITTED because LOAD admits its shapes without one; rather than the host opening the
 cache index, because a scrape must stay cheap and the hit/miss events happen in the workers.
 A replaced worker starts counting from 0 again, which Prometheus reads as a counter reset.
+Restarts and quarantines are counted per lane id across loads: what a lane counted before it
+was unloaded (by the memory budget, keep_alive or an operator) is added to its next load's.
 
 Each `Metrics` owns its registry: two servers in one process (tests) never share counters.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -204,6 +207,10 @@ class _StateCollector(Collector):
         n_rejected = 0
         hits = misses = size = 0
         if module is not None:
+            # Counters add what the lane's earlier loads counted before they were unloaded, so
+            # they never go back (or vanish) when the memory budget or keep_alive unloads one.
+            n_restarts = collections.Counter(module.retired_restarts)
+            n_quarantines = collections.Counter(module.retired_quarantines)
             for served in module.served_lanes():
                 state = served.supervisor.state()
                 pong = state.health.last_pong or {}
@@ -211,11 +218,14 @@ class _StateCollector(Collector):
                 misses += pong.get("cache_misses") or 0
                 size = max(size, pong.get("cache_bytes") or 0)
                 lid = [state.lane_id]
-                restarts.add_metric(lid, state.restarts)
-                quarantines.add_metric(lid, getattr(served.supervisor, "quarantines", 0))
+                n_restarts[state.lane_id] += state.restarts
+                n_quarantines[state.lane_id] += getattr(served.supervisor, "quarantines", 0)
                 strikes.add_metric(lid, state.strikes)
                 quarantined.add_metric(lid, int(state.quarantined))
                 up.add_metric(lid, int(state.health.status in ("ready", "busy")))
+            for lane_id in sorted(n_restarts.keys() | n_quarantines.keys()):
+                restarts.add_metric([lane_id], n_restarts[lane_id])
+                quarantines.add_metric([lane_id], n_quarantines[lane_id])
             inflight.add_metric([], module.admission.inflight_tokens)
             n_rejected += module.admission.rejected
         if scheduler is not None:

@@ -165,6 +165,25 @@ async def test_two_consecutive_crashes_quarantine_the_lane_with_retry_after(serv
         assert metric(text, "synapse_worker_restarts_total", lane=LANE) >= 2
 
 
+async def test_fault_counters_outlive_the_unload_of_their_lane(server):
+    """A memory budget or keep_alive unloads models all the time: the restarts and the
+    quarantine the crashes above counted must not leave /metrics with the lane."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+        before = (await ac.get("/metrics")).text
+        restarts = metric(before, "synapse_worker_restarts_total", lane=LANE)
+        assert restarts >= 2
+        resp = await ac.post("/v1/models/minilm-l6-v2/unload")
+        assert resp.status_code == 200 and resp.json()["loaded"] is False, resp.text
+        after = (await ac.get("/metrics")).text
+        assert metric(after, "synapse_worker_restarts_total", lane=LANE) == restarts
+        assert metric(after, "synapse_lane_quarantines_total", lane=LANE) == 1
+        assert metric(after, "synapse_lane_up", lane=LANE) is None  # the lane itself is gone
+        r = await ac.post("/v1/embeddings", json={"input": "loaded again"})
+        assert r.status_code == 200, r.text
+        again = (await ac.get("/metrics")).text
+        assert metric(again, "synapse_worker_restarts_total", lane=LANE) == restarts
+
+
 async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
     payload = {"input": [f"item {i}" for i in range(256)]}  # a full queue's worth
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
