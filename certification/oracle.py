@@ -280,7 +280,9 @@ class Oracle:
             )
         types = [np.zeros(len(x), dtype=np.int32) for x in ids]
         logits = self._cached("labels", ids, types, lambda: self.st.label_logits(list(ids), types))
-        return _pipeline_activation(logits, _config(self.dir))
+        from certification.reference.st_model import pipeline_activation
+
+        return pipeline_activation(logits, _config(self.dir).problem_type())
 
     def _cached(self, call, ids, types, compute) -> np.ndarray:
         if self.cache_dir is None:
@@ -302,20 +304,3 @@ class Oracle:
         np.save(tmp, out)
         tmp.replace(path)
         return out
-
-
-def _pipeline_activation(logits: np.ndarray, config: HfConfig) -> np.ndarray:
-    """TextClassificationPipeline.postprocess's default `function_to_apply`, with its own
-    numpy functions, per row."""
-    from transformers.pipelines.text_classification import sigmoid, softmax
-
-    problem_type = config.problem_type()
-    n_labels = logits.shape[1]
-    rows = np.asarray(logits, dtype=np.float32)
-    if problem_type == "regression":
-        out = rows
-    elif problem_type == "multi_label_classification" or n_labels == 1:
-        out = np.stack([sigmoid(r) for r in rows]) if len(rows) else rows
-    else:
-        out = np.stack([softmax(r) for r in rows]) if len(rows) else rows
-    return np.asarray(out, dtype=np.float64)

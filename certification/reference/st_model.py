@@ -251,3 +251,19 @@ def _features(
     if typed:  # a model without token types has nothing to feed them to (ModernBERT, Qwen3)
         feats["token_type_ids"] = token_types
     return feats
+
+
+def pipeline_activation(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
+    """TextClassificationPipeline.postprocess's default `function_to_apply`, with its own
+    numpy functions, per row."""
+    from transformers.pipelines.text_classification import sigmoid, softmax
+
+    n_labels = logits.shape[1]
+    rows = np.asarray(logits, dtype=np.float32)
+    if problem_type == "regression":
+        out = rows
+    elif problem_type == "multi_label_classification" or n_labels == 1:
+        out = np.stack([sigmoid(r) for r in rows]) if len(rows) else rows
+    else:
+        out = np.stack([softmax(r) for r in rows]) if len(rows) else rows
+    return np.asarray(out, dtype=np.float64)
