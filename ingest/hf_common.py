@@ -27,6 +27,7 @@ import numpy as np
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.st_layout import Layout, LayoutError, read_layout
+from ingest.llm_rerank import LlmRerankSpec
 
 Dtype = Literal["f32", "f16"]
 PoolingName = Literal["mean", "cls", "last", "rank"]
@@ -55,6 +56,8 @@ class ConvertedModel(msgspec.Struct, frozen=True):
     sep_id: int | None
     max_seq_length: int | None  # sentence-transformers' trained sequence length, if any
     architecture: str = "bert"  # general.architecture of the GGUF written
+    # An LLM reranker's template and scored tokens (ingest.llm_rerank), None otherwise.
+    llm_rerank: LlmRerankSpec | None = None
 
 
 def load_json(path: Path) -> dict:

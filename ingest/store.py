@@ -64,6 +64,7 @@ from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
+from ingest.llm_rerank import LlmRerankSpec
 from ingest.model_packages import minilm_dir, minilm_source
 from ingest.precision import embed_precision
 from ingest.quantization import QuantizationRanges
@@ -122,6 +123,9 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     # int8/uint8 ranges per served width, recorded on first use (ingest.quantization); a
     # manifest without them is simply not calibrated yet.
     quantization: QuantizationRanges | None = None
+    # An LLM reranker's chat template, scored tokens and instructions (ingest.llm_rerank): the
+    # host renders its pairs through them. None for every other model.
+    llm_rerank: LlmRerankSpec | None = None
 
 
 class ModelRecord(msgspec.Struct, frozen=True):
@@ -244,6 +248,8 @@ class ArtifactStore:
         prompts: dict[str, str] | None = None,
         default_prompt_name: str | None = None,
         matryoshka_dims: list[int] | None = None,
+        true_token: str | None = None,
+        false_token: str | None = None,
     ) -> ModelRecord:
         """Convert a Hugging Face directory of a supported family (`ingest.hf_dir.FAMILIES`) to
         GGUF and publish it as `name`.
@@ -253,6 +259,7 @@ class ArtifactStore:
         directory's sentence-transformers prompts; `prompts` adds to or replaces them by name,
         `default_prompt_name` names the one applied when a call names none, and
         `matryoshka_dims` the widths the vectors may be cut to (see ingest.encode_options).
+        `true_token` / `false_token` name an LLM reranker's scored tokens (default "yes"/"no").
         """
         path = Path(path)
         options = encode_options(path, prompts, default_prompt_name, matryoshka_dims)
@@ -267,7 +274,13 @@ class ArtifactStore:
             if (self.root / name).exists():
                 raise ArtifactExists(f"a model named {name!r} already exists")
             return self._build_hf(
-                path, name, dtype, pooling, source or f"hf-dir:{path}", options=options
+                path,
+                name,
+                dtype,
+                pooling,
+                source or f"hf-dir:{path}",
+                options=options,
+                tokens=(true_token, false_token),
             )
 
     def ingest_gguf(
@@ -335,6 +348,7 @@ class ArtifactStore:
                     prompts=options.prompts,
                     default_prompt_name=options.default_prompt_name,
                     matryoshka_dims=options.matryoshka_dims,
+                    llm_rerank=info.llm_rerank,
                 )
                 return self._publish(staging, manifest)
 
@@ -501,11 +515,20 @@ class ArtifactStore:
         source: str,
         model_name: str | None = None,
         options: EncodeOptions | None = None,
+        tokens: tuple[str | None, str | None] = (None, None),
     ) -> ModelRecord:
         options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
-            info = convert_hf_dir(path, artifact, dtype, pooling=pooling, name=model_name or name)
+            info = convert_hf_dir(
+                path,
+                artifact,
+                dtype,
+                pooling=pooling,
+                name=model_name or name,
+                true_token=tokens[0],
+                false_token=tokens[1],
+            )
             options = fitted(options, info.kind, info.dims)
             tok_src = path / "tokenizer.json"
             tokenizer = None
@@ -538,6 +561,7 @@ class ArtifactStore:
                 prompts=options.prompts,
                 default_prompt_name=options.default_prompt_name,
                 matryoshka_dims=options.matryoshka_dims,
+                llm_rerank=info.llm_rerank,
             )
             return self._publish(staging, manifest)
 
