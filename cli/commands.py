@@ -82,6 +82,16 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
         metavar="D1,D2,...",
         help="widths the model was trained to be cut to (Matryoshka), e.g. 512,256,128",
     )
+    ingest.add_argument(
+        "--true-token",
+        metavar="TOKEN",
+        help="directory of an LLM reranker: the token whose logit means relevant (default yes)",
+    )
+    ingest.add_argument(
+        "--false-token",
+        metavar="TOKEN",
+        help="directory of an LLM reranker: the token whose logit means not relevant (default no)",
+    )
     ingest.set_defaults(func=_models_ingest)
     rm = models_sub.add_parser("rm", help="remove a model")
     rm.add_argument("name")
@@ -111,6 +121,9 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     rerank.add_argument("--model")
     rerank.add_argument("--json", action="store_true")
     rerank.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
+    rerank.add_argument(
+        "--instruction", help="LLM rerankers: the instruction (default: the model's own)"
+    )
     rerank.set_defaults(func=_rerank)
 
     gen = sub.add_parser("generate", help="short greedy generation")
@@ -219,6 +232,10 @@ def _models_ingest(args: argparse.Namespace) -> int:
             )
         ensure_defaults()
     elif Path(args.path).is_file():
+        if args.true_token or args.false_token:
+            raise InvalidRequest(
+                "--true-token/--false-token apply to a directory; a GGUF names its two labels"
+            )
         if args.dtype is not None:
             raise InvalidRequest(
                 "--dtype converts a Hugging Face directory; a GGUF keeps its own precision"
@@ -252,6 +269,8 @@ def _models_ingest(args: argparse.Namespace) -> int:
             prompts=dict(args.prompt) if args.prompt else None,
             default_prompt_name=args.default_prompt,
             matryoshka_dims=args.matryoshka_dims,
+            true_token=args.true_token,
+            false_token=args.false_token,
         )
         console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     return _models_ls(argparse.Namespace(json=False))
@@ -328,7 +347,11 @@ def _rerank(args: argparse.Namespace) -> int:
         ensure_defaults()
         async with _module(args) as mod:
             result = await mod.rerank(
-                args.query, args.documents, args.model, lane=getattr(args, "lane", None)
+                args.query,
+                args.documents,
+                args.model,
+                lane=getattr(args, "lane", None),
+                instruction=getattr(args, "instruction", None),
             )
             lane = _served_lane(mod, result.model, args)
         if args.json:
