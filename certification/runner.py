@@ -31,7 +31,7 @@ from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.lane_client import LaneClient
-from certification.oracle import Oracle, reference_dir_for, select_reference
+from certification.oracle import ST, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
 from host.module import Module
@@ -116,6 +116,9 @@ async def certify(
             client, tok, oracle, texts, options, thresholds, measured, progress
         )
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+    elif record.manifest.llm_rerank is not None:
+        judged = await _judge_llm_rerank(client, oracle, texts, thresholds, measured, progress)
+        checks += gates.embedding_not_applicable("LLM reranker") + judged.checks
     elif record.kind == "rerank":
         if not oracle.is_cross_encoder:
             raise ValueError(
@@ -308,6 +311,54 @@ async def _judge_rerank(
     probe, _ = await client.rerank(qs[0], probe_set())
     progress.advance("probe")
     return _Judged([gates.rerank_check(errors, t, note)], probe, t.fingerprint_grid_rerank)
+
+
+async def _judge_llm_rerank(
+    client: LaneClient,
+    oracle: Oracle,
+    texts: list[str],
+    t: Thresholds,
+    measured: Measurements,
+    progress: Progress,
+) -> _Judged:
+    """An LLM reranker against sentence-transformers' `CrossEncoder` raw scores of the same
+    texts (it renders the pairs itself): the same order on every query, and the largest
+    |raw difference| under the rerank bar. Judged with the model's default instruction."""
+    if oracle.reference != ST:
+        raise ValueError("an LLM reranker is judged by sentence-transformers' CrossEncoder only")
+    qs = queries()
+    groups: dict[int, list[str]] = {}
+    for j, text in enumerate(texts):
+        groups.setdefault(j % len(qs), []).append(text)
+    spec = client.record.manifest.llm_rerank
+    instruction = spec.default_instruction if spec is not None else None
+    progress.start("lane", f"{client.lane} lane: LLM rerank pairs", len(texts))
+    progress.start("reference", "fp32 reference forward", len(texts))
+    errors, bad = [], []
+    for qi, docs in groups.items():
+        ref_task = asyncio.create_task(
+            asyncio.to_thread(oracle.st.llm_scores, qs[qi], docs, instruction)
+        )
+        scores, ms = await client.rerank(qs[qi], docs)
+        measured.latencies_ms.append(round(ms, 3))
+        measured.request_items.append(len(docs))
+        progress.advance("lane", len(docs))
+        ref = await ref_task
+        progress.advance("reference", len(docs))
+        errors.append(np.abs(scores.astype(np.float64) - ref))
+        if not np.array_equal(np.argsort(-scores, kind="stable"), np.argsort(-ref, kind="stable")):
+            bad.append(qi)
+    all_errors = np.concatenate(errors)
+    measured.rerank_errors = [float(e) for e in all_errors]
+    note = (
+        "raw logit[true] - logit[false] vs sentence-transformers CrossEncoder (LogitScore); "
+        f"instruction: {instruction!r} (None: the template's default)"
+    )
+    progress.start("probe", "probe set (fingerprint)", 1)
+    probe, _ = await client.rerank(qs[0], probe_set())
+    progress.advance("probe")
+    checks = [gates.rerank_check(all_errors, t, note), gates.rerank_order_check(bad, len(groups))]
+    return _Judged(checks, probe, t.fingerprint_grid_rerank)
 
 
 def _pair_composer(

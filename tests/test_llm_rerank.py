@@ -347,3 +347,24 @@ def test_over_http_with_the_official_clients(store, cross_encoder):
             assert "instruction" in json.dumps(spec["components"]) or "instruction" in json.dumps(spec)
     finally:
         srv.stop()
+
+
+async def test_certify_judges_the_llm_reranker_with_cross_encoder(store, module_tmp):
+    import tempfile
+
+    from certification.runner import RunOptions, certify
+    from certification.store import CertificateStore
+
+    certs = CertificateStore(module_tmp / "certificates")
+    config = ModuleConfig(
+        store_root=str(store.root),
+        host=HostConfig(runtime_dir=tempfile.mkdtemp(prefix="syn-", dir="/tmp"), ping_interval_s=0),
+    )
+    async with Module(config) as mod:
+        cert = await certify(mod, RunOptions(model="llmr", sample_stride=8), certs)
+    checks = {c.name: c for c in cert.checks}
+    assert checks["quality.rerank_same_order"].status == "pass", checks["quality.rerank_same_order"]
+    err = checks["quality.rerank_max_abs_error"]
+    assert err.status == "pass" and err.value is not None and err.value <= 2e-2, err
+    assert "instruction" in (err.detail or "")
+    assert cert.status == "certified", cert.failing
