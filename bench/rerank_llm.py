@@ -314,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     result = run(
-        args.pairs, args.doc_tokens, args.repeats, args.threads, set(filter(None, args.skip.split(",")))
+        args.pairs,
+        args.doc_tokens,
+        args.repeats,
+        args.threads,
+        set(filter(None, args.skip.split(","))),
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -54,9 +54,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' override: Jinja's own filter escapes HTML characters.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -94,9 +102,7 @@ class ChatPairs:
         tok.no_truncation()
         tok.encode_special_tokens = True  # special strings are split out here, not by it
         self._tok = tok
-        specials = {
-            t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special
-        }
+        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self._specials = specials
         self._names = {i: t for t, i in specials.items()}
         self._special_re = (
@@ -132,7 +138,9 @@ class ChatPairs:
     def _pieces(self, query: str, document: str, instruction: str | None) -> list[_Piece]:
         """The rendered pair as text stretches and template special tokens (module doc)."""
         probe = self.render(
-            _SLOTS["query"], _SLOTS["document"], None if instruction is None else _SLOTS["instruction"]
+            _SLOTS["query"],
+            _SLOTS["document"],
+            None if instruction is None else _SLOTS["instruction"],
         )
         values = {"query": query, "document": document, "instruction": instruction or ""}
         pieces: list[_Piece] = []
@@ -155,13 +163,19 @@ class ChatPairs:
             text.append(values[_SLOT_NAMES[m.group()]])
             pos = m.end()
         pieces.append(_Piece("".join(text), None))
-        rebuilt = "".join(p.text if p.text is not None else self._names[p.special] for p in pieces)
+        rebuilt = "".join(self._piece_text(p) for p in pieces)
         real = self.render(query, document, instruction)
         if rebuilt != real:
             # The template transforms the caller's text (a filter on the content): tokenize
             # what it rendered, as transformers does.
             return [_Piece(real, None)] if self._special_re is None else self._split_real(real)
         return [p for p in pieces if p.special is not None or p.text]
+
+    def _piece_text(self, p: _Piece) -> str:
+        if p.text is not None:
+            return p.text
+        assert p.special is not None
+        return self._names[p.special]
 
     def _split_real(self, real: str) -> list[_Piece]:
         assert self._special_re is not None
@@ -178,7 +192,9 @@ class ChatPairs:
         """The token ids of one rendered pair."""
         pieces = self._pieces(query, document, instruction)
         texts = [p.text for p in pieces if p.text is not None]
-        encoded = iter(self._tok.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        encoded = (
+            iter(self._tok.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        )
         out: list[int] = []
         for p in pieces:
             if p.special is not None:

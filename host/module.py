@@ -37,6 +37,7 @@ import numpy as np
 from common.errors import InvalidRequest, ModelNotFound, StorageFull, SynapseError
 from host.admission import Admission, Budgets
 from host.batching import plan_chunks
+from host.chat_pairs import ChatPairs
 from host.config import HostConfig, LaneConfig
 from host.errors import CertificateRequired, ConfigInvalid
 from host.lane import Lane, LaneState
@@ -50,7 +51,6 @@ from host.lane_policy import (
 )
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
-from host.chat_pairs import ChatPairs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord

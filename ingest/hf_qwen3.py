@@ -141,17 +141,19 @@ def _convert(
     if spec is not None:
         # The LM head, or the token embedding it is tied to when the config says so
         # (transformers' Qwen3Config defaults tie_word_embeddings to false).
-        embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in weights else (
-            "embed_tokens.weight"
+        embed = (
+            "model.embed_tokens.weight"
+            if "model.embed_tokens.weight" in weights
+            else ("embed_tokens.weight")
         )
         key = embed if config.flag("tie_word_embeddings") else "lm_head.weight"
         if key not in weights:
-            raise ArtifactInvalid(
-                f"no {key}: the reranker's score reads two rows of the LM head"
-            )
+            raise ArtifactInvalid(f"no {key}: the reranker's score reads two rows of the LM head")
         head = weights[key]
         if head.shape[0] <= max(spec.true_id, spec.false_id):
-            raise ArtifactInvalid(f"the LM head has {head.shape[0]} rows, fewer than the vocabulary")
+            raise ArtifactInvalid(
+                f"the LM head has {head.shape[0]} rows, fewer than the vocabulary"
+            )
         head_rows = np.stack([head[spec.true_id], head[spec.false_id]]).astype(np.float32)
     tensors = map_names(weights, ARCH, n_layers, _ignored)
     shapes = {"token_embd.weight": (n_vocab, h), "output_norm.weight": (h,)}

@@ -251,7 +251,11 @@ def spec_from_gguf(hdr: GGUFHeader, tokens: list[str]) -> LlmRerankSpec:
             "whose tokenizer_config.json has its chat template"
         )
     labels = hdr.arch_get("classifier.output_labels")
-    if not isinstance(labels, list) or len(labels) != 2 or not all(isinstance(s, str) for s in labels):
+    if (
+        not isinstance(labels, list)
+        or len(labels) != 2
+        or not all(isinstance(s, str) for s in labels)
+    ):
         raise ArtifactInvalid(
             f"an LLM reranker GGUF names its two scored tokens in {hdr.architecture}."
             f"classifier.output_labels; this one has {labels!r}"

@@ -4,8 +4,9 @@ Both call `Module.rerank`. A cross-encoder's raw logit becomes a [0, 1] relevanc
 sigmoid (what sentence-transformers' CrossEncoder does for one label; TEI's `raw_scores`
 skips it). An LLM reranker's raw score is `logit[yes] - logit[no]` at the last token, so its
 sigmoid is the model's P(yes) (of the two); `instruction` sets its chat template's
-instruction (default: the model's own), and is refused for any other model. With no cross-encoder installed the module ranks by the embedding model's cosine,
-and the response says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
+instruction (default: the model's own), and is refused for any other model. With no
+cross-encoder installed the module ranks by the embedding model's cosine, and the response
+says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
 header (TEI's body is a bare list). Both take `truncate` and `truncation_direction`
 (service/truncation.py), and every result says its `n_tokens` and whether it was `truncated`.
 Cohere's v2 shape (service/cohere_v2.py) shares `_rerank` and `relevance`.

@@ -56,29 +56,54 @@ def _source() -> Path:
             with tarfile.open(archive) as tar:
                 for member in tar.getmembers():
                     rel = member.name.removeprefix(prefix)
-                    if member.name.startswith(prefix) and member.isfile() and rel.startswith(_PARTS):
+                    if (
+                        member.name.startswith(prefix)
+                        and member.isfile()
+                        and rel.startswith(_PARTS)
+                    ):
                         member.name = rel
                         tar.extract(member, root, filter="data")
         done.touch()
     return root
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """`convert_hf_to_gguf.py model_dir --outfile out --outtype outtype`, with its own gguf-py."""
+# The converter recognises a BPE pre-tokenizer by a hash of its tokenization of a fixed text,
+# which only the published vocabularies match; a test's trained vocabulary (built with Qwen2's
+# split rule) is told it is `qwen2`. Everything else is the converter's own code.
+_DRIVER = """
+import runpy, sys
+from conversion import base
+src, pre = sys.argv.pop(1), sys.argv.pop(1)
+if pre:
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32", pre: str = "qwen2") -> Path:
+    """`convert_hf_to_gguf.py model_dir --outfile out --outtype outtype`, with its own gguf-py;
+    `pre`: the BPE pre-tokenizer name the trained vocabulary stands for ("" to let the
+    converter decide)."""
     src = _source()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(src)])}
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
-            str(src / "convert_hf_to_gguf.py"),
+            "-c",
+            _DRIVER,
+            str(src),
+            pre,
             str(model_dir),
             "--outfile",
             str(out),
             "--outtype",
             outtype,
         ],
-        check=True,
         env=env,
         capture_output=True,
+        text=True,
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     return out

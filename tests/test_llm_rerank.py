@@ -57,7 +57,7 @@ TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _tokenizer(dst: Path, yes_no: bool = True) -> int:
+def _tokenizer(dst: Path) -> int:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +69,7 @@ def _tokenizer(dst: Path, yes_no: bool = True) -> int:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    extra = ["yes", "no", TEMPLATE] * 40 if yes_no else [TEMPLATE] * 40
+    extra = ["yes", "no", TEMPLATE] * 40
     tok.train_from_iterator(
         list(corpus()) * 2 + extra,
         trainers.BpeTrainer(
@@ -90,14 +90,14 @@ def _tokenizer(dst: Path, yes_no: bool = True) -> int:
     return tok.get_vocab_size()
 
 
-def tiny_qwen3_reranker(dst: Path, yes_no: bool = True) -> Path:
+def tiny_qwen3_reranker(dst: Path) -> Path:
     """A seeded 2-layer Qwen3ForCausalLM (tied LM head, grouped heads, head_dim != hidden /
     heads) whose README names it a Qwen3-Reranker, as llama.cpp's converter detects one."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    n_vocab = _tokenizer(dst, yes_no)
+    n_vocab = _tokenizer(dst)
     config = Qwen3Config(
         vocab_size=n_vocab,
         hidden_size=HIDDEN,
@@ -266,17 +266,18 @@ async def test_truncation_cuts_the_document_and_keeps_the_suffix(store, short_ru
 
 def test_what_ingest_refuses(module_tmp, model_dir, llama_gguf):
     store = ArtifactStore(module_tmp / "refusals")
-    # No single "yes"/"no" token: refused, unless the two tokens are named.
+    # No single "yes" token: refused, unless the two tokens are named.
     plain = module_tmp / "Qwen3-Reranker-no-yes"
-    plain.mkdir()
-    _tokenizer(plain, yes_no=False)
-    vocab = json.loads((plain / "tokenizer.json").read_text())["model"]["vocab"]
-    assert "yes" not in vocab
-    for f in ("config.json", "model.safetensors", "README.md"):
-        shutil.copy(model_dir / f, plain / f)
+    shutil.copytree(model_dir, plain)
+    tok = json.loads((plain / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["yes\u2063"] = vocab.pop("yes")  # the vocabulary no longer holds "yes" as a token
+    (plain / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(InvalidRequest, match="no single token 'yes'"):
         store.ingest_hf_dir(plain, "x", dtype="f32")
-    two = [t for t in vocab if t.isalpha() and len(t) > 2][:2]
+    with pytest.raises(InvalidRequest, match="no single token 'nope'"):
+        store.ingest_hf_dir(model_dir, "x", dtype="f32", false_token="nope")
+    two = sorted(t for t in vocab if t.isascii() and t.isalpha() and len(t) > 2)[:2]
     rec = store.ingest_hf_dir(plain, "named", dtype="f32", true_token=two[0], false_token=two[1])
     assert rec.manifest.llm_rerank is not None
     assert rec.manifest.llm_rerank.true_id == vocab[two[0]]
@@ -290,15 +291,27 @@ def test_what_ingest_refuses(module_tmp, model_dir, llama_gguf):
     (other / "modules.json").write_text(
         json.dumps(
             [
-                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
-                {"idx": 1, "name": "1", "path": "1_LogitScore", "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"},
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.base.modules.transformer.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_LogitScore",
+                    "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore",
+                },
             ]
         )
     )
     with pytest.raises(ArtifactInvalid, match="model_type 'llama' is not served"):
         store.ingest_hf_dir(other, "y", dtype="f32")
     # A GGUF without the checkpoint's template (only the rendered default prompt) is refused.
-    bare = rewrite_gguf(llama_gguf, module_tmp / "no-template.gguf", drop_kv=("tokenizer.chat_template",))
+    bare = rewrite_gguf(
+        llama_gguf, module_tmp / "no-template.gguf", drop_kv=("tokenizer.chat_template",)
+    )
     with pytest.raises(ArtifactInvalid, match="no tokenizer.chat_template"):
         store.ingest_gguf(bare, "z", prove=prove_gguf_tokenizer)
 
@@ -336,15 +349,22 @@ def test_over_http_with_the_official_clients(store, cross_encoder):
         with httpx.Client(base_url=srv.url, timeout=120) as http:
             tei = http.post(
                 "/rerank",
-                json={"model": "llmr", "query": QUERIES[2], "texts": docs, "raw_scores": True,
-                      "instruction": INSTRUCTION},
+                json={
+                    "model": "llmr",
+                    "query": QUERIES[2],
+                    "texts": docs,
+                    "raw_scores": True,
+                    "instruction": INSTRUCTION,
+                },
             )
             assert tei.status_code == 200, tei.text
             assert {r["index"]: r["score"] for r in tei.json()} == pytest.approx(
                 dict(enumerate(ref_instr)), abs=2e-2
             )
             spec = http.get("/openapi.json").json()
-            assert "instruction" in json.dumps(spec["components"]) or "instruction" in json.dumps(spec)
+            assert "instruction" in json.dumps(spec["components"]) or "instruction" in json.dumps(
+                spec
+            )
     finally:
         srv.stop()
 

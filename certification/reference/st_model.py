@@ -106,9 +106,7 @@ class STReference:
                 self._cross_encoder = _fp32(model)
             return self._cross_encoder
 
-    def llm_scores(
-        self, query: str, docs: Sequence[str], instruction: str | None
-    ) -> np.ndarray:
+    def llm_scores(self, query: str, docs: Sequence[str], instruction: str | None) -> np.ndarray:
         """An LLM reranker's raw scores (`LogitScore`: logit[true] - logit[false]) of the
         texts themselves: sentence-transformers renders the pairs through the checkpoint's
         chat template, independently of the host's rendering under test."""

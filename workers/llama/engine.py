@@ -255,7 +255,8 @@ class LlamaEngine(Engine):
             for i, n in enumerate(lengths):
                 if not 1 <= n <= mdl.item_limit:
                     raise EngineError(
-                        "invalid_request", f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}"
+                        "invalid_request",
+                        f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}",
                     )
         hidden = encode.encode(mdl, _split(ids, lengths), progress, self._decode_tokens)
         return llm_head.scores(hidden, mdl.llm_direction)
