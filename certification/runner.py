@@ -34,7 +34,9 @@ from certification.lane_client import LaneClient
 from certification.oracle import ST, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
+from host.chat_pairs import ChatPairs
 from host.module import Module
+from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from workers.ane import apple_device
 
@@ -323,21 +325,35 @@ async def _judge_llm_rerank(
 ) -> _Judged:
     """An LLM reranker against sentence-transformers' `CrossEncoder` raw scores of the same
     texts (it renders the pairs itself): the same order on every query, and the largest
-    |raw difference| under the rerank bar. Judged with the model's default instruction."""
+    |raw difference| under the rerank bar. Judged with the model's default instruction. A
+    pair over the limit is given to the reference as the lane cut it (document tokens first,
+    the template kept), since sentence-transformers cuts the rendered text otherwise."""
     if oracle.reference != ST:
         raise ValueError("an LLM reranker is judged by sentence-transformers' CrossEncoder only")
+    record = client.record
+    path = record.tokenizer_path
+    if path is None:
+        raise ValueError(f"{record.name} has no tokenizer.json")
+    spec = record.manifest.llm_rerank
+    assert spec is not None
+    fitter = ChatPairs(spec, path.read_text(encoding="utf-8"))
+    limit = record.manifest.max_tokens
     qs = queries()
     groups: dict[int, list[str]] = {}
     for j, text in enumerate(texts):
         groups.setdefault(j % len(qs), []).append(text)
-    spec = client.record.manifest.llm_rerank
-    instruction = spec.default_instruction if spec is not None else None
+    instruction = spec.default_instruction
     progress.start("lane", f"{client.lane} lane: LLM rerank pairs", len(texts))
     progress.start("reference", "fp32 reference forward", len(texts))
     errors, bad = [], []
     for qi, docs in groups.items():
+        fitted = [
+            fitter.fit(sanitize(qs[qi]), sanitize(d), instruction, limit)[2:] for d in docs
+        ]
         ref_task = asyncio.create_task(
-            asyncio.to_thread(oracle.st.llm_scores, qs[qi], docs, instruction)
+            asyncio.to_thread(
+                oracle.st.llm_scores, fitted, instruction, record.manifest.max_tokens_limit
+            )
         )
         scores, ms = await client.rerank(qs[qi], docs)
         measured.latencies_ms.append(round(ms, 3))

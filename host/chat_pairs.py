@@ -219,29 +219,26 @@ class ChatPairs:
     def _n_tokens(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def _fit(
-        self, query: str, doc: str, instruction: str | None, limit: int, direction: str
-    ) -> tuple[list[int], bool]:
-        """The pair's ids within `limit`: document tokens go first, then query tokens."""
+    def fit(
+        self, query: str, doc: str, instruction: str | None, limit: int, direction: str = "right"
+    ) -> tuple[list[int], bool, str, str]:
+        """The pair's ids within `limit` (document tokens go first, then query tokens), whether
+        it was cut, and the query and document texts those ids render."""
         ids = self.ids(query, doc, instruction)
         if len(ids) <= limit:
-            return ids, False
+            return ids, False, query, doc
+        texts = {"query": query, "document": doc}
         for field in ("document", "query"):
-            text = doc if field == "document" else query
-            keep = self._n_tokens(text)
+            whole = texts[field]
+            keep = self._n_tokens(whole)
             while keep > 0 and len(ids) > limit:
                 # Cutting k tokens of the text removes about k tokens of the pair; a merge at
                 # the cut may cost one more round.
                 keep = max(0, min(keep - 1, keep - (len(ids) - limit)))
-                text = self._cut(doc if field == "document" else query, keep, direction)
-                if field == "document":
-                    ids = self.ids(query, text, instruction)
-                else:
-                    ids = self.ids(text, "", instruction)
-            if field == "document":
-                doc = text
+                texts[field] = self._cut(whole, keep, direction)
+                ids = self.ids(texts["query"], texts["document"], instruction)
             if len(ids) <= limit:
-                return ids, True
+                return ids, True, texts["query"], texts["document"]
         raise InvalidRequest(
             f"the chat template alone ({len(ids)} tokens with an empty query and document) "
             f"exceeds the limit of {limit} tokens"
@@ -268,7 +265,7 @@ class ChatPairs:
             if max_doc_tokens is not None and self._n_tokens(doc) > max_doc_tokens:
                 doc, capped = self._cut(doc, max_doc_tokens, direction), True
             if truncate:
-                ids, cut = self._fit(q, doc, instr, limit, direction)
+                ids, cut, _, _ = self.fit(q, doc, instr, limit, direction)
             else:
                 ids, cut = self.ids(q, doc, instr), False
                 if len(ids) > limit:

@@ -200,7 +200,7 @@ def _convert(
         w.add_eos_token_id(eos)
         w.add_pad_token_id(eos)
         w.add_add_bos_token(False)
-        if spec is None:
+        if spec is None or head_rows is None:
             w.add_add_eos_token(True)  # Qwen3-Embedding appends <|endoftext|> and pools it
         else:
             # The template ends the prompt; nothing is appended after the assistant suffix.
