@@ -347,9 +347,7 @@ async def _judge_llm_rerank(
     progress.start("reference", "fp32 reference forward", len(texts))
     errors, bad = [], []
     for qi, docs in groups.items():
-        fitted = [
-            fitter.fit(sanitize(qs[qi]), sanitize(d), instruction, limit)[2:] for d in docs
-        ]
+        fitted = [fitter.fit(sanitize(qs[qi]), sanitize(d), instruction, limit)[2:] for d in docs]
         ref_task = asyncio.create_task(
             asyncio.to_thread(
                 oracle.st.llm_scores, fitted, instruction, record.manifest.max_tokens_limit
