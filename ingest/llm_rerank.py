@@ -5,7 +5,7 @@ sentence-transformers 6 loads a `...ForCausalLM` directory as a `CrossEncoder` o
 `Transformer(text-generation)` + `LogitScore(true_token_id, false_token_id)`: each (query,
 document) pair is rendered through the checkpoint's own chat template as the messages
 `[system: instruction]? query: q, document: d`, and the raw score is
-`logit[true] - logit[false]` at the last position. The spec carries that template, the two
+`logit[true] - logit[false]` at the last position. An `LlmRerankSpec` carries that template, the two
 tokens (by string and id), the special-token strings the template may read (transformers
 passes its `special_tokens_map` to the render) and the message format sentence-transformers
 infers from the template.

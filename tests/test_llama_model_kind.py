@@ -86,9 +86,6 @@ def test_kind_refusals() -> None:
     assert "cannot be served as embed" in _refused(
         llm, RuntimeConfig(kind="embed"), "config_invalid"
     )
-    assert "not served" in _refused(
-        _hdr("llama", **{"pooling_type": 4}), RuntimeConfig(), "unsupported"
-    )
     templ = _hdr("bert", **{"pooling_type": 4})
     templ.kv["tokenizer.chat_template.rerank"] = "{query}{document}"
     assert "prompt template" in _refused(templ, RuntimeConfig(), "unsupported")

@@ -62,12 +62,6 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     )
     if is_rank and arch in LLM_RERANK_ARCHITECTURES:
         return _llm_reranker(hdr, cfg)
-    if is_rank and is_causal(hdr):
-        raise EngineError(
-            "unsupported",
-            f"{arch} rerankers are not served (LLM rerankers: "
-            f"{', '.join(sorted(LLM_RERANK_ARCHITECTURES))})",
-        )
     if is_rank and "tokenizer.chat_template.rerank" in hdr.kv:
         raise EngineError(
             "unsupported", "reranker with a prompt template; pairs would not match its training"
