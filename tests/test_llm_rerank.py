@@ -27,7 +27,9 @@ from tests.llama_converter import convert as llama_convert
 from tests.test_hf_qwen3 import QWEN2_SPLIT
 from workers.protocol import messages as m
 
-pytestmark = pytest.mark.model
+# The first test builds the model and fetches llama.cpp's converter once (pip download of the
+# pinned llama-cpp-python source, cached under the Synapse cache dir afterwards).
+pytestmark = [pytest.mark.model, pytest.mark.timeout(1200)]
 
 HIDDEN = 64
 MAX_SEQ = 192  # sentence-transformers' max_seq_length and the manifest's pair limit
