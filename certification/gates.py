@@ -119,6 +119,19 @@ def label_score_checks(errors: np.ndarray, agree: np.ndarray, t: Thresholds) -> 
     ]
 
 
+def rerank_order_check(bad_queries: list[int], n_queries: int) -> Check:
+    """An LLM reranker ranks each query's documents in the reference's order."""
+    return Check(
+        name="quality.rerank_same_order",
+        gate="quality",
+        status="pass" if not bad_queries else "fail",
+        value=float(len(bad_queries)),
+        threshold=0.0,
+        op="<=",
+        detail=f"{n_queries} queries; order differs on {bad_queries[:5] or 'none'}",
+    )
+
+
 def rerank_not_applicable(kind: str) -> Check:
     return Check(
         name="quality.rerank_max_abs_error",

@@ -31,10 +31,12 @@ from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.lane_client import LaneClient
-from certification.oracle import Oracle, reference_dir_for, select_reference
+from certification.oracle import ST, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
+from host.chat_pairs import ChatPairs
 from host.module import Module
+from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from workers.ane import apple_device
 
@@ -116,6 +118,9 @@ async def certify(
             client, tok, oracle, texts, options, thresholds, measured, progress
         )
         checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+    elif record.manifest.llm_rerank is not None:
+        judged = await _judge_llm_rerank(client, oracle, texts, thresholds, measured, progress)
+        checks += gates.embedding_not_applicable("LLM reranker") + judged.checks
     elif record.kind == "rerank" and (record.manifest.n_labels or 1) > 1:
         judged = await _judge_classify(client, tok, oracle, texts, options, thresholds, measured)
         checks += gates.embedding_not_applicable("sequence classifier") + judged.checks
@@ -346,6 +351,66 @@ async def _judge_classify(
     probe, _ = await client.classify(probe_set())
     checks = gates.label_score_checks(errors, agree, t)
     return _Judged(checks, probe.reshape(-1), t.fingerprint_grid_rerank)
+
+
+async def _judge_llm_rerank(
+    client: LaneClient,
+    oracle: Oracle,
+    texts: list[str],
+    t: Thresholds,
+    measured: Measurements,
+    progress: Progress,
+) -> _Judged:
+    """An LLM reranker against sentence-transformers' `CrossEncoder` raw scores of the same
+    texts (it renders the pairs itself): the same order on every query, and the largest
+    |raw difference| under the rerank bar. Judged with the model's default instruction. A
+    pair over the limit is given to the reference as the lane cut it (document tokens first,
+    the template kept), since sentence-transformers cuts the rendered text otherwise."""
+    if oracle.reference != ST:
+        raise ValueError("an LLM reranker is judged by sentence-transformers' CrossEncoder only")
+    record = client.record
+    path = record.tokenizer_path
+    if path is None:
+        raise ValueError(f"{record.name} has no tokenizer.json")
+    spec = record.manifest.llm_rerank
+    assert spec is not None
+    fitter = ChatPairs(spec, path.read_text(encoding="utf-8"))
+    limit = record.manifest.max_tokens
+    qs = queries()
+    groups: dict[int, list[str]] = {}
+    for j, text in enumerate(texts):
+        groups.setdefault(j % len(qs), []).append(text)
+    instruction = spec.default_instruction
+    progress.start("lane", f"{client.lane} lane: LLM rerank pairs", len(texts))
+    progress.start("reference", "fp32 reference forward", len(texts))
+    errors, bad = [], []
+    for qi, docs in groups.items():
+        fitted = [fitter.fit(sanitize(qs[qi]), sanitize(d), instruction, limit)[2:] for d in docs]
+        ref_task = asyncio.create_task(
+            asyncio.to_thread(
+                oracle.st.llm_scores, fitted, instruction, record.manifest.max_tokens_limit
+            )
+        )
+        scores, ms = await client.rerank(qs[qi], docs)
+        measured.latencies_ms.append(round(ms, 3))
+        measured.request_items.append(len(docs))
+        progress.advance("lane", len(docs))
+        ref = await ref_task
+        progress.advance("reference", len(docs))
+        errors.append(np.abs(scores.astype(np.float64) - ref))
+        if not np.array_equal(np.argsort(-scores, kind="stable"), np.argsort(-ref, kind="stable")):
+            bad.append(qi)
+    all_errors = np.concatenate(errors)
+    measured.rerank_errors = [float(e) for e in all_errors]
+    note = (
+        "raw logit[true] - logit[false] vs sentence-transformers CrossEncoder (LogitScore); "
+        f"instruction: {instruction!r} (None: the template's default)"
+    )
+    progress.start("probe", "probe set (fingerprint)", 1)
+    probe, _ = await client.rerank(qs[0], probe_set())
+    progress.advance("probe")
+    checks = [gates.rerank_check(all_errors, t, note), gates.rerank_order_check(bad, len(groups))]
+    return _Judged(checks, probe, t.fingerprint_grid_rerank)
 
 
 def _pair_composer(

@@ -79,6 +79,16 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
         "--max-tokens", type=int, help="GGUF only: default truncation (default: the model's limit)"
     )
     _add_encode_options(ingest)
+    ingest.add_argument(
+        "--true-token",
+        metavar="TOKEN",
+        help="directory of an LLM reranker: the token whose logit means relevant (default yes)",
+    )
+    ingest.add_argument(
+        "--false-token",
+        metavar="TOKEN",
+        help="directory of an LLM reranker: the token whose logit means not relevant (default no)",
+    )
     ingest.set_defaults(func=_models_ingest)
     pull = models_sub.add_parser(
         "pull",
@@ -123,6 +133,9 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     rerank.add_argument("--model")
     rerank.add_argument("--json", action="store_true")
     rerank.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
+    rerank.add_argument(
+        "--instruction", help="LLM rerankers: the instruction (default: the model's own)"
+    )
     rerank.set_defaults(func=_rerank)
 
     gen = sub.add_parser("generate", help="short greedy generation")
@@ -258,6 +271,10 @@ def _models_ingest(args: argparse.Namespace) -> int:
     elif not Path(args.path).exists() and is_model_reference(args.path):
         ingest_reference(args)
     elif Path(args.path).is_file():
+        if args.true_token or args.false_token:
+            raise InvalidRequest(
+                "--true-token/--false-token apply to a directory; a GGUF names its two labels"
+            )
         if args.dtype is not None:
             raise InvalidRequest(
                 "--dtype converts a Hugging Face directory; a GGUF keeps its own precision"
@@ -291,6 +308,8 @@ def _models_ingest(args: argparse.Namespace) -> int:
             prompts=dict(args.prompt) if args.prompt else None,
             default_prompt_name=args.default_prompt,
             matryoshka_dims=args.matryoshka_dims,
+            true_token=args.true_token,
+            false_token=args.false_token,
         )
         console.print(f"ingested {rec.name} ({rec.kind}, {rec.manifest.dims} dims)")
     return _models_ls(argparse.Namespace(json=False))
@@ -372,7 +391,11 @@ def _rerank(args: argparse.Namespace) -> int:
         ensure_defaults()
         async with _module(args) as mod:
             result = await mod.rerank(
-                args.query, args.documents, args.model, lane=getattr(args, "lane", None)
+                args.query,
+                args.documents,
+                args.model,
+                lane=getattr(args, "lane", None),
+                instruction=getattr(args, "instruction", None),
             )
             lane = _served_lane(mod, result.model, args)
         if args.json:

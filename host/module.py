@@ -38,6 +38,7 @@ import numpy as np
 from common.errors import InvalidRequest, ModelNotFound, StorageFull, SynapseError
 from host.admission import Admission, Budgets
 from host.batching import plan_chunks
+from host.chat_pairs import ChatPairs
 from host.classify import ClassifyInput, ClassifyResult, activation_for, split_inputs
 from host.config import HostConfig, LaneConfig
 from host.cpu_lane import llama_worker_env
@@ -53,7 +54,7 @@ from host.lane_policy import (
 )
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
-from host.tokenization import Encoded, Tokenizer
+from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
 from workers.cpus import usable_cpu_count
@@ -141,6 +142,7 @@ class _Served:
     lane_kind: str = "llama"
     artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
     device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
+    chat_pairs: ChatPairs | None = None  # an LLM reranker's pair composer, built on first use
 
 
 @dataclass(frozen=True)
@@ -660,21 +662,39 @@ class Module:
         *,
         truncation_direction: str = "right",
         max_doc_tokens: int | None = None,
+        instruction: str | None = None,
     ) -> RerankResult:
         """Over-long pairs are cut at the `truncation_direction` end (document first, see
-        host.tokenization); `max_doc_tokens` caps every document's own tokens first."""
+        host.tokenization); `max_doc_tokens` caps every document's own tokens first.
+        `instruction`: an LLM reranker's instruction (its chat template's system message;
+        default: the model's), refused for any other model. An LLM reranker's score is the
+        raw `logit[true] - logit[false]` (host.chat_pairs)."""
         docs = list(documents)
         self.admission.check_inputs([query], "query")
         self.admission.check_inputs(docs, "document")
+        if instruction is not None:
+            self.admission.check_inputs([instruction], "instruction")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
         _refuse_classifier(self.record(model or DEFAULT_EMBED))
         served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
         cut = (truncate, truncation_direction, max_doc_tokens)
-        if served.record.kind == "rerank" and served.lane_kind == "ane":
-            scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
+        llm = served.record.manifest.llm_rerank
+        if instruction is not None and llm is None:
+            raise InvalidRequest(
+                f"model {served.record.name!r} takes no instruction (LLM rerankers do)",
+                param="instruction",
+            )
+        if llm is not None:
+            scores, encoded = await self._llm_rerank(
+                served, query, docs, instruction, cut, deadline_s
+            )
             tokens = encoded.total_tokens
             method: Literal["cross-encoder", "bi-encoder-cosine"] = "cross-encoder"
+        elif served.record.kind == "rerank" and served.lane_kind == "ane":
+            scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
+            tokens = encoded.total_tokens
+            method = "cross-encoder"
         elif served.record.kind == "rerank":
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
@@ -729,6 +749,56 @@ class Module:
         with self.admission.reserve(q.total_tokens + d.total_tokens):
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
+
+    def _chat_pairs(self, served: _Served) -> ChatPairs:
+        if served.chat_pairs is None:
+            spec = served.record.manifest.llm_rerank
+            path = served.record.tokenizer_path
+            if spec is None or path is None or not path.is_file():
+                raise ConfigInvalid(f"model {served.record.name!r} has no chat template to render")
+            served.chat_pairs = ChatPairs(spec, path.read_text(encoding="utf-8"))
+        return served.chat_pairs
+
+    async def _llm_rerank(
+        self, served: _Served, query, docs, instruction, cut: tuple, deadline_s: float | None
+    ):
+        """An LLM reranker: each pair rendered through the model's chat template here
+        (host.chat_pairs), sent composed (RERANK_SEQUENCES); the worker reads the two-row
+        head at each sequence's last token."""
+        truncate, direction, max_doc_tokens = cut
+        pairs_of = self._chat_pairs(served)
+        spec = pairs_of.spec
+        instr = instruction if instruction is not None else spec.default_instruction
+        pairs = await asyncio.to_thread(
+            pairs_of.compose,
+            query,
+            docs,
+            instr,
+            limit=served.record.manifest.max_tokens,
+            truncate=truncate,
+            direction=direction,
+            max_doc_tokens=max_doc_tokens,
+        )
+        return await self._send_sequences(served, pairs, len(docs), deadline_s), pairs
+
+    async def _send_sequences(
+        self, served: _Served, pairs: EncodedPairs, n: int, deadline_s: float | None
+    ) -> np.ndarray:
+        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
+            req = m.RERANK_SEQUENCES(
+                req_id=0,
+                model_ref=served.record.name,
+                sequences=[
+                    m.RerankSequence(n_tokens=pairs.n_tokens[i], n_first=pairs.n_first[i])
+                    for i in chunk
+                ],
+            )
+            return req, np.concatenate([pairs.ids[i] for i in chunk])
+
+        with self.admission.reserve(pairs.total_tokens):
+            return await self._request_in_chunks(
+                served, pairs.n_tokens, 1, np.empty(n, dtype=np.float32), request, deadline_s
+            )
 
     async def _cross_encode_owned(
         self, served: _Served, query, docs, cut: tuple, deadline_s: float | None

@@ -10,9 +10,12 @@ Rules, from the llama.cpp that llama-cpp-python 0.3.36 vendors:
   llama.cpp's converter writes none for rerankers, so a classifier head (`cls.output.weight`,
   or `cls.weight` alone: a single projection) makes a reranker with rank pooling. A BERT
   cross-encoder is `[CLS]` -> pooler (`cls.weight`, tanh) -> classifier: a GGUF with the
-  classifier but without the pooler cannot be served as trained, and is refused. Rerankers
-  that need their own prompt template (Qwen3 rerankers, or any GGUF carrying a
-  `tokenizer.chat_template.rerank`) are refused: pairs would not match their training.
+  classifier but without the pooler cannot be served as trained, and is refused. A Qwen3
+  reranker GGUF (rank pooling, two labels, `cls.output.weight`: what llama.cpp's converter
+  makes of Qwen3-Reranker) is an LLM reranker whose pairs the host renders through the
+  template it keeps (ingest.llm_rerank); one without a template we can render is refused,
+  and so is any other reranker carrying a `tokenizer.chat_template.rerank`: its pairs would
+  not match its training.
 - Anything the GGUF does not say (an embedder's pooling) is given by the caller, or refused:
   pooling is never guessed.
 - Limits: one input is at most `ITEM_LIMIT` tokens (the worker's default encoder batch) or
@@ -27,6 +30,7 @@ from typing import Literal
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
+from ingest.llm_rerank import LLM_RERANK_FAMILIES, LlmRerankSpec, spec_from_gguf
 
 ENCODER_ARCHITECTURES = frozenset(
     {
@@ -85,6 +89,7 @@ class GGUFModel:
     vocabulary: str  # tokenizer.ggml.model: bert (WPM), llama (SPM), gpt2 (BPE), t5 (UGM)
     n_labels: int | None = None
     labels: list[str] = field(default_factory=list)  # classifier.output_labels, by id
+    llm_rerank: LlmRerankSpec | None = None
 
 
 def read_header(path: str | Path) -> GGUFHeader:
@@ -124,6 +129,8 @@ def inspect_gguf(
                 "layer the classifier reads) cannot be served as trained; convert it again "
                 "with the pooler kept"
             )
+        if arch in LLM_RERANK_FAMILIES.values() and declared == "rank":
+            return _llm_reranker(path, hdr, pooling)
         if arch in DECODER_EMBEDDERS or "tokenizer.chat_template.rerank" in hdr.kv:
             raise InvalidRequest(
                 f"{arch} reranker: it needs its own prompt template, which the worker does "
@@ -182,3 +189,46 @@ def _output_labels(path: str | Path, hdr: GGUFHeader) -> list[str]:
     if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
         raise ArtifactInvalid(f"{path}: {key} is not a list of strings")
     return labels
+
+
+def _llm_reranker(path: str | Path, hdr: GGUFHeader, pooling: str | None) -> GGUFModel:
+    """A decoder reranker llama.cpp's converter made: two classifier rows and the template."""
+    if pooling not in (None, "rank"):
+        raise InvalidRequest("an LLM reranker scores its last token; it takes no pooling")
+    arch = hdr.architecture
+    cls_out = next((t for t in hdr.tensors if t.name == "cls.output.weight"), None)
+    width = hdr.arch_get("embedding_length")
+    if cls_out is None or cls_out.shape != (width, 2):
+        raise ArtifactInvalid(
+            f"{arch} reranker GGUF without a two-row cls.output.weight (the true and false "
+            "tokens' LM-head rows) cannot be scored"
+        )
+    try:
+        full = read_gguf_header(
+            path,
+            want_arrays=frozenset({f"{arch}.classifier.output_labels", "tokenizer.ggml.tokens"}),
+        )
+    except (OSError, GGUFFormatError) as e:
+        raise ArtifactInvalid(f"{path} is not a readable GGUF: {e}") from e
+    tokens = full.kv.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ArtifactInvalid(f"{path}: no tokenizer.ggml.tokens")
+    spec = spec_from_gguf(full, tokens)
+    n_ctx_train = hdr.arch_get("context_length")
+    if not isinstance(width, int) or not isinstance(n_ctx_train, int) or n_ctx_train < 1:
+        raise ArtifactInvalid(f"{arch} GGUF lacks {arch}.embedding_length / context_length")
+    file_type = hdr.kv.get("general.file_type")
+    return GGUFModel(
+        architecture=arch,
+        kind="rerank",
+        pooling="rank",
+        dims=width,
+        n_ctx_train=n_ctx_train,
+        item_limit=min(n_ctx_train, ITEM_LIMIT),
+        dtype=FILE_TYPES.get(file_type, f"type{file_type}")
+        if isinstance(file_type, int)
+        else "unknown",
+        vocabulary=str(hdr.kv.get("tokenizer.ggml.model", "")),
+        n_labels=None,
+        llm_rerank=spec,
+    )

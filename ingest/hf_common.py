@@ -27,6 +27,7 @@ import numpy as np
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.st_layout import Layout, LayoutError, read_layout
+from ingest.llm_rerank import LlmRerankSpec
 
 Dtype = Literal["f32", "f16"]
 PoolingName = Literal["mean", "cls", "last", "rank"]
@@ -59,6 +60,8 @@ class ConvertedModel(msgspec.Struct, frozen=True):
     # from config.json for every family, so converters need not).
     labels: list[str] = []
     problem_type: str | None = None
+    # An LLM reranker's template and scored tokens (ingest.llm_rerank), None otherwise.
+    llm_rerank: LlmRerankSpec | None = None
 
 
 def load_json(path: Path) -> dict:

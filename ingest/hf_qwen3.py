@@ -10,7 +10,12 @@ What llama.cpp's `qwen3` graph computes (models/qwen3.cpp in the llama.cpp llama
 - no biases on q/k/v/o, no sliding window, no rope scaling: a config asking for any of them
   would load and compute something else, so it is refused;
 - the LM head is not needed to embed (`lm_head.*` ignored; llama.cpp ties it when absent).
-Pooling is the directory's (sentence-transformers `lasttoken` -> `last`). The tokenizer stays
+Pooling is the directory's (sentence-transformers `lasttoken` -> `last`).
+A Qwen3 LLM reranker (`convert_reranker`, see ingest.llm_rerank) is written as llama.cpp's
+converter writes one: rank pooling, `classifier.output_labels` [true, false],
+`cls.output.weight` holding those two rows of the LM head (the tied token embedding when the
+checkpoint has no `lm_head`), kept in f32 whatever the file's dtype since the score is their
+difference, and the checkpoint's Jinja template as `tokenizer.chat_template`. The tokenizer stays
 the directory's tokenizer.json, whose post-processor appends `<|endoftext|>`: the token the
 model was trained to pool. The GGUF's vocabulary is byte-level BPE with the `qwen2`
 pre-tokenizer, as llama.cpp's converter writes Qwen3's.
@@ -41,6 +46,7 @@ from ingest.hf_common import (
     write_gguf,
 )
 from ingest.hf_vocab import byte_bpe_vocab
+from ingest.llm_rerank import LlmRerankSpec
 
 ARCH = gguf.MODEL_ARCH.QWEN3
 _EMBED_ARCHS = {"Qwen3Model", "Qwen3ForCausalLM"}
@@ -56,8 +62,10 @@ def _rope_theta(config: HfConfig) -> float:
     return theta
 
 
-def _check_config(config: HfConfig) -> None:
+def _check_config(config: HfConfig, reranker: bool = False) -> None:
     archs = config.architectures or ["Qwen3Model"]
+    if reranker and archs != ["Qwen3ForCausalLM"]:
+        raise ArtifactInvalid(f"a Qwen3 LLM reranker is a Qwen3ForCausalLM, not {archs}")
     if len(archs) != 1 or archs[0] not in _EMBED_ARCHS:
         if archs and archs[0] == "Qwen3ForSequenceClassification":
             raise ArtifactInvalid(
@@ -94,17 +102,60 @@ def convert(
     name: str,
 ) -> ConvertedModel:
     _check_config(config)
-    theta = _rope_theta(config)
     pooling = embed_pooling(model_dir, pooling)
     if pooling != "last":
         # A causal decoder's early tokens never see the later ones: mean or first-token
         # pooling is not what Qwen3 embedders are trained with.
         raise InvalidRequest(f"Qwen3 embedders pool the last token, not {pooling!r}")
+    return _convert(model_dir, config, out_path, dtype, pooling, name, None)
+
+
+def convert_reranker(
+    model_dir: Path,
+    config: HfConfig,
+    out_path: Path,
+    dtype: Dtype,
+    name: str,
+    spec: LlmRerankSpec,
+) -> ConvertedModel:
+    _check_config(config, reranker=True)
+    return _convert(model_dir, config, out_path, dtype, "rank", name, spec)
+
+
+def _convert(
+    model_dir: Path,
+    config: HfConfig,
+    out_path: Path,
+    dtype: Dtype,
+    pooling: PoolingName,
+    name: str,
+    spec: LlmRerankSpec | None,
+) -> ConvertedModel:
+    theta = _rope_theta(config)
     h, n_layers = config.positive_int("hidden_size"), config.positive_int("num_hidden_layers")
     n_head, n_kv = config.positive_int("num_attention_heads"), config.kv_heads()
     head_dim = config.head_dim()
     ff, n_vocab = config.positive_int("intermediate_size"), config.positive_int("vocab_size")
-    tensors = map_names(read_model_weights(model_dir), ARCH, n_layers, _ignored)
+    weights = read_model_weights(model_dir)
+    head_rows = None
+    if spec is not None:
+        # The LM head, or the token embedding it is tied to when the config says so
+        # (transformers' Qwen3Config defaults tie_word_embeddings to false).
+        embed = (
+            "model.embed_tokens.weight"
+            if "model.embed_tokens.weight" in weights
+            else ("embed_tokens.weight")
+        )
+        key = embed if config.flag("tie_word_embeddings") else "lm_head.weight"
+        if key not in weights:
+            raise ArtifactInvalid(f"no {key}: the reranker's score reads two rows of the LM head")
+        head = weights[key]
+        if head.shape[0] <= max(spec.true_id, spec.false_id):
+            raise ArtifactInvalid(
+                f"the LM head has {head.shape[0]} rows, fewer than the vocabulary"
+            )
+        head_rows = np.stack([head[spec.true_id], head[spec.false_id]]).astype(np.float32)
+    tensors = map_names(weights, ARCH, n_layers, _ignored)
     shapes = {"token_embd.weight": (n_vocab, h), "output_norm.weight": (h,)}
     for b in range(n_layers):
         shapes |= {
@@ -149,7 +200,14 @@ def convert(
         w.add_eos_token_id(eos)
         w.add_pad_token_id(eos)
         w.add_add_bos_token(False)
-        w.add_add_eos_token(True)  # Qwen3-Embedding appends <|endoftext|> and pools it
+        if spec is None or head_rows is None:
+            w.add_add_eos_token(True)  # Qwen3-Embedding appends <|endoftext|> and pools it
+        else:
+            # The template ends the prompt; nothing is appended after the assistant suffix.
+            w.add_add_eos_token(False)
+            w.add_classifier_output_labels([spec.true_token, spec.false_token])
+            w.add_chat_template(spec.chat_template)
+            w.add_tensor("cls.output.weight", head_rows)
         for tname, arr in tensors.items():
             if tname == "output.weight":
                 continue  # the LM head does not embed
@@ -158,7 +216,7 @@ def convert(
     write_gguf(out_path, gguf.MODEL_ARCH_NAMES[ARCH], fill)
     max_seq = st_layout(model_dir).max_seq_length
     return ConvertedModel(
-        kind="embed",
+        kind="embed" if spec is None else "rerank",
         dtype=dtype,
         dims=h,
         pooling=pooling,
@@ -170,6 +228,7 @@ def convert(
         sep_id=None,
         max_seq_length=max_seq,
         architecture="qwen3",
+        llm_rerank=spec,
     )
 
 

@@ -64,6 +64,7 @@ from ingest.gguf_model import ITEM_LIMIT, inspect_gguf, read_header
 from ingest.gguf_vocab import UnsupportedVocab, write_tokenizer_json
 from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
+from ingest.llm_rerank import LlmRerankSpec
 from ingest.model_packages import minilm_dir, minilm_source
 from ingest.precision import embed_precision
 from ingest.provenance import Provenance
@@ -130,6 +131,9 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     # What the files are upstream (a Hub repository at a commit, an Ollama model...), with
     # the digests of the files read; None for a local directory or file (`source` says which).
     provenance: Provenance | None = None
+    # An LLM reranker's chat template, scored tokens and instructions (ingest.llm_rerank): the
+    # host renders its pairs through them. None for every other model.
+    llm_rerank: LlmRerankSpec | None = None
 
 
 class ModelRecord(msgspec.Struct, frozen=True):
@@ -265,6 +269,8 @@ class ArtifactStore:
         default_prompt_name: str | None = None,
         matryoshka_dims: list[int] | None = None,
         provenance: Provenance | None = None,
+        true_token: str | None = None,
+        false_token: str | None = None,
     ) -> ModelRecord:
         """Convert a Hugging Face directory of a supported family (`ingest.hf_dir.FAMILIES`) to
         GGUF and publish it as `name`.
@@ -274,6 +280,7 @@ class ArtifactStore:
         directory's sentence-transformers prompts; `prompts` adds to or replaces them by name,
         `default_prompt_name` names the one applied when a call names none, and
         `matryoshka_dims` the widths the vectors may be cut to (see ingest.encode_options).
+        `true_token` / `false_token` name an LLM reranker's scored tokens (default "yes"/"no").
         """
         path = Path(path)
         options = encode_options(path, prompts, default_prompt_name, matryoshka_dims)
@@ -295,6 +302,7 @@ class ArtifactStore:
                 source or f"hf-dir:{path}",
                 options=options,
                 provenance=provenance,
+                tokens=(true_token, false_token),
             )
 
     def ingest_gguf(
@@ -376,6 +384,7 @@ class ArtifactStore:
                     default_prompt_name=options.default_prompt_name,
                     matryoshka_dims=options.matryoshka_dims,
                     provenance=provenance,
+                    llm_rerank=info.llm_rerank,
                 )
                 return self._publish(staging, manifest)
 
@@ -543,11 +552,20 @@ class ArtifactStore:
         model_name: str | None = None,
         options: EncodeOptions | None = None,
         provenance: Provenance | None = None,
+        tokens: tuple[str | None, str | None] = (None, None),
     ) -> ModelRecord:
         options = options or encode_options(path)
         with self._staging(name, hf_build_bytes(path, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
-            info = convert_hf_dir(path, artifact, dtype, pooling=pooling, name=model_name or name)
+            info = convert_hf_dir(
+                path,
+                artifact,
+                dtype,
+                pooling=pooling,
+                name=model_name or name,
+                true_token=tokens[0],
+                false_token=tokens[1],
+            )
             options = fitted(options, info.kind, info.dims)
             tok_src = path / "tokenizer.json"
             tokenizer = None
@@ -583,6 +601,7 @@ class ArtifactStore:
                 default_prompt_name=options.default_prompt_name,
                 matryoshka_dims=options.matryoshka_dims,
                 provenance=provenance,
+                llm_rerank=info.llm_rerank,
             )
             return self._publish(staging, manifest)
 

@@ -89,6 +89,7 @@ class CohereRerankRequest(msgspec.Struct, kw_only=True):
     priority: int | None = None
     truncate: bool = True  # extension
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"  # extension
+    instruction: rerank.Instruction | None = None  # extension: an LLM reranker's instruction
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 Both call `Module.rerank`. A cross-encoder's raw logit becomes a [0, 1] relevance with the
 sigmoid (what sentence-transformers' CrossEncoder does for one label; TEI's `raw_scores`
-skips it). With no cross-encoder installed the module ranks by the embedding model's cosine,
-and the response says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
+skips it). An LLM reranker's raw score is `logit[yes] - logit[no]` at the last token, so its
+sigmoid is the model's P(yes) (of the two); `instruction` sets its chat template's
+instruction (default: the model's own), and is refused for any other model. With no
+cross-encoder installed the module ranks by the embedding model's cosine, and the response
+says so: `meta.method` (Jina/Cohere) or the `X-Synapse-Rerank-Method`
 header (TEI's body is a bare list). Both take `truncate` and `truncation_direction`
 (service/truncation.py), and every result says its `n_tokens` and whether it was `truncated`.
 Cohere's v2 shape (service/cohere_v2.py) shares `_rerank` and `relevance`.
@@ -39,6 +42,16 @@ BI_ENCODER_NOTE = (
 )
 
 
+# What /openapi.json says of the `instruction` field every rerank shape takes.
+INSTRUCTION_DOC = (
+    "LLM rerankers only (e.g. Qwen3-Reranker): the instruction rendered into the model's chat "
+    "template (its system message, as sentence-transformers' CrossEncoder prompt); default: "
+    "the model's own. The score is logit(yes) - logit(no) at the template's last token; "
+    "relevance_score is its sigmoid (raw_scores: the difference itself). Other models refuse it."
+)
+Instruction = Annotated[str, msgspec.Meta(description=INSTRUCTION_DOC)]
+
+
 class Document(msgspec.Struct):
     text: str
 
@@ -51,6 +64,8 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     return_documents: bool = True
     truncate: bool = True  # extension: over-long pairs are cut, not refused
     truncation_direction: Direction = "right"  # extension
+    # extension: an LLM reranker's instruction (its chat template's system message)
+    instruction: Instruction | None = None
 
 
 class TeiRerankRequest(msgspec.Struct, kw_only=True):
@@ -61,6 +76,7 @@ class TeiRerankRequest(msgspec.Struct, kw_only=True):
     truncate: bool = True
     truncation_direction: Direction = "right"
     model: str | None = None  # extension: TEI serves one model
+    instruction: Instruction | None = None  # extension: an LLM reranker's instruction
 
 
 def relevance(result: Ranked, raw: float, raw_scores: bool) -> float:
@@ -101,6 +117,7 @@ async def _rerank(
             truncate=req.truncate,
             truncation_direction=direction(req.truncation_direction),
             max_doc_tokens=max_doc_tokens,
+            instruction=req.instruction,
         )
 
     try:

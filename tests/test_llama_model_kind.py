@@ -77,7 +77,15 @@ def test_kind_from_the_file() -> None:
 
 def test_kind_refusals() -> None:
     qwen = _hdr("qwen3", **{"pooling_type": 4})
-    assert "Qwen3 rerankers" in _refused(qwen, RuntimeConfig(), "unsupported")
+    assert "two-row head" in _refused(qwen, RuntimeConfig(), "unsupported")
+    llm = _hdr("qwen3", **{"pooling_type": 4, "embedding_length": 8})
+    llm.tensors = [TensorInfo("cls.output.weight", (8, 2), 0, 0, 64)]
+    # An LLM reranker: the host renders its pairs, the worker reads its last token's state.
+    assert decide_kind(llm, RuntimeConfig()) == ("rerank", "last")
+    assert decide_kind(llm, RuntimeConfig(kind="rerank", pooling="rank")) == ("rerank", "last")
+    assert "cannot be served as embed" in _refused(
+        llm, RuntimeConfig(kind="embed"), "config_invalid"
+    )
     templ = _hdr("bert", **{"pooling_type": 4})
     templ.kv["tokenizer.chat_template.rerank"] = "{query}{document}"
     assert "prompt template" in _refused(templ, RuntimeConfig(), "unsupported")

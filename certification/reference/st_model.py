@@ -106,6 +106,21 @@ class STReference:
                 self._cross_encoder = _fp32(model)
             return self._cross_encoder
 
+    def llm_scores(
+        self, pairs: Sequence[tuple[str, str]], instruction: str | None, max_length: int
+    ) -> np.ndarray:
+        """An LLM reranker's raw scores (`LogitScore`: logit[true] - logit[false]) of the
+        texts themselves: sentence-transformers renders the pairs through the checkpoint's
+        chat template, independently of the host's rendering under test. `max_length`: its
+        own cut, set past every pair given (they come cut as the lane cut them)."""
+        model = self.cross_encoder()
+        kw = {} if instruction is None else {"prompt": instruction}
+        with self._lock, torch.inference_mode():
+            torch.set_num_threads(self.threads)
+            model.max_seq_length = max_length
+            out = model.predict(list(pairs), batch_size=16, **kw)
+        return np.asarray(out, dtype=np.float64)
+
     def _load_embedder(self):
         from sentence_transformers import SentenceTransformer
 

@@ -34,7 +34,7 @@ from formats.digest import sha256_file
 from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
-from workers.llama import encode, generate, model_kind, native
+from workers.llama import encode, generate, llm_head, model_kind, native
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.context_plan import plan_context
 from workers.llama.decode_plan import decode_tokens_for
@@ -198,6 +198,12 @@ class LlamaEngine(Engine):
         workers/llama/typed_pairs.py).
         """
         mdl = self._get(req.model_ref, "rerank")
+        if mdl.llm_direction is not None:
+            raise EngineError(
+                "invalid_request",
+                f"{mdl.ref} is an LLM reranker: its pairs are rendered through its chat "
+                "template by the host and sent as RERANK_SEQUENCES",
+            )
         if mdl.n_cls_out != 1:
             raise EngineError(
                 "unsupported",
@@ -240,6 +246,10 @@ class LlamaEngine(Engine):
         host applies softmax or sigmoid as the model's problem type says.
         """
         mdl = self._get(req.model_ref, "rerank")
+        if mdl.llm_direction is not None:
+            raise EngineError(
+                "invalid_request", f"{mdl.ref} is an LLM reranker, not a sequence classifier"
+            )
         lengths = [s.n_tokens for s in req.sequences]
         ids = self._check_ids(mdl, ids, lengths)
         if not _unsafe():
@@ -260,6 +270,34 @@ class LlamaEngine(Engine):
             types = [pair_types(s.n_first, s.n_tokens) for s in req.sequences]
         logits = encode.encode(mdl, seqs, progress, self._decode_tokens, types)
         return np.ascontiguousarray(logits, dtype=np.float32)
+
+    def rerank_sequences(
+        self, req: m.RERANK_SEQUENCES, ids: np.ndarray, progress: Progress
+    ) -> np.ndarray:
+        """Score pairs the host composed: an LLM reranker's (query, document) rendered through
+        the checkpoint's chat template, the assistant suffix last. Each sequence is decoded on
+        its own sequence id (packed sequences never attend to each other) with LAST pooling,
+        so the scored state is each sequence's own last token whatever else shares the decode;
+        the score is the raw `logit[true] - logit[false]` there (llm_head.py). `n_first` is
+        the Core ML cross-encoders' token-type boundary; a causal decoder has no token types,
+        so it is not read."""
+        mdl = self._get(req.model_ref, "rerank")
+        if mdl.llm_direction is None:
+            raise EngineError(
+                "unsupported",
+                f"{mdl.ref} composes its own pairs from the GGUF's specials: send RERANK",
+            )
+        lengths = [s.n_tokens for s in req.sequences]
+        ids = self._check_ids(mdl, ids, lengths)
+        if not _unsafe():
+            for i, n in enumerate(lengths):
+                if not 1 <= n <= mdl.item_limit:
+                    raise EngineError(
+                        "invalid_request",
+                        f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}",
+                    )
+        hidden = encode.encode(mdl, _split(ids, lengths), progress, self._decode_tokens)
+        return llm_head.scores(hidden, mdl.llm_direction)
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         """Greedy decoding (argmax, first index on ties — llama.cpp's greedy sampler).
@@ -337,6 +375,12 @@ class LlamaEngine(Engine):
             plan, offloaded=offloaded, encoder=encoder, pooling=pooling, flash_attn=cfg.flash_attn
         )
         typed = None
+        direction = None
+        if kind == "rerank" and model_kind.is_llm_reranker(hdr):
+            try:
+                direction = llm_head.score_direction(path, hdr)
+            except (OSError, ValueError, NotImplementedError) as e:
+                raise EngineError("artifact_invalid", f"{path}: {llm_head.CLS_OUT}: {e}") from e
         if kind == "rerank" and hdr.architecture == "bert":
             try:
                 typed = TypedPairs.from_gguf(path, hdr)
@@ -383,6 +427,7 @@ class LlamaEngine(Engine):
             stream_threads=plan.stream_threads,
             all_threads=plan.all_threads,
             typed=typed,
+            llm_direction=direction,
         )
 
     # ---- internals: requests -----------------------------------------------------------------

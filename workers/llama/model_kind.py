@@ -8,6 +8,7 @@ from pathlib import Path
 
 from formats.gguf_header import ArrayInfo, GGUFHeader
 from workers.engine import EngineError
+from workers.llama import llm_head
 from workers.llama.config import Kind, RuntimeConfig
 
 # llama.cpp's enum llama_pooling_type, which is also what a GGUF's `pooling_type` key holds
@@ -19,6 +20,11 @@ POOLING_NAMES = {v: k for k, v in POOLING_TYPES.items()}
 # (models/gemma-embedding.cpp, dream.cpp, llada.cpp, llada-moe.cpp, rnd1.cpp in the llama.cpp
 # llama-cpp-python 0.3.36 vendors); upstream's EmbeddingGemma GGUFs carry no causal key.
 _ALWAYS_BIDIRECTIONAL = frozenset({"gemma-embedding", "dream", "llada", "llada-moe", "rnd1"})
+
+
+# Decoders whose rerankers we serve as LLM rerankers (the host renders the checkpoint's chat
+# template; the worker reads the two LM-head rows at the last token, see llm_head.py).
+LLM_RERANK_ARCHITECTURES = frozenset({"qwen3"})
 
 
 def is_causal(hdr: GGUFHeader) -> bool:
@@ -54,11 +60,8 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     is_rank = gguf_pooling == "rank" or (
         cfg.kind == "rerank" and gguf_pooling in (None, "none") and has_head
     )
-    if is_rank and arch.startswith("qwen3"):
-        raise EngineError(
-            "unsupported",
-            "Qwen3 rerankers need their own prompt template; refusing rather than scoring wrong",
-        )
+    if is_rank and arch in LLM_RERANK_ARCHITECTURES:
+        return _llm_reranker(hdr, cfg)
     if is_rank and "tokenizer.chat_template.rerank" in hdr.kv:
         raise EngineError(
             "unsupported", "reranker with a prompt template; pairs would not match its training"
@@ -92,3 +95,28 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     if cfg.pooling not in (None, "none"):
         raise EngineError("config_invalid", "pooling applies to embedding models only")
     return kind, "none"
+
+
+def is_llm_reranker(hdr: GGUFHeader) -> bool:
+    """A decoder with rank pooling that we serve through the two-row head (llm_head.py)."""
+    raw = hdr.arch_get("pooling_type")
+    return hdr.architecture in LLM_RERANK_ARCHITECTURES and raw == POOLING_TYPES["rank"]
+
+
+def _llm_reranker(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
+    """An LLM reranker decodes with LAST pooling (the final hidden state at each sequence's
+    last token) and scores it with the two classifier rows; pairs come composed by the host
+    (RERANK_SEQUENCES) through the checkpoint's chat template."""
+    if not llm_head.has_two_rows(hdr):
+        raise EngineError(
+            "unsupported",
+            f"{hdr.architecture} reranker without the two-row head {llm_head.CLS_OUT} "
+            "(the true and false tokens' LM-head rows) cannot be scored",
+        )
+    if cfg.kind not in (None, "rerank"):
+        raise EngineError("config_invalid", f"an LLM reranker cannot be served as {cfg.kind}")
+    if cfg.pooling not in (None, "rank", "last"):
+        raise EngineError("config_invalid", "an LLM reranker scores the last token")
+    if cfg.embedding is False:
+        raise EngineError("config_invalid", "embedding=False contradicts kind rerank")
+    return "rerank", "last"

@@ -207,6 +207,8 @@ class LoadedModel:
     device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
     # A BERT cross-encoder's token types, fed as input embeddings (None: ids are faithful).
     typed: TypedPairs | None = None
+    # An LLM reranker's W[true] - W[false] (llm_head.py); None for every other model.
+    llm_direction: np.ndarray | None = None
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
     # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
     stream_threads: tuple[int, int] = (1, 1)
