@@ -38,7 +38,7 @@ HIDDEN = 64
 UNPACKED = {"rows": 4, "seq_len": MAX_SEQ}
 PACKED = {"rows": 2, "seq_len": 128, "packed": True, "max_segments": 8}
 # Pairs of every length: long ones cut at MAX_SEQ, short ones packed several to a row.
-PAIRS = [(q, d) for i, q in enumerate(queries()[:4]) for d in documents()[i :: 9][:4]] + [
+PAIRS = [(q, d) for i, q in enumerate(queries()[:4]) for d in documents()[i::9][:4]] + [
     ("cats?", "A cat sleeps."),
     ("rain", "It rains."),
     ("yes?", "no."),
