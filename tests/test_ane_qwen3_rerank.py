@@ -301,6 +301,49 @@ def test_where_the_answer_tokens_come_from_and_what_is_refused(dirs, manifests, 
         build_body(bad)
 
 
+def test_the_gguf_llama_cpps_converter_writes_builds_the_same_artifact(dirs, manifests, module_tmp):
+    """llama.cpp's converter writes a Qwen3 reranker as the qwen3 body (tied: token_embd),
+    rank pooling, labels [yes, no] and `cls.output.weight` holding the LM head's yes and no
+    rows (conversion/qwen.py); made here from our converter's f32 body GGUF."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from ingest.hf_dir import convert_hf_dir
+    from tests.gguf_edit import rewrite_gguf
+
+    body = module_tmp / "body.gguf"
+    convert_hf_dir(dirs["raw"], body, "f32", pooling="last")
+    yes, no = _yes_no(dirs["raw"])
+    table = load_file(str(dirs["raw"] / "model.safetensors"))["model.embed_tokens.weight"]
+    kind = gguf.GGUFValueType
+
+    def reranker(labels: list[str]) -> Path:
+        return rewrite_gguf(
+            body,
+            module_tmp / f"rank-{'-'.join(labels)}.gguf",
+            set_kv={
+                "qwen3.pooling_type": (int(gguf.PoolingType.RANK), kind.UINT32),
+                "qwen3.classifier.output_labels": (labels, kind.ARRAY, kind.STRING),
+            },
+            add_tensors={"cls.output.weight": np.stack([table[yes], table[no]])},
+        )
+
+    tok = dirs["raw"] / "tokenizer.json"
+    man = ingest_owned(reranker(["yes", "no"]), module_tmp / "owned-gguf", tokenizer=tok)
+    from_dir = manifests["ce"]
+    # The ids are gone from the file (the rows stay): the head names none.
+    assert man.head == msgspec.structs.replace(
+        from_dir.head, true_token_id=None, false_token_id=None
+    )
+    a, b = man.load_weights(), from_dir.load_weights()
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    same = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope_theta", "pad_token_id")
+    assert all(getattr(man.config, f) == getattr(from_dir.config, f) for f in same)
+    # Rows in another order would score with the answers swapped.
+    with pytest.raises(UnsupportedModel, match="yes, no"):
+        ingest_owned(reranker(["no", "yes"]), module_tmp / "owned-gguf-swapped", tokenizer=tok)
+
+
 def test_a_reranker_compiles_under_its_own_revision_and_keys(manifests):
     man = manifests["ce"]
     revision = kernel_revision("qwen3", "rank_last")
