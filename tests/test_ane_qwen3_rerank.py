@@ -400,6 +400,18 @@ def test_an_untied_reranker_scores_with_its_own_lm_head(dirs, manifests, referen
     assert np.abs(got - want).max() <= _bar(man), np.abs(got - want).max()
 
 
+def test_the_certification_reference_scores_composed_ids_as_crossencoder(dirs, reference):
+    """The fp32 judge `synapse certify` uses takes composed ids: a causal LM's are padded on
+    the left, where LogitScore reads the last position."""
+    from certification.oracle import ST, Oracle
+
+    oracle = Oracle(dirs["ce"], None, reference=ST)
+    assert oracle.is_causal_reranker and not oracle.is_cross_encoder
+    ids = reference["ids"]
+    got = oracle.scores(ids, [np.zeros(len(x), np.int32) for x in ids])
+    np.testing.assert_allclose(got, reference["ce"], atol=1e-4)
+
+
 def test_the_worker_refuses_what_a_reranker_does_not_do(engines, reference):
     engine = engines["unpacked"]
     ids = reference["ids"][:2]

@@ -113,6 +113,11 @@ def says_qwen3_reranker(src: Path, name_or_path: str = "") -> bool:
     return any(n in h.lower() for h in hints for n in _NAME_HINTS)
 
 
+def says_reranker(src: Path, name_or_path: str = "") -> bool:
+    """Whether `src` says itself that it is a causal LM reranker (no tokens named)."""
+    return _logit_score(src) is not None or says_qwen3_reranker(src, name_or_path)
+
+
 def rank_tokens(
     src: Path,
     name_or_path: str,
