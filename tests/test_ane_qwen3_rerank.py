@@ -140,7 +140,8 @@ def _yes_no(model_dir: Path) -> tuple[int, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    return int(yes), int(no)
 
 
 def _transformers_scores(model_dir: Path, ids: list[np.ndarray]) -> np.ndarray:
