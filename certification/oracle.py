@@ -37,6 +37,7 @@ from certification.errors import ReferenceUnavailable
 from certification.reference.bert import POOLINGS, BertReference
 from common.errors import ArtifactInvalid
 from formats.hf_config import HfConfig, HfConfigInvalid
+from formats.owned.rank_head import says_reranker
 from formats.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsInvalid, weight_files
 from host.tokenization import model_limits
 from ingest.owned import hf_source_dir
@@ -206,9 +207,14 @@ class Oracle:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
         self.weights_digest = h.hexdigest()
-        self.is_cross_encoder = bool(
-            str((config.get("architectures") or [""])[0]).endswith("ForSequenceClassification")
+        arch = str((config.get("architectures") or [""])[0])
+        # A causal LM reranker (Qwen3-Reranker; a CrossEncoder ending in LogitScore), by the
+        # rule the owned manifest uses: sentence-transformers' CrossEncoder scores it with
+        # logit[true] - logit[false] at the last token (`scores` pads such pairs on the left).
+        self.is_causal_reranker = arch.endswith("ForCausalLM") and says_reranker(
+            self.dir, str(config.get("_name_or_path") or "")
         )
+        self.is_cross_encoder = arch.endswith("ForSequenceClassification")
         # A pair's document half has type 1 only where the model has two token types; BERT
         # has them by default, the other families only where their config says so.
         self.n_token_types = int(config.get("type_vocab_size", 2 if model_type == "bert" else 1))

@@ -125,6 +125,13 @@ async def certify(
         judged = await _judge_classify(client, tok, oracle, texts, options, thresholds, measured)
         checks += gates.embedding_not_applicable("sequence classifier") + judged.checks
     elif record.kind == "rerank":
+        if oracle.is_causal_reranker:
+            # Its pairs are rendered through the model's chat template; the composer below
+            # knows only the encoders' pair template, so it would judge other sequences.
+            raise ValueError(
+                f"{options.model!r} is a causal LM reranker: certifying one needs its pairs "
+                "rendered through the model's template, which this runner does not do yet"
+            )
         if not oracle.is_cross_encoder:
             raise ValueError(
                 f"reference dir {ref_dir} is not a sequence-classification model "

@@ -1,6 +1,7 @@
-"""Rewrite a GGUF with some metadata changed or tensors dropped: how tests make the GGUFs that
-other converters write (no pooling type for rerankers, a dropped pooler, other normalizer
-options) from the ones ours writes. f16/f32 tensors only."""
+"""Rewrite a GGUF with some metadata changed or tensors dropped or added: how tests make the
+GGUFs that other converters write (no pooling type for rerankers, a dropped pooler, other
+normalizer options, llama.cpp's two-row Qwen3 reranker head) from the ones ours writes.
+f16/f32 tensors only."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def rewrite_gguf(
     drop_tensors: tuple = (),
     arch: str | None = None,
     replace_tensors: dict | None = None,
+    add_tensors: dict | None = None,
 ) -> Path:
     reader = gguf.GGUFReader(str(src))
     old_arch = str(reader.fields["general.architecture"].contents())
@@ -36,6 +38,8 @@ def rewrite_gguf(
     for t in reader.tensors:
         if t.name not in drop_tensors:
             writer.add_tensor(t.name, (replace_tensors or {}).get(t.name, t.data))
+    for name, data in (add_tensors or {}).items():  # HF (out, in) order, as the converters'
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -178,6 +178,7 @@ class STReference:
         hf = _hf_model(model)
         pad = _pad_id(hf)
         typed = "token_type_ids" in inspect.signature(hf.forward).parameters
+        left = getattr(model[0], "transformer_task", None) == "text-generation"
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
         rows: list[np.ndarray | None] = [None] * len(seqs)
         before = torch.get_num_threads()
@@ -190,6 +191,7 @@ class STReference:
                         [types[i] for i in batch] if types is not None else None,
                         pad,
                         typed,
+                        left,
                     )
                     got = model(feats)[key].float().numpy()
                     for j, i in enumerate(batch):
@@ -248,20 +250,27 @@ def _batches(order: list[int], lengths: list[int]) -> list[list[int]]:
 
 
 def _features(
-    seqs: list[np.ndarray], types: list[np.ndarray] | None, pad: int, typed: bool
+    seqs: list[np.ndarray],
+    types: list[np.ndarray] | None,
+    pad: int,
+    typed: bool,
+    left: bool = False,
 ) -> dict:
+    """`left`: padding before the tokens, as sentence-transformers pads a causal LM (its
+    LogitScore reads the last position)."""
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     token_types = torch.zeros((len(seqs), width), dtype=torch.long)
     for r, s in enumerate(seqs):
-        input_ids[r, : len(s)] = torch.from_numpy(s)
-        mask[r, : len(s)] = 1
+        at = slice(width - len(s), width) if left else slice(0, len(s))
+        input_ids[r, at] = torch.from_numpy(s)
+        mask[r, at] = 1
         if types is not None:
             t = np.asarray(types[r], dtype=np.int64).reshape(-1)
             if len(t) != len(s):
                 raise ValueError("one token type per id")
-            token_types[r, : len(s)] = torch.from_numpy(t)
+            token_types[r, at] = torch.from_numpy(t)
     feats = {"input_ids": input_ids, "attention_mask": mask}
     if typed:  # a model without token types has nothing to feed them to (ModernBERT, Qwen3)
         feats["token_type_ids"] = token_types

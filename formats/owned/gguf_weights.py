@@ -46,9 +46,9 @@ class QuantizedTensor(UnsupportedModel):
         self.type_name = type_name
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, want_arrays: frozenset[str] = frozenset()) -> GGUFHeader:
     try:
-        return read_gguf_header(path)
+        return read_gguf_header(path, want_arrays)
     except (OSError, GGUFFormatError) as e:
         raise ManifestError(f"{path.name} is not a readable GGUF: {e}") from e
 

@@ -244,8 +244,15 @@ def _check_shapes(config: ModelConfig, head: Head, t: dict[str, np.ndarray]) -> 
             raise ManifestError(f"{name}: shape {t[name].shape}, config implies {shape}")
 
 
-def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str, np.ndarray]]:
-    """The manifest body and canonical tensors of a HF directory (nothing written)."""
+def build_body(
+    src_dir: str | os.PathLike[str],
+    *,
+    true_token: str | int | None = None,
+    false_token: str | int | None = None,
+) -> tuple[ManifestBody, dict[str, np.ndarray]]:
+    """The manifest body and canonical tensors of a HF directory (nothing written).
+    `true_token` / `false_token` name a causal LM reranker's two answer tokens (strings or
+    ids; `formats.owned.rank_head`)."""
     src = Path(src_dir)
     tok = src / TOKENIZER_NAME
     cfg = HfConfig.read(src)
@@ -254,8 +261,13 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
             raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
         from formats.owned.manifest_qwen3 import config_head_tensors  # its own config and names
 
-        config, head, tensors = config_head_tensors(src, cfg)
+        config, head, tensors = config_head_tensors(src, cfg, true_token, false_token)
     else:
+        if true_token is not None or false_token is not None:
+            raise UnsupportedModel(
+                f"model_type={cfg.model_type!r}: true/false tokens score a causal LM "
+                "reranker (Qwen3ForCausalLM)"
+            )
         config = _config_from_hf(src, cfg)
         head = _head_from_hf(src, cfg, config)
         if not tok.exists():
@@ -291,11 +303,17 @@ def ingest_owned(
     tokenizer: str | os.PathLike[str] | None = None,
     pooling: str | None = None,
     max_seq_length: int | None = None,
+    true_token: str | int | None = None,
+    false_token: str | int | None = None,
 ) -> Manifest:
     """Ingest a HF BERT, XLM-RoBERTa or Qwen3 directory, or a GGUF file of those families, into
     the owned format at `out_dir` (atomically: built in a sibling temp dir, then renamed). An
     existing artifact at `out_dir` with the same digest is verified and reused; anything else
     already there is an error.
+
+    `true_token` / `false_token` (a directory only) make a Qwen3ForCausalLM directory a
+    reranker scored with those two tokens, as a user names them at ingest; a directory that
+    says it is one (a CrossEncoder ending in LogitScore, a Qwen3-Reranker) needs neither.
 
     A GGUF holds no tokenizer.json and need not state its pooling or default truncation: the
     caller gives the tokenizer the host serves it with (`tokenizer`) and what the model's
@@ -304,6 +322,9 @@ def ingest_owned(
     if path.is_file():
         from formats.owned.manifest_gguf import config_head_tensors  # GGUF names and metadata
 
+        if true_token is not None or false_token is not None:
+            # llama.cpp's converter kept the two rows, not the vocabulary they came from.
+            raise ManifestError(f"{path.name}: a GGUF reranker's two rows are its cls.output")
         if tokenizer is None:
             raise ManifestError(
                 f"{path.name}: a GGUF source needs the tokenizer.json the host tokenizes it with"
@@ -320,7 +341,7 @@ def ingest_owned(
             raise ManifestError(
                 f"{path}: a Hugging Face directory states its own tokenizer, pooling and truncation"
             )
-        body, tensors = build_body(path)
+        body, tensors = build_body(path, true_token=true_token, false_token=false_token)
         tok = path / TOKENIZER_NAME
     return _publish(body, tensors, tok, Path(out_dir))
 

@@ -11,7 +11,10 @@ Families, by `general.architecture`:
   BERT's pooler + classifier or XLM-RoBERTa's classification head.
 - `qwen3`: Qwen3 embedders (last-token pooled), as `formats.owned.manifest_qwen3` accepts them
   from a directory; rope scaling, a sliding window, biases or any tensor the graph does not
-  read are refused by name.
+  read are refused by name. A Qwen3 reranker as llama.cpp's converter writes it (rank pooling,
+  `cls.output.weight`: the LM head's `yes` and `no` rows, labels [yes, no]) keeps the
+  difference of those rows as its score row, as from a directory; the token ids themselves
+  are gone from such a file, so the head names none.
 Any other architecture is refused, named.
 
 What a GGUF does not state comes from the model's record (the host passes it): the pooling when
@@ -40,6 +43,7 @@ from formats.owned.model import (
     classifier_layers,
     required_tensors,
 )
+from formats.owned.rank_head import SCORE_WEIGHT, rank_head, score_row
 
 ARCHITECTURES = ("bert", "qwen3")
 # llama_pooling_type as GGUF metadata stores it.
@@ -321,10 +325,13 @@ def _qwen3(
     path: Path, hdr: GGUFHeader, given_pooling: str | None, max_seq_length: int | None
 ) -> Loaded:
     pooling = _pooling(hdr, given_pooling)
-    if pooling != "last":
+    rerank = pooling == "rank"
+    if pooling != "last" and not rerank:
         # A causal decoder's early tokens never see the later ones: only the last token
         # (the appended end-of-text) has read the whole input.
-        raise UnsupportedModel(f"pooling {pooling!r}: Qwen3 embedders pool the last token")
+        raise UnsupportedModel(
+            f"pooling {pooling!r}: Qwen3 embedders pool the last token (rerankers: rank)"
+        )
     scaling = hdr.kv.get(_key(hdr, Keys.Rope.SCALING_TYPE))
     if scaling not in (None, "none"):
         raise UnsupportedModel(
@@ -352,7 +359,8 @@ def _qwen3(
         )
     max_pos = min(_int(hdr, Keys.LLM.CONTEXT_LENGTH), manifest_qwen3.MAX_GRAPH_POSITIONS)
     config = ModelConfig(
-        architecture="Qwen3Model",
+        # A reranker reads its LM head's rows: the causal LM, as from a directory.
+        architecture="Qwen3ForCausalLM" if rerank else "Qwen3Model",
         vocab_size=vocab_rows,
         hidden_size=h,
         num_layers=_int(hdr, Keys.LLM.BLOCK_COUNT),
@@ -370,13 +378,44 @@ def _qwen3(
         attention_head_dim=head_dim,
         rope_theta=_float(hdr, Keys.Rope.FREQ_BASE),
     )
-    head = Head(type="embed_last", pooling="last", normalize=True, num_labels=0)
+    head = (
+        rank_head(None)
+        if rerank
+        else Head(type="embed_last", pooling="last", normalize=True, num_labels=0)
+    )
     names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
     for i in range(config.num_layers):
         for gguf_part, hf_part in _QWEN3_LAYER.items():
             names[f"blk.{i}.{gguf_part}.weight"] = f"layers.{i}.{hf_part}.weight"
     shapes = manifest_qwen3.required_tensors(config)
     assert sorted(names.values()) == sorted(shapes)
-    # The LM head does not embed (as from a directory).
+    if rerank:
+        names[_CLS_OUT] = _CLS_OUT
+        shapes[_CLS_OUT] = (2, h)
+        _check_answer_labels(path, hdr)
+    # The LM head does not embed (as from a directory), nor does a reranker read it past
+    # the two rows its converter kept.
     tensors = _load(path, hdr, names, shapes, lambda n: n == "output.weight")
+    if rerank:
+        rows = tensors.pop(_CLS_OUT)
+        tensors[SCORE_WEIGHT] = score_row(rows[0], rows[1])
     return config, head, tensors
+
+
+# llama.cpp's converter writes a Qwen3 reranker's LM-head rows for `yes` and `no`, in that
+# order, as the rank classifier (conversion/qwen.py), and names them as labels.
+_CLS_OUT = "cls.output.weight"
+_ANSWER_LABELS = ["yes", "no"]
+
+
+def _check_answer_labels(path: Path, hdr: GGUFHeader) -> None:
+    """The two rows must be (true, false): labels [yes, no], or none stated (the converter's
+    order). Anything else would score with the rows swapped or with other tokens' logits."""
+    key = _key(hdr, Keys.Classifier.OUTPUT_LABELS)
+    if key not in hdr.kv:
+        return
+    labels = read_header(path, frozenset({key})).kv.get(key)  # the scan skips arrays
+    if labels != _ANSWER_LABELS:
+        raise UnsupportedModel(
+            f"{key} {labels!r}: a Qwen3 reranker GGUF's rows are [yes, no] (the true answer first)"
+        )

@@ -1,17 +1,27 @@
 """The owned manifest of a Qwen3 embedder (Qwen3-Embedding: a causal decoder pooled at the
-`<|endoftext|>` its tokenizer appends), read from a Hugging Face / sentence-transformers
-directory. `manifest.build_body` hands `model_type: qwen3` directories here; everything else
-about the artifact (digests, files, verification) is the owned format's, unchanged.
+`<|endoftext|>` its tokenizer appends) or reranker (Qwen3-Reranker: a Qwen3ForCausalLM whose
+raw score is logit[yes] - logit[no] at the last token, as sentence-transformers' CrossEncoder
+with LogitScore computes it), read from a Hugging Face / sentence-transformers directory.
+`manifest.build_body` hands `model_type: qwen3` directories here; everything else about the
+artifact (digests, files, verification) is the owned format's, unchanged.
 
 What the Qwen3 graph (`builder_qwen3`) computes, and so what is accepted: RMSNorm everywhere
 (per-head q/k norms too), NEOX rotary embeddings over the whole head at `rope_theta`,
 grouped-query attention (`num_key_value_heads`), SwiGLU MLP, no biases, causal attention over
-the whole sequence, last-token pooling. A config asking for anything else (biases, a sliding
+the whole sequence, the last token. A config asking for anything else (biases, a sliding
 window, rope scaling, another activation, a classifier, another pooling, a Dense module after
 pooling) would be served silently wrong, so it is refused by name.
 
-Weights keep HF's names minus the `model.` prefix Qwen3ForCausalLM adds; the LM head is not
-needed to embed and is left out (its digest would otherwise pin a tensor the graph never reads).
+Embedder or reranker: a Qwen3ForCausalLM directory is a reranker when its sentence-transformers
+files say so (a CrossEncoder ending in LogitScore), when it says it is a Qwen3-Reranker (README
+heading or name, as llama.cpp's converter decides), or when the caller names its true and
+false tokens (`formats.owned.rank_head`); otherwise an embedder, whose artifact (and digest) is
+what it was before rerankers existed.
+
+Weights keep HF's names minus the `model.` prefix Qwen3ForCausalLM adds. An embedder leaves the
+LM head out (its digest would otherwise pin a tensor the graph never reads); a reranker keeps
+only the difference of its two rows (`score.weight`), taken from `lm_head.weight` or, for tied
+embeddings, from the embedding table, as transformers computes the logits.
 """
 
 from __future__ import annotations
@@ -22,12 +32,21 @@ import numpy as np
 
 from formats.hf_config import HfConfig
 from formats.owned.model import (
+    RANK_HEADS,
     Head,
     ManifestError,
     ModelConfig,
     UnsupportedModel,
     read_json,
     source_layout,
+)
+from formats.owned.rank_head import (
+    SCORE_WEIGHT,
+    RankTokens,
+    rank_head,
+    rank_tokens,
+    score_row,
+    vocabulary,
 )
 from formats.safetensors_io import read_safetensors, weight_files
 
@@ -56,9 +75,7 @@ def _eos_id(src: Path) -> int:
     text = cfg.get("eos_token", "<|endoftext|>")
     if isinstance(text, dict):  # AddedToken serialised as an object
         text = text.get("content")
-    tok = read_json(src / "tokenizer.json")
-    ids = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    ids.update(tok.get("model", {}).get("vocab", {}) or {})
+    ids = vocabulary(src)
     if text not in ids:
         raise ManifestError(f"tokenizer.json has no end-of-text token {text!r}")
     return int(ids[text])
@@ -68,7 +85,7 @@ def config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
     archs = cfg.architectures or ["Qwen3Model"]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise UnsupportedModel(
-            f"architectures {archs}: Qwen3 embedders only "
+            f"architectures {archs}: Qwen3 embedders and rerankers only "
             f"({', '.join(ARCHITECTURES)}); Qwen3 classifiers are not built"
         )
     act = cfg.string("hidden_act")
@@ -115,8 +132,17 @@ def config_from_hf(src: Path, cfg: HfConfig) -> ModelConfig:
     )
 
 
-def head_from_hf(src: Path) -> Head:
+def head_from_hf(src: Path, rank: RankTokens | None = None) -> Head:
     layout = source_layout(src)
+    if rank is not None:
+        if layout.pooling_modes or layout.dense_dirs:
+            # A reranker reads the LM head's logits at the last token; a Pooling or Dense
+            # module says the directory is an embedder.
+            raise UnsupportedModel(
+                "a reranker (true/false tokens named) whose sentence-transformers modules "
+                "pool or project: not built"
+            )
+        return rank_head(rank)
     if layout.dense_dirs:
         raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: not built")
     if layout.pooling_modes != ("lasttoken",):
@@ -155,19 +181,31 @@ def required_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+LM_HEAD = "lm_head.weight"
+
+
 def _ignored(name: str) -> bool:
     return name.startswith("lm_head.") or name.endswith("rotary_emb.inv_freq")
 
 
-def load_tensors(src: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def load_tensors(
+    src: Path, config: ModelConfig, head: Head | None = None, tied: bool = False
+) -> dict[str, np.ndarray]:
     """The graph's tensors, float32, canonical names; anything else a Qwen3 checkpoint holds
-    besides the LM head is refused (a tensor the graph ignores would change what it means)."""
+    besides the LM head is refused (a tensor the graph ignores would change what it means).
+    A reranker's `score.weight` is made from the LM head's two rows (the embedding table's
+    when `tied`, as transformers ties them)."""
     expect = required_tensors(config)
+    rank = head is not None and head.type in RANK_HEADS
     out: dict[str, np.ndarray] = {}
     extra: list[str] = []
+    lm_head: np.ndarray | None = None
     for path in weight_files(src):
         for name, arr in read_safetensors(path).items():
             canon = name.removeprefix("model.")
+            if rank and not tied and name == LM_HEAD:
+                lm_head = arr
+                continue
             if _ignored(canon):
                 continue
             if canon not in expect:
@@ -182,12 +220,44 @@ def load_tensors(src: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     for name, shape in expect.items():
         if out[name].shape != shape:
             raise ManifestError(f"{name}: shape {out[name].shape}, config implies {shape}")
+    if rank:
+        assert head is not None and head.true_token_id is not None
+        table = out["embed_tokens.weight"] if tied else lm_head
+        if table is None:
+            raise ManifestError(
+                f"a reranker without tied embeddings needs {LM_HEAD}: the weights have none"
+            )
+        if table.shape != (config.vocab_size, config.hidden_size):
+            raise ManifestError(
+                f"{LM_HEAD}: shape {table.shape}, config implies "
+                f"{(config.vocab_size, config.hidden_size)}"
+            )
+        false = None if head.false_token_id is None else table[head.false_token_id]
+        out[SCORE_WEIGHT] = score_row(table[head.true_token_id], false)
     return out
 
 
 def config_head_tensors(
-    src: Path, cfg: HfConfig
+    src: Path,
+    cfg: HfConfig,
+    true_token: str | int | None = None,
+    false_token: str | int | None = None,
 ) -> tuple[ModelConfig, Head, dict[str, np.ndarray]]:
+    """`true_token` / `false_token` (token strings or ids) make the directory a reranker
+    scored with those two tokens; without them it is one only when it says so itself."""
     config = config_from_hf(src, cfg)
-    head = head_from_hf(src)
-    return config, head, load_tensors(src, config)
+    name = cfg.get("_name_or_path")
+    rank = rank_tokens(
+        src,
+        name if isinstance(name, str) else "",
+        config.vocab_size,
+        true_token,
+        false_token,
+    )
+    if rank is not None and config.architecture != "Qwen3ForCausalLM":
+        raise UnsupportedModel(
+            f"a {config.architecture} reranker: the score reads the LM head "
+            "(Qwen3ForCausalLM checkpoints only)"
+        )
+    head = head_from_hf(src, rank)
+    return config, head, load_tensors(src, config, head, cfg.flag("tie_word_embeddings"))

@@ -14,8 +14,11 @@ import msgspec
 
 from formats.st_layout import Layout, LayoutError, read_layout
 
-HeadType = Literal["embed_mean", "embed_cls", "embed_last", "cross_encoder"]
+HeadType = Literal["embed_mean", "embed_cls", "embed_last", "cross_encoder", "rank_last"]
 EMBED_HEADS = ("embed_mean", "embed_cls", "embed_last")
+# A causal LM reranker (Qwen3-Reranker, or any sentence-transformers CrossEncoder ending in
+# LogitScore): one raw score, logit[true] - logit[false], at each sequence's last token.
+RANK_HEADS = ("rank_last",)
 
 # The encoder families the graph builds, by the architectures config.json names. XLM-RoBERTa
 # is BERT's encoder with positions offset by the padding index, one token type and its own
@@ -106,13 +109,21 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
         return self.architecture.endswith("ForSequenceClassification")
 
 
-class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# omit_defaults: the rank-only fields are left out of every other head (and so of its
+# artifact's digest, which stays what it was before they existed).
+class Head(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     type: HeadType
     # mean for embed_mean; cls (the first token) for embed_cls and cross_encoder; last (the
-    # appended end-of-text) for embed_last
+    # appended end-of-text) for embed_last; last (the last real token) for rank_last
     pooling: Literal["mean", "cls", "last"]
     normalize: bool  # default L2 normalisation of embeddings (requests may override)
     num_labels: int  # 0 for embedders
+    # rank_last only: the vocabulary ids whose logits the score compares (the LM head rows
+    # the artifact's one score row was made from); false is None for a score that is the
+    # true token's logit alone (LogitScore without a false token). Provenance: the graph
+    # reads the row, not the ids. None too for a GGUF, whose converter kept the rows only.
+    true_token_id: int | None = None
+    false_token_id: int | None = None
 
 
 # ---- tensors and source files -------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The owned Qwen3 decoder-embedder graph (Qwen3-Embedding), built with coremltools' MIL builder
-in the Neural Engine's form.
+"""The owned Qwen3 decoder graph, built with coremltools' MIL builder in the Neural Engine's
+form: the embedder (Qwen3-Embedding) and, on the same layers, the reranker (Qwen3-Reranker:
+one raw score, logit[yes] - logit[no], at the last real token).
 
 The same principles as the BERT graph (`builder`), each named where it is applied below:
 
@@ -34,7 +35,9 @@ What is new for a decoder:
   segment ids and positions (a token sees the earlier tokens of its own segment only).
 - Last-token pooling per segment (the end-of-text the tokenizer appends), then the final
   RMSNorm on the pooled tokens only (it is per token, so norm-then-pick equals pick-then-norm)
-  and L2 normalisation.
+  and L2 normalisation. A reranker picks the same last real token (the end of its template's
+  assistant prefix), norms it, and applies its one score row as a 1x1 conv: one f32 per
+  sequence, packed or not, with no vocabulary-wide head.
 - fp16 range: Qwen-family residual streams grow channels far beyond fp16's 65504 in large
   checkpoints. The residual stream is carried scaled by RESIDUAL_SCALE (a power of two, so
   scaling is exact wherever fp16 values are normal): the embedding table, o_proj and up_proj
@@ -50,7 +53,8 @@ import math
 import numpy as np
 
 from formats.owned.manifest import Manifest
-from formats.owned.model import ModelConfig
+from formats.owned.model import RANK_HEADS, ModelConfig
+from formats.owned.rank_head import SCORE_WEIGHT
 from workers.ane.build_options import BuildOptions
 from workers.ane.builder import MASK_BIAS, convert_and_save, truncate_mantissa  # noqa: F401
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
@@ -72,6 +76,8 @@ def input_names(shape: Shape) -> list[str]:
 
 
 def output_names(manifest: Manifest) -> list[str]:
+    if manifest.head.type in RANK_HEADS:
+        return ["logits"]  # one raw score per sequence, named as the cross-encoders' is
     return ["embedding", "embedding_l2"]
 
 
@@ -264,11 +270,18 @@ class _Graph:
 
     # ---- head ------------------------------------------------------------------------------
 
-    def outputs(self, x: Var, weights: Var) -> list[Var]:
+    def outputs(self, x: Var, weights: Var, rank: bool = False) -> list[Var]:
         # (B, H, 1, S) x (B, 1, S, K) -> (B, H, 1, K): each segment's last token, exactly
         # (one-hot weights), still channels-first and still at the stream's scale.
         pooled = mb.matmul(x=x, y=weights)
         pooled = self.rms_norm(pooled, "norm", in_scale=self.s)
+        if rank:
+            # The reranker's score: the LM head's true row minus its false row, one output
+            # channel of a 1x1 conv [conv] on the normed last token (true units), which is
+            # logit[true] - logit[false] without forming either logit (see
+            # formats.owned.rank_head.score_row for why in fp16).
+            score = mb.conv(x=pooled, weight=_conv_w(self.w[SCORE_WEIGHT]), pad_type="valid")
+            return [self.to_output(score, "logits")]
         # L2 over channels; max() guards an empty segment's zero vector against 0/0.
         norm = mb.maximum(x=mb.reduce_l2_norm(x=pooled, axes=[1], keep_dims=True), y=1e-6)
         normed = mb.real_div(x=pooled, y=norm)
@@ -306,8 +319,9 @@ def build_program(
         raise ValueError(f"a {cfg.family} model: this builder builds Qwen3 only")
     if shape.seq_len > cfg.max_positions:
         raise ValueError(f"seq_len {shape.seq_len} > the graph's {cfg.max_positions} positions")
-    if manifest.head.type != "embed_last":
-        raise ValueError(f"head {manifest.head.type}: the Qwen3 graph pools the last token")
+    rank = manifest.head.type in RANK_HEADS
+    if manifest.head.type != "embed_last" and not rank:
+        raise ValueError(f"head {manifest.head.type}: the Qwen3 graph reads the last token")
     g = _Graph(manifest, shape, options, residual_scale)
     placeholders = {
         n: mb.placeholder(shape=(shape.rows, shape.seq_len), dtype=types.int32)
@@ -322,7 +336,7 @@ def build_program(
             bias, cos, sin, weights = g.unpacked_inputs(inp["attention_mask"])
         for i in range(cfg.num_layers):
             x = g.layer(x, i, bias, cos, sin)
-        func.set_outputs(g.outputs(x, weights))
+        func.set_outputs(g.outputs(x, weights, rank))
     prog = Program()
     prog.add_function("main", func)
     return prog

@@ -52,7 +52,7 @@ def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
     """The package's key (`options`: builder.BuildOptions)."""
     return make_key(
         manifest_digest=manifest.digest,
-        kernel_revision=kernel_revision(manifest.config.family),
+        kernel_revision=kernel_revision(manifest.config.family, manifest.head.type),
         shape=shape.dims,
         precision=PRECISION,
         deployment_target=DEPLOYMENT_TARGET,

@@ -51,7 +51,7 @@ import numpy as np
 from compile_cache import CompileCache, CompileCacheError, default_root
 from compile_cache.paths import default_budget
 from formats.owned.manifest import FORMAT, Manifest, load_manifest
-from formats.owned.model import EMBED_HEADS, ManifestError
+from formats.owned.model import EMBED_HEADS, RANK_HEADS, ManifestError
 from workers.ane.backend_errors import BackendOpenFailed, BackendUnavailable
 from workers.ane.backends import Backend, default_backend, open_backend
 from workers.ane.build_options import BuildOptions
@@ -135,7 +135,7 @@ class AneEngine(Engine):
                 # verifies them all.
                 hello = load_manifest(artifact, verify_weights=False)
                 self._hello_digest = hello.digest
-                self._hello_revision = kernel_revision(hello.config.family)
+                self._hello_revision = kernel_revision(hello.config.family, hello.head.type)
             except ManifestError as e:
                 log.warning(
                     "artifact %s unreadable at start (%s); LOAD will report it", artifact, e
@@ -222,12 +222,13 @@ class AneEngine(Engine):
                 "artifact_invalid",
                 f"this worker advertised manifest {self._hello_digest[:16]}... in HELLO",
             )
-        if kernel_revision(manifest.config.family) != self._hello_revision:
+        revision = kernel_revision(manifest.config.family, manifest.head.type)
+        if revision != self._hello_revision:
             # What HELLO named is what certificates are keyed by: never serve another graph.
             raise EngineError(
                 "artifact_invalid",
-                f"a {manifest.config.family} model builds "
-                f"{kernel_revision(manifest.config.family)}, this worker "
+                f"a {manifest.config.family} {manifest.head.type} model builds "
+                f"{revision}, this worker "
                 f"advertised {self._hello_revision} in HELLO (start it with "
                 "--artifact)",
             )
@@ -449,11 +450,15 @@ class AneEngine(Engine):
     def rerank_sequences(
         self, req: m.RERANK_SEQUENCES, ids: np.ndarray, progress: Progress
     ) -> np.ndarray:
+        """One raw score per composed sequence: a cross-encoder's logit, or a causal LM
+        reranker's logit[true] - logit[false] at the sequence's last token (the host sends
+        the pair rendered through the model's template, the assistant prefix last)."""
         model = self._require(req.model_ref)
         head = model.manifest.head
-        if head.type != "cross_encoder" or head.num_labels != 1:
+        rank = head.type in RANK_HEADS
+        if not rank and (head.type != "cross_encoder" or head.num_labels != 1):
             raise EngineError("unsupported", f"{model.ref} is not a one-logit cross-encoder")
-        seqs, types = self._composed(model, ids, req.sequences)
+        seqs, types = self._composed(model, ids, req.sequences, typed=not rank)
         return self._run(model, seqs, types, "logits", 1, progress)[:, 0]
 
     def classify(self, req: m.CLASSIFY, ids: np.ndarray, progress: Progress) -> np.ndarray:
@@ -467,10 +472,15 @@ class AneEngine(Engine):
         return self._run(model, seqs, types, "logits", head.num_labels, progress)
 
     def _composed(
-        self, model: _Model, ids: np.ndarray, sequences: list[m.RerankSequence]
+        self,
+        model: _Model,
+        ids: np.ndarray,
+        sequences: list[m.RerankSequence],
+        typed: bool = True,
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The sequences and their token types: segment A ([CLS] a [SEP]) type 0, segment B
-        (b [SEP]) type 1; a single text is all segment A."""
+        (b [SEP]) type 1; a single text is all segment A. A decoder has no token types
+        (`typed` False): n_first is checked, never read."""
         seqs = self._split(model, ids, [s.n_tokens for s in sequences])
         types = []
         for i, s in enumerate(sequences):
@@ -479,7 +489,8 @@ class AneEngine(Engine):
                     "invalid_request", f"sequence {i}: n_first {s.n_first} outside 1..{s.n_tokens}"
                 )
             tt = np.zeros(s.n_tokens, np.int32)
-            tt[s.n_first :] = 1
+            if typed:
+                tt[s.n_first :] = 1
             types.append(tt)
         return seqs, types
 
@@ -555,4 +566,6 @@ def _feeds(
 
 def _dims(manifest: Manifest) -> int:
     head = manifest.head
-    return head.num_labels if head.type == "cross_encoder" else manifest.config.hidden_size
+    if head.type == "cross_encoder" or head.type in RANK_HEADS:
+        return head.num_labels
+    return manifest.config.hidden_size

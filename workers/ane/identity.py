@@ -25,8 +25,16 @@ KERNEL_REVISIONS = {"bert": KERNEL_REVISION, "xlm-roberta": f"{KERNEL_REVISION}+
 KERNEL_REVISIONS["qwen3"] = "ane-qwen3-1"
 
 
-def kernel_revision(family: str) -> str:
-    return KERNEL_REVISIONS[family]
+#: A head only some models of a family have extends the family's revision, as XLM-RoBERTa's
+#: extends BERT's: a change to the shared layers renames both, a change to the head renames
+#: only its models', and the family's other compiled shapes and certificates survive it. The
+#: Qwen3 reranker's score head (one row on the last real token) is such a head.
+HEAD_REVISIONS = {("qwen3", "rank_last"): "+rank-1"}
+
+
+def kernel_revision(family: str, head: str | None = None) -> str:
+    """The revision of the graph a `family` model with a `head` (`Head.type`) builds."""
+    return KERNEL_REVISIONS[family] + HEAD_REVISIONS.get((family, head or ""), "")
 
 
 PRECISION = "fp16"
