@@ -37,8 +37,8 @@ from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
 from host.errors import ConfigInvalid
 from host.module import ModuleConfig, check_lane_list
-from ingest.store import DEFAULT_EMBED
 from ingest.durable import full_disk_as
+from ingest.store import DEFAULT_EMBED
 
 log = logging.getLogger("synapse.batch")
 

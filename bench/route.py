@@ -51,6 +51,7 @@ def corpus_texts(n: int, seed: int, lengths: tuple[int, ...] = (6, 20, 60)) -> l
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.choice(lengths))) for _ in range(n)]
 
+
 MODES = ("ane", "llama", "routed")
 
 
@@ -103,9 +104,7 @@ async def run(args: argparse.Namespace) -> dict:
         for mode in MODES:
             lane = None if mode == "routed" else mode
             single[mode] = await _single(mod, args.model, lane, args.single, seen_single)
-            bulk[mode] = await _bulk(
-                mod, args.model, lane, args.bulk, args.concurrency, seen_bulk
-            )
+            bulk[mode] = await _bulk(mod, args.model, lane, args.bulk, args.concurrency, seen_bulk)
         curves = {
             lane: {"items": c.items, "seconds": c.seconds, "tokens": c.tokens}
             for lane, c in mod.latency_curves(args.model).items()

@@ -117,6 +117,4 @@ async def measure_curve(module: Module, model: str, lane: str) -> LatencyCurve:
     for k in CURVE_ITEMS:
         await one(k)  # warm-up: a first request of a size may compile or plan it
         seconds.append(round(min([await one(k) for _ in range(CURVE_RUNS)]), 6))
-    return LatencyCurve(
-        items=list(CURVE_ITEMS), seconds=seconds, tokens=int(encoded.n_tokens[mid])
-    )
+    return LatencyCurve(items=list(CURVE_ITEMS), seconds=seconds, tokens=int(encoded.n_tokens[mid]))

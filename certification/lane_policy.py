@@ -96,7 +96,9 @@ class CertificateLanePolicy:
             if lane == "ane" and cert is not None:
                 extra[lane] = certified_load_extra(cert)
         ids = {lane: cert.id if cert else "" for lane, cert in certs.items()}
-        curves = {lane: cert.measurements.latency_curve if cert else None for lane, cert in certs.items()}
+        curves = {
+            lane: cert.measurements.latency_curve if cert else None for lane, cert in certs.items()
+        }
         return LaneSet(tuple(lanes), extra, ids, curves, _recorded_agreement(certs))
 
     async def measure(

@@ -32,11 +32,11 @@ import numpy as np
 from certification import gates
 from certification.agreement import measure_agreement, measure_curve
 from certification.certificate import Certificate, Check, CorpusInfo, Drift, Measurements
-from certification.lane_policy import certified_load_extra, machine_differences
 from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.lane_client import LaneClient
+from certification.lane_policy import certified_load_extra, machine_differences
 from certification.oracle import Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for

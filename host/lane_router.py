@@ -47,8 +47,9 @@ def expected_seconds(curve: LatencyCurve, items: int) -> float:
     xs, ys = curve.items, curve.seconds
     if items <= xs[0]:
         return ys[0] * items / xs[0]
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), zip(xs[1:], ys[1:], strict=True), strict=False):
-        if items <= x1:
+    for i in range(1, len(xs)):
+        if items <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
             return y0 + (y1 - y0) * (items - x0) / (x1 - x0)
     if len(xs) == 1:
         per_item = ys[0] / xs[0]

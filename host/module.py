@@ -1057,7 +1057,7 @@ def _check_lane(lane: str) -> str:
 def check_lane_list(model: str, lanes: list[str]) -> list[str]:
     """A configured lane list: known lanes, each once, at least one (else `config_invalid`)."""
     if not lanes:
-        raise ConfigInvalid(f"models.{model}.lanes: name at least one lane, or \"auto\"")
+        raise ConfigInvalid(f'models.{model}.lanes: name at least one lane, or "auto"')
     unknown = [lane for lane in lanes if lane not in LANES]
     if unknown:
         raise ConfigInvalid(

@@ -82,9 +82,7 @@ def certs(own_certificates_cache) -> tuple[Certificate, Certificate]:
                     mod, RunOptions(model=MODEL, lane=lane, sample_stride=STRIDE, **options), store
                 )
 
-        ane = asyncio.run(
-            run("ane", shapes=PACKED, runtime_config_extra={"backend": "reference"})
-        )
+        ane = asyncio.run(run("ane", shapes=PACKED, runtime_config_extra={"backend": "reference"}))
         llama = asyncio.run(run("llama"))
     certified = as_compute_plan_run(ane)
     store.save(certified)
@@ -199,7 +197,9 @@ def test_the_http_answer_names_its_lane_and_metrics_count_it(own_certificates_ca
         assert reply.status_code == 200, reply.text
         lane = reply.headers["x-synapse-lane"]
         assert lane in ("ane", "llama") and reply.json()["usage"]["lane"] == lane
-        ranked = client.post("/v1/rerank", json={"model": MODEL, "query": "cat", "documents": TEXTS})
+        ranked = client.post(
+            "/v1/rerank", json={"model": MODEL, "query": "cat", "documents": TEXTS}
+        )
         assert ranked.json()["usage"]["lane"] == ranked.headers["x-synapse-lane"]
         models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert models[MODEL]["lane_reason"].startswith("routed ane+llama: vectors agree")
