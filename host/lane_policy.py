@@ -100,7 +100,7 @@ class LaneChoice:
     lanes: tuple[str, ...] = ()  # two or more: every request is routed among these
 
     def to_dict(self) -> dict:
-        out = {"lane": self.lane, "device": self.device, "reason": self.reason}
+        out: dict[str, object] = {"lane": self.lane, "device": self.device, "reason": self.reason}
         if self.lanes:
             out["lanes"] = list(self.lanes)
         return out
