@@ -33,7 +33,11 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("input", help="rows file (.jsonl .txt .parquet .csv) or - for stdin")
     embed.add_argument("-o", "--output", required=True, help="OUTPUT.parquet")
     embed.add_argument("--model", help="embedding model (default: minilm-l6-v2)")
-    embed.add_argument("--lane", choices=["ane", "llama"], help="engine lane")
+    embed.add_argument(
+        "--lane",
+        help="engine lane: ane or llama, or both (ane,llama: batches go to whichever lane is "
+        "free, once their vectors agree); default: the lanes `synapse serve` would use",
+    )
     embed.add_argument("--text-field", default="text")
     embed.add_argument("--id-field", default="id")
     embed.add_argument(

@@ -60,6 +60,7 @@ class LaneEmbedder:
         self.crashes_in_a_row = 0
         self.crashes = 0
         self.lane = ""  # the lane kind actually serving ("llama", "ane")
+        self.rows = 0  # rows this lane embedded (a job on two lanes reports each one's share)
         self.tokenizer: Tokenizer | None = None
         self.dims = 0
 
@@ -142,6 +143,7 @@ class LaneEmbedder:
                 ) from exc
             raise
         self.crashes_in_a_row = 0
+        self.rows += len(ids)
         return vectors
 
     def _zeros(self, n: int) -> np.ndarray:

@@ -44,8 +44,10 @@ from certification.calibration import Calibrations, calibration_set
 from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
 from host.classify import activate, activation_for
-from host.module import ModuleConfig
+from host.errors import ConfigInvalid
+from host.module import ModuleConfig, check_lane_list
 from ingest.durable import full_disk_as
+from ingest.store import DEFAULT_EMBED
 
 log = logging.getLogger("synapse.batch")
 
@@ -107,6 +109,22 @@ class JobSummary:
     errors_file: str | None = None
     resumed_from_line: int = 1
     worker_pids: list[int] = field(default_factory=list)
+    lane_rows: dict[str, int] = field(default_factory=dict)  # rows each lane embedded, this run
+
+
+def job_lanes(opts: JobOptions) -> list[str] | None:
+    """The lanes `--lane` names (None: the Module's own choice, which may be two lanes).
+    Two lanes serve one job only when their vectors agree, as they serve one model."""
+    if opts.lane is None:
+        return None
+    lanes = [part.strip() for part in opts.lane.split(",")]
+    try:
+        check_lane_list(opts.model or DEFAULT_EMBED, lanes)
+    except ConfigInvalid as exc:
+        raise BatchUsageError(f"--lane {opts.lane}: {exc.message}") from None
+    if len(lanes) > 1 and opts.runtime_config:
+        raise BatchUsageError("runtime settings apply to one lane: name one --lane")
+    return lanes
 
 
 def validate(opts: JobOptions) -> InputSpec:
@@ -131,6 +149,7 @@ def validate(opts: JobOptions) -> InputSpec:
             raise BatchUsageError("batch classify needs --model: a sequence classifier")
         if opts.lane not in (None, "llama"):
             raise BatchUsageError("batch classify runs on the llama lane (--lane llama)")
+    job_lanes(opts)
     spec = InputSpec(opts.input, opts.text_field, opts.id_field)
     spec.check()
     if Path(opts.output).suffix.lower() != ".parquet":
@@ -153,15 +172,20 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         ckpt = Checkpoint.open(output, opts.job_key(spec), opts.resume)
     base = opts.module or ModuleConfig()
     config = msgspec.structs.replace(base, planned_workers=opts.workers)
+    lanes = job_lanes(opts)
+    if lanes is not None and len(lanes) > 1:  # served together as a model so configured is
+        model_lanes = {**config.model_lanes, opts.model or DEFAULT_EMBED: lanes}
+        config = msgspec.structs.replace(config, model_lanes=model_lanes)
     # Built as `synapse serve` builds its Module: a certified Core ML lane serves a job that
     # names no --lane, as it serves the same model over HTTP.
     modules = [build_module(config) for _ in range(opts.workers)]
+    lane_rows: dict[str, int] = {}
     try:
         embedders = [
             LaneEmbedder(
                 mod,
                 opts.model,
-                opts.lane,
+                lanes[0] if lanes is not None and len(lanes) == 1 else None,
                 opts.normalize,
                 opts.runtime_config,
                 prompt_name=opts.prompt_name,
@@ -170,7 +194,8 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
             for mod in modules
         ]
         await asyncio.gather(*(e.start() for e in embedders))
-        meta = describe(embedders[0], opts.normalize)
+        embedders += await _second_lanes(embedders, lanes, opts)
+        meta = describe(embedders, opts.normalize)
         if opts.task == "classify":
             meta.update(_classify_metadata(embedders[0], opts.raw_scores))
         ranges = None
@@ -194,6 +219,8 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
             await _pipeline(opts, spec, ckpt, embedders, meta, progress, ranges)
         finally:
             progress.close()
+        for emb in embedders:
+            lane_rows[emb.lane] = lane_rows.get(emb.lane, 0) + emb.rows
     finally:
         await asyncio.gather(*(m.close() for m in modules), return_exceptions=True)
     _raise_if_over_max_errors(ckpt, opts)  # a resumed job whose last window broke it
@@ -209,7 +236,32 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         meta,
         errors_file,
         start_line,
+        lane_rows=lane_rows,
     )
+
+
+async def _second_lanes(
+    embedders: list[LaneEmbedder], lanes: list[str] | None, opts: JobOptions
+) -> list[LaneEmbedder]:
+    """For a model its Modules serve on two lanes, an embedder for each further lane of each
+    Module: every lane takes batches from one queue, so the job keeps them all busy. With
+    `--lane ane,llama`, a model that cannot be served so (its lanes disagree) stops the job
+    before anything is embedded."""
+    more = []
+    for emb in embedders:
+        serving = emb.module.serving_lanes(emb.model) if emb.requested_lane is None else ()
+        if lanes is not None and len(lanes) > 1 and list(serving) != lanes:
+            reason = emb.module.chosen_lanes()[emb.model].reason
+            raise BatchUsageError(f"--lane {opts.lane}: the lanes cannot serve together: {reason}")
+        for lane in serving:
+            if lane != emb.lane:
+                more.append(
+                    LaneEmbedder(
+                        emb.module, emb.model, lane, opts.normalize, prompt_name=opts.prompt_name
+                    )
+                )
+    await asyncio.gather(*(e.start() for e in more))
+    return more
 
 
 def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> str | None:

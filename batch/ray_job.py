@@ -190,7 +190,7 @@ class EmbedActor:
         )
         self._run(self.embedder.start())
         self.truncate = truncate
-        self.meta = json.dumps(describe(self.embedder, normalize), sort_keys=True)
+        self.meta = json.dumps(describe([self.embedder], normalize), sort_keys=True)
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -317,6 +317,11 @@ def run_ray_job(
     spec = validate(opts)
     if spec.path == "-":
         raise BatchUsageError("--ray reads a file every node can open, not stdin")
+    if "," in (opts.lane or ""):
+        raise BatchUsageError(
+            f"--lane {opts.lane}: two lanes in one job run locally (without --ray), where "
+            "both serve one Module"
+        )
     # Read tasks run in the workers' own directories: name the file as the driver sees it.
     spec = dataclasses.replace(spec, path=str(Path(spec.path).absolute()))
     output = Path(opts.output).absolute()

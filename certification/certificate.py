@@ -16,7 +16,12 @@ Schema v1, one JSON object per certificate:
     fingerprint   certification.fingerprint.Fingerprint of the probe-set outputs
     drift         None, or the previous certificate the fingerprint was compared with
     corpus        items, sample stride (1 = whole corpus), corpus digest
-    measurements  per-item cosines, per-request latencies, rerank errors, placement detail
+    measurements  per-item cosines, per-request latencies, rerank errors, placement detail,
+                  and the lane's latency curve (seconds for 1, 4, 16, 64 items at the corpus's
+                  typical length; absent in older certificates: measured at load instead)
+    agreement     None, or how closely this lane agreed with the model's other certified lane
+                  on the corpus (min cosine; rerank: same order), naming both certificates:
+                  what lets the two serve one model together (host.lane_policy.Agreement)
     created_at, duration_s, synapse_version
     reference_dir the HF directory of the reference
     provenance    where the model's files came from (ingest.provenance: the Hub repository and
@@ -37,6 +42,8 @@ import msgspec
 from certification.fingerprint import Fingerprint
 from certification.identity import CertificateKey
 from certification.thresholds import Thresholds
+from host.lane_policy import Agreement
+from host.lane_router import LatencyCurve
 from ingest.provenance import Provenance
 
 SCHEMA_VERSION = 1
@@ -90,6 +97,7 @@ class Measurements(msgspec.Struct, kw_only=True):
     placement_share: float | None = None
     placement_source: str | None = None
     placement_ops: dict[str, dict[str, float]] | None = None  # op -> {device: cost}, if known
+    latency_curve: LatencyCurve | None = None  # this lane on this machine, for routing
 
 
 class Certificate(msgspec.Struct, kw_only=True):
@@ -113,6 +121,7 @@ class Certificate(msgspec.Struct, kw_only=True):
     reference_dir: str = ""
     reference: str = NUMPY_REFERENCE
     provenance: Provenance | None = None
+    agreement: Agreement | None = None  # with the model's other lane, when it was certified
 
 
 def encode(cert: Certificate) -> bytes:

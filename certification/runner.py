@@ -6,7 +6,10 @@ Steps: LOAD the lane (Core ML: admitting the requested shapes); tokenizer agreem
 whole corpus; the corpus pass through the lane in serving-sized requests while the fp32
 reference runs in a thread beside it (2 cores: one each); retrieval agreement on the
 queries/documents split; the probe-set fingerprint; placement (Core ML, after admission);
-then both gates, drift against the previous certificate, and the record.
+the lane's latency curve (what routing between two lanes reads); the agreement with the
+model's other lane when that lane holds a certificate that passed quality on this machine
+(loaded as it was certified, the same corpus items through both); then both gates, drift
+against the previous certificate, and the record.
 
 `sample_stride` > 1 judges every k-th corpus item only (tests, smoke runs); it is recorded in
 the certificate. Retrieval, tokenizer agreement and the fingerprint always use their full
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,19 +30,25 @@ from typing import Protocol
 import numpy as np
 
 from certification import gates
+from certification.agreement import measure_agreement, measure_curve
 from certification.certificate import Certificate, Check, CorpusInfo, Drift, Measurements
 from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.lane_client import LaneClient
+from certification.lane_policy import certified_load_extra, machine_differences
 from certification.oracle import ST, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
+from common.errors import SynapseError
 from host.chat_pairs import ChatPairs
+from host.lane_policy import Agreement
 from host.module import Module
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
 from workers.ane import apple_device
+
+log = logging.getLogger("synapse.certification")
 
 REFERENCE_CHUNK = 32  # items per reference call: progress granularity and cache unit
 
@@ -70,6 +80,7 @@ class RunOptions:
     overrides: dict[str, float] = field(default_factory=dict)
     runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
     save: bool = True
+    agreement: bool = True  # measure agreement with the other lane when it is certified here
 
 
 @dataclass
@@ -161,6 +172,12 @@ async def certify(
         )
     )
     progress.advance("placement")
+    progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
+    measured.latency_curve = await measure_curve(module, options.model, options.lane)
+    progress.advance("curve")
+    agreement = None
+    if options.agreement:
+        agreement = await _agreement(module, store, options, key.id, progress)
 
     fp = fingerprint(judged.probe_values, judged.grid)
     drift = _drift(store, key, judged.probe_values)
@@ -194,6 +211,7 @@ async def certify(
         reference_dir=str(ref_dir),
         reference=oracle.reference_name,
         provenance=record.manifest.provenance,
+        agreement=agreement,
     )
     if options.save:
         store.save(cert)
@@ -471,6 +489,48 @@ def _pair_template(tok: Tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                     np.asarray(post, np.int32),
                 )
     raise ValueError(f"the tokenizer's pair template {pair} does not hold the pair's own ids")
+
+
+# ---- agreement with the other lane ---------------------------------------------------------
+
+
+async def _agreement(
+    module: Module, store: CertificateStore, options: RunOptions, cert_id: str, progress: Progress
+) -> Agreement | None:
+    """The agreement with the model's other lane, loaded as its newest certificate that
+    passed quality on this machine was; None when there is none or it does not load."""
+    other = "llama" if options.lane == "ane" else "ane"
+    peer = next(
+        (
+            c
+            for c in store.ls()
+            if c.key.model == options.model
+            and c.key.lane == other
+            and c.quality == "pass"
+            and not machine_differences(c.key)
+        ),
+        None,
+    )
+    if peer is None:
+        return None
+    progress.start("agreement", f"agreement with the {other} lane ({peer.id})", 1)
+    try:
+        extra = certified_load_extra(peer) if other == "ane" else None
+        if module.supervisor(options.model, other) is None:
+            await module.load(options.model, other, extra or None)
+        agreement = await measure_agreement(
+            module,
+            options.model,
+            [options.lane, other],
+            options.sample_stride,
+            [cert_id, peer.id],
+            source="certification",
+        )
+    except SynapseError as exc:
+        log.warning("no agreement with the %s lane: %s", other, exc.message)
+        return None
+    progress.advance("agreement")
+    return agreement
 
 
 # ---- drift -----------------------------------------------------------------------------------

@@ -12,6 +12,12 @@ Build a Module with `certification.modules.build_module` to get the certificate-
 policy. All lanes of a Module share one set of execution permits (`cpu` = cores, `gpu` 1,
 `ane` 1).
 
+Two lanes for one model: when the policy offers a set of lanes (every lane certified here,
+or `ModuleConfig.model_lanes[name]`) and their vectors agree (host.lane_policy.Agreement),
+the choice names both (`LaneChoice.lanes`) and each call without `lane=` goes to the lane
+expected to finish it first (host.lane_router, from the lanes' latency curves and the items
+each has in flight). Results say which lane served them (`EmbedResult.lane`).
+
 What a caller can ask about lanes, each answering one question:
 - `load_default_lane(name)` -> LaneChoice: decide (once) and load the lane a call without
   `lane=` reaches;
@@ -48,10 +54,12 @@ from host.lane_policy import (
     AneCandidate,
     LaneChoice,
     LanePolicy,
+    LaneSet,
     NoLanePolicy,
     ane_reason,
     llama_reason,
 )
+from host.lane_router import LatencyCurve, route
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
@@ -85,6 +93,10 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Checked by the Module's LanePolicy (certification provides it).
     require_certificate: Literal["strict", "warn", "off"] = "off"
     certificate_lanes: list[str] = msgspec.field(default_factory=lambda: ["ane"])
+    # Per model, the lanes that serve it (the serve config's `[models."NAME"] lanes`): one
+    # lane serves alone; two or more serve together, without certificates, once their
+    # vectors agree. A model not listed: every lane certified for this machine.
+    model_lanes: dict[str, list[str]] = {}
 
     def __post_init__(self) -> None:
         for name in (
@@ -95,6 +107,8 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ):
             if getattr(self, name) < 1:
                 raise ConfigInvalid(f"module.{name} must be >= 1")
+        for model, lanes in self.model_lanes.items():
+            check_lane_list(model, lanes)
 
 
 class Usage(msgspec.Struct):
@@ -110,6 +124,7 @@ class EmbedResult:
     truncated: list[bool]
     prompt: str = ""  # the text prepended to every input (the model's default, if it has one)
     n_tokens: Sequence[int] = ()  # per input, what was embedded (the prompt's tokens included)
+    lane: str = ""  # the lane that computed the vectors ("ane", "llama")
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class RerankResult:
     # and whether the document (or the query, in its pair) was cut to fit.
     n_tokens: Sequence[int] = ()
     truncated: Sequence[bool] = ()
+    lane: str = ""  # the lane that scored the documents
 
 
 @dataclass(frozen=True)
@@ -143,6 +159,8 @@ class _Served:
     artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
     device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
     chat_pairs: ChatPairs | None = None  # an LLM reranker's pair composer, built on first use
+    in_flight: int = 0  # inputs sent to the worker and not yet answered (the router reads it)
+    load_extra: dict | None = None  # the runtime_config_extra LOAD was given (its identity)
 
 
 @dataclass(frozen=True)
@@ -206,6 +224,7 @@ class Module:
         self._loading: dict[str, asyncio.Lock] = {}
         self._choices: dict[str, LaneChoice] = {}
         self._choosing: dict[str, asyncio.Lock] = {}
+        self._curves: dict[str, dict[str, LatencyCurve]] = {}  # routed models: lane -> curve
         self.llama_device: str | None = None  # from the last llama.cpp HELLO
         # Fault counts of lanes already unloaded, by lane id, so that /metrics' counters never
         # go back when a model is unloaded (by the memory budget or keep_alive): a worker
@@ -314,7 +333,14 @@ class Module:
                     or self.llama_device
                 )
             self._served[key] = _Served(
-                record, tokenizer, lane_obj, loaded.dims, lane, digest, device
+                record,
+                tokenizer,
+                lane_obj,
+                loaded.dims,
+                lane,
+                digest,
+                device,
+                load_extra=dict(runtime_config_extra or {}),
             )
             await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
@@ -353,19 +379,125 @@ class Module:
     async def _choose(self, name: str) -> LaneChoice:
         record = self._record(name)
         if record.kind == "generate":
-            why = "generation runs on llama.cpp only"
+            await self.load(name, "llama")
+            device = self._served[name].device
+            return LaneChoice(
+                "llama", device, llama_reason(device, "generation runs on llama.cpp only")
+            )
+        configured = self.config.model_lanes.get(name)
+        if configured is not None and len(configured) == 1:
+            return await self._configured_lane(name, configured[0])
+        not_routed = ""
+        lane_set = self.lane_policy.lane_set(name, configured)
+        if isinstance(lane_set, LaneSet):
+            routed = await self._try_routed(name, lane_set)
+            if isinstance(routed, LaneChoice):
+                return routed
+            not_routed = f"; not routed: {routed}"
+        elif configured is not None:
+            not_routed = f"; not routed: {lane_set}"
+        choice = await self._single_lane(name)
+        return LaneChoice(choice.lane, choice.device, choice.reason + not_routed)
+
+    async def _single_lane(self, name: str) -> LaneChoice:
+        """One lane: a certified Core ML lane for this machine, else llama.cpp."""
+        candidate = self.lane_policy.ane_candidate(name)
+        if isinstance(candidate, AneCandidate):
+            refused = await self._try_ane(name, candidate)
+            if refused is None:
+                return LaneChoice("ane", "ane", ane_reason(candidate))
+            why = refused
         else:
-            candidate = self.lane_policy.ane_candidate(name)
-            if isinstance(candidate, AneCandidate):
-                refused = await self._try_ane(name, candidate)
-                if refused is None:
-                    return LaneChoice("ane", "ane", ane_reason(candidate))
-                why = refused
-            else:
-                why = candidate
+            why = candidate
         await self.load(name, "llama")
         device = self._served[name].device
         return LaneChoice("llama", device, llama_reason(device, why))
+
+    async def _configured_lane(self, name: str, lane: str) -> LaneChoice:
+        await self.load(name, lane)
+        device = self._served[served_key(name, lane)].device
+        return LaneChoice(lane, device, f"{lane}/{device}: configured (lanes = [{lane!r}])")
+
+    async def _try_routed(self, name: str, lanes: LaneSet) -> LaneChoice | str:
+        """Load every lane of `lanes`, confirm the certified ones' identities, and check that
+        their vectors agree (recorded, else measured now); a LaneChoice naming them all, or
+        why not (the lanes loaded here are unloaded again)."""
+        together = "+".join(lanes.lanes)
+        if lanes.agreement is not None and not lanes.agreement.passed:
+            return f"lanes {together} disagree ({lanes.agreement.describe()})"
+        loaded: list[str] = []
+        try:
+            for lane in lanes.lanes:
+                extra = lanes.runtime_config_extra.get(lane) or None
+                await self.load(name, lane, extra)
+                loaded.append(lane)
+                if lanes.certificates.get(lane):
+                    self.lane_policy.require(self, name, lane, extra)
+            agreement = lanes.agreement
+            curves = {lane: c for lane, c in lanes.curves.items() if c is not None}
+            if agreement is None or len(curves) < len(lanes.lanes):
+                measured, more = await self.lane_policy.measure(self, name, lanes)
+                agreement = agreement or measured
+                curves = {**more, **curves}
+        except SynapseError as exc:
+            log.warning("%s: lanes %s cannot serve together: %s", name, together, exc.message)
+            await self._unload_quietly(name, loaded)
+            return f"lanes {together} could not be loaded together ({exc.code}: {exc.message})"
+        if not agreement.passed:
+            log.warning("%s: lanes %s disagree: %s", name, together, agreement.describe())
+            await self._unload_quietly(name, loaded)
+            return f"lanes {together} disagree ({agreement.describe()})"
+        self._curves[name] = {lane: curves[lane] for lane in lanes.lanes}
+        first = lanes.lanes[0]
+        device = self._served[served_key(name, first)].device
+        certs = [c for c in (lanes.certificates.get(lane) for lane in lanes.lanes) if c]
+        by = f"; certificates {', '.join(certs)}" if certs else ""
+        return LaneChoice(
+            first,
+            device,
+            f"routed {together}: vectors agree ({agreement.describe()}){by}",
+            tuple(lanes.lanes),
+        )
+
+    async def _unload_quietly(self, name: str, lanes: list[str]) -> None:
+        for lane in lanes:
+            try:
+                await self.unload(name, lane)
+            except SynapseError as exc:
+                log.warning("%s: unloading the %s lane: %s", name, lane, exc.message)
+
+    def _route(self, name: str, choice: LaneChoice, items: int) -> str:
+        """The lane a call of `items` inputs without `lane=` goes to: the chosen lane, or for
+        a routed model the loaded, unquarantined lane expected to finish it first."""
+        curves = self._curves.get(name)
+        if not choice.lanes or not curves:
+            return choice.lane
+        ready = {}
+        in_flight = {}
+        for lane in choice.lanes:
+            served = self._served.get(served_key(name, lane))
+            if served is None or served.lane.state().quarantined or lane not in curves:
+                continue
+            ready[lane] = curves[lane]
+            in_flight[lane] = served.in_flight
+        return route(ready, in_flight, items) if ready else choice.lane
+
+    def pick_lane(self, name: str, items: int) -> str | None:
+        """The lane a call of `items` inputs without `lane=` would go to now (None: not
+        chosen yet); a caller that names it gets the routed lane and knows which it is."""
+        choice = self._choices.get(name)
+        return None if choice is None else self._route(name, choice, items)
+
+    def latency_curves(self, name: str) -> dict[str, LatencyCurve]:
+        """A routed model's latency curve per lane (empty for a model on one lane)."""
+        return dict(self._curves.get(name, {}))
+
+    def serving_lanes(self, name: str) -> tuple[str, ...]:
+        """The lanes calls without `lane=` reach for `name` (two or more when routed)."""
+        choice = self._choices.get(name)
+        if choice is None:
+            return ()
+        return choice.lanes or (choice.lane,)
 
     async def _try_ane(self, name: str, candidate: AneCandidate) -> str | None:
         """Load the Core ML lane as certified and confirm its exact identity; None when it
@@ -398,10 +530,38 @@ class Module:
                 self.llama_device,
                 llama_reason(self.llama_device, "generation runs on llama.cpp only"),
             )
+        configured = self.config.model_lanes.get(name)
+        if configured is not None and len(configured) == 1:
+            lane = configured[0]
+            return LaneChoice(lane, None, f"{lane}: configured (lanes = [{lane!r}])")
+        not_routed = ""
+        lane_set = self.lane_policy.lane_set(name, configured)
+        if isinstance(lane_set, LaneSet):
+            together = "+".join(lane_set.lanes)
+            agreement = lane_set.agreement
+            if agreement is None:
+                return LaneChoice(
+                    lane_set.lanes[0],
+                    None,
+                    f"routed {together} once their vectors agree (measured at load)",
+                    lane_set.lanes,
+                )
+            if agreement.passed:
+                return LaneChoice(
+                    lane_set.lanes[0],
+                    None,
+                    f"routed {together}: vectors agree ({agreement.describe()})",
+                    lane_set.lanes,
+                )
+            not_routed = f"; not routed: lanes {together} disagree ({agreement.describe()})"
+        elif configured is not None:
+            not_routed = f"; not routed: {lane_set}"
         candidate = self.lane_policy.ane_candidate(name)
         if isinstance(candidate, AneCandidate):
-            return LaneChoice("ane", "ane", ane_reason(candidate))
-        return LaneChoice("llama", self.llama_device, llama_reason(self.llama_device, candidate))
+            return LaneChoice("ane", "ane", ane_reason(candidate) + not_routed)
+        return LaneChoice(
+            "llama", self.llama_device, llama_reason(self.llama_device, candidate) + not_routed
+        )
 
     def chosen_lanes(self) -> dict[str, LaneChoice]:
         """By model: the lane chosen for calls that name none, and why (models not used that
@@ -449,8 +609,9 @@ class Module:
         fresh (clears any quarantine) and chooses again."""
         lane = self._resolve_lane(name, lane)
         choice = self._choices.get(name)
-        if choice is not None and choice.lane == lane:
-            del self._choices[name]
+        if choice is not None and lane in (choice.lanes or (choice.lane,)):
+            del self._choices[name]  # a routed pair without one of its lanes chooses again
+            self._curves.pop(name, None)
         served = self._served.pop(served_key(name, lane), None)
         if served is None:
             raise ModelNotFound(f"model {name!r} is not loaded", model=name)
@@ -468,6 +629,7 @@ class Module:
         lanes = [s.lane for s in self._served.values()]
         self._served.clear()
         self._choices.clear()
+        self._curves.clear()
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
 
     def residents(self) -> dict[str, dict[str, _Served]]:
@@ -482,13 +644,19 @@ class Module:
         return {name: s.lane.state() for name, s in self._served.items()}
 
     async def _load_for_call(
-        self, name: str | None, default: str, kind: str | None = None, lane: str | None = None
+        self,
+        name: str | None,
+        default: str,
+        kind: str | None = None,
+        lane: str | None = None,
+        items: int = 1,
     ) -> _Served:
-        """The loaded lane a call reaches (`name` or `default`, on `lane` or the default
-        lane), loading it first when it is not; refused when the model is not of `kind`."""
+        """The loaded lane a call of `items` inputs reaches (`name` or `default`, on `lane`
+        or the default lane: for a routed model, the one expected to finish first), loading
+        it first when it is not; refused when the model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = (await self.load_default_lane(name)).lane
+            lane = self._route(name, await self.load_default_lane(name), items)
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -523,7 +691,7 @@ class Module:
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -532,7 +700,13 @@ class Module:
             vectors = await self._embed_ids(served, encoded.ids, normalize, deadline_s)
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
         return EmbedResult(
-            vectors, usage, served.record.name, encoded.truncated, text_prompt, encoded.n_tokens
+            vectors,
+            usage,
+            served.record.name,
+            encoded.truncated,
+            text_prompt,
+            encoded.n_tokens,
+            served.lane_kind,
         )
 
     def prompt(
@@ -567,7 +741,7 @@ class Module:
     ) -> np.ndarray:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def dims(self, model: str, lane: str | None = None) -> int:
@@ -578,6 +752,12 @@ class Module:
         served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
         pong = await served.lane.ping()
         return pong.placement_share, pong.placement_source
+
+    def load_extra(self, model: str, lane: str) -> dict:
+        """The runtime_config_extra the loaded `lane` of `model` was given (shapes, settings):
+        with its identity, what a certificate of it is keyed by."""
+        served = self._served.get(served_key(model, _check_lane(lane)))
+        return dict(served.load_extra or {}) if served else {}
 
     def lane_identity(self, model: str, lane: str | None = None) -> dict:
         """What a certificate is keyed by: artifact, manifest, kernel, engine, device, OS."""
@@ -635,16 +815,20 @@ class Module:
         `max_batch_items` inputs a request, and a reply of `width` floats an input under
         `max_frame`); `request(chunk)` builds a chunk's message and its i32 payload, and the
         reply's rows land in `out[chunk]`. Returns `out`."""
-        for chunk in plan_chunks(
-            list(lengths),
-            max_tokens or self.config.max_worker_batch_tokens,
-            self.config.max_batch_items,
-            self.config.host.max_frame,
-            width,
-        ):
-            req, payload = request(chunk)
-            _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
-            out[chunk.start : chunk.stop] = got
+        served.in_flight += len(lengths)  # what a router sees this lane busy with
+        try:
+            for chunk in plan_chunks(
+                list(lengths),
+                max_tokens or self.config.max_worker_batch_tokens,
+                self.config.max_batch_items,
+                self.config.host.max_frame,
+                width,
+            ):
+                req, payload = request(chunk)
+                _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
+                out[chunk.start : chunk.stop] = got
+        finally:
+            served.in_flight -= len(lengths)
         return out
 
     # ---- rerank ---------------------------------------------------------------------------
@@ -677,7 +861,7 @@ class Module:
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
         _refuse_classifier(self.record(model or DEFAULT_EMBED))
-        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane)
+        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane, items=len(docs))
         cut = (truncate, truncation_direction, max_doc_tokens)
         llm = served.record.manifest.llm_rerank
         if instruction is not None and llm is None:
@@ -718,6 +902,7 @@ class Module:
             method,
             list(encoded.n_tokens),
             list(encoded.truncated),
+            served.lane_kind,
         )
 
     async def _bi_encode(
@@ -1082,3 +1267,17 @@ def _check_lane(lane: str) -> str:
     if lane not in LANES:
         raise InvalidRequest(f"lane {lane!r}: expected one of {sorted(LANES)}")
     return lane
+
+
+def check_lane_list(model: str, lanes: list[str]) -> list[str]:
+    """A configured lane list: known lanes, each once, at least one (else `config_invalid`)."""
+    if not lanes:
+        raise ConfigInvalid(f'models.{model}.lanes: name at least one lane, or "auto"')
+    unknown = [lane for lane in lanes if lane not in LANES]
+    if unknown:
+        raise ConfigInvalid(
+            f"models.{model}.lanes: unknown lane {unknown[0]!r}; expected some of {sorted(LANES)}"
+        )
+    if len(set(lanes)) != len(lanes):
+        raise ConfigInvalid(f"models.{model}.lanes: a lane is listed twice: {lanes}")
+    return lanes

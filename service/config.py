@@ -11,15 +11,25 @@ import json
 import math
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 from host.errors import ConfigInvalid
-from host.module import ModuleConfig
+from host.module import ModuleConfig, check_lane_list
 from host.residency import ResidencyConfig
 from ingest.store import DEFAULT_EMBED
 from service.ray_settings import RaySettings
 from service.scheduler import SchedulerConfig
+
+
+class ModelSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One model's serving settings (`[models."NAME"]`)."""
+
+    # "auto": every lane certified for this machine (two agreeing lanes are routed between).
+    # A list: those lanes (["ane", "llama"]: both, certified or not, once their vectors
+    # agree on the certification corpus; ["llama"]: that lane alone).
+    lanes: Literal["auto"] | list[str] = "auto"
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +62,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ray: RaySettings = msgspec.field(default_factory=RaySettings)  # `serve --ray` only
     # Idle keep-alive and memory budget of the loaded models (host/residency.py).
     residency: ResidencyConfig = msgspec.field(default_factory=ResidencyConfig)
+    # Per model (aliases allowed): which lanes serve it (ModelSettings).
+    models: dict[str, ModelSettings] = {}
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -89,6 +101,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         # Requests are matched after alias resolution: list the model an alias names.
         self.matryoshka_models = [self.aliases.get(m, m) for m in self.matryoshka_models]
         self.residency = self.residency.resolved(self.aliases)
+        lanes = dict(self.module.model_lanes)
+        for name, settings in self.models.items():
+            if settings.lanes != "auto":
+                model = self.aliases.get(name, name)
+                lanes[model] = check_lane_list(model, list(settings.lanes))
+        self.module.model_lanes = lanes
 
 
 # Keys a serve.toml may no longer spell the old way: `max_batch_tokens` named two different

@@ -12,7 +12,8 @@ rather than a silently degraded vector.
 Extensions (OpenAI clients send them in `extra_body` and ignore what they do not know):
 `prompt_name` / `prompt` (else the model's default prompt; not with token arrays),
 `normalize`, `truncate` and `truncation_direction` (service/truncation.py), and on every item
-answered `n_tokens` and `truncated`.
+answered `n_tokens` and `truncated`. The lane that computed the vectors is `usage.lane` and the
+`x-synapse-lane` header (a model served by two lanes routes each batch to one).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from starlette.responses import Response
 from common.errors import InvalidRequest
 from ingest.store import DEFAULT_EMBED
 from service.encoding import encode_embeddings, quantization_ranges
+from service.metrics import LANE_HEADER
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from service.state import ServerState
 from service.truncation import Direction, direction
@@ -187,6 +189,8 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
             for i, row in enumerate(rows)
         ],
         model=result.model,
-        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens, lane=result.lane or None),
     )
-    return Response(msgspec.json.encode(body), media_type="application/json")
+    state.metrics.observe_lane(result.model, result.lane, len(rows))
+    headers = {LANE_HEADER: result.lane} if result.lane else None
+    return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)

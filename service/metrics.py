@@ -50,6 +50,10 @@ _ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
 
+# The response header naming the lane that computed an answer (embeddings, rerank).
+LANE_HEADER = "x-synapse-lane"
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -109,6 +113,19 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Per lane: a model served by two lanes routes each request to one of them.
+        self.lane_requests = Counter(
+            "synapse_lane_requests",
+            "Embedding and rerank requests answered, by model and the lane that computed them",
+            ["model", "lane"],
+            registry=r,
+        )
+        self.lane_items = Counter(
+            "synapse_lane_items",
+            "Inputs (texts, documents) answered, by model and the lane that computed them",
+            ["model", "lane"],
+            registry=r,
+        )
         # Failed authentications by reason ("missing" | "invalid"): never key material.
         self.auth_failures = Counter(
             "synapse_auth_failures",
@@ -133,6 +150,11 @@ class Metrics:
             )
         children[0].inc()
         children[1].observe(seconds)
+
+    def observe_lane(self, model: str, lane: str, items: int) -> None:
+        if lane:
+            self.lane_requests.labels(model, lane).inc()
+            self.lane_items.labels(model, lane).inc(items)
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from common.errors import InvalidRequest
 from host.module import RerankResult as Ranked
 from ingest.store import DEFAULT_EMBED
+from service.metrics import LANE_HEADER
 from service.schemas import (
     BilledUnits,
     EmbeddingUsage,
@@ -149,9 +150,15 @@ async def rerank_v1(request: Request, state: ServerState) -> Response:
         warning=BI_ENCODER_NOTE if result.method == "bi-encoder-cosine" else None,
     )
     usage = EmbeddingUsage(
-        prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens
+        prompt_tokens=result.usage.prompt_tokens,
+        total_tokens=result.usage.total_tokens,
+        lane=result.lane or None,
     )
-    return _json(RerankResponse(model=result.model, results=results, usage=usage, meta=meta))
+    state.metrics.observe_lane(result.model, result.lane, len(docs))
+    headers = {LANE_HEADER: result.lane} if result.lane else None
+    return _json(
+        RerankResponse(model=result.model, results=results, usage=usage, meta=meta), headers
+    )
 
 
 async def rerank_tei(request: Request, state: ServerState) -> Response:
@@ -168,4 +175,7 @@ async def rerank_tei(request: Request, state: ServerState) -> Response:
         for index, raw in result.results
     ]
     headers = {"X-Synapse-Rerank-Method": result.method, "X-Synapse-Model": result.model}
+    if result.lane:
+        headers[LANE_HEADER] = result.lane
+    state.metrics.observe_lane(result.model, result.lane, len(req.texts))
     return _json(out, headers)

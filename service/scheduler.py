@@ -14,6 +14,11 @@ requests a few milliseconds apart. If recent batches held more requests than are
 the batcher waits up to `max_wait_ms` for them (else one early arrival would run alone and the
 rest would wait a whole batch behind it). A lone caller never waits: its batches hold one.
 
+Two lanes: for a model the module routes between lanes (`serving_lanes` names more than
+one), a queue keeps `batches_in_flight` batches per lane in flight, and each batch goes to
+the lane `pick_lane` names as it is sent (the one expected to finish it first); every caller
+learns which lane computed its rows (`Embedded.lane`).
+
 Backpressure: the queue is bounded in items (`max_queue_items`); over it, or over the module's
 in-flight token budget, a request fails at once with `Overloaded` (429 + Retry-After). A
 quarantined lane fails at once with its `EngineCrashed`. Any failure of a batch (a worker
@@ -81,9 +86,21 @@ class EmbeddingModels(Protocol):
         ...
 
     async def embed_token_ids(
-        self, ids: list[np.ndarray], model: str | None = None, normalize: bool = True
+        self,
+        ids: list[np.ndarray],
+        model: str | None = None,
+        normalize: bool = True,
+        lane: str | None = None,
     ) -> np.ndarray:
-        """One row per input of `ids`, already admitted (a coalesced batch)."""
+        """One row per input of `ids`, already admitted (a coalesced batch), on `lane`."""
+        ...
+
+    def pick_lane(self, name: str, items: int) -> str | None:
+        """The lane a batch of `items` inputs should go to now (None: the module decides)."""
+        ...
+
+    def serving_lanes(self, name: str) -> tuple[str, ...]:
+        """The lanes that serve `name` (more than one: batches are routed between them)."""
         ...
 
     def supervisor(self, name: str) -> Lane | None:
@@ -134,6 +151,7 @@ class Embedded:
     truncated: list[bool]
     model: str
     prompt: str = ""  # the text prepended to every input
+    lane: str = ""  # the lane that computed the vectors
 
     @property
     def total_tokens(self) -> int:
@@ -169,7 +187,9 @@ class _Queue:
         self.queued_tokens = 0
         self.expected = 1.0  # requests per recent batch (moving average)
         self.wake = asyncio.Event()
-        self.in_flight = asyncio.Semaphore(sched.config.batches_in_flight)
+        # Per lane: a routed model keeps each of its lanes as busy as one lane is kept.
+        lanes = max(1, len(sched.module.serving_lanes(model)))
+        self.in_flight = asyncio.Semaphore(sched.config.batches_in_flight * lanes)
         self.running: dict[asyncio.Task, list[_Pending]] = {}  # batch tasks and their batches
         self.coalescer: Coalescer | None = None  # texts waiting to be tokenized
         # Between taking a batch slot and forming the batch, arrivals wait for the batch to be
@@ -332,8 +352,10 @@ class _Queue:
     async def _execute(self, batch: list[_Pending]) -> None:
         ids = [x for p in batch for x in p.ids]
         start = time.monotonic()
+        module = self.sched.module
+        lane = module.pick_lane(self.model, len(ids))
         try:
-            vectors = await self.sched.module.embed_token_ids(ids, self.model, self.normalize)
+            vectors = await module.embed_token_ids(ids, self.model, self.normalize, lane=lane)
         except WorkerError as exc:
             if len(batch) > 1:
                 # The worker refused some input (it validates again): run each request alone
@@ -357,7 +379,7 @@ class _Queue:
         for p in batch:
             n = len(p.ids)
             if not p.future.done():
-                p.future.set_result(vectors[row : row + n])
+                p.future.set_result((vectors[row : row + n], lane or ""))
             row += n
 
 
@@ -456,7 +478,7 @@ class Scheduler:
                 except BaseException:
                     queue.untokenized(tokenized)
                     raise
-            vectors = await self._submit(
+            vectors, lane = await self._submit(
                 name, normalize, encoded.ids, encoded.total_tokens, deadline
             )
         except InvalidRequest as exc:
@@ -465,7 +487,7 @@ class Scheduler:
             raise
         finally:
             deadline.cancel()
-        return Embedded(vectors, encoded.n_tokens, encoded.truncated, name, options.prompt)
+        return Embedded(vectors, encoded.n_tokens, encoded.truncated, name, options.prompt, lane)
 
     async def embed_ids(
         self,
@@ -504,8 +526,8 @@ class Scheduler:
                 )
             arrays.append(arr.astype(np.int32))
         counts = [len(a) for a in arrays]
-        vectors = await self._submit(name, normalize, arrays, sum(counts))
-        return Embedded(vectors, counts, [False] * len(arrays), name)
+        vectors, lane = await self._submit(name, normalize, arrays, sum(counts))
+        return Embedded(vectors, counts, [False] * len(arrays), name, lane=lane)
 
     @contextlib.contextmanager
     def slot(self, kind: str) -> Iterator[None]:
@@ -620,9 +642,9 @@ class Scheduler:
         ids: list[np.ndarray],
         tokens: int,
         deadline: _Deadline | None = None,
-    ) -> np.ndarray:
-        """Queue `ids` and wait for their rows, within `deadline` (the request's, started
-        before it was tokenized; else one of its own from now)."""
+    ) -> tuple[np.ndarray, str]:
+        """Queue `ids` and wait for their rows and the lane that computed them, within
+        `deadline` (the request's, started before it was tokenized; else one of its own)."""
         self._raise_if_closed()
         self._raise_if_quarantined(model)
         own = deadline is None
@@ -651,7 +673,10 @@ class Scheduler:
             raise LaneStopped("the server is shutting down")
 
     def _raise_if_quarantined(self, model: str) -> None:
-        # Fail fast: don't queue work for a lane that will refuse it for minutes.
+        # Fail fast: don't queue work for a lane that will refuse it for minutes. A routed
+        # model's batches avoid a quarantined lane while another one serves.
+        if len(self.module.serving_lanes(model)) > 1:
+            return
         lane = self.module.supervisor(model)
         if lane is not None:
             lane.raise_if_quarantined()

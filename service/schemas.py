@@ -66,6 +66,9 @@ class EmbeddingData(_Body):
 class EmbeddingUsage(_Body):
     prompt_tokens: int
     total_tokens: int
+    # Extension: the lane that computed the answer ("ane", "llama"); a model served by two
+    # lanes routes each request to one (also in the `x-synapse-lane` response header).
+    lane: str | None = None
 
 
 class EmbeddingResponse(_Body):

@@ -104,7 +104,11 @@ class FaultyModels:
         return self._tokenizer
 
     async def embed_token_ids(
-        self, ids: list[np.ndarray], model: str | None = None, normalize: bool = True
+        self,
+        ids: list[np.ndarray],
+        model: str | None = None,
+        normalize: bool = True,
+        lane: str | None = None,
     ) -> np.ndarray:
         req = m.EMBED_BATCH(
             req_id=0,
@@ -118,6 +122,12 @@ class FaultyModels:
 
     def supervisor(self, name: str) -> Lane | None:
         return self.lane if name == MODEL else None
+
+    def pick_lane(self, name: str, items: int) -> str | None:
+        return "llama"
+
+    def serving_lanes(self, name: str) -> tuple[str, ...]:
+        return ("llama",)
 
     # ---- for the tests ----------------------------------------------------------------------
 

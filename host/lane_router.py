@@ -1,0 +1,78 @@
+"""Which of a model's lanes should take a request: the one expected to finish it first.
+
+A model served by two lanes (a Core ML lane and a llama.cpp lane whose vectors agree) sends
+each request to one of them. The Neural Engine wins single-request latency and the GPU (or
+the CPU's wide batches) wins bulk throughput, so no fixed rule is right on every machine:
+each lane's latency curve — seconds for 1, 4, 16 and 64 items at the model's typical length,
+measured on this machine (at certification, or at load) — says what a request of n items
+costs there, and the items already queued or running on the lane say how long it is busy.
+
+`route` is a pure function of those numbers (no clock, no I/O), so its rule is proved by
+table tests; the Module keeps the per-lane counts and calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+# The batch sizes a latency curve is measured at.
+CURVE_ITEMS: tuple[int, ...] = (1, 4, 16, 64)
+
+
+class LatencyCurve(msgspec.Struct, frozen=True, kw_only=True):
+    """Seconds a lane takes for `items[i]` inputs of about `tokens` tokens each, one request."""
+
+    items: list[int]
+    seconds: list[float]
+    tokens: int = 0  # the typical length the curve was measured at
+
+    def __post_init__(self) -> None:
+        if not self.items or len(self.items) != len(self.seconds):
+            raise ValueError("a latency curve needs one time per item count, at least one")
+        if any(b <= a for a, b in zip(self.items, self.items[1:], strict=False)):
+            raise ValueError(f"latency curve item counts must increase: {self.items}")
+        if self.items[0] < 1 or any(not (0 <= s < math.inf) for s in self.seconds):
+            raise ValueError("latency curve: item counts >= 1 and finite times >= 0")
+
+
+def expected_seconds(curve: LatencyCurve, items: int) -> float:
+    """Seconds `curve`'s lane is expected to take for `items` inputs: piecewise linear between
+    the measured points, from 0 s at 0 items below the first, and past the last at the last
+    segment's cost per item (bulk grows linearly once the lane's batches are full)."""
+    if items <= 0:
+        return 0.0
+    xs, ys = curve.items, curve.seconds
+    if items <= xs[0]:
+        return ys[0] * items / xs[0]
+    for i in range(1, len(xs)):
+        if items <= xs[i]:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y0 + (y1 - y0) * (items - x0) / (x1 - x0)
+    if len(xs) == 1:
+        per_item = ys[0] / xs[0]
+    else:
+        per_item = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return ys[-1] + per_item * (items - xs[-1])
+
+
+def expected_finish(curve: LatencyCurve, queued: int, items: int) -> float:
+    """When a request of `items` would be done on a lane with `queued` items ahead of it
+    (queued or running): the lane works through those first, then this request."""
+    return expected_seconds(curve, queued) + expected_seconds(curve, items)
+
+
+def route(curves: Mapping[str, LatencyCurve], queued: Mapping[str, int], items: int) -> str:
+    """The lane of `curves` expected to finish a request of `items` inputs first, given the
+    items each lane has queued or in flight (`queued`; absent: none). A tie goes to the lane
+    listed first, so the caller's order is its preference."""
+    if not curves:
+        raise ValueError("route: no lanes to choose from")
+    best, best_t = "", math.inf
+    for lane, curve in curves.items():
+        t = expected_finish(curve, max(0, queued.get(lane, 0)), items)
+        if t < best_t:
+            best, best_t = lane, t
+    return best or next(iter(curves))

@@ -1,0 +1,244 @@
+"""One model served by two lanes, end to end on real workers: the reference executor as the
+Core ML lane and the CPU llama.cpp lane as the second.
+
+Certification records each lane's latency curve and, certifying the second lane, its
+agreement with the first; a Module then serves the model on both lanes and routes each call
+by size; lanes that disagree are not routed (and say why); an explicit lane list serves
+without certificates once the agreement measured at load passes; the HTTP answer names its
+lane; a bulk job runs both lanes at once and records both.
+
+The certified Core ML certificate is the REAL provisional one of this run with the placement a
+Mac's compute plan would add (as tests/test_lane_choice.py does: Linux has no compute plan).
+Only the routing test replaces the measured curves, with curves whose answer is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+
+import msgspec
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from starlette.testclient import TestClient
+
+from batch.job import JobOptions, run_job
+from batch.output import read_metadata
+from certification.certificate import Certificate
+from certification.lane_policy import CertificateLanePolicy
+from certification.runner import RunOptions, certify
+from certification.store import CertificateStore
+from host.config import HostConfig
+from host.lane_router import CURVE_ITEMS, LatencyCurve
+from host.module import Module, ModuleConfig
+from service.app import create_app
+from service.config import ServeConfig
+from tests.batch_support import texts, write_jsonl
+from tests.test_lane_choice import PACKED, as_compute_plan_run
+from tests.test_serve_support import metric
+
+pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
+
+MODEL = "minilm-l6-v2"
+STRIDE = 40  # every 40th corpus item: 9 items, enough to prove the rule, cheap on 2 cores
+TEXTS = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stocks fell."]
+
+
+@contextlib.asynccontextmanager
+async def module(store_root: str, policy, **config):
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")  # short: socket paths
+    cfg = ModuleConfig(
+        store_root=store_root, host=HostConfig(runtime_dir=runtime, ping_interval_s=0), **config
+    )
+    try:
+        async with Module(cfg, policy) as mod:
+            yield mod
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _cache_env(own_certificates_cache, monkeypatch):
+    # Core ML workers compile into the session's compile cache, not $HOME.
+    monkeypatch.setenv("SYNAPSE_CACHE_DIR", str(own_certificates_cache))
+
+
+@pytest.fixture(scope="module")
+def certs(own_certificates_cache) -> tuple[Certificate, Certificate]:
+    """Real certifications on this machine, Core ML lane first, then llama.cpp (which finds
+    the first and records the agreement); the Core ML one then as a Mac would certify it.
+    Saved where a Module built on `own_certificates_cache` reads them."""
+    store = CertificateStore(own_certificates_cache / "certificates")
+    models = str(own_certificates_cache / "models")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SYNAPSE_CACHE_DIR", str(own_certificates_cache))
+
+        async def run(lane: str, **options) -> Certificate:
+            async with module(models, None) as mod:
+                return await certify(
+                    mod, RunOptions(model=MODEL, lane=lane, sample_stride=STRIDE, **options), store
+                )
+
+        ane = asyncio.run(run("ane", shapes=PACKED, runtime_config_extra={"backend": "reference"}))
+        llama = asyncio.run(run("llama"))
+    certified = as_compute_plan_run(ane)
+    store.save(certified)
+    assert llama.status == "certified", llama.failing
+    return certified, llama
+
+
+def policy_with(tmp_path, *certs: Certificate, stride: int = STRIDE) -> CertificateLanePolicy:
+    store = CertificateStore(tmp_path / "certificates")
+    for cert in certs:
+        store.save(cert)
+    return CertificateLanePolicy(store, agreement_stride=stride)
+
+
+def with_curve(cert: Certificate, seconds: list[float]) -> Certificate:
+    curve = LatencyCurve(items=list(CURVE_ITEMS), seconds=seconds, tokens=12)
+    measured = msgspec.structs.replace(cert.measurements, latency_curve=curve)
+    return msgspec.structs.replace(cert, measurements=measured)
+
+
+def test_certification_records_the_curve_and_the_agreement(certs):
+    ane, llama = certs
+    for cert in certs:
+        curve = cert.measurements.latency_curve
+        assert curve is not None and curve.items == [1, 4, 16, 64] and curve.tokens > 0
+        assert all(s > 0 for s in curve.seconds) and curve.seconds[3] > curve.seconds[0]
+    assert ane.agreement is None  # the first lane had no certified peer to compare with
+    agreement = llama.agreement
+    assert agreement is not None and agreement.source == "certification"
+    assert agreement.lanes == ["llama", "ane"] and agreement.n_items == 9
+    assert agreement.certificates == [llama.id, ane.id]
+    assert agreement.min_cosine is not None and agreement.passed, agreement.describe()
+
+
+async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp_path, certs):
+    ane, llama = certs
+    # The Neural Engine's shape of curve (quick alone) and the GPU's (cheap in bulk).
+    fast_alone = with_curve(ane, [0.002, 0.008, 0.032, 0.128])
+    fast_bulk = with_curve(llama, [0.010, 0.011, 0.014, 0.030])
+    async with module(store_root, policy_with(tmp_path, fast_alone, fast_bulk)) as mod:
+        assert mod.default_lane(MODEL).lanes == ("ane", "llama")  # before any worker starts
+        one = await mod.embed(TEXTS[:1])
+        choice = mod.chosen_lanes()[MODEL]
+        assert choice.lanes == ("ane", "llama") and choice.lane == "ane"
+        assert choice.reason.startswith("routed ane+llama: vectors agree (min cos ")
+        assert choice.reason.endswith(f"certificates {ane.id}, {llama.id}")
+        many = await mod.embed(TEXTS * 22)  # 66 items
+        assert (one.lane, many.lane) == ("ane", "llama")
+        assert mod.serving_lanes(MODEL) == ("ane", "llama")
+        # While 64 items keep the GPU lane busy, a single query still goes to the ANE and
+        # 16 more items go where they finish first: after the GPU's backlog (0.03 + 0.014)
+        # rather than on the ANE (0.032).
+        busy = asyncio.create_task(mod.embed(TEXTS * 22))
+        while not busy.done() and mod.pick_lane(MODEL, 16) == "llama":
+            await asyncio.sleep(0)  # until its items are in flight on the llama lane
+        assert not busy.done() and mod.pick_lane(MODEL, 1) == "ane"
+        assert (await busy).lane == "llama"
+        assert mod.pick_lane(MODEL, 16) == "llama"  # the backlog is gone
+        ranked = await mod.rerank("a cat on a mat", TEXTS)  # 3 documents: the ANE
+        assert ranked.lane == "ane"
+    cos = np.sum(one.vectors[0] * many.vectors[0])
+    assert cos >= 0.9998  # one text, two lanes: the same vector
+
+
+async def test_lanes_that_disagree_are_not_routed(store_root, tmp_path, certs):
+    ane, llama = certs
+    assert llama.agreement is not None
+    disagreeing = msgspec.structs.replace(
+        llama, agreement=msgspec.structs.replace(llama.agreement, min_cosine=0.9990)
+    )
+    async with module(store_root, policy_with(tmp_path, ane, disagreeing)) as mod:
+        said = mod.default_lane(MODEL)  # what doctor and /v1/models show
+        why = "not routed: lanes ane+llama disagree (min cos 0.999000 < 0.9998 on 9 items"
+        assert said.lanes == () and why in said.reason
+        result = await mod.embed(TEXTS)
+        choice = mod.chosen_lanes()[MODEL]
+        assert result.lane == "ane" and choice.lanes == () and why in choice.reason
+        assert [s.lane for s in mod.served_lanes()] == ["ane"]  # no second worker
+
+
+async def test_listed_lanes_serve_without_a_certificate_once_they_agree_at_load(
+    store_root, tmp_path, certs
+):
+    """`lanes = ["ane", "llama"]` with the llama.cpp lane never certified: both serve once the
+    agreement measured at load passes, and the uncertified lane's curve is measured there.
+    (The Core ML lane keeps its certificate so that it loads the certified shapes: on the
+    reference executor its default shapes take minutes to time.)"""
+    ane, _ = certs
+    lanes = {MODEL: ["ane", "llama"]}
+    async with module(store_root, policy_with(tmp_path, ane), model_lanes=lanes) as mod:
+        said = mod.default_lane(MODEL)
+        assert said.lanes == ("ane", "llama") and "measured at load" in said.reason
+        result = await mod.embed(TEXTS)
+        choice = mod.chosen_lanes()[MODEL]
+        assert choice.lanes == ("ane", "llama"), choice.reason
+        assert "on 9 items, measured at load" in choice.reason
+        assert choice.reason.endswith(f"certificates {ane.id}")  # llama has none
+        curves = mod.latency_curves(MODEL)
+        assert curves["ane"] == ane.measurements.latency_curve  # the certificate's
+        assert curves["llama"].items == [1, 4, 16, 64] and min(curves["llama"].seconds) > 0
+        assert result.lane == mod.pick_lane(MODEL, len(TEXTS))
+        await mod.unload(MODEL, "llama")  # a pair without one lane chooses again
+        assert mod.serving_lanes(MODEL) == ()
+
+
+def test_the_http_answer_names_its_lane_and_metrics_count_it(own_certificates_cache, certs):
+    config = ServeConfig(
+        install_defaults=False,
+        preload=[],
+        module=ModuleConfig(
+            store_root=str(own_certificates_cache / "models"),
+            host=HostConfig(runtime_dir=tempfile.mkdtemp(prefix="syn-", dir="/tmp")),
+        ),
+    )
+    with TestClient(create_app(config)) as client:
+        reply = client.post("/v1/embeddings", json={"model": MODEL, "input": TEXTS[0]})
+        assert reply.status_code == 200, reply.text
+        lane = reply.headers["x-synapse-lane"]
+        assert lane in ("ane", "llama") and reply.json()["usage"]["lane"] == lane
+        ranked = client.post(
+            "/v1/rerank", json={"model": MODEL, "query": "cat", "documents": TEXTS}
+        )
+        assert ranked.json()["usage"]["lane"] == ranked.headers["x-synapse-lane"]
+        models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert models[MODEL]["lane_reason"].startswith("routed ane+llama: vectors agree")
+        text = client.get("/metrics").text
+        assert metric(text, "synapse_lane_requests_total", model=MODEL, lane=lane) >= 1
+        assert metric(text, "synapse_lane_items_total", model=MODEL, lane=lane) >= 1
+    shutil.rmtree(config.module.host.runtime_dir, ignore_errors=True)
+
+
+async def test_a_bulk_job_runs_both_lanes_and_records_both(
+    own_certificates_cache, certs, short_runtime_dir, tmp_path
+):
+    ane, llama = certs
+    write_jsonl(tmp_path / "in.jsonl", 48)
+    config = ModuleConfig(
+        store_root=str(own_certificates_cache / "models"),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+        max_batch_items=4,  # 12 batches: both lanes take some
+    )
+    summary = await run_job(
+        JobOptions(
+            input=str(tmp_path / "in.jsonl"),
+            output=str(tmp_path / "out.parquet"),
+            module=config,
+            lane="ane,llama",
+            workers=1,
+        )
+    )
+    assert summary.rows == 48 and summary.errors == 0
+    assert set(summary.lane_rows) == {"ane", "llama"} and sum(summary.lane_rows.values()) == 48
+    meta = read_metadata(tmp_path / "out.parquet")
+    assert meta["lane"] == "ane,llama"
+    assert meta["certificate"] == f"{ane.id} (certified),{llama.id} (certified)"
+    vectors = np.stack(pq.read_table(tmp_path / "out.parquet")["embedding"].to_numpy(False))
+    async with module(str(own_certificates_cache / "models"), None) as mod:
+        alone = await mod.embed(texts(48), lane="llama")
+    assert np.sum(vectors * alone.vectors, axis=1).min() >= 0.9998  # either lane: one vector
