@@ -74,7 +74,7 @@ def openblas_libraries(maps: str) -> list[str]:
 
 
 def parse_environ(raw: bytes) -> dict[str, str]:
-    """/proc/PID/environ: NUL-separated NAME=value entries."""
+    """A Linux process's environ file: NUL-separated NAME=value entries."""
     pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0"))
     return {name: value for name, sep, value in pairs if sep and name}
 
@@ -116,6 +116,8 @@ def probed_corename(path: str, coretype: str | None) -> str | None:
 
 
 def _cmdline(pid: int) -> list[str]:
+    if sys.platform != "linux":  # procfs: Linux only
+        return []
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
