@@ -285,7 +285,23 @@ def effective_types(vocab: GGUFVocab) -> list[int]:
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
+    """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary.
+
+    Every failure is an `UnsupportedVocab` with a one-line reason: the `tokenizers` library
+    raises plain exceptions (a template naming an undeclared token, a bad regex), which are
+    refusals of this vocabulary, not crashes of ingest."""
+    try:
+        return _build(vocab)
+    except UnsupportedVocab:
+        raise
+    except Exception as e:  # tokenizers raises untyped errors from Rust
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnsupportedVocab(
+            f"the {vocab.model or 'unnamed'} vocabulary's tokenizer could not be built: {reason}"
+        ) from None
+
+
+def _build(vocab: GGUFVocab) -> Tokenizer:
     if len(set(vocab.tokens)) != len(vocab.tokens):
         # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
         raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
@@ -436,6 +452,44 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
 _UNREACHABLE = "\x00{}\x00"
 
 
+def _never_chosen_unused(vocab: GGUFVocab, kinds: list[int]) -> set[int]:
+    """UNUSED pieces llama.cpp's Viterbi can never pick: those scoring below spelling their
+    text one code point at a time.
+
+    llama.cpp's converter pads an XLM-RoBERTa vocabulary up to the config's `vocab_size` with
+    `[PADn]` pieces typed UNUSED at score -10000 (multilingual-e5 checkpoints have such rows).
+    llama.cpp keeps them matchable, but its unknown-token score comes from NORMAL pieces only.
+    Spelling a piece's span code point by code point costs at most, per code point, its best
+    single-code-point piece or (with none) the unknown score; a piece scoring strictly below
+    that sum loses to it on every path, so leaving it out of the derived model changes no
+    tokenization while keeping HF's unknown score (the lowest of its pieces) llama.cpp's.
+    """
+    normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
+    if not normal:
+        return set()
+    unknown = min(normal) - _UNKNOWN_PENALTY
+    matchable = (TYPE_NORMAL, TYPE_USER_DEFINED, TYPE_UNUSED)
+    single: dict[str, float] = {}
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        if kind in matchable and len(text) == 1:
+            score = 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])
+            single[text] = max(score, single.get(text, -np.inf))
+    never = set()
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        if kind != TYPE_UNUSED or float(vocab.scores[i]) >= min(normal) or len(text) < 2:
+            continue
+        # The same normalizer runs on text and pieces alike; a code point absent from the
+        # single pieces falls back to the unknown score, as in llama.cpp.
+        spelled = sum(single.get(c, unknown) for c in text)
+        if float(vocab.scores[i]) < spelled:
+            never.add(i)
+    return never
+
+
+# llama.cpp's `unknown_token_score_penalty` (and SentencePiece's / HF's kUnkPenalty).
+_UNKNOWN_PENALTY = 10.0
+
+
 def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     """llama.cpp's Unigram (llm_tokenizer_ugm): SentencePiece's precompiled normalizer, its
     whitespace handling, then one Viterbi over each fragment with the pieces' log
@@ -444,17 +498,20 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     if vocab.unk_id is None:
         raise UnsupportedVocab("a Unigram vocabulary needs an unknown token id")
     kinds = effective_types(vocab)
+    never = _never_chosen_unused(vocab, kinds)
     pieces = []
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
-        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE):
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE) or i in never:
             pieces.append((_UNREACHABLE.format(i), 0.0))
         else:
             pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])))
+    # llama.cpp's unknown score is the lowest NORMAL score minus 10; HF's Unigram takes the
+    # lowest score of every piece it holds, so no piece left in the model may score below.
     normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
     if normal and min(normal) > min(score for _, score in pieces):
         raise UnsupportedVocab(
-            "a non-normal piece scores below every normal one: the unknown "
-            "penalty would differ from llama.cpp's"
+            "a non-normal piece scores below every normal one and could still be chosen: "
+            "the unknown penalty would differ from llama.cpp's"
         )
     tok = Tokenizer(models.Unigram(pieces, unk_id=vocab.unk_id, byte_fallback=False))
     steps: list[normalizers.Normalizer] = []
@@ -463,7 +520,9 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     if vocab.remove_extra_whitespaces:  # one space per run, none at the ends
         steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
     if vocab.add_space_prefix or vocab.remove_extra_whitespaces:
-        steps.append(normalizers.Prepend(" "))
+        # llama.cpp prepends the space where the first non-space character starts, so a
+        # fragment of spaces only gets none: a space at the start iff one follows.
+        steps.append(normalizers.Replace(Regex("^(?= *[^ ])"), " "))
     steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = None  # one Viterbi over the whole fragment, as llama.cpp runs it
@@ -489,11 +548,29 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     return tok
 
 
-# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp), written for
-# Oniguruma: the ones reproduced so far. Qwen2's is Qwen2/2.5/3's (Qwen3-Embedding).
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, written for its own splitter), by the
+# kind llama.cpp maps a `tokenizer.ggml.pre` name to.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
+    r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GRANITE_EMB_MULTI_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?"
+    r"((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Every byte-level `tokenizer.ggml.pre` the pinned llama.cpp converter writes for a family
+# served here (its `get_vocab_base_pre` table names one per checkpoint tokenizer it knows), and
+# the regex llama.cpp splits with for it. WordPiece (BERT, NomicBERT), Unigram (XLM-RoBERTa)
+# and SentencePiece (Gemma 3) vocabularies carry no byte-level pre-tokenizer.
 BPE_PRE_TOKENIZERS = {
-    "qwen2": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
-    r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": _QWEN2_REGEX,  # Qwen3-Embedding (and Qwen2 / gte-Qwen2)
+    "f2llmv2": _QWEN2_REGEX,  # F2LLM-v2: Qwen3 embedders
+    "modern-bert": _GPT2_REGEX,  # ModernBERT (answerdotai/ModernBERT-*): GPT-2's split
+    "granite-embed-multi-97m": _GRANITE_EMB_MULTI_REGEX,  # granite-embedding R2 (ModernBERT)
 }
 
 
@@ -560,9 +637,11 @@ def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
     if vocab.add_bos and vocab.bos_id is not None:
         prefix.append(vocab.tokens[vocab.bos_id])
         specials.append((vocab.tokens[vocab.bos_id], vocab.bos_id))
+    # Every token the template names must be declared once, even when EOS is BOS's id but BOS
+    # is not added (Qwen3: both are <|endoftext|>, only the EOS is appended).
     if vocab.add_eos and vocab.eos_id is not None:
         suffix.append(vocab.tokens[vocab.eos_id])
-        if vocab.eos_id != vocab.bos_id:
+        if not specials or vocab.eos_id != vocab.bos_id:
             specials.append((vocab.tokens[vocab.eos_id], vocab.eos_id))
     single = " ".join([*prefix, "$A", *suffix])
     # llama.cpp has no pair template; a pair is the two texts back to back under one BOS.

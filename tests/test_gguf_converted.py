@@ -1,0 +1,256 @@
+"""GGUFs as llama.cpp's own converter writes them (`convert_hf_to_gguf.py` of the pinned
+llama-cpp-python source: tests/llama_converter.py), of tiny seeded models of the families
+served here, ingested with `synapse models ingest FILE` (tokenizer derived from the GGUF and
+proven equal to llama.cpp's on the corpus) and judged against sentence-transformers:
+
+- XLM-RoBERTa, an embedder and a bge-reranker-v2-m3-style cross-encoder, whose config
+  `vocab_size` exceeds the tokenizer's pieces (multilingual-e5 checkpoints do): the converter
+  pads the vocabulary with `[PADn]` pieces typed UNUSED at score -10000;
+- ModernBERT (pre-tokenizer "modern-bert");
+- a Qwen3 embedder (pre-tokenizer "qwen2", `<|endoftext|>` appended as EOS but not BOS).
+
+The llama.cpp lane serves each; the Core ML lane (reference executor) serves the families its
+owned-from-GGUF build supports (XLM-RoBERTa, Qwen3), from the GGUF alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+
+from certification.corpus import corpus
+from formats.gguf_header import read_gguf_header
+from host.config import HostConfig
+from host.module import Module, ModuleConfig
+from host.sanitize import sanitize
+from ingest.gguf_vocab import TYPE_UNUSED, GGUFVocab
+from ingest.store import ArtifactStore
+from tests import test_hf_modernbert as modernbert
+from tests import test_hf_qwen3 as qwen3
+from tests import test_hf_xlmr as xlmr
+from tests.llama_converter import Job, convert
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [sanitize(t) for t in list(corpus())[::9]]
+PAD_ROWS = 5  # config rows past the tokenizer's pieces
+EMBEDDERS = {
+    "xlmr": xlmr.MAX_SEQ,
+    "modernbert": modernbert.MAX_SEQ,
+    "qwen3": qwen3.MAX_SEQ,
+}
+RERANKER = "xlmr-xenc"
+PRE = {"modernbert": "modern-bert", "qwen3": "qwen2"}  # as the converter's table names them
+
+
+def hub_xlmr_tokenizer(dst: Path, max_seq: int = xlmr.MAX_SEQ) -> int:
+    """XLM-RoBERTa's tokenizer files as the hub's checkpoints carry them: a SentencePiece
+    Unigram model in SentencePiece's own id order (`sentencepiece.bpe.model`: <unk>, <s>, </s>,
+    pieces), which llama.cpp's converter reads, beside fairseq's ids in `tokenizer.json` (<s>,
+    <pad>, </s>, <unk>, the pieces one place up, <mask> last), which transformers reads.
+    Trained here on the corpus with one thread: the same pieces every run."""
+    import base64
+    import io
+    import json
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from transformers import XLMRobertaTokenizer
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(corpus()) * 3),
+        model_writer=buf,
+        vocab_size=700,
+        model_type="unigram",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    proto = pb.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    specials = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab = specials + [(p.piece, p.score) for p in proto.pieces[3:]] + [("<mask>", 0.0)]
+    tok = XLMRobertaTokenizer(vocab=vocab)
+    tok.model_max_length = max_seq
+    tok.save_pretrained(str(dst))
+    (dst / "sentencepiece.bpe.model").write_bytes(buf.getvalue())
+    spec = json.loads((dst / "tokenizer.json").read_text())
+    charsmap = base64.b64encode(proto.normalizer_spec.precompiled_charsmap).decode()
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "Precompiled", "precompiled_charsmap": charsmap},
+            {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        ],
+    }
+    spec["truncation"] = spec["padding"] = None
+    (dst / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    return len(tok)
+
+
+def bge_reranker_style(dst: Path, n_vocab: int, seed: int = 1) -> Path:
+    """A bge-reranker-v2-m3-style cross-encoder (XLMRobertaForSequenceClassification, GELU,
+    one logit), seeded, with its head scaled so the logits span about -10..3 as a trained
+    reranker's do, and `PAD_ROWS` embedding rows past the tokenizer."""
+    import torch
+    from transformers import XLMRobertaForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = XLMRobertaForSequenceClassification(
+        xlmr._config(n_vocab + PAD_ROWS, num_labels=1, layer_norm_eps=1e-5)
+    ).eval()
+    with torch.no_grad():
+        model.classifier.out_proj.weight.mul_(4.0)
+        model.classifier.out_proj.bias.fill_(-3.5)
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def dirs(module_tmp) -> dict[str, Path]:
+    import torch
+    from transformers import XLMRobertaModel
+
+    out: dict[str, Path] = {}
+    raw = module_tmp / "xlmr-raw"
+    n_vocab = hub_xlmr_tokenizer(raw)
+    torch.manual_seed(0)
+    XLMRobertaModel(xlmr._config(n_vocab + PAD_ROWS)).eval().save_pretrained(raw)
+    out["xlmr"] = _st(raw, module_tmp / "xlmr", xlmr.HIDDEN, xlmr.MAX_SEQ, "mean")
+    # The hub's sentence-transformers repos (multilingual-e5) keep SentencePiece's file too.
+    shutil.copy(raw / "sentencepiece.bpe.model", out["xlmr"])
+    out[RERANKER] = module_tmp / RERANKER
+    shutil.copytree(raw, out[RERANKER], ignore=shutil.ignore_patterns("*.safetensors", "config*"))
+    bge_reranker_style(out[RERANKER], n_vocab)
+
+    tok = modernbert._tokenizer()
+    raw = module_tmp / "modernbert-raw"
+    torch.manual_seed(0)
+    from transformers import ModernBertModel
+
+    ModernBertModel(modernbert._config(tok)).eval().save_pretrained(raw)
+    tok.save_pretrained(raw)
+    out["modernbert"] = _st(
+        raw, module_tmp / "modernbert", modernbert.HIDDEN, modernbert.MAX_SEQ, "mean"
+    )
+    raw = qwen3.tiny_qwen3(module_tmp / "qwen3-raw")
+    # As Qwen3-Embedding's config.json: BOS and EOS are both <|endoftext|> (the tokenizer
+    # appends it, never prepends it), which the converter writes as both token ids.
+    config = json.loads((raw / "config.json").read_text())
+    eot = tokenizers.Tokenizer.from_file(str(raw / "tokenizer.json")).token_to_id(qwen3.EOT)
+    (raw / "config.json").write_text(json.dumps(config | {"bos_token_id": eot, "eos_token_id": eot}))
+    out["qwen3"] = qwen3._save_st(raw, module_tmp / "qwen3")
+    return out
+
+
+def _st(raw: Path, dst: Path, hidden: int, max_seq: int, pooling: str) -> Path:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    body = Transformer(str(raw), max_seq_length=max_seq)
+    SentenceTransformer(modules=[body, Pooling(hidden, pooling), Normalize()], device="cpu").save(
+        str(dst)
+    )
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ggufs(dirs, module_tmp) -> dict[str, Path]:
+    out = {name: module_tmp / "gguf" / f"{name}.gguf" for name in dirs}
+    (module_tmp / "gguf").mkdir()
+    convert([Job(str(dirs[n]), str(out[n]), "f32", PRE.get(n)) for n in dirs])
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(ggufs, module_tmp) -> Path:
+    """`synapse models ingest FILE` of each GGUF into one store (a real CLI process each)."""
+    cache = module_tmp / "cache"
+    for name, path in ggufs.items():
+        args = ["ingest", str(path), "--name", name]
+        if name in EMBEDDERS:  # a GGUF holds no sentence-transformers truncation: given here
+            args += ["--max-tokens", str(EMBEDDERS[name])]
+        done = _synapse(cache, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "tokenizer proven equal to llama.cpp's" in " ".join(done.stdout.split())
+    return cache
+
+
+def _synapse(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "models", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "SYNAPSE_CACHE_DIR": str(cache)},
+    )
+
+
+def _module(cache: Path, runtime_dir: str) -> Module:
+    return Module(
+        ModuleConfig(
+            store_root=str(cache / "models"),
+            host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0),
+        )
+    )
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_the_files_are_as_the_converter_writes_them(ggufs, dirs):
+    for name in ("xlmr", RERANKER):
+        vocab = GGUFVocab.read(ggufs[name])
+        pads = [i for i, t in enumerate(vocab.tokens) if t.startswith("[PAD")]
+        # The config's extra rows, and <mask>'s: SentencePiece's file has no <mask>, and the
+        # converter's realignment to fairseq's ids leaves a pad piece in its place.
+        assert len(pads) == PAD_ROWS + 1
+        assert all(vocab.types[i] == TYPE_UNUSED and vocab.scores[i] == -10000 for i in pads)
+    for name, pre in PRE.items():
+        assert read_gguf_header(ggufs[name]).kv["tokenizer.ggml.pre"] == pre
+    qwen = GGUFVocab.read(ggufs["qwen3"])
+    assert qwen.add_eos and not qwen.add_bos and qwen.eos_id == qwen.bos_id
+
+
+async def test_the_llama_lane_embeds_like_sentence_transformers(cache, dirs, short_runtime_dir):
+    from sentence_transformers import SentenceTransformer
+
+    async with _module(cache, short_runtime_dir) as mod:
+        for name in EMBEDDERS:
+            got = (await mod.embed(TEXTS, model=name)).vectors
+            ref = SentenceTransformer(str(dirs[name]), device="cpu").encode(TEXTS)
+            cos = _cos(got, ref)
+            print(f"{name}: min cos {cos.min():.7f}")
+            assert cos.min() >= 0.9999, (name, cos.min())
+
+
+async def test_the_llama_lane_reranks_like_the_cross_encoder(cache, dirs, short_runtime_dir):
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    query, docs = TEXTS[10], TEXTS[:10] + TEXTS[12:40]
+    async with _module(cache, short_runtime_dir) as mod:
+        result = await mod.rerank(query, docs, model=RERANKER)
+    lane = np.zeros(len(docs))
+    for i, score in result.results:
+        lane[i] = score
+    ce = CrossEncoder(str(dirs[RERANKER]), device="cpu", max_length=xlmr.MAX_SEQ)
+    ref = ce.predict([(query, d) for d in docs], activation_fn=torch.nn.Identity())
+    assert ref.min() < -6 and ref.max() > 0  # a trained reranker's range
+    diff = np.abs(lane - ref).max()
+    print(f"max |logit diff| {diff:.2e}, logits {ref.min():.2f}..{ref.max():.2f}")
+    assert diff <= 1e-2, diff
