@@ -90,6 +90,9 @@ class GGUFVocab:
     # WordPiece ("bert") vocabularies: the separator llama.cpp appends, and BertNormalizer's
     # options (llama.cpp's defaults: lowercase, and strip accents when lowercasing).
     sep_id: int | None = None
+    # Whether llama.cpp puts the separator between the two texts of a rerank pair (its
+    # default: WordPiece vocabularies only).
+    add_sep: bool = False
     lowercase: bool = True
     strip_accents: bool = True
     # Unigram ("t5") vocabularies: SentencePiece's normalizer (its precompiled character map)
@@ -134,6 +137,7 @@ class GGUFVocab:
             ),
             name=str(get("general.name", "")),
             sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
+            add_sep=bool(get("tokenizer.ggml.add_sep_token", model == "bert")),
             charsmap=bytes(
                 np.asarray(get("tokenizer.ggml.precompiled_charsmap", []), dtype=np.uint8)
             ),
@@ -437,10 +441,19 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
     )
     _add_vocabulary_tokens(tok, vocab.tokens, kinds)
     cls_text, sep_text = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.sep_id]
+    # One text: llama.cpp's WordPiece always ends with the separator. A pair: the worker's
+    # composition (`_pair_middle`), ending in EOS (the separator when the vocabulary has none).
+    middle = _pair_middle(vocab)
+    eos = vocab.eos_id if vocab.eos_id is not None else vocab.sep_id
+    tail = [(vocab.tokens[eos], eos)] if vocab.add_eos else []
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls_text} $A {sep_text}",
-        pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
-        special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)],
+        pair=" ".join(
+            [cls_text, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t, _ in tail)]
+        ),
+        special_tokens=list(
+            dict([(cls_text, vocab.bos_id), (sep_text, vocab.sep_id), *middle, *tail]).items()
+        ),
     )
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok
@@ -539,10 +552,11 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
         else []
     )
     head, tail = [t for t, _ in prefix], [t for t, _ in suffix]
+    middle = _pair_middle(vocab)
     tok.post_processor = processors.TemplateProcessing(
         single=" ".join([*head, "$A", *tail]),
-        pair=" ".join([*head, "$A", "$B:1", *tail]),
-        special_tokens=list(dict(prefix + suffix).items()),
+        pair=" ".join([*head, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t in tail)]),
+        special_tokens=list(dict(prefix + suffix + middle).items()),
     )
     tok.decoder = decoders.Metaspace(replacement=SPACE_ESCAPE, prepend_scheme="always")
     return tok
@@ -630,6 +644,19 @@ def _add_vocabulary_tokens(
     )
 
 
+def _pair_middle(vocab: GGUFVocab) -> list[tuple[str, int]]:
+    """The tokens between the two texts of a pair, as the llama.cpp worker composes a rerank
+    pair (llama-server's rule): `[BOS] a [EOS] [SEP] b [EOS]`, each as the vocabulary's add
+    flags say, EOS falling back to SEP. The host counts and cuts pairs by this template."""
+    eos = vocab.eos_id if vocab.eos_id is not None else vocab.sep_id
+    middle = []
+    if vocab.add_eos and eos is not None:
+        middle.append((vocab.tokens[eos], eos))
+    if vocab.add_sep and vocab.sep_id is not None:
+        middle.append((vocab.tokens[vocab.sep_id], vocab.sep_id))
+    return middle
+
+
 def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
     prefix: list[str] = []
     suffix: list[str] = []
@@ -644,8 +671,9 @@ def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
         if not specials or vocab.eos_id != vocab.bos_id:
             specials.append((vocab.tokens[vocab.eos_id], vocab.eos_id))
     single = " ".join([*prefix, "$A", *suffix])
-    # llama.cpp has no pair template; a pair is the two texts back to back under one BOS.
-    pair = " ".join([*prefix, "$A", "$B:1", *suffix])
+    middle = _pair_middle(vocab)
+    pair = " ".join([*prefix, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t in suffix)])
+    specials += [(t, i) for t, i in middle if t not in {s for s, _ in specials}]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 

@@ -111,8 +111,8 @@ def bge_reranker_style(dst: Path, n_vocab: int, seed: int = 1) -> Path:
         xlmr._config(n_vocab + PAD_ROWS, num_labels=1, layer_norm_eps=1e-5)
     ).eval()
     with torch.no_grad():
-        model.classifier.out_proj.weight.mul_(4.0)
-        model.classifier.out_proj.bias.fill_(-3.5)
+        model.classifier.out_proj.weight.mul_(1.8)
+        model.classifier.out_proj.bias.fill_(-6.5)
     model.save_pretrained(dst)
     return dst
 
