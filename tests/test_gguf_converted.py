@@ -282,3 +282,119 @@ def test_a_gguf_llama_cpp_cannot_load_is_refused_at_ingest(ggufs, module_tmp):
     )
     with pytest.raises(ArtifactInvalid, match="lacks modern-bert.attention.layer_norm_epsilon"):
         inspect_gguf(bare)
+
+
+# ---- the Core ML lane, from the GGUF alone ----------------------------------------------------
+
+ANE_EMBEDDERS = {"xlmr": "mean", "qwen3": "last"}  # the families its GGUF build supports
+ANE_TEXTS = TEXTS[::3]
+
+
+@pytest.fixture(scope="module")
+def ane(cache, module_tmp):
+    """The reference executor (fp16 emulated) over each owned artifact built from the GGUF
+    the store holds (the records name no directory)."""
+    from formats.owned.manifest import load_manifest
+    from ingest.owned import ensure_owned, hf_source
+    from workers.ane.engine import AneEngine
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    store = ArtifactStore(cache / "models")
+    made: dict[str, AneEngine] = {}
+
+    def get(name: str, seq_len: int) -> AneEngine:
+        if name not in made:
+            rec = store.get(name)
+            assert hf_source(rec) is None  # built from the GGUF, not from a directory
+            man = load_manifest(ensure_owned(store, rec)[0])
+            engine = AneEngine(man.dir, backend="reference")
+            engine.load(
+                m.LOAD(
+                    req_id=1,
+                    artifact_path=man.dir,
+                    artifact_digest=man.digest,
+                    format="coreml-owned",
+                    runtime_config={
+                        "cache_root": str(module_tmp / "coreml-cache"),
+                        "model_ref": name,
+                        "shapes": [{"rows": 1, "seq_len": seq_len}],
+                    },
+                ),
+                NullProgress(),
+            )
+            made[name] = engine
+        return made[name]
+
+    yield get
+    for engine in made.values():
+        engine.close()
+
+
+@pytest.mark.parametrize("name", sorted(ANE_EMBEDDERS))
+def test_the_core_ml_lane_embeds_like_sentence_transformers(ane, dirs, name):
+    from sentence_transformers import SentenceTransformer
+
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    st = SentenceTransformer(str(dirs[name]), device="cpu")
+    feats = st.preprocess(ANE_TEXTS)
+    seqs = [
+        ids[mask.bool()].numpy().astype(np.int32)
+        for ids, mask in zip(feats["input_ids"], feats["attention_mask"], strict=True)
+    ]
+    req = m.EMBED_BATCH(
+        req_id=2,
+        model_ref=name,
+        pooling=ANE_EMBEDDERS[name],
+        normalize=True,
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)],
+    )
+    got = ane(name, EMBEDDERS[name]).embed(req, np.concatenate(seqs), NullProgress())
+    cos = _cos(got, st.encode(ANE_TEXTS))
+    print(f"{name}: min cos {cos.min():.6f}")
+    assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, cos.min()
+
+
+def test_the_core_ml_lane_reads_the_padded_reranker_as_its_directory(ane, dirs, cache, module_tmp):
+    # The cross-encoder built from llama.cpp's padded GGUF is the one built from its directory:
+    # same family, head and f32 weights (the padding rows included: the checkpoint has them),
+    # the position table from the model's first real position. How the Core ML graph scores
+    # an XLM-RoBERTa cross-encoder against CrossEncoder is tests/test_ane_xlmr.py's to judge;
+    # its fp16 logits here still order the documents as CrossEncoder does.
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    from formats.owned.manifest import ingest_owned, load_manifest
+    from ingest.owned import ensure_owned
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    store = ArtifactStore(cache / "models")
+    man = load_manifest(ensure_owned(store, store.get(RERANKER))[0])
+    hf = ingest_owned(dirs[RERANKER], module_tmp / "owned-hf-xenc")
+    assert (man.config.family, man.head) == (hf.config.family, hf.head)
+    got, want = man.load_weights(), hf.load_weights()
+    assert set(got) == set(want)
+    for tensor, arr in got.items():
+        ref = want[tensor]
+        if tensor == "embeddings.position_embeddings.weight":
+            ref = ref[hf.config.position_offset :]
+        assert np.array_equal(arr, ref), tensor
+    assert got["embeddings.word_embeddings.weight"].shape[0] == man.config.vocab_size
+
+    ce = CrossEncoder(str(dirs[RERANKER]), device="cpu", max_length=xlmr.MAX_SEQ)
+    query, docs = ANE_TEXTS[3], ANE_TEXTS[:3] + ANE_TEXTS[4:]
+    ids = [
+        np.asarray(ce.tokenizer(query, d, truncation=True, max_length=xlmr.MAX_SEQ)["input_ids"])
+        for d in docs
+    ]
+    seqs = [m.RerankSequence(n_tokens=len(i), n_first=len(i)) for i in ids]  # one token type
+    req = m.RERANK_SEQUENCES(req_id=3, model_ref=RERANKER, sequences=seqs)
+    scores = ane(RERANKER, xlmr.MAX_SEQ).rerank_sequences(
+        req, np.concatenate(ids).astype(np.int32), NullProgress()
+    )
+    ref = ce.predict([(query, d) for d in docs], activation_fn=torch.nn.Identity())
+    apart = (ref[:, None] - ref[None, :]) > 0.1
+    assert np.all((scores[:, None] > scores[None, :])[apart])
