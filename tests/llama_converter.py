@@ -25,9 +25,9 @@ import sys
 import tarfile
 import tempfile
 from dataclasses import asdict, dataclass
+from importlib.metadata import version as installed_version
 from pathlib import Path
 
-from importlib.metadata import version as installed_version
 
 def pinned_version() -> str:
     # The installed llama-cpp-python is the pinned one (the lock file installs it).

@@ -156,7 +156,9 @@ def dirs(module_tmp) -> dict[str, Path]:
     # appends it, never prepends it), which the converter writes as both token ids.
     config = json.loads((raw / "config.json").read_text())
     eot = tokenizers.Tokenizer.from_file(str(raw / "tokenizer.json")).token_to_id(qwen3.EOT)
-    (raw / "config.json").write_text(json.dumps(config | {"bos_token_id": eot, "eos_token_id": eot}))
+    (raw / "config.json").write_text(
+        json.dumps(config | {"bos_token_id": eot, "eos_token_id": eot})
+    )
     out["qwen3"] = qwen3._save_st(raw, module_tmp / "qwen3")
     return out
 

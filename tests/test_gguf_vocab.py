@@ -25,8 +25,8 @@ from host.tokenization import Tokenizer
 from ingest import gemma
 from ingest.gguf_vocab import (
     TYPE_CONTROL,
-    TYPE_USER_DEFINED,
     TYPE_UNUSED,
+    TYPE_USER_DEFINED,
     GGUFVocab,
     UnsupportedVocab,
     build_tokenizer,
