@@ -48,6 +48,15 @@ ENCODER_ARCHITECTURES = frozenset(
 )
 DECODER_EMBEDDERS = frozenset({"qwen3", "qwen2"})
 EMBED_ARCHITECTURES = ENCODER_ARCHITECTURES | DECODER_EMBEDDERS
+# Keys llama.cpp's loader requires that a converter can leave out, refused at ingest rather
+# than at the first load: the pinned llama.cpp converter reads ModernBERT's `norm_eps` as an
+# RMS epsilon only, while llama.cpp's modern-bert graph (LayerNorm) requires this one.
+_REQUIRED_KEYS = {
+    "modern-bert": (
+        ("attention.layer_norm_epsilon",),
+        "llama.cpp's converter writes a ModernBERT config's norm_eps as an RMS epsilon only",
+    )
+}
 # llama_pooling_type values as GGUF metadata stores them.
 POOLING_BY_ID = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 EMBED_POOLINGS = ("mean", "cls", "last")
@@ -110,6 +119,14 @@ def inspect_gguf(
             f"architecture {arch or '(none)'!r} is not one llama.cpp embeds or reranks with "
             f"here (supported: {', '.join(sorted(EMBED_ARCHITECTURES))})"
         )
+    keys, why = _REQUIRED_KEYS.get(arch, ((), ""))
+    for key in keys:
+        if hdr.arch_get(key) is None:
+            raise ArtifactInvalid(
+                f"this {arch} GGUF lacks {arch}.{key}, which llama.cpp needs to load it "
+                f"({why}); convert the Hugging Face directory with `synapse models ingest "
+                "DIR` instead"
+            )
     tensors = {t.name for t in hdr.tensors}
     has_pooler = "cls.weight" in tensors
     has_classifier = "cls.output.weight" in tensors or has_pooler

@@ -90,6 +90,9 @@ class GGUFVocab:
     # WordPiece ("bert") vocabularies: the separator llama.cpp appends, and BertNormalizer's
     # options (llama.cpp's defaults: lowercase, and strip accents when lowercasing).
     sep_id: int | None = None
+    # Whether llama.cpp puts the separator between the two texts of a rerank pair (its
+    # default: WordPiece vocabularies only).
+    add_sep: bool = False
     lowercase: bool = True
     strip_accents: bool = True
     # Unigram ("t5") vocabularies: SentencePiece's normalizer (its precompiled character map)
@@ -134,6 +137,7 @@ class GGUFVocab:
             ),
             name=str(get("general.name", "")),
             sep_id=opt_id("tokenizer.ggml.seperator_token_id"),
+            add_sep=bool(get("tokenizer.ggml.add_sep_token", model == "bert")),
             charsmap=bytes(
                 np.asarray(get("tokenizer.ggml.precompiled_charsmap", []), dtype=np.uint8)
             ),
@@ -285,7 +289,23 @@ def effective_types(vocab: GGUFVocab) -> list[int]:
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
-    """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary."""
+    """A HF `Tokenizer` reproducing llama.cpp's tokenization of this vocabulary.
+
+    Every failure is an `UnsupportedVocab` with a one-line reason: the `tokenizers` library
+    raises plain exceptions (a template naming an undeclared token, a bad regex), which are
+    refusals of this vocabulary, not crashes of ingest."""
+    try:
+        return _build(vocab)
+    except UnsupportedVocab:
+        raise
+    except Exception as e:  # tokenizers raises untyped errors from Rust
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnsupportedVocab(
+            f"the {vocab.model or 'unnamed'} vocabulary's tokenizer could not be built: {reason}"
+        ) from None
+
+
+def _build(vocab: GGUFVocab) -> Tokenizer:
     if len(set(vocab.tokens)) != len(vocab.tokens):
         # llama.cpp's text->id map keeps the last duplicate; a dict-based vocab cannot say so.
         raise UnsupportedVocab("duplicate token texts in the GGUF vocabulary")
@@ -421,10 +441,19 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
     )
     _add_vocabulary_tokens(tok, vocab.tokens, kinds)
     cls_text, sep_text = vocab.tokens[vocab.bos_id], vocab.tokens[vocab.sep_id]
+    # One text: llama.cpp's WordPiece always ends with the separator. A pair: the worker's
+    # composition (`_pair_middle`), ending in EOS (the separator when the vocabulary has none).
+    middle = _pair_middle(vocab)
+    eos = vocab.eos_id if vocab.eos_id is not None else vocab.sep_id
+    tail = [(vocab.tokens[eos], eos)] if vocab.add_eos else []
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls_text} $A {sep_text}",
-        pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
-        special_tokens=[(cls_text, vocab.bos_id), (sep_text, vocab.sep_id)],
+        pair=" ".join(
+            [cls_text, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t, _ in tail)]
+        ),
+        special_tokens=list(
+            dict([(cls_text, vocab.bos_id), (sep_text, vocab.sep_id), *middle, *tail]).items()
+        ),
     )
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok
@@ -436,6 +465,44 @@ def _build_wpm(vocab: GGUFVocab) -> Tokenizer:
 _UNREACHABLE = "\x00{}\x00"
 
 
+def _never_chosen_unused(vocab: GGUFVocab, kinds: list[int]) -> set[int]:
+    """UNUSED pieces llama.cpp's Viterbi can never pick: those scoring below spelling their
+    text one code point at a time.
+
+    llama.cpp's converter pads an XLM-RoBERTa vocabulary up to the config's `vocab_size` with
+    `[PADn]` pieces typed UNUSED at score -10000 (multilingual-e5 checkpoints have such rows).
+    llama.cpp keeps them matchable, but its unknown-token score comes from NORMAL pieces only.
+    Spelling a piece's span code point by code point costs at most, per code point, its best
+    single-code-point piece or (with none) the unknown score; a piece scoring strictly below
+    that sum loses to it on every path, so leaving it out of the derived model changes no
+    tokenization while keeping HF's unknown score (the lowest of its pieces) llama.cpp's.
+    """
+    normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
+    if not normal:
+        return set()
+    unknown = min(normal) - _UNKNOWN_PENALTY
+    matchable = (TYPE_NORMAL, TYPE_USER_DEFINED, TYPE_UNUSED)
+    single: dict[str, float] = {}
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        if kind in matchable and len(text) == 1:
+            score = 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])
+            single[text] = max(score, single.get(text, -np.inf))
+    never = set()
+    for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
+        if kind != TYPE_UNUSED or float(vocab.scores[i]) >= min(normal) or len(text) < 2:
+            continue
+        # The same normalizer runs on text and pieces alike; a code point absent from the
+        # single pieces falls back to the unknown score, as in llama.cpp.
+        spelled = sum(single.get(c, unknown) for c in text)
+        if float(vocab.scores[i]) < spelled:
+            never.add(i)
+    return never
+
+
+# llama.cpp's `unknown_token_score_penalty` (and SentencePiece's / HF's kUnkPenalty).
+_UNKNOWN_PENALTY = 10.0
+
+
 def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     """llama.cpp's Unigram (llm_tokenizer_ugm): SentencePiece's precompiled normalizer, its
     whitespace handling, then one Viterbi over each fragment with the pieces' log
@@ -444,17 +511,20 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     if vocab.unk_id is None:
         raise UnsupportedVocab("a Unigram vocabulary needs an unknown token id")
     kinds = effective_types(vocab)
+    never = _never_chosen_unused(vocab, kinds)
     pieces = []
     for i, (text, kind) in enumerate(zip(vocab.tokens, kinds, strict=True)):
-        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE):
+        if kind in (TYPE_CONTROL, TYPE_UNKNOWN, TYPE_BYTE) or i in never:
             pieces.append((_UNREACHABLE.format(i), 0.0))
         else:
             pieces.append((text, 0.0 if kind == TYPE_USER_DEFINED else float(vocab.scores[i])))
+    # llama.cpp's unknown score is the lowest NORMAL score minus 10; HF's Unigram takes the
+    # lowest score of every piece it holds, so no piece left in the model may score below.
     normal = [float(vocab.scores[i]) for i, k in enumerate(kinds) if k == TYPE_NORMAL]
     if normal and min(normal) > min(score for _, score in pieces):
         raise UnsupportedVocab(
-            "a non-normal piece scores below every normal one: the unknown "
-            "penalty would differ from llama.cpp's"
+            "a non-normal piece scores below every normal one and could still be chosen: "
+            "the unknown penalty would differ from llama.cpp's"
         )
     tok = Tokenizer(models.Unigram(pieces, unk_id=vocab.unk_id, byte_fallback=False))
     steps: list[normalizers.Normalizer] = []
@@ -463,7 +533,9 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
     if vocab.remove_extra_whitespaces:  # one space per run, none at the ends
         steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex("^ | $"), "")]
     if vocab.add_space_prefix or vocab.remove_extra_whitespaces:
-        steps.append(normalizers.Prepend(" "))
+        # llama.cpp prepends the space where the first non-space character starts, so a
+        # fragment of spaces only gets none: a space at the start iff one follows.
+        steps.append(normalizers.Replace(Regex("^(?= *[^ ])"), " "))
     steps.append(normalizers.Replace(" ", SPACE_ESCAPE))
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = None  # one Viterbi over the whole fragment, as llama.cpp runs it
@@ -480,20 +552,39 @@ def _build_ugm(vocab: GGUFVocab) -> Tokenizer:
         else []
     )
     head, tail = [t for t, _ in prefix], [t for t, _ in suffix]
+    middle = _pair_middle(vocab)
     tok.post_processor = processors.TemplateProcessing(
         single=" ".join([*head, "$A", *tail]),
-        pair=" ".join([*head, "$A", "$B:1", *tail]),
-        special_tokens=list(dict(prefix + suffix).items()),
+        pair=" ".join([*head, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t in tail)]),
+        special_tokens=list(dict(prefix + suffix + middle).items()),
     )
     tok.decoder = decoders.Metaspace(replacement=SPACE_ESCAPE, prepend_scheme="always")
     return tok
 
 
-# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp), written for
-# Oniguruma: the ones reproduced so far. Qwen2's is Qwen2/2.5/3's (Qwen3-Embedding).
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, written for its own splitter), by the
+# kind llama.cpp maps a `tokenizer.ggml.pre` name to.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
+    r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GRANITE_EMB_MULTI_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?"
+    r"((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Every byte-level `tokenizer.ggml.pre` the pinned llama.cpp converter writes for a family
+# served here (its `get_vocab_base_pre` table names one per checkpoint tokenizer it knows), and
+# the regex llama.cpp splits with for it. WordPiece (BERT, NomicBERT), Unigram (XLM-RoBERTa)
+# and SentencePiece (Gemma 3) vocabularies carry no byte-level pre-tokenizer.
 BPE_PRE_TOKENIZERS = {
-    "qwen2": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
-    r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": _QWEN2_REGEX,  # Qwen3-Embedding (and Qwen2 / gte-Qwen2)
+    "f2llmv2": _QWEN2_REGEX,  # F2LLM-v2: Qwen3 embedders
+    "modern-bert": _GPT2_REGEX,  # ModernBERT (answerdotai/ModernBERT-*): GPT-2's split
+    "granite-embed-multi-97m": _GRANITE_EMB_MULTI_REGEX,  # granite-embedding R2 (ModernBERT)
 }
 
 
@@ -553,6 +644,19 @@ def _add_vocabulary_tokens(
     )
 
 
+def _pair_middle(vocab: GGUFVocab) -> list[tuple[str, int]]:
+    """The tokens between the two texts of a pair, as the llama.cpp worker composes a rerank
+    pair (llama-server's rule): `[BOS] a [EOS] [SEP] b [EOS]`, each as the vocabulary's add
+    flags say, EOS falling back to SEP. The host counts and cuts pairs by this template."""
+    eos = vocab.eos_id if vocab.eos_id is not None else vocab.sep_id
+    middle = []
+    if vocab.add_eos and eos is not None:
+        middle.append((vocab.tokens[eos], eos))
+    if vocab.add_sep and vocab.sep_id is not None:
+        middle.append((vocab.tokens[vocab.sep_id], vocab.sep_id))
+    return middle
+
+
 def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
     prefix: list[str] = []
     suffix: list[str] = []
@@ -560,13 +664,16 @@ def _template(vocab: GGUFVocab) -> processors.TemplateProcessing:
     if vocab.add_bos and vocab.bos_id is not None:
         prefix.append(vocab.tokens[vocab.bos_id])
         specials.append((vocab.tokens[vocab.bos_id], vocab.bos_id))
+    # Every token the template names must be declared once, even when EOS is BOS's id but BOS
+    # is not added (Qwen3: both are <|endoftext|>, only the EOS is appended).
     if vocab.add_eos and vocab.eos_id is not None:
         suffix.append(vocab.tokens[vocab.eos_id])
-        if vocab.eos_id != vocab.bos_id:
+        if not specials or vocab.eos_id != vocab.bos_id:
             specials.append((vocab.tokens[vocab.eos_id], vocab.eos_id))
     single = " ".join([*prefix, "$A", *suffix])
-    # llama.cpp has no pair template; a pair is the two texts back to back under one BOS.
-    pair = " ".join([*prefix, "$A", "$B:1", *suffix])
+    middle = _pair_middle(vocab)
+    pair = " ".join([*prefix, "$A", *(t for t, _ in middle), "$B:1", *(f"{t}:1" for t in suffix)])
+    specials += [(t, i) for t, i in middle if t not in {s for s, _ in specials}]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 

@@ -251,14 +251,33 @@ def bpe_gguf(src: Path, out: Path) -> Path:
     return rewrite_gguf(src, out, drop_kv=_vocabulary_keys(src), set_kv=kv)
 
 
-def test_a_byte_level_bpe_vocabulary_is_derived_and_proven(ggufs, module_tmp):
+@pytest.fixture(scope="module")
+def bpe(ggufs, module_tmp) -> Path:
+    return bpe_gguf(ggufs["minilm"], module_tmp / "bpe-qwen2.gguf")
+
+
+def test_a_byte_level_bpe_vocabulary_is_derived_and_proven(bpe, module_tmp):
     from ingest.gguf_vocab import write_tokenizer_json
 
-    bpe = bpe_gguf(ggufs["minilm"], module_tmp / "bpe.gguf")
     tok = write_tokenizer_json(bpe, module_tmp / "bpe-tokenizer.json")
     assert prove_gguf_tokenizer(bpe, tok) > 300
     enc = tokenizers.Tokenizer.from_file(str(tok)).encode("The cat sat.")
     assert enc.tokens[-1] == "<|endoftext|>"  # the last token, which last-token pooling reads
+
+
+def test_every_pre_tokenizer_the_converter_writes_for_our_families_is_proven(bpe, module_tmp):
+    # Each name llama.cpp's converter gives a served family's tokenizer, split as llama.cpp
+    # splits for that name (its regex, or its own splitter for GPT-2's), on the corpus.
+    from ingest.gguf_vocab import BPE_PRE_TOKENIZERS, write_tokenizer_json
+
+    for pre in sorted(set(BPE_PRE_TOKENIZERS) - {"qwen2"}):
+        named = rewrite_gguf(
+            bpe,
+            module_tmp / f"bpe-{pre}.gguf",
+            set_kv={"tokenizer.ggml.pre": (pre, gguf.GGUFValueType.STRING)},
+        )
+        tok = write_tokenizer_json(named, module_tmp / f"bpe-{pre}.json")
+        assert prove_gguf_tokenizer(named, tok) > 300, pre
 
 
 def test_a_vocabulary_we_cannot_derive_is_refused(ggufs, module_tmp):

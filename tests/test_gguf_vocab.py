@@ -25,6 +25,7 @@ from host.tokenization import Tokenizer
 from ingest import gemma
 from ingest.gguf_vocab import (
     TYPE_CONTROL,
+    TYPE_UNUSED,
     TYPE_USER_DEFINED,
     GGUFVocab,
     UnsupportedVocab,
@@ -516,3 +517,57 @@ def test_unsupported_vocabularies_are_refused() -> None:
             build_tokenizer(twice)
     with pytest.raises(UnsupportedVocab, match="Phi-3"):
         build_tokenizer(_toy(name="Phi-3 mini"))
+
+
+def _unigram_toy(extra: list[tuple[str, int, float]]) -> GGUFVocab:
+    """A Unigram ("t5") vocabulary: control/unknown pieces, normal pieces scoring -2..-6, and
+    `extra` (text, type, score) pieces after them, as llama.cpp's converter pads."""
+    pieces = [
+        ("<s>", 3, 0.0),
+        ("<pad>", 3, 0.0),
+        ("</s>", 3, 0.0),
+        ("<unk>", 2, 0.0),
+        ("▁", 1, -2.0),
+        ("a", 1, -3.0),
+        ("b", 1, -4.0),
+        ("ab", 1, -5.0),
+        ("▁ab", 1, -6.0),
+        *extra,
+    ]
+    return GGUFVocab(
+        model="t5",
+        tokens=[p[0] for p in pieces],
+        scores=np.array([p[2] for p in pieces], dtype=np.float32),
+        types=np.array([p[1] for p in pieces], dtype=np.int32),
+        bos_id=0,
+        eos_id=2,
+        unk_id=3,
+        add_bos=False,
+        add_eos=True,
+        add_space_prefix=True,
+    )
+
+
+def test_unused_padding_pieces_keep_llama_cpps_unknown_score() -> None:
+    # llama.cpp's converter pads XLM-RoBERTa vocabularies with [PADn] pieces (UNUSED, -10000);
+    # llama.cpp takes the unknown score from normal pieces only (-6 - 10 here).
+    padded = _unigram_toy([(f"[PAD{i}]", TYPE_UNUSED, -10000.0) for i in range(3)])
+    tok = build_tokenizer(padded)
+    scores = [score for _, score in json.loads(tok.to_str())["model"]["vocab"]]
+    assert min(scores) == -6.0  # HF's unknown score is its lowest piece's minus 10: the same
+    assert tok.encode("ab c[PAD1]").ids == [8, 4, 3, 2]  # "c[PAD1]": one unknown, then EOS
+    # An unused piece cheaper than spelling its text could be chosen: still refused.
+    chosen = _unigram_toy([("zz", TYPE_UNUSED, -20.0)])  # spelled: two unknowns, -32
+    with pytest.raises(UnsupportedVocab, match="scores below every normal one"):
+        build_tokenizer(chosen)
+
+
+def test_eos_only_template_and_library_failures_are_typed() -> None:
+    # Qwen3's GGUF: BOS and EOS are both <|endoftext|>, only the EOS is appended.
+    toy = _toy(model="gpt2")
+    qwen = replace(toy, pre="qwen2", merges=("a b",), bos_id=2, eos_id=2, add_bos=False)
+    qwen = replace(qwen, add_eos=True)
+    assert build_tokenizer(qwen).encode("ab").tokens[-1] == "</s>"
+    broken = replace(qwen, merges=("a zz",))  # a merge of a piece the vocabulary lacks
+    with pytest.raises(UnsupportedVocab, match=r"^the gpt2 vocabulary's tokenizer could not be"):
+        build_tokenizer(broken)

@@ -20,6 +20,7 @@ from workers.llama.context_plan import (
     GEN_CTX,
     ContextPlan,
     encode_streams,
+    flash_attention,
     plan_context,
     reserve_tokens,
 )
@@ -234,3 +235,13 @@ def test_the_defaults_are_never_refused(
         assert plan.streams == (1 if offloaded else cpu_count)
     else:
         assert plan.n_ctx == min(GEN_CTX, n_ctx_train)
+
+
+def test_a_reranker_on_the_cpu_decodes_without_flash_attention():
+    # Its raw logit would carry llama.cpp's f16 K/V cast (measured in RuntimeConfig's docs).
+    assert flash_attention(None, "rerank", offloaded=False) is False
+    assert flash_attention(None, "rerank", offloaded=True) is True
+    assert flash_attention(None, "embed", offloaded=False) is True
+    assert flash_attention(None, "generate", offloaded=False) is True
+    assert flash_attention(True, "rerank", offloaded=False) is True  # an explicit setting wins
+    assert flash_attention(False, "embed", offloaded=False) is False

@@ -23,6 +23,7 @@ from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
 from ingest.store import ArtifactStore
 from tests.gguf_edit import rewrite_gguf
+from tests.llama_converter import Job
 from tests.llama_converter import convert as llama_convert
 from tests.test_hf_qwen3 import QWEN2_SPLIT
 from workers.protocol import messages as m
@@ -125,7 +126,10 @@ def model_dir(module_tmp) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_gguf(module_tmp, model_dir) -> Path:
-    return llama_convert(model_dir, module_tmp / "llama-converted.gguf", "f32")
+    out = module_tmp / "llama-converted.gguf"
+    # The trained vocabulary uses Qwen2's split rule: the converter's table name for it.
+    llama_convert([Job(str(model_dir), str(out), "f32", pre="qwen2")])
+    return out
 
 
 @pytest.fixture(scope="module")

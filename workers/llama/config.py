@@ -31,7 +31,13 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     n_threads     compute threads (the host passes cores / workers); n_threads_batch likewise
     embedding     force embedding mode on/off (a decoder can be served as an embedder)
     pooling       pooling override for embedders (must agree with the model for rerank)
-    flash_attn    True (default): packing many sequences per decode is slower without it
+    flash_attn    default: on, except for a reranker on the CPU. Packing many sequences per
+                  decode is slower without it, but llama.cpp's CPU flash attention casts an
+                  encoder's K and V to f16 (it keeps no KV cache), which tripled a cross-
+                  encoder's raw logit error (tiny bge-reranker-v2-m3-style model, logits
+                  -11..17: max 0.053 with it, 0.017 without, 0.017 for llama-cpp-python in
+                  process without it); an embedder's normalized vector is within its bar either
+                  way. True/False force it.
     encode_streams  embed/rerank: llama_contexts decoding one request's packed decodes in
                   parallel, n_threads / streams threads each (default: n_threads on the CPU,
                   1 when offloaded to a GPU; see workers.llama.context_plan.encode_streams)
@@ -52,7 +58,7 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     n_threads_batch: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
     embedding: bool | None = None
     pooling: PoolingName | None = None
-    flash_attn: bool = True
+    flash_attn: bool | None = None
     encode_streams: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)] = 0
     use_mmap: bool = True

@@ -138,3 +138,19 @@ def plan_context(
         ),
         all_threads=(threads, cfg.n_threads_batch or threads),
     )
+
+
+def flash_attention(setting: bool | None, kind: str, offloaded: bool) -> bool:
+    """Whether a model's contexts use flash attention: `setting` when the runtime config gives
+    one, else on except for a reranker on the CPU.
+
+    llama.cpp's CPU flash attention casts K and V to f16 when there is no KV cache (an
+    encoder's), and a reranker's raw logit, unbounded and read as it is, carries that rounding:
+    on a tiny bge-reranker-v2-m3-style model it tripled the error against sentence-
+    transformers (see RuntimeConfig.flash_attn). Encoder decodes are packed to 128-256 tokens
+    (decode_plan), so the plain attention's n_tokens x n_tokens scores stay small. An
+    embedder's normalized vector, and a GPU lane (f16 weights already), keep flash attention.
+    """
+    if setting is not None:
+        return setting
+    return not (kind == "rerank" and not offloaded)

@@ -36,7 +36,7 @@ from workers.cpus import usable_cpu_count
 from workers.engine import Engine, EngineError, Generation, Progress
 from workers.llama import encode, generate, llm_head, model_kind, native
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
-from workers.llama.context_plan import plan_context
+from workers.llama.context_plan import flash_attention, plan_context
 from workers.llama.decode_plan import decode_tokens_for
 from workers.llama.device import (
     describe_build,
@@ -372,7 +372,11 @@ class LlamaEngine(Engine):
             cpu_count=usable_cpu_count(),
         )
         cparams = native.planned_context_params(
-            plan, offloaded=offloaded, encoder=encoder, pooling=pooling, flash_attn=cfg.flash_attn
+            plan,
+            offloaded=offloaded,
+            encoder=encoder,
+            pooling=pooling,
+            flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
         )
         typed = None
         direction = None
