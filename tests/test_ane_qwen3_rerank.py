@@ -140,8 +140,9 @@ def _yes_no(model_dir: Path) -> tuple[int, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
-    return int(yes), int(no)
+    ids = [tok.convert_tokens_to_ids(t) for t in ("yes", "no")]
+    assert all(isinstance(i, int) for i in ids)
+    return ids[0], ids[1]  # type: ignore[return-value]
 
 
 def _transformers_scores(model_dir: Path, ids: list[np.ndarray]) -> np.ndarray:
