@@ -199,6 +199,25 @@ def special_ids(model_dir: Path, vocab: dict[str, int], model_type: str) -> dict
     return ids
 
 
+def add_bert_specials(w: gguf.GGUFWriter, special: dict[str, int], add_sep: bool) -> None:
+    """The special-token keys of a BERT-style vocabulary. As gguf's SpecialVocab does: CLS
+    doubles as BOS and SEP as EOS, so "BOS a EOS" is "[CLS] a [SEP]" and a rerank pair
+    "[CLS] q [SEP] d [SEP]" (add_sep: XLM-RoBERTa's "<s> q </s></s> d </s>")."""
+    w.add_bos_token_id(special["cls"])
+    w.add_eos_token_id(special["sep"])
+    w.add_sep_token_id(special["sep"])
+    for kind, add in (
+        ("unk", w.add_unk_token_id),
+        ("pad", w.add_pad_token_id),
+        ("mask", w.add_mask_token_id),
+    ):
+        if kind in special:
+            add(special[kind])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    w.add_add_sep_token(add_sep)
+
+
 def _map_tensors(
     weights: dict[str, np.ndarray], kind: str, n_layers: int
 ) -> list[tuple[MODEL_TENSOR, str, np.ndarray]]:
@@ -403,22 +422,7 @@ def _fill(
     if vocab.model == "t5":  # SentencePiece's defaults, as XLM-RoBERTa is trained with
         w.add_add_space_prefix(True)
         w.add_remove_extra_whitespaces(True)
-    # As gguf's SpecialVocab does: CLS doubles as BOS and SEP as EOS, so "BOS a EOS" is
-    # "[CLS] a [SEP]" and a rerank pair "[CLS] q [SEP] d [SEP]" (add_sep: XLM-RoBERTa's
-    # "<s> q </s></s> d </s>").
-    w.add_bos_token_id(special["cls"])
-    w.add_eos_token_id(special["sep"])
-    w.add_sep_token_id(special["sep"])
-    for kind, add in (
-        ("unk", w.add_unk_token_id),
-        ("pad", w.add_pad_token_id),
-        ("mask", w.add_mask_token_id),
-    ):
-        if kind in special:
-            add(special[kind])
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
-    w.add_add_sep_token(add_sep)
+    add_bert_specials(w, special, add_sep)
 
     for t, name, arr in mapped:
         target = tensor_dtype(name, arr, dtype, keep_f32=t in _KEEP_F32)

@@ -38,7 +38,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.hf_config import HfConfig
 from formats.safetensors_io import read_model_weights
-from ingest.bert_to_gguf import special_ids, wordpiece_vocab
+from ingest.bert_to_gguf import add_bert_specials, special_ids, wordpiece_vocab
 from ingest.hf_common import (
     POOLING_TYPES,
     ConvertedModel,
@@ -350,20 +350,7 @@ def convert(
         w.add_pooling_type(POOLING_TYPES[pooling])
         vocab.add_to(w)
         w.add_token_type_count(sizes.type_vocab)
-        # As for BERT: CLS doubles as BOS and SEP as EOS, so "BOS a EOS" is "[CLS] a [SEP]".
-        w.add_bos_token_id(special["cls"])
-        w.add_eos_token_id(special["sep"])
-        w.add_sep_token_id(special["sep"])
-        for kind, add in (
-            ("unk", w.add_unk_token_id),
-            ("pad", w.add_pad_token_id),
-            ("mask", w.add_mask_token_id),
-        ):
-            if kind in special:
-                add(special[kind])
-        w.add_add_bos_token(True)
-        w.add_add_eos_token(True)
-        w.add_add_sep_token(False)
+        add_bert_specials(w, special, add_sep=False)
         for tname, arr in tensors.items():
             target = tensor_dtype(tname, arr, dtype, keep_f32=tname.startswith("token_types"))
             w.add_tensor(tname, np.ascontiguousarray(arr, dtype=target))

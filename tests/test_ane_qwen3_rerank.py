@@ -20,7 +20,7 @@ from certification.thresholds import thresholds_for
 from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import Head, ManifestError, UnsupportedModel
 from formats.owned.rank_head import SCORE_WEIGHT
-from tests.test_hf_qwen3 import EOT, QWEN2_SPLIT
+from tests.test_hf_qwen3 import EOT, QWEN2_SPLIT, tiny_qwen3_config
 from workers.ane import placement, program_ir
 from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import cache_key
@@ -89,22 +89,10 @@ def _model(dst: Path, tied: bool) -> None:
     """A seeded 2-layer Qwen3ForCausalLM (grouped heads, head_dim != hidden / heads, wide
     random weights, so a wrong token, row or position moves the score far past the bar)."""
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(AutoTokenizer.from_pretrained(dst)),
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        initializer_range=0.3,
-    )
+    config = tiny_qwen3_config(len(AutoTokenizer.from_pretrained(dst)), tied=tied)
     Qwen3ForCausalLM(config).eval().save_pretrained(dst)
 
 

@@ -93,11 +93,20 @@ def tiny_qwen3(dst: Path) -> Path:
     wide (0.3) so another pooling, a lost EOS or prompt, a shorter cut each fail the 0.9999
     bar."""
     import torch
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
     torch.manual_seed(0)
-    n_vocab = _tokenizer(dst)
-    config = Qwen3Config(
+    Qwen3Model(tiny_qwen3_config(_tokenizer(dst))).eval().save_pretrained(dst)
+    return dst
+
+
+def tiny_qwen3_config(n_vocab: int, tied: bool = True):
+    """The tiny Qwen3 every Qwen3 test builds (embedder or reranker): head_dim is not hidden /
+    heads (as in Qwen3-Embedding-0.6B), heads are grouped, and the random weights are wide
+    (0.3), so a wrong pooling, token, row or position falls far below each bar."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
         vocab_size=n_vocab,
         hidden_size=HIDDEN,
         intermediate_size=128,
@@ -107,11 +116,9 @@ def tiny_qwen3(dst: Path) -> Path:
         head_dim=32,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         initializer_range=0.3,
     )
-    Qwen3Model(config).eval().save_pretrained(dst)
-    return dst
 
 
 @pytest.fixture(scope="module")

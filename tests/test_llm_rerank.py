@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.rerank_llm import TEMPLATE
 from certification.corpus import corpus
 from certification.tokenizer_proof import prove_gguf_tokenizer
 from common.errors import ArtifactInvalid, InvalidRequest
@@ -25,7 +26,7 @@ from ingest.store import ArtifactStore
 from tests.gguf_edit import rewrite_gguf
 from tests.llama_converter import Job
 from tests.llama_converter import convert as llama_convert
-from tests.test_hf_qwen3 import QWEN2_SPLIT
+from tests.test_hf_qwen3 import QWEN2_SPLIT, tiny_qwen3_config
 from workers.protocol import messages as m
 
 # The first test builds the model and fetches llama.cpp's converter once (pip download of the
@@ -39,24 +40,6 @@ QUERIES = TEXTS[:3]
 DOCS = TEXTS[3:11]
 INSTRUCTION = "Given a question, find the passage that states the answer"
 LONG = " ".join(TEXTS[:40])  # far over MAX_SEQ
-DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-# A Qwen3-Reranker template for sentence-transformers' pair roles (flat messages): the system
-# message is the instruction, the prompt ends in the empty think block after which the model
-# answers.
-TEMPLATE = (
-    "{%- set ns = namespace(instruction='" + DEFAULT_INSTRUCTION + "', query='', document='') -%}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if message.role == 'system' -%}{%- set ns.instruction = message.content -%}\n"
-    "{%- elif message.role == 'query' -%}{%- set ns.query = message.content -%}\n"
-    "{%- elif message.role == 'document' -%}{%- set ns.document = message.content -%}\n"
-    "{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
-    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
-    "<|im_start|>user\n<Instruct>: {{ ns.instruction }}\n<Query>: {{ ns.query }}\n"
-    "<Document>: {{ ns.document }}<|im_end|>\n"
-    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -97,24 +80,10 @@ def tiny_qwen3_reranker(dst: Path) -> Path:
     """A seeded 2-layer Qwen3ForCausalLM (tied LM head, grouped heads, head_dim != hidden /
     heads) whose README names it a Qwen3-Reranker, as llama.cpp's converter detects one."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    n_vocab = _tokenizer(dst)
-    config = Qwen3Config(
-        vocab_size=n_vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    Qwen3ForCausalLM(config).eval().save_pretrained(dst)
+    Qwen3ForCausalLM(tiny_qwen3_config(_tokenizer(dst))).eval().save_pretrained(dst)
     (dst / "README.md").write_text("# Qwen3-Reranker-tiny\n\nA seeded test model.\n")
     return dst
 
