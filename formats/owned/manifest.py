@@ -255,6 +255,14 @@ def build_body(src_dir: str | os.PathLike[str]) -> tuple[ManifestBody, dict[str,
         from formats.owned.manifest_qwen3 import config_head_tensors  # its own config and names
 
         config, head, tensors = config_head_tensors(src, cfg)
+    elif cfg.model_type == "nomic_bert":
+        from formats.owned.manifest_nomic import config_from_hf, load_tensors  # its own names
+
+        config, sizes = config_from_hf(src, cfg)
+        head = _head_from_hf(src, cfg, config)  # pooled as BERT's embedders are
+        if not tok.exists():
+            raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
+        tensors = load_tensors(src, sizes)
     else:
         config = _config_from_hf(src, cfg)
         head = _head_from_hf(src, cfg, config)
@@ -292,10 +300,10 @@ def ingest_owned(
     pooling: str | None = None,
     max_seq_length: int | None = None,
 ) -> Manifest:
-    """Ingest a HF BERT, XLM-RoBERTa or Qwen3 directory, or a GGUF file of those families, into
-    the owned format at `out_dir` (atomically: built in a sibling temp dir, then renamed). An
-    existing artifact at `out_dir` with the same digest is verified and reused; anything else
-    already there is an error.
+    """Ingest a HF BERT, XLM-RoBERTa, NomicBERT or Qwen3 directory, or a GGUF file of BERT,
+    XLM-RoBERTa or Qwen3, into the owned format at `out_dir` (atomically: built in a sibling
+    temp dir, then renamed). An existing artifact at `out_dir` with the same digest is
+    verified and reused; anything else already there is an error.
 
     A GGUF holds no tokenizer.json and need not state its pooling or default truncation: the
     caller gives the tokenizer the host serves it with (`tokenizer`) and what the model's
