@@ -172,3 +172,40 @@ def test_the_placement_estimate_is_reported(engines, layout):
     share, source = engines[layout].placement()
     print(f"\n{layout}: placement {source} {share:.4f}")
     assert source == "estimate" and share >= 0.99, share
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+
+async def test_the_module_serves_nomic_bert_on_the_ane_lane(
+    dirs,  # noqa: F811
+    engines,
+    reference,
+    module_tmp,
+    short_runtime_dir,
+):
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+    from ingest.store import ArtifactStore
+
+    store = ArtifactStore(module_tmp / "models")
+    store.ingest_hf_dir(dirs["st"], "nomic", dtype="f32")
+    config = ModuleConfig(
+        store_root=str(store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
+    # The shapes the engines above compiled: the same artifact digest, so cache hits.
+    extra = {
+        "backend": "reference",
+        "cache_root": str(module_tmp / "cache"),
+        "shapes": [UNPACKED, PACKED],
+    }
+    async with Module(config) as mod:
+        await mod.load("nomic", "ane", extra)
+        query = (await mod.embed(TEXTS, model="nomic", lane="ane", prompt_name="query")).vectors
+        identity = mod.lane_identity("nomic", "ane")
+        share, source = await mod.placement("nomic", lane="ane")
+    cos = _cos(query, reference["query"])
+    assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (cos.min(), cos.mean())
+    assert identity["kernel_revision"] == kernel_revision("nomic_bert")
+    assert source == "estimate" and share >= 0.99, share
