@@ -16,6 +16,7 @@ from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import UnsupportedModel
 from host.tokenization import Tokenizer
 from tests.test_hf_nomic_bert import PROMPTS, TEXTS, dirs  # noqa: F401  (the module's model)
+from workers.ane import placement, program_ir
 from workers.ane.build_options import BuildOptions
 from workers.ane.compiler import cache_key
 from workers.ane.engine import AneEngine
@@ -168,9 +169,24 @@ def test_unpacked_and_packed_rows_embed_like_sentence_transformers(engines, toke
 
 
 @pytest.mark.parametrize("layout", ["unpacked", "packed"])
-def test_the_placement_estimate_is_reported(engines, layout):
-    share, source = engines[layout].placement()
-    print(f"\n{layout}: placement {source} {share:.4f}")
+def test_every_layer_op_is_ane_eligible_and_the_estimate_is_reported(engines, manifest, layout):
+    engine = engines[layout]
+    (compiled,) = engine._model.shapes.values()  # the program the engine serves, as converted
+    ops = [
+        op
+        for op in program_ir.walk(compiled.runner.program.function.operations)
+        if op.op_type != "const"
+    ]
+    convs = [i for i, op in enumerate(ops) if op.op_type == "conv"]
+    assert len(convs) == 7 * manifest.config.num_layers  # q k v out gate up down
+    layers = ops[convs[0] : convs[-1] + 1]  # the encoder layers, in program order
+    assert [op.op_type for op in layers if not placement.ane_eligible(op)] == []
+    # The CPU's share is the token and rotary gathers, int casts and output casts, before the
+    # first layer or after the last: once per prediction, never per layer or head.
+    cpu = [op.op_type for op in ops if not placement.ane_eligible(op)]
+    assert set(cpu) <= {"cast", "gather", "greater_equal", "add", "select"}, cpu
+    share, source = engine.placement()
+    print(f"\n{layout}: placement {source} {share:.4f}, {len(cpu)} CPU ops")
     assert source == "estimate" and share >= 0.99, share
 
 
