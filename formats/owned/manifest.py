@@ -262,6 +262,14 @@ def build_body(
         from formats.owned.manifest_qwen3 import config_head_tensors  # its own config and names
 
         config, head, tensors = config_head_tensors(src, cfg, true_token, false_token)
+    elif cfg.model_type == "nomic_bert":
+        from formats.owned.manifest_nomic import config_from_hf, load_tensors  # its own names
+
+        config, sizes = config_from_hf(src, cfg)
+        head = _head_from_hf(src, cfg, config)  # pooled as BERT's embedders are
+        if not tok.exists():
+            raise ManifestError(f"{src}: no tokenizer.json (the host tokenizes with it)")
+        tensors = load_tensors(src, sizes)
     else:
         if true_token is not None or false_token is not None:
             raise UnsupportedModel(
@@ -306,10 +314,10 @@ def ingest_owned(
     true_token: str | int | None = None,
     false_token: str | int | None = None,
 ) -> Manifest:
-    """Ingest a HF BERT, XLM-RoBERTa or Qwen3 directory, or a GGUF file of those families, into
-    the owned format at `out_dir` (atomically: built in a sibling temp dir, then renamed). An
-    existing artifact at `out_dir` with the same digest is verified and reused; anything else
-    already there is an error.
+    """Ingest a HF BERT, XLM-RoBERTa, NomicBERT or Qwen3 directory, or a GGUF file of BERT,
+    XLM-RoBERTa or Qwen3, into the owned format at `out_dir` (atomically: built in a sibling
+    temp dir, then renamed). An existing artifact at `out_dir` with the same digest is
+    verified and reused; anything else already there is an error.
 
     `true_token` / `false_token` (a directory only) make a Qwen3ForCausalLM directory a
     reranker scored with those two tokens, as a user names them at ingest; a directory that

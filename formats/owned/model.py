@@ -31,6 +31,9 @@ FAMILY_BY_ARCHITECTURE = {
     # A decoder with its own graph (builder_qwen3) and its own ingest (manifest_qwen3).
     "Qwen3Model": "qwen3",
     "Qwen3ForCausalLM": "qwen3",
+    # BERT's graph with rotary positions and a SwiGLU MLP (builder_nomic, manifest_nomic).
+    "NomicBertModel": "nomic_bert",
+    "NomicBertForMaskedLM": "nomic_bert",
 }
 DEFAULT_ARCHITECTURE = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel"}
 

@@ -113,9 +113,12 @@ def package_entry(
     timings: AdmitTimings,
 ) -> tuple[Entry, bool]:
     """The package's entry (built if absent) and whether it was a hit."""
-    from workers.ane import builder, builder_qwen3  # coremltools
+    from workers.ane import builder, builder_nomic, builder_qwen3  # coremltools
 
-    graph = builder_qwen3 if manifest.config.family == "qwen3" else builder  # the decoder's own
+    # The decoder's own graph, NomicBERT's variant of BERT's, or BERT's.
+    graph = {"qwen3": builder_qwen3, "nomic_bert": builder_nomic}.get(
+        manifest.config.family, builder
+    )
     built: list[float] = []
 
     def build(tmp: Path) -> None:

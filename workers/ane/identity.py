@@ -23,6 +23,10 @@ KERNEL_REVISIONS = {"bert": KERNEL_REVISION, "xlm-roberta": f"{KERNEL_REVISION}+
 #: Qwen3 is its own graph (workers.ane.builder_qwen3), sharing no op with BERT's: its own
 #: revision, bumped when that graph changes, and never equal to another family's.
 KERNEL_REVISIONS["qwen3"] = "ane-qwen3-1"
+#: NomicBERT (workers.ane.builder_nomic) keeps BERT's attention, masks and pooling but has
+#: rotary positions, SwiGLU and no biases: its own revision, so neither family's compiled
+#: shapes or certificates ever match the other's, and a change to either graph renames one.
+KERNEL_REVISIONS["nomic_bert"] = "ane-nomic-bert-1"
 
 
 #: A head only some models of a family have extends the family's revision, as XLM-RoBERTa's
