@@ -26,6 +26,8 @@ per-kind overhead measured on the default models (a llama.cpp worker's interpret
 engine, compute buffers and, for generation, the KV cache: see `DEFAULT_OVERHEAD_MB`). Once
 loaded, the real figure: the worker's RSS from PONG (one PING right after LOAD, then the lanes'
 background PINGs). The largest RSS seen for a (model, lane) is its estimate for the next load.
+A model's bytes count once at every moment: as its reservation while its load runs, as its
+resident figure once served (the estimate until its first PONG, see `total_mb`), never both.
 If the measured RSS proves a just-loaded model over the budget, idle models are unloaded to
 make room; if that is not enough the new model is unloaded again and refused.
 """
@@ -311,7 +313,7 @@ def uses_model(default: str, entry: bool = True) -> Callable:
 @dataclass
 class Ticket:
     """A load admitted under the budget: its estimate is reserved until `commit` or
-    `cancel`."""
+    `cancel` (counted as reserved only until the module serves the lane: see `total_mb`)."""
 
     key: str
     name: str
@@ -420,9 +422,19 @@ class Residency:
         return sum(self._lane_rss(name, k, s.lane) or 0.0 for k, s in lanes.items())
 
     def total_mb(self) -> float:
-        """Every resident worker's RSS, plus the estimates of loads under way."""
-        resident = sum(self.resident_mb(n) or 0.0 for n in self.module.residents())
-        return resident + sum(self._reserved.values())
+        """Every resident worker's RSS, plus the estimates of loads under way.
+
+        A lane's bytes count exactly once at every moment. Its reservation counts from
+        `admit` until the module serves the lane; from then on its resident figure counts
+        instead: the RSS of its latest PONG or, until the first one, the same estimate (the
+        module serves a lane before `commit` PINGs it). Counting both while that PING runs
+        would refuse or evict for memory nobody holds."""
+        total, served = 0.0, set()
+        for name, lanes in self.module.residents().items():
+            for kind, s in lanes.items():
+                served.add(_key(name, kind))
+                total += self._lane_rss(name, kind, s.lane) or 0.0
+        return total + sum(mb for key, mb in self._reserved.items() if key not in served)
 
     # ---- loading under the budget ---------------------------------------------------------
 
@@ -496,9 +508,10 @@ class Residency:
         self._reserved.pop(ticket.key, None)
 
     async def commit(self, ticket: Ticket, lane: Lane) -> None:
-        """The load succeeded: measure the worker (one PING), start the idle clock and hold
-        the budget to the real figure. Raises `InsufficientMemory` after unloading the model
-        again when even unloading every idle model leaves it over the budget."""
+        """The load succeeded and the module serves the lane: measure the worker (one PING),
+        start the idle clock and hold the budget to the real figure. Raises
+        `InsufficientMemory` after unloading the model again when even unloading every idle
+        model leaves it over the budget."""
         with contextlib.suppress(SynapseError):
             await lane.ping()
         self._reserved.pop(ticket.key, None)

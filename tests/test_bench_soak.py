@@ -87,10 +87,9 @@ def test_short_soak_reports_each_window_and_counts_a_killed_worker(synapse_cache
     # the server answered with its typed error for a crashed worker, by its own count.
     assert report["restarts"] >= 1
     codes = report["server_errors_by_code"]
-    # insufficient_memory: once in four runs a load was refused near the kill. Residency
-    # counts a just-loaded model twice while its first PING runs (its reservation and its
-    # estimate), so a load admitted in that window can be refused; the report counts it.
-    crash = {"engine_crashed", "lane_stopped", "deadline_exceeded", "insufficient_memory"}
+    # No insufficient_memory: the budget holds two models, and a model's bytes count once
+    # even while its first PING runs (tests/test_residency.py proves that rule).
+    crash = {"engine_crashed", "lane_stopped", "deadline_exceeded"}
     assert set(codes) <= crash, codes
     assert report["errors"] == sum(report["errors_by_status"].values()) == sum(codes.values())
     assert set(report["errors_by_status"]) <= {"503", "504"}

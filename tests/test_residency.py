@@ -1,14 +1,19 @@
 """host/residency.py: the keep-alive and budget settings, and the policy through a real `Module`
 (real llama.cpp workers, their real RSS): a busy model is never evicted, an unload drains,
-a measured size over the budget is refused, and the machine check."""
+a measured size over the budget is refused, and the machine check. A model's bytes count once
+while its first PING runs: through a real Module over the fault-injection worker (no model
+built), whose first PING the worker holds by stopping itself."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 import time
+from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 
 from host.config import HostConfig
@@ -20,7 +25,10 @@ from host.residency import (
     machine_available_mb,
     parse_keep_alive,
 )
+from ingest.model_packages import minilm_dir
+from ingest.store import MANIFEST_FILE, Manifest
 from service.config import ServeConfig, load_config
+from tests.faulty_support import WORKER, thaw
 
 F16, F32 = "minilm-l6-v2-f16", "minilm-l6-v2-f32"
 LONG_INPUT = [f"sentence {i} " + "lorem ipsum dolor sit amet " * 60 for i in range(16)]
@@ -192,3 +200,59 @@ async def test_keep_alive_zero_unloads_as_soon_as_idle(store_root, short_runtime
         await mod.embed(["gone soon"], model=F16)
         await _until(lambda: F16 not in mod.residents())
         assert F32 in mod.residents() and mod.residency.unloads == {"keep_alive": 1}
+
+
+# ---- counted once: a load's reservation and its resident figure never overlap --------------
+
+
+def _install_faulty(root: Path, name: str, size_mb: int) -> None:
+    """An installed embedding model the fault-injection worker serves: a manifest of
+    `size_mb` (what the budget estimates), MiniLM's tokenizer, and an artifact nobody reads."""
+    mdir = root / name
+    mdir.mkdir(parents=True)
+    (mdir / "model.gguf").write_bytes(b"")
+    shutil.copy(minilm_dir() / "tokenizer.json", mdir / "tokenizer.json")
+    manifest = Manifest(
+        name=name, format="gguf", kind="embed", digest="0" * 64, size_bytes=size_mb * 2**20,
+        dims=4, n_ctx=512, n_ctx_train=512, max_tokens=256, max_tokens_limit=512,
+        source="test", created_at="2026-01-01T00:00:00Z", tokenizer="tokenizer.json",
+    )  # fmt: skip
+    (mdir / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
+
+
+async def test_a_model_is_counted_once_while_its_first_ping_runs(tmp_path, short_runtime_dir):
+    # Two models of ~101 MB (estimated) fit in 250 MB. The first one's worker stops itself on
+    # its first PING (the one that measures it once loaded): while that PING is held the
+    # model is registered as served yet not measured, and its bytes must count once, so the
+    # second load started meanwhile fits.
+    for name in ("a", "b"):
+        _install_faulty(tmp_path / "models", name, 100)
+    cfg = ModuleConfig(
+        store_root=str(tmp_path / "models"),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0, ping_window_s=60),
+        worker_argv={"llama": WORKER},
+    )
+    budget = ResidencyConfig(max_resident_mb=250, load_overhead_mb=1)
+    async with Module(cfg, residency=budget) as mod:
+
+        async def first() -> None:
+            async with mod.residency.hold("a"):  # in use, as a request that loads it is
+                await mod.load("a", "llama", {"fault": "sigstop_first_ping"})
+
+        task = asyncio.create_task(first())
+        pid = None
+        try:
+            await _until(lambda: mod.supervisor("a", "llama") is not None)  # served: LOADED
+            lane = mod.supervisor("a", "llama")
+            pid = lane.state().pid
+            await _until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED)
+            assert lane.last_pong is None  # its first PING is on the wire, unanswered
+            assert mod.residency.total_mb() == pytest.approx(101)  # once, not twice
+            await mod.load("b", "llama")  # 101 + 101 <= 250: admitted
+        finally:
+            if pid is not None:
+                thaw(pid)
+            await task
+        assert set(mod.residents()) == {"a", "b"} and mod.residency.refusals == 0
+        measured = [mod.supervisor(n, "llama").last_pong.rss_mb for n in ("a", "b")]
+        assert mod.residency.total_mb() == pytest.approx(sum(measured))

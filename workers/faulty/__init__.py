@@ -27,6 +27,8 @@ Request faults come from the `model_ref` of a request, `fault:NAME[:ARG[:ARG]]`:
     echo              one item; reply n=1, dims=n_tokens with the ids' bytes as f32 (bench)
 
 Any other model_ref answers normally: item vector = [sum(ids), n_tokens, first id, item id].
-Its LOAD may name `n_vocab` in runtime_config: then an EMBED_BATCH with an id outside
+A LOAD whose runtime_config names `"fault": "sigstop_first_ping"` loads normally, then the
+worker SIGSTOPs itself on the next PING, before its PONG (a first PING held for as long as the
+test says). Its LOAD may name `n_vocab` in runtime_config: then an EMBED_BATCH with an id outside
 0..n_vocab-1 is refused with ERR invalid_request, as a real engine refuses one.
 """

@@ -37,6 +37,7 @@ class FaultEngine(Engine):
         # answers refuse an id outside it, as an engine validating its input again does.
         self.n_vocab: dict[str, int] = {}
         self.slow_library_pending = False  # --import-s: LOAD imports it first
+        self.stop_at_ping = False  # LOAD fault "sigstop_first_ping": the next PING stops it
 
     def import_slow_library(self) -> None:
         import workers.faulty.slow_library  # noqa: F401  (its import is the slow part)
@@ -56,6 +57,8 @@ class FaultEngine(Engine):
             time.sleep(3600)
         if fault == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "sigstop_first_ping":
+            self.stop_at_ping = True
         model_ref = str(req.runtime_config.get("model_ref", "echo"))
         progress.advance("control")
         self.loaded.add(model_ref)
@@ -69,6 +72,14 @@ class FaultEngine(Engine):
             raise EngineError("model_not_loaded", f"{req.model_ref!r} is not loaded")
         self.loaded.discard(req.model_ref)
         self.n_vocab.pop(req.model_ref, None)
+
+    def placement(self) -> tuple[float | None, str | None]:
+        # Asked for every PING before its PONG: stopping here holds that PING unanswered
+        # (SIGSTOP, until the test sends SIGCONT), at a point no timing decides.
+        if self.stop_at_ping:
+            self.stop_at_ping = False
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().placement()
 
     def models_loaded(self) -> list[str]:
         return sorted(self.loaded)
