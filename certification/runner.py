@@ -172,9 +172,12 @@ async def certify(
         )
     )
     progress.advance("placement")
-    progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
-    measured.latency_curve = await measure_curve(module, options.model, options.lane)
-    progress.advance("curve")
+    # The curve is what routing between two lanes reads; only embedding and rerank calls are
+    # routed, so a classifier (labels, no relevance score to rank by) has none.
+    if not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
+        progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
+        measured.latency_curve = await measure_curve(module, options.model, options.lane)
+        progress.advance("curve")
     agreement = None
     if options.agreement:
         agreement = await _agreement(module, store, options, key.id, progress)

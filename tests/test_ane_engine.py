@@ -168,8 +168,9 @@ def test_second_engine_hits_the_cache_and_compiles_nothing(monkeypatch) -> None:
         assert reply.compile_ms == 0.0 and reply.build_ms == 0.0
         assert reply.load_ms > 0
         assert reply.warmup_ms == 0  # the reference backend has nothing to warm up
-        # Opened ("loaded"), then admitted: each a completed stage.
-        assert progress.events == [("control", 1), ("control", 2)]
+        # Opened ("loaded"), placed (the placement share, computed at admission so PING only
+        # reads it), then admitted: each a completed stage.
+        assert progress.events == [("control", 1), ("control", 2), ("control", 3)]
         # Admitting a loaded shape again is a no-op hit.
         again = second.admit_shape(
             m.ADMIT_SHAPE(req_id=6, model_ref="minilm", **h.EMBED_UNPACKED), NullProgress()

@@ -66,7 +66,9 @@ def _env(tmp: Path, endpoint: str, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGINGFACE_")) and k != "SYNAPSE_CACHE_DIR"
+        # huggingface_hub also reads TRANSFORMERS_OFFLINE as its offline switch.
+        if not k.startswith(("HF_", "HUGGINGFACE_"))
+        and k not in ("SYNAPSE_CACHE_DIR", "TRANSFORMERS_OFFLINE")
     }
     return {
         **env,
@@ -76,6 +78,10 @@ def _env(tmp: Path, endpoint: str, **extra: str) -> dict[str, str]:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "SYNAPSE_CACHE_DIR": str(tmp / "synapse"),
         "COLUMNS": "200",  # rich wraps listings at the terminal's width
+        # Online unless a test says otherwise, whatever this process inherited (a runner that
+        # merges os.environ under these keeps them); huggingface_hub reads both switches.
+        "HF_HUB_OFFLINE": "",
+        "TRANSFORMERS_OFFLINE": "",
         **extra,
     }
 
