@@ -993,28 +993,7 @@ class Module:
         pairs = served.tokenizer.encode_pairs(
             query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens
         )
-
-        def request(chunk: range) -> tuple[m.Request, np.ndarray]:
-            req = m.RERANK_SEQUENCES(
-                req_id=0,
-                model_ref=served.record.name,
-                sequences=[
-                    m.RerankSequence(n_tokens=pairs.n_tokens[i], n_first=pairs.n_first[i])
-                    for i in chunk
-                ],
-            )
-            return req, np.concatenate([pairs.ids[i] for i in chunk])
-
-        with self.admission.reserve(pairs.total_tokens):
-            scores = await self._request_in_chunks(
-                served,
-                pairs.n_tokens,
-                1,
-                np.empty(len(docs), dtype=np.float32),
-                request,
-                deadline_s,
-            )
-        return scores, pairs
+        return await self._send_sequences(served, pairs, len(docs), deadline_s), pairs
 
     async def _cross_encode(
         self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
