@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -40,16 +39,6 @@ ENV = openblas_core.ENV
 # The corename getters OpenBLAS builds export: the system library, and the symbol-suffixed
 # copy numpy and scipy bundle (scipy-openblas).
 _GETTERS = ("openblas_get_corename", "scipy_openblas_get_corename64_", "openblas_get_corename64_")
-_PROBE = (
-    "import ctypes, sys\n"
-    "lib = ctypes.CDLL(sys.argv[1])\n"
-    "for name in sys.argv[2:]:\n"
-    "    get = getattr(lib, name, None)\n"
-    "    if get is not None:\n"
-    "        get.restype = ctypes.c_char_p\n"
-    "        print((get() or b'?').decode())\n"
-    "        break\n"
-)
 NOT_LINUX = "not read off Linux (macOS: Accelerate, whose kernels the OS picks)"
 
 
@@ -95,24 +84,8 @@ def loaded_corename(path: str) -> str | None:
 
 def probed_corename(path: str, coretype: str | None) -> str | None:
     """The family `path` picks when loaded with OPENBLAS_CORETYPE=coretype (unset: None), in a
-    child interpreter of its own."""
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    if coretype:
-        env[ENV] = coretype
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _PROBE, path, *_GETTERS],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    name = done.stdout.strip()
-    return name if done.returncode == 0 and name else None
+    child interpreter of its own (the workers' own probe, with every getter name)."""
+    return openblas_core.corename(path, coretype, _GETTERS)
 
 
 def _cmdline(pid: int) -> list[str]:

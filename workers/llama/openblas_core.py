@@ -49,12 +49,16 @@ _PRE_AVX = frozenset(
 )
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
 
+# Prints the corename of the library argv[1] through the first getter of argv[2:] it exports.
 _PROBE = (
     "import ctypes, sys\n"
     "lib = ctypes.CDLL(sys.argv[1])\n"
-    "get = lib.openblas_get_corename\n"
-    "get.restype = ctypes.c_char_p\n"
-    "print((get() or b'').decode())\n"
+    "for name in sys.argv[2:]:\n"
+    "    get = getattr(lib, name, None)\n"
+    "    if get is not None:\n"
+    "        get.restype = ctypes.c_char_p\n"
+    "        print((get() or b'').decode())\n"
+    "        break\n"
 )
 
 
@@ -90,15 +94,18 @@ def library() -> str | None:
     return ctypes.util.find_library("openblas")
 
 
-def corename(lib: str, coretype: str | None = None) -> str | None:
-    """The kernels `lib` picks when loaded (with OPENBLAS_CORETYPE=coretype when given)."""
+def corename(
+    lib: str, coretype: str | None = None, getters: tuple[str, ...] = ("openblas_get_corename",)
+) -> str | None:
+    """The kernels `lib` picks when loaded (with OPENBLAS_CORETYPE=coretype when given), read
+    in a child interpreter through the first of `getters` the library exports."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
     env["OPENBLAS_NUM_THREADS"] = "1"  # the probe needs no thread pool
     if coretype:
         env[ENV] = coretype
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PROBE, lib],
+            [sys.executable, "-c", _PROBE, lib, *getters],
             env=env,
             capture_output=True,
             text=True,
