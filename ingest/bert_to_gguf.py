@@ -34,7 +34,7 @@ from typing import Literal
 
 import gguf
 import numpy as np
-from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
+from gguf.constants import MODEL_ARCH, MODEL_TENSOR
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.hf_config import SIZE_KEYS, HfConfig
@@ -50,6 +50,7 @@ from ingest.hf_common import (
     st_layout,
     st_pooling,
     tensor_dtype,
+    tensor_name,
     write_gguf,
 )
 from ingest.hf_vocab import Vocab, unigram_vocab
@@ -63,10 +64,7 @@ BertGGUFInfo = ConvertedModel  # the name callers knew before other families
 
 
 def _name(t: MODEL_TENSOR, bid: int | None = None) -> str:
-    # Guard against a gguf upgrade renaming/removing a BERT tensor under us.
-    assert t in MODEL_TENSORS[MODEL_ARCH.BERT], t
-    base = TENSOR_NAMES[t]
-    return base.format(bid=bid) if bid is not None else base
+    return tensor_name(MODEL_ARCH.BERT, t, bid)
 
 
 _EMBEDDINGS = {

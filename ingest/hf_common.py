@@ -188,3 +188,11 @@ def require(tensors: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) 
             raise ArtifactInvalid(
                 f"{name} has shape {tuple(tensors[name].shape)}, config.json says {shape}"
             )
+
+
+def tensor_name(arch: gguf.MODEL_ARCH, t: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
+    """llama.cpp's name of tensor `t` (of block `bid`) in `arch`, from `gguf.constants`; the
+    assertion stops a gguf upgrade that renamed or dropped one of the arch's tensors."""
+    assert t in gguf.MODEL_TENSORS[arch], t
+    base = gguf.TENSOR_NAMES[t]
+    return base.format(bid=bid) if bid is not None else base

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf.constants import MODEL_ARCH, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
+from gguf.constants import MODEL_ARCH, MODEL_TENSOR
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.hf_config import HfConfig
@@ -46,6 +46,7 @@ from ingest.hf_common import (
     st_layout,
     st_pooling,
     tensor_dtype,
+    tensor_name,
     write_gguf,
 )
 
@@ -54,9 +55,7 @@ ARCH_NAME = gguf.MODEL_ARCH_NAMES[ARCH]  # "nomic-bert"
 
 
 def _name(t: MODEL_TENSOR, bid: int | None = None) -> str:
-    assert t in MODEL_TENSORS[ARCH], t  # a gguf upgrade renaming a tensor under us
-    base = TENSOR_NAMES[t]
-    return base.format(bid=bid) if bid is not None else base
+    return tensor_name(ARCH, t, bid)
 
 
 _EMBEDDINGS = {
