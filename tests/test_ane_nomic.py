@@ -15,6 +15,7 @@ from common.errors import ArtifactInvalid
 from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import UnsupportedModel
 from host.tokenization import Tokenizer
+from tests.ane_support import serve_on_ane
 from tests.test_hf_nomic_bert import PROMPTS, TEXTS, dirs  # noqa: F401  (the module's model)
 from workers.ane import placement, program_ir
 from workers.ane.build_options import BuildOptions
@@ -200,27 +201,9 @@ async def test_the_module_serves_nomic_bert_on_the_ane_lane(
     module_tmp,
     short_runtime_dir,
 ):
-    from host.config import HostConfig
-    from host.module import Module, ModuleConfig
-    from ingest.store import ArtifactStore
-
-    store = ArtifactStore(module_tmp / "models")
-    store.ingest_hf_dir(dirs["st"], "nomic", dtype="f32")
-    config = ModuleConfig(
-        store_root=str(store.root),
-        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    query, identity, share, source = await serve_on_ane(
+        dirs["st"], "nomic", module_tmp, short_runtime_dir, [UNPACKED, PACKED], TEXTS
     )
-    # The shapes the engines above compiled: the same artifact digest, so cache hits.
-    extra = {
-        "backend": "reference",
-        "cache_root": str(module_tmp / "cache"),
-        "shapes": [UNPACKED, PACKED],
-    }
-    async with Module(config) as mod:
-        await mod.load("nomic", "ane", extra)
-        query = (await mod.embed(TEXTS, model="nomic", lane="ane", prompt_name="query")).vectors
-        identity = mod.lane_identity("nomic", "ane")
-        share, source = await mod.placement("nomic", lane="ane")
     cos = _cos(query, reference["query"])
     assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (cos.min(), cos.mean())
     assert identity["kernel_revision"] == kernel_revision("nomic_bert")

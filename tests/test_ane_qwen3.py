@@ -16,6 +16,7 @@ from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import UnsupportedModel
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
+from tests.ane_support import serve_on_ane
 from tests.test_hf_qwen3 import HIDDEN, PROMPTS, _save_st, tiny_qwen3
 from workers.ane import builder_qwen3, placement, program_ir
 from workers.ane.build_options import BuildOptions
@@ -328,27 +329,9 @@ def test_every_layer_op_is_ane_eligible_and_the_cpu_runs_once_per_prediction(
 async def test_the_module_serves_qwen3_on_the_ane_lane(
     dirs, engines, reference, module_tmp, short_runtime_dir
 ):
-    from host.config import HostConfig
-    from host.module import Module, ModuleConfig
-    from ingest.store import ArtifactStore
-
-    store = ArtifactStore(module_tmp / "models")
-    store.ingest_hf_dir(dirs["st"], "qwen3", dtype="f32")
-    config = ModuleConfig(
-        store_root=str(store.root),
-        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    query, identity, share, source = await serve_on_ane(
+        dirs["st"], "qwen3", module_tmp, short_runtime_dir, [UNPACKED, PACKED], TEXTS
     )
-    # The shapes the engines above compiled: the same artifact digest, so cache hits.
-    extra = {
-        "backend": "reference",
-        "cache_root": str(module_tmp / "cache"),
-        "shapes": [UNPACKED, PACKED],
-    }
-    async with Module(config) as mod:
-        await mod.load("qwen3", "ane", extra)
-        query = (await mod.embed(TEXTS, model="qwen3", lane="ane", prompt_name="query")).vectors
-        identity = mod.lane_identity("qwen3", "ane")
-        share, source = await mod.placement("qwen3", lane="ane")
     cos = _cos(query, reference["query"])
     assert cos.min() >= 0.9995 and cos.mean() >= 0.9999, (cos.min(), cos.mean())
     assert identity["kernel_revision"] == kernel_revision("qwen3")
