@@ -62,6 +62,7 @@ from host.lane_policy import (
 from host.lane_router import LatencyCurve, route
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
+from host.token_outputs import TokenOutputs, check_outputs, reply_width, request_outputs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
@@ -707,6 +708,71 @@ class Module:
             text_prompt,
             encoded.n_tokens,
             served.lane_kind,
+        )
+
+    @uses_model(DEFAULT_EMBED)
+    async def encode_outputs(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        outputs: Sequence[str],
+        model: str | None = None,
+        normalize: bool = True,
+        truncate: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        *,
+        side: Literal["query", "document"] = "document",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        truncation_direction: str = "right",
+    ) -> TokenOutputs:
+        """Several outputs of `texts` from one forward pass (host.token_outputs): the pooled
+        vector (`dense`, what `embed` returns), every token's final state (`tokens`), and a
+        model's `sparse` / `multivector` heads. Prompts, truncation and usage as `embed`."""
+        kinds = check_outputs(outputs)
+        batch = [texts] if isinstance(texts, str | bytes) else list(texts)
+        _check_prompt_args(prompt_name, prompt)
+        self.admission.check_inputs(batch)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        text_prompt = resolve_prompt(served.record, prompt_name, prompt)
+        encoded = served.tokenizer.encode(
+            batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
+        )
+        width = reply_width(kinds, served.dims, max(encoded.n_tokens, default=1), {})
+        budgets = (
+            self.config.max_worker_batch_tokens,
+            self.config.max_batch_items,
+            self.config.host.max_frame,
+        )
+        served.in_flight += len(batch)
+        try:
+            with self.admission.reserve(encoded.total_tokens):
+                got = await request_outputs(
+                    served.lane,
+                    served.record.name,
+                    encoded.ids,
+                    kinds,
+                    side,
+                    normalize,
+                    budgets,
+                    width,
+                    deadline_s,
+                )
+        finally:
+            served.in_flight -= len(batch)
+        usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
+        return TokenOutputs(
+            model=served.record.name,
+            usage=usage,
+            n_tokens=encoded.n_tokens,
+            truncated=encoded.truncated,
+            prompt=text_prompt,
+            lane=served.lane_kind,
+            dense=np.stack(got["dense"]) if "dense" in got else None,
+            tokens=got.get("tokens"),
+            sparse=got.get("sparse"),
+            multivector=got.get("multivector"),
+            token_ids=list(encoded.ids),
         )
 
     def prompt(

@@ -144,6 +144,29 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     assert _cos(plain, st.encode(TEXTS, normalize_embeddings=True)).min() < 0.9999
 
 
+async def test_token_states_are_the_transformers_last_hidden_states(store, dirs, short_runtime_dir):
+    """`tokens` is every token's final state, special tokens included, as transformers'
+    `last_hidden_state` gives it; `dense` from the same pass is what `embed` returns."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    body = SentenceTransformer(str(dirs["st"]), device="cpu")[0].auto_model
+    async with _module(store, short_runtime_dir) as mod:
+        got = await mod.encode_outputs(TEXTS, ["tokens", "dense"], model="xlmr")
+        embedded = (await mod.embed(TEXTS, model="xlmr")).vectors
+    assert got.tokens is not None and got.dense is not None
+    worst = 1.0
+    for ids, states in zip(got.token_ids, got.tokens, strict=True):
+        with torch.no_grad():
+            ref = body(input_ids=torch.tensor([ids], dtype=torch.long)).last_hidden_state[0]
+        assert states.shape == tuple(ref.shape)  # one state per token, specials included
+        worst = min(worst, float(_cos(states, ref.numpy()).min()))
+    print(f"worst token-state cos {worst:.7f}")
+    assert worst >= 0.9999
+    assert _cos(got.dense, embedded).min() >= 0.99999
+    assert list(got.n_tokens) == [len(x) for x in got.token_ids]
+
+
 async def test_the_lane_reranks_like_the_cross_encoder(store, dirs, short_runtime_dir):
     import torch
     from sentence_transformers import CrossEncoder
