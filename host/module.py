@@ -734,11 +734,18 @@ class Module:
         _check_prompt_args(prompt_name, prompt)
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        heads = served.record.manifest.heads
+        for kind in kinds:
+            if kind in ("sparse", "multivector") and kind not in heads:
+                raise InvalidRequest(
+                    f"model {served.record.name!r} has no {kind} head", param="outputs"
+                )
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
         )
-        width = reply_width(kinds, served.dims, max(encoded.n_tokens, default=1), {})
+        head_dims = {k: h.dims for k, h in heads.items()}
+        width = reply_width(kinds, served.dims, max(encoded.n_tokens, default=1), head_dims)
         budgets = (
             self.config.max_worker_batch_tokens,
             self.config.max_batch_items,
