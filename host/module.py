@@ -60,8 +60,11 @@ from host.lane_policy import (
     llama_reason,
 )
 from host.lane_router import LatencyCurve, route
+from host.late_chunking import chunk_bounds, pick_windows, pool_chunks
+from host.late_chunking import token_states as late_token_states
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
+from host.sanitize import sanitize
 from host.token_outputs import TokenOutputs, check_outputs, reply_width, request_outputs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
@@ -192,11 +195,16 @@ def permit_for(lane: str, device: str) -> str:
     return "cpu" if device == "cpu" else "gpu"
 
 
-def _kind_and_pooling(record: ModelRecord) -> dict[str, str]:
+def _kind_and_pooling(record: ModelRecord) -> dict:
     man = record.manifest
-    out: dict[str, str] = {"kind": man.kind}
+    out: dict = {"kind": man.kind}
     if man.kind != "generate" and man.pooling:
         out["pooling"] = man.pooling
+    if man.heads:  # the worker loads each head beside the model (and checks its digest)
+        out["heads"] = {
+            kind: {"path": str(record.dir / h.file), "digest": h.digest}
+            for kind, h in man.heads.items()
+        }
     return out
 
 
@@ -780,6 +788,74 @@ class Module:
             sparse=got.get("sparse"),
             multivector=got.get("multivector"),
             token_ids=list(encoded.ids),
+        )
+
+    @uses_model(DEFAULT_EMBED)
+    async def late_chunk(
+        self,
+        chunks: Sequence[str | bytes],
+        model: str | None = None,
+        normalize: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+    ) -> EmbedResult:
+        """One vector per chunk of ONE document, from states that read the whole document
+        (host.late_chunking states the rule). `n_tokens` is each chunk's own tokens; usage
+        counts every token read, window overlaps included."""
+        if not chunks:
+            raise InvalidRequest("late chunking needs the document's chunks", param="input")
+        _check_prompt_args(prompt_name, prompt)
+        self.admission.check_inputs(list(chunks))
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, 1)
+        pooling = served.record.manifest.pooling or "mean"
+        if pooling != "mean":
+            raise InvalidRequest(
+                f"late chunking pools a chunk's tokens by their mean; model "
+                f"{served.record.name!r} pools by {pooling}",
+                param="late_chunking",
+            )
+        clean = [sanitize(c) for c in chunks]
+        head = sanitize(resolve_prompt(served.record, prompt_name, prompt))
+        tok = served.tokenizer
+        window = tok.max_tokens - tok.n_special_single
+        offsets, windows = tok.document_windows("".join(clean), head, window, max(1, window // 2))
+        picked = pick_windows(len(offsets), windows)
+        total = sum(len(ids) for ids in picked.ids)
+        budgets = (
+            self.config.max_worker_batch_tokens,
+            self.config.max_batch_items,
+            self.config.host.max_frame,
+        )
+        width = reply_width(["tokens"], served.dims, max(len(x) for x in picked.ids), {})
+        served.in_flight += 1
+        try:
+            with self.admission.reserve(total):
+                got = await request_outputs(
+                    served.lane,
+                    served.record.name,
+                    picked.ids,
+                    ["tokens"],
+                    "document",
+                    False,
+                    budgets,
+                    width,
+                    deadline_s,
+                )
+        finally:
+            served.in_flight -= 1
+        states = late_token_states(picked, got["tokens"])
+        vectors, counts = pool_chunks(states, offsets, chunk_bounds(clean, len(head)), normalize)
+        return EmbedResult(
+            vectors,
+            Usage(prompt_tokens=total, total_tokens=total),
+            served.record.name,
+            [False] * len(clean),
+            head,
+            counts,
+            served.lane_kind,
         )
 
     def prompt(
