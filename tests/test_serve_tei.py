@@ -152,3 +152,19 @@ def test_token_outputs_refuse_what_the_model_has_not(http):
     assert resp.status_code == 400, resp.text
     resp = http.post("/embed_all", json={"inputs": []})
     assert resp.status_code == 400 and "non-empty" in resp.text, resp.text
+
+
+def test_late_chunking_on_v1_embeddings(http):
+    """Jina's `late_chunking`: one vector per chunk of one document, not the chunks alone;
+    usage counts every token read, n_tokens each chunk's own."""
+    chunks = ["The cat sat on the mat. ", "It purred softly. ", "Then it slept."]
+    resp = http.post("/v1/embeddings", json={"input": chunks, "late_chunking": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    late = np.array([d["embedding"] for d in body["data"]], np.float32)
+    alone = _openai(http, input=chunks)
+    assert late.shape == alone.shape == (3, 384)
+    assert float((late * alone).sum(axis=1).max()) < 0.9999
+    assert body["usage"]["total_tokens"] >= sum(d["n_tokens"] for d in body["data"])
+    resp = http.post("/v1/embeddings", json={"input": [[1, 2]], "late_chunking": True})
+    assert resp.status_code == 400 and "chunks as texts" in resp.text
