@@ -742,39 +742,20 @@ class Module:
         _check_prompt_args(prompt_name, prompt)
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
-        heads = served.record.manifest.heads
-        for kind in kinds:
-            if kind in ("sparse", "multivector") and kind not in heads:
-                raise InvalidRequest(
-                    f"model {served.record.name!r} has no {kind} head", param="outputs"
-                )
+        missing = [k for k in kinds if k in ("sparse", "multivector")]
+        missing = [k for k in missing if k not in served.record.manifest.heads]
+        if missing:  # before tokenizing: the same refusal _request_outputs makes
+            raise InvalidRequest(
+                f"model {served.record.name!r} has no {missing[0]} head", param="outputs"
+            )
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
         )
-        head_dims = {k: h.dims for k, h in heads.items()}
-        width = reply_width(kinds, served.dims, max(encoded.n_tokens, default=1), head_dims)
-        budgets = (
-            self.config.max_worker_batch_tokens,
-            self.config.max_batch_items,
-            self.config.host.max_frame,
-        )
-        served.in_flight += len(batch)
-        try:
-            with self.admission.reserve(encoded.total_tokens):
-                got = await request_outputs(
-                    served.lane,
-                    served.record.name,
-                    encoded.ids,
-                    kinds,
-                    side,
-                    normalize,
-                    budgets,
-                    width,
-                    deadline_s,
-                )
-        finally:
-            served.in_flight -= len(batch)
+        with self.admission.reserve(encoded.total_tokens):
+            got = await self._request_outputs(
+                served, encoded.ids, kinds, side, normalize, deadline_s
+            )
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
         return TokenOutputs(
             model=served.record.name,
@@ -789,6 +770,63 @@ class Module:
             multivector=got.get("multivector"),
             token_ids=list(encoded.ids),
         )
+
+    @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
+    async def encode_token_ids(
+        self,
+        ids: list[np.ndarray],
+        outputs: Sequence[str],
+        model: str | None = None,
+        normalize: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        side: Literal["query", "document"] = "document",
+    ) -> dict[str, list]:
+        """`encode_outputs` of already-tokenized inputs (bulk jobs): per kind asked, per
+        input, a dense row, a (k, dims) array or a sparse (indices, values). No admission
+        here: the caller admitted them."""
+        kinds = check_outputs(outputs)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        return await self._request_outputs(served, ids, kinds, side, normalize, deadline_s)
+
+    async def _request_outputs(
+        self,
+        served: _Served,
+        ids: list[np.ndarray],
+        kinds: list[m.OutputKind],
+        side: Literal["query", "document"],
+        normalize: bool,
+        deadline_s: float | None,
+    ) -> dict[str, list]:
+        heads = served.record.manifest.heads
+        for kind in kinds:
+            if kind in ("sparse", "multivector") and kind not in heads:
+                raise InvalidRequest(
+                    f"model {served.record.name!r} has no {kind} head", param="outputs"
+                )
+        head_dims = {k: h.dims for k, h in heads.items()}
+        longest = max((len(x) for x in ids), default=1)
+        width = reply_width(kinds, served.dims, longest, head_dims)
+        budgets = (
+            self.config.max_worker_batch_tokens,
+            self.config.max_batch_items,
+            self.config.host.max_frame,
+        )
+        served.in_flight += len(ids)  # what a router sees this lane busy with
+        try:
+            return await request_outputs(
+                served.lane,
+                served.record.name,
+                ids,
+                kinds,
+                side,
+                normalize,
+                budgets,
+                width,
+                deadline_s,
+            )
+        finally:
+            served.in_flight -= len(ids)
 
     @uses_model(DEFAULT_EMBED)
     async def late_chunk(
@@ -824,28 +862,10 @@ class Module:
         offsets, windows = tok.document_windows("".join(clean), head, window, max(1, window // 2))
         picked = pick_windows(len(offsets), windows)
         total = sum(len(ids) for ids in picked.ids)
-        budgets = (
-            self.config.max_worker_batch_tokens,
-            self.config.max_batch_items,
-            self.config.host.max_frame,
-        )
-        width = reply_width(["tokens"], served.dims, max(len(x) for x in picked.ids), {})
-        served.in_flight += 1
-        try:
-            with self.admission.reserve(total):
-                got = await request_outputs(
-                    served.lane,
-                    served.record.name,
-                    picked.ids,
-                    ["tokens"],
-                    "document",
-                    False,
-                    budgets,
-                    width,
-                    deadline_s,
-                )
-        finally:
-            served.in_flight -= 1
+        with self.admission.reserve(total):
+            got = await self._request_outputs(
+                served, picked.ids, ["tokens"], "document", False, deadline_s
+            )
         states = late_token_states(picked, got["tokens"])
         vectors, counts = pool_chunks(states, offsets, chunk_bounds(clean, len(head)), normalize)
         return EmbedResult(
