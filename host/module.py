@@ -68,7 +68,13 @@ from host.sanitize import sanitize
 from host.token_outputs import TokenOutputs, check_outputs, reply_width, request_outputs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
-from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
+from ingest.store import (
+    DEFAULT_EMBED,
+    DEFAULT_GENERATE,
+    ArtifactStore,
+    ModelRecord,
+    served_outputs,
+)
 from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
 
@@ -206,6 +212,19 @@ def _kind_and_pooling(record: ModelRecord) -> dict:
             for kind, h in man.heads.items()
         }
     return out
+
+
+def _check_served(record: ModelRecord, kinds: Sequence[str]) -> None:
+    """An output the model does not give is refused, naming what it does give."""
+    served = served_outputs(record.manifest)
+    for kind in kinds:
+        if kind not in served:
+            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
+            raise InvalidRequest(
+                f"model {record.name!r} has {what}; it serves {', '.join(served)}",
+                param="outputs",
+                model=record.name,
+            )
 
 
 def hello_device(build_flags: str | None) -> str | None:
@@ -701,6 +720,7 @@ class Module:
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        _check_served(served.record, ["dense"])
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -742,12 +762,7 @@ class Module:
         _check_prompt_args(prompt_name, prompt)
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
-        missing = [k for k in kinds if k in ("sparse", "multivector")]
-        missing = [k for k in missing if k not in served.record.manifest.heads]
-        if missing:  # before tokenizing: the same refusal _request_outputs makes
-            raise InvalidRequest(
-                f"model {served.record.name!r} has no {missing[0]} head", param="outputs"
-            )
+        _check_served(served.record, kinds)  # before tokenizing
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -798,12 +813,8 @@ class Module:
         normalize: bool,
         deadline_s: float | None,
     ) -> dict[str, list]:
+        _check_served(served.record, kinds)
         heads = served.record.manifest.heads
-        for kind in kinds:
-            if kind in ("sparse", "multivector") and kind not in heads:
-                raise InvalidRequest(
-                    f"model {served.record.name!r} has no {kind} head", param="outputs"
-                )
         head_dims = {k: h.dims for k, h in heads.items()}
         longest = max((len(x) for x in ids), default=1)
         width = reply_width(kinds, served.dims, longest, head_dims)
@@ -911,6 +922,7 @@ class Module:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        _check_served(served.record, ["dense"])
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def dims(self, model: str, lane: str | None = None) -> int:
