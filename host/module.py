@@ -65,7 +65,13 @@ from host.late_chunking import token_states as late_token_states
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
 from host.sanitize import sanitize
-from host.token_outputs import TokenOutputs, check_outputs, reply_width, request_outputs
+from host.token_outputs import (
+    TokenOutputs,
+    check_outputs,
+    maxsim,
+    reply_width,
+    request_outputs,
+)
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import (
@@ -142,7 +148,7 @@ class RerankResult:
     results: list[tuple[int, float]]  # (document index, score), best first
     usage: Usage
     model: str
-    method: Literal["cross-encoder", "bi-encoder-cosine"]
+    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]
     # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
     # and whether the document (or the query, in its pair) was cut to fit.
     n_tokens: Sequence[int] = ()
@@ -1055,7 +1061,9 @@ class Module:
                 served, query, docs, instruction, cut, deadline_s
             )
             tokens = encoded.total_tokens
-            method: Literal["cross-encoder", "bi-encoder-cosine"] = "cross-encoder"
+            method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"] = (
+                "cross-encoder"
+            )
         elif served.record.kind == "rerank" and served.lane_kind == "ane":
             scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
@@ -1064,6 +1072,11 @@ class Module:
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
+        elif "multivector" in served.record.manifest.heads:
+            scores, encoded, tokens = await self._late_interaction(
+                served, query, docs, cut, deadline_s
+            )
+            method = "multi-vector-maxsim"
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
             scores, encoded, tokens = await self._bi_encode(served, query, docs, cut, deadline_s)
@@ -1115,6 +1128,34 @@ class Module:
         with self.admission.reserve(q.total_tokens + d.total_tokens):
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
+
+    async def _late_interaction(
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ) -> tuple[np.ndarray, Encoded, int]:
+        """A multi-vector model's score: raw MaxSim, the sum over the query's vectors of
+        their best dot product with the document's (not a sigmoid, not divided by the query's
+        length), the query through the model's query side and each document its document
+        side. (scores, the documents' encoding, tokens)."""
+        truncate, direction, _ = cut
+        tok = served.tokenizer
+        try:
+            q = tok.encode([query], truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input 0", "the query", "query") from None
+        try:
+            d = tok.encode(docs, truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input ", "document ", "documents") from None
+        tokens = q.total_tokens + d.total_tokens
+        with self.admission.reserve(tokens):
+            qv = await self._request_outputs(
+                served, q.ids, ["multivector"], "query", True, deadline_s
+            )
+            dv = await self._request_outputs(
+                served, d.ids, ["multivector"], "document", True, deadline_s
+            )
+        scores = np.array([maxsim(qv["multivector"][0], v) for v in dv["multivector"]])
+        return scores.astype(np.float32), d, tokens
 
     def _chat_pairs(self, served: _Served) -> ChatPairs:
         if served.chat_pairs is None:
