@@ -32,6 +32,7 @@ WEIGHTS_FILE = "multivector.safetensors"
 
 Kind = Literal["colbert", "bge-m3"]
 Side = Literal["query", "document"]
+SIDES: tuple[Side, ...] = ("query", "document")
 # sentence-transformers `Dense` activations we apply (its `activation_function` names, by the
 # last component of `torch.nn...`'s path).
 Activation = Literal["identity", "tanh", "relu"]
@@ -92,7 +93,7 @@ class MultiVectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expansion: Expansion | None = None
     # Token ids whose vectors are dropped, on the sides named (documents only by default).
     skiplist_ids: list[int] = []
-    skiplist_sides: list[Side] = ["document"]
+    skiplist_sides: list[Side] = msgspec.field(default_factory=lambda: ["document"])
     # What the reference's own similarity computes (`MultiVectorEncoder.similarity_fn_name`;
     # bge-m3's `colbert_score` divides by the query's vector count).
     reference_similarity: Similarity = "maxsim"
@@ -132,11 +133,15 @@ def read_head(head_dir: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, n
                 f"({layer.out_features}, {layer.in_features})"
             )
         if layer.in_features != width:
-            raise MultiVectorHeadInvalid(f"{path}: layer {i} reads {layer.in_features}, not {width}")
+            raise MultiVectorHeadInvalid(
+                f"{path}: layer {i} reads {layer.in_features}, not {width}"
+            )
         if (b is not None) != layer.bias or (b is not None and b.shape != (layer.out_features,)):
             raise MultiVectorHeadInvalid(f"{weights_path(head_dir)}: dense.{i}.bias")
         layers.append((np.asarray(w, np.float32), None if b is None else np.asarray(b, np.float32)))
         width = layer.out_features
     if width != spec.dim:
-        raise MultiVectorHeadInvalid(f"{path}: the layers give {width} dims, the spec says {spec.dim}")
+        raise MultiVectorHeadInvalid(
+            f"{path}: the layers give {width} dims, the spec says {spec.dim}"
+        )
     return spec, layers

@@ -45,6 +45,7 @@ from common.errors import ArtifactInvalid
 from formats.hf_config import HfConfig
 from formats.multivector_head import (
     HEADS_DIR,
+    SIDES,
     SPEC_FILE,
     WEIGHTS_FILE,
     Activation,
@@ -261,9 +262,13 @@ def _token(value: Any) -> str | None:
 def _tokenizer(d: Path) -> Tokenizer:
     path = d / "tokenizer.json"
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on any bad file
         raise MultiVectorCheckpointInvalid(f"{path}: {e}") from e
+    # As the host tokenizes: one text's ids, no padding, cut by the caller.
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
 
 
 def _specials(tok: Tokenizer) -> tuple[int, int]:
@@ -391,7 +396,7 @@ def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
         raise MultiVectorCheckpointInvalid(f"{d}: skiplist_words must be a list of strings")
     if not isinstance(skip_tasks, list) or not set(skip_tasks) <= {"query", "document"}:
         raise UnsupportedMultiVectorHead(f"{d}: skiplist_tasks {skip_tasks!r}")
-    sides: list[Side] = [s for s in ("query", "document") if s in skip_tasks]
+    sides: list[Side] = [s for s in SIDES if s in skip_tasks]
     expansion = _expansion(raw_exp, tok, tok_cfg, st_path if legacy else modules[0][1])
 
     layers: list[Layer] = []
@@ -415,7 +420,7 @@ def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
         if ids and not _insertable(tok, prompt, ids, lead):
             insertable = False
     # Skiplist words that are not one token are dropped, as MultiVectorMask drops them.
-    skip_ids = sorted({i for w in skip_words if (i := tok.token_to_id(w)) is not None})
+    skip_ids = sorted({t for w in skip_words if (t := tok.token_to_id(w)) is not None})
     similarity = st.get("similarity_fn_name")
     spec = MultiVectorSpec(
         kind="colbert",

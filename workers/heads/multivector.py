@@ -15,8 +15,8 @@ states, numpy only (workers have no torch), as each kind's reference computes it
   `attend=False` (classic ColBERT, PyLate's default) their attention-mask entry is 0: every
   position, themselves included, is blind to them, while their own states are still computed
   and scored. llama.cpp's attention cannot hide a token from itself, so such queries need an
-  engine that owns its mask: `needs_owned_mask("query")` says so and `apply` refuses rather
-  than approximate.
+  engine that owns its mask: `needs_owned_mask("query")` says so, and `apply` refuses them
+  unless its caller says it built that mask (`owned_mask=True`) rather than approximate.
 - the head: each `Dense` layer (`linear`, bias if it has one, then its activation; ColBERT
   checkpoints use Identity) on every token state, then the scoring mask: on the skiplist sides
   (documents by default) tokens whose id is in the skiplist (punctuation) are dropped; every
@@ -34,8 +34,8 @@ FlagEmbedding/inference/embedder/encoder_only/m3.py `_process_colbert_vecs` keep
 **Scores**: `maxsim` is the sum over query vectors of the best dot product with any document
 vector (sentence-transformers' `maxsim`, a `MultiVectorEncoder`'s default similarity): what
 rerank with a multi-vector model returns. `mean_maxsim` divides it by the number of query
-vectors: sentence-transformers' `meanmaxsim` and bge-m3's `colbert_score` (`M3Embedder.colbert_score`
-divides by `q_reps.size(0)`).
+vectors: sentence-transformers' `meanmaxsim` and bge-m3's `colbert_score`
+(`M3Embedder.colbert_score` divides by `q_reps.size(0)`).
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ArtifactInvalid
-from formats.multivector_head import Layer, MultiVectorSpec, Side, read_head
+from formats.multivector_head import SIDES, Layer, MultiVectorSpec, Side, read_head
 from workers.engine import EngineError
 
 # torch.nn.functional.normalize's default eps.
 _NORM_EPS = 1e-12
 # sentence-transformers' score for a document with no scoreable vector (below any real score).
 EMPTY_DOCUMENT_SCORE = -1e9
-SIDES: tuple[Side, ...] = ("query", "document")
 
 
 def _activation(layer: Layer, x: np.ndarray) -> np.ndarray:
@@ -121,13 +120,22 @@ class ColbertHead:
             out = np.concatenate([out, pad])
         return out.astype(np.int32)
 
-    def apply(self, states: np.ndarray, ids: np.ndarray | list[int], side: str) -> np.ndarray:
+    def apply(
+        self,
+        states: np.ndarray,
+        ids: np.ndarray | list[int],
+        side: str,
+        *,
+        owned_mask: bool = False,
+    ) -> np.ndarray:
         """The output vectors (T', dim) f32, in token order, of one sequence whose final token
         states are `states` (T, hidden) for the ids `ids` (T,) the engine read (what
-        `prepare_ids` returned, special tokens included)."""
+        `prepare_ids` returned, special tokens included). `owned_mask`: the caller's engine
+        built the attention mask `needs_owned_mask` asks for; without it such a side is
+        refused, never served approximately."""
         s = self.spec
         which = self._side(side)
-        if self.needs_owned_mask(which):
+        if self.needs_owned_mask(which) and not owned_mask:
             raise EngineError(
                 "unsupported",
                 "this model's query expansion hides the expansion tokens from every position, "
