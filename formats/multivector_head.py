@@ -112,7 +112,7 @@ def encode_spec(spec: MultiVectorSpec) -> bytes:
 
 
 def read_head(head_dir: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.ndarray | None]]]:
-    """The spec and each layer's (weight (out, in), bias or None) as f32, checked against
+    """The head's spec and each layer's (weight (out, in), bias or None) as f32, checked against
     each other: a layer chain that does not lead from `hidden` to `dim` is refused."""
     path = spec_path(head_dir)
     try:
@@ -142,6 +142,6 @@ def read_head(head_dir: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, n
         width = layer.out_features
     if width != spec.dim:
         raise MultiVectorHeadInvalid(
-            f"{path}: the layers give {width} dims, the spec says {spec.dim}"
+            f"{path}: the layers give {width} dims, its spec says {spec.dim}"
         )
     return spec, layers

@@ -1,4 +1,4 @@
-"""Ingest of multi-vector (late interaction) heads: from a checkpoint directory, the spec and
+"""Ingest of multi-vector (late interaction) heads: from a checkpoint directory, the head's spec and
 the projection weights the worker's head applies (`formats.multivector_head`), written under
 `<out_dir>/heads/`.
 

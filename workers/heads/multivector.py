@@ -82,10 +82,13 @@ class ColbertHead:
         exp = self.spec.expansion
         return self._side(side) == "query" and exp is not None and not exp.attend
 
-    def prepare_ids(self, ids: np.ndarray | list[int], side: str) -> np.ndarray:
+    def prepare_ids(
+        self, ids: np.ndarray | list[int], side: str, limit: int | None = None
+    ) -> np.ndarray:
         """The ids the reference's transformer reads for a text whose tokenizer encoding (with
         its special tokens, without the prompt) is `ids`: the side's prefix inserted after the
-        leading special token(s), cut to the side's length keeping the closing special
+        leading special token(s), cut to the side's length (and to `limit`, the model's own
+        token limit, as the reference cuts prompt + text) keeping the closing special
         token(s), and (queries) padded with the expansion token. i32."""
         s = self.spec
         which = self._side(side)
@@ -111,6 +114,8 @@ class ColbertHead:
             cap = exp.length
         elif exp is not None and cap is not None:
             cap = max(cap, exp.length)
+        if limit is not None and not (exp is not None and exp.strategy == "fixed"):
+            cap = limit if cap is None else min(cap, limit)
         if cap is not None and out.size > cap:
             if cap < lead + close:
                 raise EngineError("invalid_request", f"a length cap of {cap} tokens")
