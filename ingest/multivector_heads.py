@@ -16,6 +16,9 @@ Which directories carry one, and where each fact comes from:
   `[Transformer, Dense]` in `modules.json`, the mask and the normalization implied. A prefix
   the tokenizer knows but splits is registered as one special token, as
   `_register_prefix_tokens` does.
+- **Stanford-NLP ColBERT** (`config.json` `architectures: ["HF_ColBERT"]`, no
+  sentence-transformers model type): `artifact.metadata` and `linear.weight` in the root
+  weights, as `MultiVectorEncoder` reads them.
 - **bge-m3** (FlagEmbedding's layout): `colbert_linear.pt` (a `torch.save`d `nn.Linear`
   state dict) beside the XLM-RoBERTa checkpoint; read without torch (`formats.torch_pt`).
 
@@ -26,13 +29,14 @@ proved equal to tokenizing prompt + text on probe texts, and recorded (`prefix_i
 
 Refused with a typed error: a directory whose modules we do not apply (token pooling, a
 `Router`, an image allowlist, a residual `Dense`, an activation other than identity / tanh /
-relu), a malformed config or weight file, a Stanford-NLP `HF_ColBERT` checkpoint.
+relu), a malformed config or weight file.
 """
 
 from __future__ import annotations
 
 import json
 import string
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,6 @@ from formats.multivector_head import (
     Kind,
     Layer,
     MultiVectorSpec,
-    Side,
     Similarity,
     encode_spec,
 )
@@ -122,11 +125,8 @@ def detect(model_dir: Path) -> Kind | None:
         return "colbert"
     if (d / BGE_M3_COLBERT).is_file():
         return "bge-m3"
-    if "HF_ColBERT" in (_object(d / "config.json").get("architectures") or []):
-        raise UnsupportedMultiVectorHead(
-            f"{d}: a Stanford-NLP ColBERT checkpoint (HF_ColBERT); save it with "
-            "sentence-transformers' MultiVectorEncoder first"
-        )
+    if st_type is None and "HF_ColBERT" in (_object(d / "config.json").get("architectures") or []):
+        return "colbert"  # Stanford-NLP ColBERT, as sentence-transformers loads it
     return None
 
 
@@ -335,86 +335,182 @@ def _length(value: Any, key: str, where: Path) -> int | None:
     return value
 
 
-def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
-    st_path = d / "config_sentence_transformers.json"
-    st = _object(st_path)
-    legacy = st.get("model_type") == "ColBERT"
-    modules = _modules(d)
-    hidden = HfConfig.read(d).positive_int("hidden_size")
-    tok = _tokenizer(d)
-    tok_cfg = _object(d / "tokenizer_config.json")
+@dataclass
+class _Knobs:
+    """What one layout says, before the tokenizer resolves it to ids."""
 
+    prompts: dict[str, str]
+    raw_expansion: Any
+    where: Path  # the file the expansion came from, for errors
+    query_length: int | None
+    document_length: int | None
+    skip_words: Any
+    skip_tasks: Any
+    dense: list[tuple[Layer, np.ndarray, np.ndarray | None]]
+    normalize: bool
+    # Legacy prefixes sentence-transformers registers as special tokens at load.
+    legacy_prefixes: dict[str, str] = field(default_factory=dict)
+
+
+def _prompts(st: dict[str, Any], where: Path) -> dict[str, str]:
     prompts = st.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
-        raise MultiVectorCheckpointInvalid(f"{st_path}: prompts must map names to text")
-    prompts = dict(prompts)
-    body_cfg = _object(modules[0][1] / "sentence_bert_config.json")
-    if legacy:
-        # PyLate <= 3: knobs at the top level; the prefix goes ahead of any saved prompt.
-        legacy_prefixes = {}
-        for key, side in (("query_prefix", "query"), ("document_prefix", "document")):
-            if key in st:
-                prefix = st[key] or ""
-                legacy_prefixes[side] = prefix
-                prompts[side] = prefix + (prompts.get(side) or "").removeprefix(prefix)
-        _register_prefixes(tok, legacy_prefixes)
-        if st.get("do_query_expansion") is False:
-            raw_exp = None
-        else:
-            raw_exp = {
-                "strategy": "fixed",
-                "attend": bool(st.get("attend_to_expansion_tokens", False)),
-                "length": st.get("query_length") or 32,
-            }
-        # With expansion, PyLate's query_length is the expansion length, not a cap.
-        query_length = (
-            _length(st.get("query_length"), "query_length", st_path) if raw_exp is None else None
+        raise MultiVectorCheckpointInvalid(f"{where}: prompts must map names to text")
+    return dict(prompts)
+
+
+def _dense_chain(
+    modules: list[tuple[str, Path]], hidden: int
+) -> list[tuple[Layer, np.ndarray, np.ndarray | None]]:
+    out = []
+    width = hidden
+    for path in (p for k, p in modules if k == "Dense"):
+        layer, w, b = _dense(path, width)
+        out.append((layer, w, b))
+        width = layer.out_features
+    return out
+
+
+def _native(d: Path, st: dict[str, Any], hidden: int) -> _Knobs:
+    """sentence-transformers 6: the knobs live on the modules that apply them."""
+    modules = _modules(d)
+    where = modules[0][1] / "sentence_bert_config.json"
+    body = _object(where)
+    raw_exp = body.get("query_expansion")
+    mask_dirs = [p for k, p in modules if k == "MultiVectorMask"]
+    if raw_exp is not None and not mask_dirs:
+        raise UnsupportedMultiVectorHead(
+            f"{d}: query expansion without a MultiVectorMask (its tokens are never scored)"
         )
-        document_length = _length(st.get("document_length"), "document_length", st_path)
-        skip_words = st.get("skiplist_words")
-        if skip_words is None:
-            skip_words = list(string.punctuation)
-        skip_tasks: Any = ["document"]
+    mask = _object(mask_dirs[0] / "config.json") if mask_dirs else {}
+    if mask.get("keep_only_token_ids"):
+        raise UnsupportedMultiVectorHead(f"{d}: a MultiVectorMask image-token allowlist")
+    return _Knobs(
+        prompts=_prompts(st, d / "config_sentence_transformers.json"),
+        raw_expansion=raw_exp,
+        where=where,
+        query_length=_length(body.get("query_length"), "query_length", where),
+        document_length=_length(body.get("document_length"), "document_length", where),
+        skip_words=mask.get("skiplist_words") or [],
+        skip_tasks=mask.get("skiplist_tasks", ["document"]),
+        dense=_dense_chain(modules, hidden),
+        normalize=any(k == "Normalize" for k, _ in modules),
+    )
+
+
+def _pylate(d: Path, st: dict[str, Any], hidden: int) -> _Knobs:
+    """PyLate <= 3, as `MultiVectorEncoder._parse_model_config` reads it: knobs at the top
+    of config_sentence_transformers.json, the prefix ahead of any saved prompt, expansion on
+    unless `do_query_expansion` is false, punctuation skipped unless `skiplist_words` says."""
+    where = d / "config_sentence_transformers.json"
+    prompts = _prompts(st, where)
+    prefixes = {}
+    for key, side in (("query_prefix", "query"), ("document_prefix", "document")):
+        if key in st:
+            prefix = st[key] or ""
+            prefixes[side] = prefix
+            prompts[side] = prefix + (prompts.get(side) or "").removeprefix(prefix)
+    raw_exp = None
+    if st.get("do_query_expansion") is not False:
+        raw_exp = {
+            "strategy": "fixed",
+            "attend": bool(st.get("attend_to_expansion_tokens", False)),
+            "length": st.get("query_length") or 32,
+        }
+    skip_words = st.get("skiplist_words")
+    return _Knobs(
+        prompts=prompts,
+        raw_expansion=raw_exp,
+        where=where,
+        # With expansion, PyLate's query_length is the expansion length, not a cap.
+        query_length=None
+        if raw_exp is not None
+        else _length(st.get("query_length"), "query_length", where),
+        document_length=_length(st.get("document_length"), "document_length", where),
+        skip_words=list(string.punctuation) if skip_words is None else skip_words,
+        skip_tasks=["document"],
+        dense=_dense_chain(_modules(d), hidden),
+        normalize=True,  # appended by the loader: PyLate normalized inline
+        legacy_prefixes=prefixes,
+    )
+
+
+def _stanford(d: Path, hidden: int) -> _Knobs:
+    """Stanford-NLP ColBERT (`HF_ColBERT`), as `MultiVectorEncoder._maybe_load_stanford_metadata`
+    and `_build_stanford_projection` read it: `artifact.metadata` (optional) for the markers
+    ([unused0] / [unused1] by default), `query_maxlen` (the always-on expansion's length, 32 by
+    default), `attend_to_mask_tokens`, `doc_maxlen` and `mask_punctuation` (default true); the
+    projection is `linear.weight` (no bias) in the root weights."""
+    where = d / "artifact.metadata"
+    meta = _object(where)
+    prefixes = {
+        "query": (meta.get("query_token_id") or "[unused0]") + " ",
+        "document": (meta.get("doc_token_id") or "[unused1]") + " ",
+    }
+    if (d / "model.safetensors").is_file():
+        weights = read_safetensors(d / "model.safetensors")
+    elif (d / "pytorch_model.bin").is_file():
+        weights = read_torch_pt(d / "pytorch_model.bin")
     else:
-        where = modules[0][1] / "sentence_bert_config.json"
-        raw_exp = body_cfg.get("query_expansion")
-        query_length = _length(body_cfg.get("query_length"), "query_length", where)
-        document_length = _length(body_cfg.get("document_length"), "document_length", where)
-        mask_dirs = [p for k, p in modules if k == "MultiVectorMask"]
-        if raw_exp is not None and not mask_dirs:
-            raise UnsupportedMultiVectorHead(
-                f"{d}: query expansion without a MultiVectorMask (its tokens are never scored)"
-            )
-        mask = _object(mask_dirs[0] / "config.json") if mask_dirs else {}
-        if mask.get("keep_only_token_ids"):
-            raise UnsupportedMultiVectorHead(f"{d}: a MultiVectorMask image-token allowlist")
-        skip_words = mask.get("skiplist_words") or []
-        skip_tasks = mask.get("skiplist_tasks", ["document"])
-        if isinstance(skip_tasks, str):
-            skip_tasks = [skip_tasks]
+        raise MultiVectorCheckpointInvalid(f"{d}: no model.safetensors or pytorch_model.bin")
+    w = weights.get("linear.weight")
+    if w is None or w.ndim != 2 or w.shape[1] != hidden:
+        shape = None if w is None else w.shape
+        raise MultiVectorCheckpointInvalid(
+            f"{d}: linear.weight {shape} does not project the hidden size {hidden}"
+        )
+    layer = Layer(in_features=hidden, out_features=int(w.shape[0]), bias=False)
+    return _Knobs(
+        prompts=dict(prefixes),
+        raw_expansion={
+            "strategy": "fixed",
+            "attend": bool(meta.get("attend_to_mask_tokens")),
+            "length": meta.get("query_maxlen") or 32,
+        },
+        where=where,
+        query_length=None,
+        document_length=_length(meta.get("doc_maxlen"), "doc_maxlen", where),
+        skip_words=list(string.punctuation) if meta.get("mask_punctuation", True) else [],
+        skip_tasks=["document"],
+        dense=[(layer, _f32(w), None)],
+        normalize=True,
+        legacy_prefixes=prefixes,
+    )
+
+
+def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
+    st = _object(d / "config_sentence_transformers.json")
+    hidden = HfConfig.read(d).positive_int("hidden_size")
+    if st.get("model_type") == "ColBERT":
+        knobs = _pylate(d, st, hidden)
+    elif st.get("model_type") == "MultiVectorEncoder":
+        knobs = _native(d, st, hidden)
+    else:
+        knobs = _stanford(d, hidden)
+    tok = _tokenizer(d)
+    _register_prefixes(tok, knobs.legacy_prefixes)
+    skip_words, skip_tasks = knobs.skip_words, knobs.skip_tasks
+    if isinstance(skip_tasks, str):
+        skip_tasks = [skip_tasks]
     if not isinstance(skip_words, list) or not all(isinstance(w, str) for w in skip_words):
         raise MultiVectorCheckpointInvalid(f"{d}: skiplist_words must be a list of strings")
-    if not isinstance(skip_tasks, list) or not set(skip_tasks) <= {"query", "document"}:
+    if not isinstance(skip_tasks, list) or not set(skip_tasks) <= set(SIDES):
         raise UnsupportedMultiVectorHead(f"{d}: skiplist_tasks {skip_tasks!r}")
-    sides: list[Side] = [s for s in SIDES if s in skip_tasks]
-    expansion = _expansion(raw_exp, tok, tok_cfg, st_path if legacy else modules[0][1])
+    tok_cfg = _object(d / "tokenizer_config.json")
+    expansion = _expansion(knobs.raw_expansion, tok, tok_cfg, knobs.where)
 
-    layers: list[Layer] = []
     tensors: dict[str, np.ndarray] = {}
-    width = hidden
-    for i, path in enumerate(p for k, p in modules if k == "Dense"):
-        layer, w, b = _dense(path, width)
-        layers.append(layer)
+    for i, (_, w, b) in enumerate(knobs.dense):
         tensors[f"dense.{i}.weight"] = w
         if b is not None:
             tensors[f"dense.{i}.bias"] = b
-        width = layer.out_features
+    layers = [layer for layer, _, _ in knobs.dense]
 
     lead, close = _specials(tok)
     prefix_ids: dict[str, list[int]] = {}
     insertable = True
-    for side in ("query", "document"):
-        prompt = prompts.get(side) or ""
+    for side in SIDES:
+        prompt = knobs.prompts.get(side) or ""
         ids = tok.encode(prompt, add_special_tokens=False).ids if prompt else []
         prefix_ids[side] = ids
         if ids and not _insertable(tok, prompt, ids, lead):
@@ -425,21 +521,21 @@ def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
     spec = MultiVectorSpec(
         kind="colbert",
         hidden=hidden,
-        dim=width,
+        dim=layers[-1].out_features,
         layers=layers,
-        normalize=legacy or any(k == "Normalize" for k, _ in modules),
-        query_prompt=prompts.get("query") or "",
-        document_prompt=prompts.get("document") or "",
+        normalize=knobs.normalize,
+        query_prompt=knobs.prompts.get("query") or "",
+        document_prompt=knobs.prompts.get("document") or "",
         query_prefix_ids=prefix_ids["query"],
         document_prefix_ids=prefix_ids["document"],
         prefix_insertable=insertable,
         leading_specials=lead,
         closing_specials=close,
-        query_length=query_length,
-        document_length=document_length,
+        query_length=knobs.query_length,
+        document_length=knobs.document_length,
         expansion=expansion,
         skiplist_ids=skip_ids,
-        skiplist_sides=sides,
+        skiplist_sides=[s for s in SIDES if s in skip_tasks],
         reference_similarity="meanmaxsim" if similarity == "meanmaxsim" else "maxsim",
     )
     return spec, tensors

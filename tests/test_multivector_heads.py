@@ -257,6 +257,33 @@ def test_pylate_layout_reads_as_sentence_transformers_loads_it(pylate_dir, bert,
     assert head.spec.query_prefix_ids == [1] and head.spec.normalize
 
 
+@pytest.fixture(scope="module")
+def stanford_dir(colbert, bert, module_tmp) -> Path:
+    """The same encoder as a Stanford-NLP ColBERT checkpoint: `HF_ColBERT`, the encoder's
+    weights under `bert.` with the projection `linear.weight` beside them, artifact.metadata."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = module_tmp / "stanford"
+    _copy_tokenizer(d)
+    config = json.loads((colbert / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    weights = {f"bert.{k}": v.contiguous() for k, v in bert.state_dict().items()}
+    generator = torch.Generator().manual_seed(2)
+    weights["linear.weight"] = torch.randn(DIM, HIDDEN, generator=generator) * HIDDEN**-0.5
+    save_file(weights, str(d / "model.safetensors"))
+    meta = {"query_maxlen": Q_LEN, "doc_maxlen": DOC_LEN, "attend_to_mask_tokens": True}
+    (d / "artifact.metadata").write_text(json.dumps(meta))
+    return d
+
+
+def test_stanford_layout_reads_as_sentence_transformers_loads_it(stanford_dir, bert, module_tmp):
+    head, _ = _check_against_reference(stanford_dir, module_tmp / "out-stanford", bert)
+    spec = head.spec
+    assert spec.query_prefix_ids == [1] and spec.document_prefix_ids == [2]
+    assert spec.layers[0].bias is False and spec.skiplist_ids
+
+
 def test_unattended_expansion_needs_an_owned_mask(colbert, bert, module_tmp):
     """attend=False (classic ColBERT): the head still matches the reference on states
     computed under the reference's mask, but only a caller that built that mask is served."""
@@ -438,7 +465,6 @@ def test_ingest_refusals(colbert, bge_m3, tmp_path):
     unsupported = {
         "modules.json": module_list,
         "1_Dense/config.json": gelu,
-        "config.json": lambda c: {**c, "architectures": ["HF_ColBERT"]},
     }
     invalid = {
         "sentence_bert_config.json": bad_expansion,
@@ -450,8 +476,6 @@ def test_ingest_refusals(colbert, bge_m3, tmp_path):
             sub = d / name.split("/")[0]
             sub.unlink()
             _variant(colbert / sub.name, sub)
-        if name == "config.json":  # a Stanford checkpoint has no sentence-transformers files
-            (d / "config_sentence_transformers.json").unlink()
         _replace_json(d, name, edit)
         kind = UnsupportedMultiVectorHead if name in unsupported else MultiVectorCheckpointInvalid
         with pytest.raises(kind):
