@@ -496,7 +496,9 @@ def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
         raise MultiVectorCheckpointInvalid(f"{d}: skiplist_words must be a list of strings")
     if not isinstance(skip_tasks, list) or not set(skip_tasks) <= set(SIDES):
         raise UnsupportedMultiVectorHead(f"{d}: skiplist_tasks {skip_tasks!r}")
-    tok_cfg = _object(d / "tokenizer_config.json")
+    # The special tokens' names, where transformers reads them (the map fills what the
+    # tokenizer config leaves out).
+    tok_cfg = {**_object(d / "special_tokens_map.json"), **_object(d / "tokenizer_config.json")}
     expansion = _expansion(knobs.raw_expansion, tok, tok_cfg, knobs.where)
 
     tensors: dict[str, np.ndarray] = {}

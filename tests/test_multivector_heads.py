@@ -257,6 +257,25 @@ def test_pylate_layout_reads_as_sentence_transformers_loads_it(pylate_dir, bert,
     assert head.spec.query_prefix_ids == [1] and head.spec.normalize
 
 
+def _body_variant(colbert: Path, d: Path, query_length: int | None = None, **expansion) -> Path:
+    """The ColBERT directory with other query expansion settings (and query length cap)."""
+    shutil.copytree(colbert, d, symlinks=True)
+    cfg = json.loads((d / "sentence_bert_config.json").read_text())
+    cfg["query_expansion"].update(expansion)
+    if query_length is not None:
+        cfg["query_length"] = query_length
+    (d / "sentence_bert_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_min_expansion_pads_short_queries_and_keeps_long_ones(colbert, bert, module_tmp):
+    """strategy "min": short queries padded to the length, long ones cut only at query_length."""
+    d = _body_variant(colbert, module_tmp / "min", query_length=20, strategy="min", length=8)
+    head, refs = _check_against_reference(d, module_tmp / "out-min", bert)
+    assert [len(v) for v in refs["query"]] == [8, 20, 8]
+    assert head.spec.expansion is not None and head.spec.query_length == 20
+
+
 @pytest.fixture(scope="module")
 def stanford_dir(colbert, bert, module_tmp) -> Path:
     """The same encoder as a Stanford-NLP ColBERT checkpoint: `HF_ColBERT`, the encoder's
@@ -287,11 +306,7 @@ def test_stanford_layout_reads_as_sentence_transformers_loads_it(stanford_dir, b
 def test_unattended_expansion_needs_an_owned_mask(colbert, bert, module_tmp):
     """attend=False (classic ColBERT): the head still matches the reference on states
     computed under the reference's mask, but only a caller that built that mask is served."""
-    d = module_tmp / "unattended"
-    shutil.copytree(colbert, d, symlinks=True)
-    cfg = json.loads((d / "sentence_bert_config.json").read_text())
-    cfg["query_expansion"]["attend"] = False
-    (d / "sentence_bert_config.json").write_text(json.dumps(cfg))
+    d = _body_variant(colbert, module_tmp / "unattended", attend=False)
     head, refs = _check_against_reference(d, module_tmp / "out-unattended", bert, owned=True)
     assert head.needs_owned_mask("query") and not head.needs_owned_mask("document")
     ids = head.prepare_ids(_bare_ids(d, QUERIES[0]), "query")
