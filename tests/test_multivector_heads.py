@@ -542,3 +542,16 @@ def test_head_refusals(colbert, tmp_path):
     with pytest.raises(EngineError) as e:
         load(out / "heads")
     assert e.value.code == "artifact_invalid"
+
+
+def test_maxsim_of_an_empty_document_as_sentence_transformers_scores_it():
+    import torch
+    from sentence_transformers.util.similarity import maxsim as st_maxsim
+    from sentence_transformers.util.similarity import mean_maxsim as st_mean_maxsim
+
+    q = np.random.default_rng(0).standard_normal((3, DIM)).astype(np.float32)
+    empty = np.zeros((0, DIM), np.float32)
+    want = st_maxsim([torch.from_numpy(q)], [torch.from_numpy(empty)])
+    assert maxsim(q, empty) == pytest.approx(float(want[0, 0]))
+    want = st_mean_maxsim([torch.from_numpy(q)], [torch.from_numpy(empty)])
+    assert mean_maxsim(q, empty) == pytest.approx(float(want[0, 0]))
