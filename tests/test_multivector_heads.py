@@ -217,6 +217,12 @@ def test_colbert_head_matches_multivectorencoder(colbert, bert, module_tmp):
     assert not head.needs_owned_mask("query") and not head.needs_owned_mask("document")
     assert spec.skiplist_sides == ["document"] and 1012 in spec.skiplist_ids  # "."
     assert len(head.prepare_ids(_bare_ids(colbert, DOCUMENTS[1]), "document")) == DOC_LEN
+    # A caller that tokenized prompt + text itself gets the same ids.
+    prompted = _bare_ids(colbert, "[unused0] " + QUERIES[1])
+    assert np.array_equal(
+        head.prepare_ids(prompted, "query", prompt_applied=True),
+        head.prepare_ids(_bare_ids(colbert, QUERIES[1]), "query"),
+    )
     # The model's own limit cuts prompt + text as the reference's tokenizer does: [SEP] kept.
     cut = head.prepare_ids(_bare_ids(colbert, DOCUMENTS[0]), "document", limit=6)
     assert cut.tolist() == _bare_ids(colbert, "[unused1] " + DOCUMENTS[0])[:5] + [102]

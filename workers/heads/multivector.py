@@ -83,13 +83,23 @@ class ColbertHead:
         return self._side(side) == "query" and exp is not None and not exp.attend
 
     def prepare_ids(
-        self, ids: np.ndarray | list[int], side: str, limit: int | None = None
+        self,
+        ids: np.ndarray | list[int],
+        side: str,
+        limit: int | None = None,
+        *,
+        prompt_applied: bool = False,
     ) -> np.ndarray:
         """The ids the reference's transformer reads for a text whose tokenizer encoding (with
         its special tokens, without the prompt) is `ids`: the side's prefix inserted after the
         leading special token(s), cut to the side's length (and to `limit`, the model's own
         token limit, as the reference cuts prompt + text) keeping the closing special
-        token(s), and (queries) padded with the expansion token. i32."""
+        token(s), and (queries) padded with the expansion token. i32.
+
+        `prompt_applied`: `ids` already encode the side's prompt + the text (the caller
+        prepended the prompt before tokenizing), so nothing is inserted. Needed when the
+        prompt's ids cannot simply be inserted (`spec.prefix_insertable` false); with a legacy
+        marker the host's tokenizer does not hold as one token, only insertion is exact."""
         s = self.spec
         which = self._side(side)
         out = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -100,7 +110,7 @@ class ColbertHead:
                 f"{out.size} ids: a tokenized text has at least {lead + close} special tokens",
             )
         prefix = s.query_prefix_ids if which == "query" else s.document_prefix_ids
-        if prefix:
+        if prefix and not prompt_applied:
             if not s.prefix_insertable:
                 raise EngineError(
                     "unsupported",
