@@ -2,7 +2,9 @@
 
 `<model>/heads/multivector.json` (a `MultiVectorSpec`) and `<model>/heads/multivector.safetensors`
 (the projection: `dense.<i>.weight` `(out, in)` and, when the layer has one, `dense.<i>.bias`,
-f32, applied in order). Both sides import this module, so the two cannot disagree on a name.
+f32, applied in order). The spec carries the weights' sha256, so the one digest the manifest
+keeps of the spec file covers both. Both sides import this module, so the two cannot disagree
+on a name.
 
 Two kinds, as their references compute them (what each field means is said where it is
 declared; `workers.heads.multivector` applies them):
@@ -24,6 +26,7 @@ import msgspec
 import numpy as np
 
 from common.errors import ArtifactInvalid
+from formats.digest import sha256_file
 from formats.safetensors_io import read_safetensors
 
 HEADS_DIR = "heads"
@@ -67,6 +70,7 @@ class Layer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class MultiVectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: Kind
+    weights_sha256: str  # of multivector.safetensors beside it
     hidden: int  # the encoder's hidden size: the width of the states the head reads
     dim: int  # the width of each output vector
     layers: list[Layer]
@@ -111,9 +115,12 @@ def encode_spec(spec: MultiVectorSpec) -> bytes:
     return json.dumps(msgspec.to_builtins(spec), indent=2, sort_keys=True).encode() + b"\n"
 
 
-def read_head(head_dir: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.ndarray | None]]]:
-    """The head's spec and each layer's (weight (out, in), bias or None) as f32, checked against
-    each other: a layer chain that does not lead from `hidden` to `dim` is refused."""
+def read_head(head: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.ndarray | None]]]:
+    """The head's spec and each layer's (weight (out, in), bias or None) as f32, from the heads
+    directory or its spec file, checked against each other: weights whose sha256 is not the
+    one the spec names, or a layer chain that does not lead from `hidden` to `dim`, are
+    refused."""
+    head_dir = Path(head).parent if Path(head).name == SPEC_FILE else Path(head)
     path = spec_path(head_dir)
     try:
         spec = msgspec.json.decode(path.read_bytes(), type=MultiVectorSpec)
@@ -121,7 +128,14 @@ def read_head(head_dir: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, n
         raise MultiVectorHeadInvalid(f"{path}: no such file") from e
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MultiVectorHeadInvalid(f"{path}: {e}") from e
-    tensors = read_safetensors(weights_path(head_dir))
+    weights = weights_path(head_dir)
+    try:
+        digest = sha256_file(weights)
+    except OSError as e:
+        raise MultiVectorHeadInvalid(f"{weights}: {e}") from e
+    if digest != spec.weights_sha256:
+        raise MultiVectorHeadInvalid(f"{weights}: sha256 {digest} is not the spec's")
+    tensors = read_safetensors(weights)
     layers: list[tuple[np.ndarray, np.ndarray | None]] = []
     width = spec.hidden
     for i, layer in enumerate(spec.layers):

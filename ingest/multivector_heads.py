@@ -46,6 +46,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer
 
 from common.errors import ArtifactInvalid
+from formats.digest import sha256_file
 from formats.hf_config import HfConfig
 from formats.multivector_head import (
     HEADS_DIR,
@@ -88,12 +89,14 @@ class UnsupportedMultiVectorHead(UnsupportedModelType):
 
 
 class MultiVectorHeadInfo(msgspec.Struct, frozen=True):
-    """What the manifest records of a model's multi-vector head."""
+    """What the manifest records of a model's multi-vector head: the spec file (relative to
+    the model's directory) and its sha256, which covers the weights (the spec names their
+    digest), and the width of each vector."""
 
     kind: Kind
-    dim: int
-    spec_file: str = f"{HEADS_DIR}/{SPEC_FILE}"
-    weights_file: str = f"{HEADS_DIR}/{WEIGHTS_FILE}"
+    dims: int
+    digest: str
+    file: str = f"{HEADS_DIR}/{SPEC_FILE}"
     # The query side needs an attention mask llama.cpp cannot express (expansion not attended).
     query_needs_owned_mask: bool = False
     reference_similarity: Similarity = "maxsim"
@@ -141,11 +144,13 @@ def ingest_multivector_head(model_dir: Path, out_dir: Path) -> MultiVectorHeadIn
     heads = Path(out_dir) / HEADS_DIR
     heads.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(heads / WEIGHTS_FILE))
+    spec = msgspec.structs.replace(spec, weights_sha256=sha256_file(heads / WEIGHTS_FILE))
     (heads / SPEC_FILE).write_bytes(encode_spec(spec))
     exp = spec.expansion
     return MultiVectorHeadInfo(
         kind=kind,
-        dim=spec.dim,
+        dims=spec.dim,
+        digest=sha256_file(heads / SPEC_FILE),
         query_needs_owned_mask=exp is not None and not exp.attend,
         reference_similarity=spec.reference_similarity,
     )
@@ -170,6 +175,7 @@ def _bge_m3(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
     dim = int(w.shape[0])
     spec = MultiVectorSpec(
         kind="bge-m3",
+        weights_sha256="",  # set once the weights are written
         hidden=hidden,
         dim=dim,
         layers=[Layer(in_features=hidden, out_features=dim, bias=True)],
@@ -522,6 +528,7 @@ def _colbert(d: Path) -> tuple[MultiVectorSpec, dict[str, np.ndarray]]:
     similarity = st.get("similarity_fn_name")
     spec = MultiVectorSpec(
         kind="colbert",
+        weights_sha256="",  # set once the weights are written
         hidden=hidden,
         dim=layers[-1].out_features,
         layers=layers,

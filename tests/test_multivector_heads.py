@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from formats.digest import sha256_file
 from formats.multivector_head import MultiVectorHeadInvalid, read_head
 from formats.torch_pt import TorchPtInvalid, read_torch_pt
 from ingest.model_packages import minilm_dir
@@ -177,8 +178,9 @@ def _check_against_reference(model_dir: Path, out_dir: Path, encoder, *, owned: 
     from sentence_transformers import MultiVectorEncoder
 
     info = ingest_multivector_head(model_dir, out_dir)
-    assert info is not None and info.kind == "colbert" and info.dim == DIM
-    head = load(out_dir / "heads")
+    assert info is not None and info.kind == "colbert" and info.dims == DIM
+    assert info.digest == sha256_file(out_dir / info.file)
+    head = load(out_dir / info.file)
     ref = MultiVectorEncoder(str(model_dir), device="cpu")
     ours: dict[str, list[np.ndarray]] = {}
     refs: dict[str, list[np.ndarray]] = {}
@@ -379,7 +381,7 @@ def test_bge_m3_head_matches_flagembedding(bge_m3, module_tmp):
     from transformers import XLMRobertaModel
 
     info = ingest_multivector_head(bge_m3, module_tmp / "out-m3")
-    assert info is not None and info.kind == "bge-m3" and info.dim == HIDDEN
+    assert info is not None and info.kind == "bge-m3" and info.dims == HIDDEN
     assert info.reference_similarity == "meanmaxsim" and not info.query_needs_owned_mask
     head = load(module_tmp / "out-m3" / "heads")
     encoder = XLMRobertaModel.from_pretrained(str(bge_m3), add_pooling_layer=False).eval()
@@ -538,12 +540,18 @@ def test_head_refusals(colbert, tmp_path):
     with pytest.raises(EngineError):
         maxsim(np.zeros((2, DIM)), np.zeros((3, DIM + 1)))
 
-    # Files that disagree: a spec naming a wider layer than the weights hold, a missing file.
+    # Files that disagree: a spec naming a wider layer than the weights hold, weights that are
+    # not the ones the spec names, a missing file.
     spec = json.loads((out / "heads" / "multivector.json").read_text())
     spec["layers"][1]["out_features"] = DIM + 1
     (out / "heads" / "multivector.json").write_text(json.dumps(spec))
-    with pytest.raises(MultiVectorHeadInvalid):
+    with pytest.raises(MultiVectorHeadInvalid, match="dense.1.weight"):
         read_head(out / "heads")
+    spec["layers"][1]["out_features"] = DIM
+    spec["weights_sha256"] = "0" * 64
+    (out / "heads" / "multivector.json").write_text(json.dumps(spec))
+    with pytest.raises(MultiVectorHeadInvalid, match="sha256"):
+        read_head(out / "heads" / "multivector.json")
     (out / "heads" / "multivector.safetensors").unlink()
     with pytest.raises(EngineError) as e:
         load(out / "heads")

@@ -180,11 +180,12 @@ class ColbertHead:
         return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def load(head_dir: Path) -> ColbertHead:
-    """The head ingest wrote under `head_dir` (`<model>/heads`); a missing or inconsistent
-    file is the worker's `artifact_invalid`."""
+def load(head: Path) -> ColbertHead:
+    """The head ingest wrote: `<model>/heads`, or its spec file `heads/multivector.json` (the
+    file the manifest names and digests); a missing or inconsistent file is the worker's
+    `artifact_invalid`."""
     try:
-        spec, layers = read_head(Path(head_dir))
+        spec, layers = read_head(Path(head))
     except ArtifactInvalid as e:
         raise EngineError("artifact_invalid", e.message) from e
     return ColbertHead(spec=spec, layers=tuple(layers))
