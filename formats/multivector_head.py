@@ -2,9 +2,9 @@
 
 `<model>/heads/multivector.json` (a `MultiVectorSpec`) and `<model>/heads/multivector.safetensors`
 (the projection: `dense.<i>.weight` `(out, in)` and, when the layer has one, `dense.<i>.bias`,
-f32, applied in order). The spec carries the weights' sha256, so the one digest the manifest
-keeps of the spec file covers both. Both sides import this module, so the two cannot disagree
-on a name.
+f32, applied in order). Its JSON file carries the weights' sha256, so the one digest the
+manifest keeps of that file covers both. Both sides import this module, so the two cannot
+disagree on a name.
 
 Two kinds, as their references compute them (what each field means is said where it is
 declared; `workers.heads.multivector` applies them):
@@ -118,7 +118,7 @@ def encode_spec(spec: MultiVectorSpec) -> bytes:
 def read_head(head: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.ndarray | None]]]:
     """The head's spec and each layer's (weight (out, in), bias or None) as f32, from the heads
     directory or its spec file, checked against each other: weights whose sha256 is not the
-    one the spec names, or a layer chain that does not lead from `hidden` to `dim`, are
+    one its spec names, or a layer chain that does not lead from `hidden` to `dim`, are
     refused."""
     head_dir = Path(head).parent if Path(head).name == SPEC_FILE else Path(head)
     path = spec_path(head_dir)
@@ -134,7 +134,7 @@ def read_head(head: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.nd
     except OSError as e:
         raise MultiVectorHeadInvalid(f"{weights}: {e}") from e
     if digest != spec.weights_sha256:
-        raise MultiVectorHeadInvalid(f"{weights}: sha256 {digest} is not the spec's")
+        raise MultiVectorHeadInvalid(f"{weights}: sha256 {digest} is not the one its spec names")
     tensors = read_safetensors(weights)
     layers: list[tuple[np.ndarray, np.ndarray | None]] = []
     width = spec.hidden

@@ -89,8 +89,8 @@ class UnsupportedMultiVectorHead(UnsupportedModelType):
 
 
 class MultiVectorHeadInfo(msgspec.Struct, frozen=True):
-    """What the manifest records of a model's multi-vector head: the spec file (relative to
-    the model's directory) and its sha256, which covers the weights (the spec names their
+    """What the manifest records of a model's multi-vector head: its spec file (relative to
+    the model's directory) and its sha256, which covers the weights (its spec names their
     digest), and the width of each vector."""
 
     kind: Kind

@@ -541,7 +541,7 @@ def test_head_refusals(colbert, tmp_path):
         maxsim(np.zeros((2, DIM)), np.zeros((3, DIM + 1)))
 
     # Files that disagree: a spec naming a wider layer than the weights hold, weights that are
-    # not the ones the spec names, a missing file.
+    # not the ones its spec names, a missing file.
     spec = json.loads((out / "heads" / "multivector.json").read_text())
     spec["layers"][1]["out_features"] = DIM + 1
     (out / "heads" / "multivector.json").write_text(json.dumps(spec))
