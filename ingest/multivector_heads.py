@@ -1,6 +1,6 @@
-"""Ingest of multi-vector (late interaction) heads: from a checkpoint directory, the head's spec and
-the projection weights the worker's head applies (`formats.multivector_head`), written under
-`<out_dir>/heads/`.
+"""Ingest of multi-vector (late interaction) heads: from a checkpoint directory, the head's
+spec and the projection weights the worker's head applies (`formats.multivector_head`),
+written under `<out_dir>/heads/`.
 
 Which directories carry one, and where each fact comes from:
 
