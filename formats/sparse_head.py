@@ -107,7 +107,7 @@ def read_spec(directory: Path) -> SparseHeads:
     if spec.format != FORMAT_VERSION:
         raise SparseHeadInvalid(f"{path}: format {spec.format}, this reader reads {FORMAT_VERSION}")
     if set(spec.routes) != {"query", "document"}:
-        raise SparseHeadInvalid(f"{path}: routes {sorted(spec.routes)}, expected query and document")
+        raise SparseHeadInvalid(f"{path}: routes {sorted(spec.routes)}, not query and document")
     if spec.default_route is not None and spec.default_route not in spec.routes:
         raise SparseHeadInvalid(f"{path}: default route {spec.default_route!r} is not a route")
     if spec.max_active_dims is not None and spec.max_active_dims <= 0:

@@ -67,7 +67,7 @@ def _activation(x: np.ndarray, name: str) -> np.ndarray:
     erf: the C library's, element by element, over H values per token); the `gelu_new` family
     is the tanh approximation."""
     if name == "gelu":
-        return 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0)).astype(np.float64))
+        return 0.5 * x * (1.0 + np.asarray(_ERF(x / math.sqrt(2.0)), np.float64))
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     if name == "relu":
@@ -213,7 +213,7 @@ class LoadedSparseHeads:
         return not isinstance(self.routes["query"], StaticSparseHead)
 
 
-_KINDS = {"splade": SpladeHead, "static": StaticSparseHead, "token_weights": TokenWeightHead}
+_KINDS: dict[str, type[Head]] = {"splade": SpladeHead, "static": StaticSparseHead, "token_weights": TokenWeightHead}
 
 
 def load(head_dir: Path) -> LoadedSparseHeads:
