@@ -414,9 +414,9 @@ def test_head_file_and_input_refusals(ingested, tmp_path):
     def broken(name: str) -> Path:
         return _variant(src, tmp_path / name)
 
-    d = broken("json")
-    (d / SPARSE_CONFIG).unlink()
-    (d / SPARSE_CONFIG).write_text("{")
+    d1 = broken("json")
+    (d1 / SPARSE_CONFIG).unlink()
+    (d1 / SPARSE_CONFIG).write_text("{")
     d2 = broken("version")
     _rewrite(d2 / SPARSE_CONFIG, _set("format", 99))
     d3 = broken("route")
@@ -434,7 +434,7 @@ def test_head_file_and_input_refusals(ingested, tmp_path):
     save_file(tensors, str(d5 / SPARSE_WEIGHTS))
     missing = tmp_path / "none"
     for d, says in [
-        (d, "truncated"),
+        (d1, "truncated"),
         (d2, "format 99"),
         (d3, "not query and document"),
         (d4, "'decoder.bias' is missing"),

@@ -213,7 +213,11 @@ class LoadedSparseHeads:
         return not isinstance(self.routes["query"], StaticSparseHead)
 
 
-_KINDS: dict[str, type[Head]] = {"splade": SpladeHead, "static": StaticSparseHead, "token_weights": TokenWeightHead}
+_KINDS: dict[str, type[Head]] = {
+    "splade": SpladeHead,
+    "static": StaticSparseHead,
+    "token_weights": TokenWeightHead,
+}
 
 
 def load(head_dir: Path) -> LoadedSparseHeads:
