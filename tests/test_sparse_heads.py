@@ -8,6 +8,7 @@ torch, on a tiny XLM-RoBERTa with a `torch.save`d `sparse_linear.pt`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -16,6 +17,7 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -23,7 +25,12 @@ from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
 from formats.sparse_head import SPARSE_CONFIG, SPARSE_WEIGHTS, SparseHeadInvalid, head_dir
 from ingest.model_packages import minilm_dir
-from ingest.sparse_heads import SparseCheckpointInvalid, sparse_source, write_sparse_heads
+from ingest.sparse_heads import (
+    SparseCheckpointInvalid,
+    SparseHeadInfo,
+    sparse_source,
+    write_sparse_heads,
+)
 from ingest.torch_state import TorchStateInvalid, read_torch_state
 from workers.engine import EngineError
 from workers.heads.sparse import SpladeHead, StaticSparseHead, TokenWeightHead, load
@@ -142,12 +149,40 @@ def dirs(module_tmp) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def ingested(dirs, module_tmp) -> dict[str, Path]:
+def written(dirs, module_tmp) -> dict[str, tuple[Path, SparseHeadInfo]]:
     out = {}
     for name, src in dirs.items():
-        out[name] = module_tmp / "out" / name
-        write_sparse_heads(src, out[name])
+        assert sparse_source(src) is not None
+        out[name] = (module_tmp / "out" / name, write_sparse_heads(src, module_tmp / "out" / name))
     return out
+
+
+@pytest.fixture(scope="module")
+def ingested(written) -> dict[str, Path]:
+    return {name: path for name, (path, _info) in written.items()}
+
+
+def test_what_the_manifest_keeps_of_each_head(written):
+    want = {
+        "splade": ("splade", "splade", "splade", 48, True),
+        "splade-sum": ("splade", "splade", "splade", None, True),
+        "ifree": ("inference_free_splade", "static", "splade", 12, False),
+        "m3": ("bge_m3", "token_weights", "token_weights", None, True),
+    }
+    for name, (path, info) in written.items():
+        got = (
+            info.source,
+            info.routes["query"],
+            info.routes["document"],
+            info.max_active_dims,
+            info.query_needs_forward,
+        )
+        assert got == want[name], name
+        assert info.default_route == "document"
+        files = [head_dir(path) / SPARSE_CONFIG, head_dir(path) / SPARSE_WEIGHTS]
+        assert info.digest == hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+        # The info round-trips as the manifest would store it.
+        assert msgspec.json.decode(msgspec.json.encode(info), type=SparseHeadInfo) == info
 
 
 def _st_states(model_dir: Path, texts: list[str], sub: str = ""):
