@@ -5,10 +5,12 @@ Three layouts are read, each as its reference computes it:
 
 - SPLADE, a sentence-transformers `SparseEncoder`: `modules.json` lists a masked-LM
   transformer (`Transformer` with `transformer_task: fill-mask`, or the older
-  `MLMTransformer`) then `SpladePooling`. The head is the checkpoint's own MLM head
-  (BERT's `cls.predictions`): its decoder is the word embedding when the config ties them
-  and the file has no decoder of its own, as transformers ties them on load; its activation
-  is the config's `hidden_act`. Both routes (query, document) are this head.
+  `MLMTransformer`) then `SpladePooling`. The head is the checkpoint's own MLM head (BERT's
+  `cls.predictions`, DistilBERT's `vocab_*`, the RoBERTa family's `lm_head`): its decoder is
+  the word embedding when the config ties them and the file has no decoder of its own, as
+  transformers ties them on load; its activation is the one transformers' head class
+  applies (BERT's `hidden_act`, DistilBERT's `activation`, always the erf GELU for RoBERTa's).
+  Both routes (query, document) are this head.
 - inference-free SPLADE: `modules.json` is one `Router` whose routes are `SparseStaticEmbedding`
   (queries: one weight per vocabulary entry, no transformer) and the SPLADE pipeline above
   (documents), resolved for the tasks "query" and "document" by the Router's own rules.
@@ -28,6 +30,7 @@ import ast
 import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -54,8 +57,57 @@ from ingest.durable import full_disk_as
 from ingest.torch_state import read_torch_state
 
 SPARSE_LINEAR = "sparse_linear.pt"
-# BERT's masked-LM head and the word embedding its decoder is tied to (BertForMaskedLM).
-_BERT_HEAD, _BERT_EMBEDDINGS = "cls.predictions.", "bert.embeddings."
+
+
+@dataclass(frozen=True)
+class _MlmHead:
+    """Where a `...ForMaskedLM` keeps its head, and what its transform computes with."""
+
+    dense: str
+    norm: str
+    decoder: str
+    bias: str | None  # the separate bias parameter the decoder's is tied to, if any
+    embeddings: str  # the word embedding the decoder's weight is tied to
+    act_key: str | None  # the config key naming the activation; None: fixed `gelu`
+    eps_key: str | None  # the config key of the LayerNorm epsilon; None: fixed 1e-12
+    hidden_key: str = "hidden_size"
+
+
+_ROBERTA_HEAD = _MlmHead(  # RobertaLMHead / XLMRobertaLMHead: erf GELU whatever hidden_act says
+    "lm_head.dense",
+    "lm_head.layer_norm",
+    "lm_head.decoder",
+    "lm_head.bias",
+    "roberta.embeddings.word_embeddings.weight",
+    None,
+    "layer_norm_eps",
+)
+# The masked-LM heads read, by model_type (transformers' BertForMaskedLM,
+# DistilBertForMaskedLM, RobertaForMaskedLM and the XLM-RoBERTa/CamemBERT copies of it).
+_MLM_HEADS = {
+    "bert": _MlmHead(
+        "cls.predictions.transform.dense",
+        "cls.predictions.transform.LayerNorm",
+        "cls.predictions.decoder",
+        "cls.predictions.bias",
+        "bert.embeddings.word_embeddings.weight",
+        "hidden_act",
+        "layer_norm_eps",
+    ),
+    "distilbert": _MlmHead(
+        "vocab_transform",
+        "vocab_layer_norm",
+        "vocab_projector",
+        None,
+        "distilbert.embeddings.word_embeddings.weight",
+        "activation",
+        None,
+        hidden_key="dim",
+    ),
+    "roberta": _ROBERTA_HEAD,
+    "xlm-roberta": _ROBERTA_HEAD,
+    "camembert": _ROBERTA_HEAD,
+}
 # FlagEmbedding's unused tokens (m3.py `_process_token_weights`).
 _DROPPED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
 _SPARSE_MODULES = ("SpladePooling", "SparseStaticEmbedding")
@@ -159,23 +211,24 @@ def _splade_head(
         )
     config = HfConfig.read(transformer_dir)
     model_type = config.string("model_type")
-    if model_type != "bert":
+    names = _MLM_HEADS.get(model_type)
+    if names is None:
         raise SparseCheckpointInvalid(
             f"{transformer_dir}: a SPLADE head over model_type {model_type!r} is not read "
-            "(BERT's masked-LM head only)"
+            f"({', '.join(_MLM_HEADS)})"
         )
-    hidden_act = config.string("hidden_act")
+    hidden_act = config.string(names.act_key, "gelu") if names.act_key else "gelu"
     if hidden_act not in HIDDEN_ACTS:
         raise SparseCheckpointInvalid(
-            f"{transformer_dir}: the MLM head's hidden_act {hidden_act!r} is not computed "
+            f"{transformer_dir}: the MLM head's activation {hidden_act!r} is not computed "
             f"({', '.join(HIDDEN_ACTS)})"
         )
-    hidden, vocab = config.positive_int("hidden_size"), config.positive_int("vocab_size")
+    eps = config.number(names.eps_key) if names.eps_key else 1e-12
+    hidden, vocab = config.positive_int(names.hidden_key), config.positive_int("vocab_size")
     weights = read_model_weights(transformer_dir)
-    head, emb = _BERT_HEAD, _BERT_EMBEDDINGS
     tied = config.get("tie_word_embeddings", True) is not False
 
-    def pick(own: str, tied_to: str) -> np.ndarray:
+    def pick(own: str, tied_to: str | None) -> np.ndarray:
         # transformers' tying on load: the decoder keeps its own tensor when the file has
         # one, else (tied) takes its source's.
         if own in weights:
@@ -190,12 +243,12 @@ def _splade_head(
         return weights[name]
 
     tensors = {
-        "dense.weight": need(head + "transform.dense.weight"),
-        "dense.bias": need(head + "transform.dense.bias"),
-        "norm.weight": need(head + "transform.LayerNorm.weight"),
-        "norm.bias": need(head + "transform.LayerNorm.bias"),
-        "decoder.weight": pick(head + "decoder.weight", emb + "word_embeddings.weight"),
-        "decoder.bias": pick(head + "decoder.bias", head + "bias"),
+        "dense.weight": need(names.dense + ".weight"),
+        "dense.bias": need(names.dense + ".bias"),
+        "norm.weight": need(names.norm + ".weight"),
+        "norm.bias": need(names.norm + ".bias"),
+        "decoder.weight": pick(names.decoder + ".weight", names.embeddings),
+        "decoder.bias": pick(names.decoder + ".bias", names.bias),
     }
     spec = HeadSpec(
         kind="splade",
@@ -205,7 +258,7 @@ def _splade_head(
         pooling=pooling,
         activation=activation,
         hidden_act=hidden_act,
-        layer_norm_eps=config.number("layer_norm_eps"),
+        layer_norm_eps=eps,
     )
     _check_shapes(spec, tensors, transformer_dir)
     return spec, tensors

@@ -51,16 +51,30 @@ _TOKENIZER_FILES = (
 )
 
 
-def _bert(dst: Path, seed: int, **extra) -> Path:
-    """A tiny BertForMaskedLM under MiniLM's WordPiece vocabulary (30522 ids), its decoder
-    bias pushed down so that, as in a trained SPLADE, most of the vocabulary stays at zero."""
+def _mlm(dst: Path, model, tokenizer_dir: Path, bias_mean: float = -5.0) -> Path:
+    """A tiny `...ForMaskedLM` saved with the tokenizer files of `tokenizer_dir`, its
+    vocabulary bias pushed down so that, as in a trained SPLADE, most of the vocabulary stays
+    at zero."""
     import torch
-    from transformers import BertConfig, BertForMaskedLM
 
     dst.mkdir(parents=True)
     for name in _TOKENIZER_FILES:
-        if (minilm_dir() / name).is_file():
-            shutil.copyfile(minilm_dir() / name, dst / name)
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, dst / name)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name.endswith("bias") and tuple(p.shape) == (vocab,):
+                p.normal_(bias_mean, 1.0)
+    model.eval().save_pretrained(dst)
+    return dst
+
+
+def _bert(dst: Path, seed: int, **extra) -> Path:
+    """BertForMaskedLM under MiniLM's WordPiece vocabulary (30522 ids)."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=30522,
@@ -72,13 +86,43 @@ def _bert(dst: Path, seed: int, **extra) -> Path:
         initializer_range=0.3,
         **extra,
     )
-    model = BertForMaskedLM(config).eval()
-    with torch.no_grad():
-        model.cls.predictions.bias.normal_(-5.0, 1.0)
-        if not config.tie_word_embeddings:
-            model.cls.predictions.decoder.bias.normal_(-5.0, 1.0)
-    model.save_pretrained(dst)
-    return dst
+    return _mlm(dst, BertForMaskedLM(config), minilm_dir())
+
+
+def _distilbert(dst: Path) -> Path:
+    import torch
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    torch.manual_seed(5)
+    config = DistilBertConfig(
+        vocab_size=30522,
+        dim=HIDDEN,
+        hidden_dim=64,
+        n_layers=2,
+        n_heads=4,
+        max_position_embeddings=MAX_SEQ + 16,
+        initializer_range=0.3,
+    )
+    return _mlm(dst, DistilBertForMaskedLM(config), minilm_dir())
+
+
+def _xlmr_config(n_vocab: int, **extra):
+    from transformers import XLMRobertaConfig
+
+    return XLMRobertaConfig(
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=MAX_SEQ + 2 + 16,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        initializer_range=0.3,
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +131,7 @@ def dirs(module_tmp) -> dict[str, Path]:
     from sentence_transformers import SparseEncoder
     from sentence_transformers.base.modules import Router, Transformer
     from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-    from transformers import XLMRobertaConfig, XLMRobertaModel
+    from transformers import XLMRobertaForMaskedLM, XLMRobertaModel
 
     out: dict[str, Path] = {}
     tied = _bert(module_tmp / "bert-tied", 0)
@@ -116,27 +160,19 @@ def dirs(module_tmp) -> dict[str, Path]:
         document_modules=[body, SpladePooling("max")],
     )
     SparseEncoder(modules=[router], device="cpu", max_active_dims=12).save(str(out["ifree"]))
+    # DistilBERT's head (OpenSearch's document encoders).
+    out["splade-distil"] = module_tmp / "splade-distil"
+    distil = mlm(_distilbert(module_tmp / "distil"))
+    SparseEncoder(modules=[distil, SpladePooling("max")], device="cpu").save(
+        str(out["splade-distil"])
+    )
 
     # bge-m3 in FlagEmbedding's layout: the XLM-R checkpoint with sparse_linear.pt beside it,
     # saved as FlagEmbedding's `EncoderOnlyEmbedderM3Model.save` saves it (a cloned state dict).
     out["m3"] = module_tmp / "m3"
     n_vocab = xlmr_tokenizer(out["m3"], MAX_SEQ, vocab_size=700)
     torch.manual_seed(3)
-    XLMRobertaModel(
-        XLMRobertaConfig(
-            vocab_size=n_vocab,
-            hidden_size=HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=MAX_SEQ + 2 + 16,
-            type_vocab_size=1,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            initializer_range=0.3,
-        )
-    ).eval().save_pretrained(out["m3"])
+    XLMRobertaModel(_xlmr_config(n_vocab)).eval().save_pretrained(out["m3"])
     linear = torch.nn.Linear(HIDDEN, 1)
     with torch.no_grad():  # about half the tokens weigh > 0, as in the trained head
         linear.weight.normal_(0.0, 0.5)
@@ -145,6 +181,12 @@ def dirs(module_tmp) -> dict[str, Path]:
     torch.save(
         type(state)({k: v.clone().cpu() for k, v in state.items()}), out["m3"] / "sparse_linear.pt"
     )
+    # XLM-RoBERTa's head applies the erf GELU whatever hidden_act says (relu here).
+    out["splade-xlmr"] = module_tmp / "splade-xlmr"
+    torch.manual_seed(6)
+    xlmr = XLMRobertaForMaskedLM(_xlmr_config(n_vocab, hidden_act="relu"))
+    body = mlm(_mlm(module_tmp / "xlmr", xlmr, out["m3"], bias_mean=-2.0))
+    SparseEncoder(modules=[body, SpladePooling("max")], device="cpu").save(str(out["splade-xlmr"]))
     return out
 
 
@@ -166,6 +208,8 @@ def test_what_the_manifest_keeps_of_each_head(written):
     want = {
         "splade": ("splade", "splade", "splade", 48, True),
         "splade-sum": ("splade", "splade", "splade", None, True),
+        "splade-distil": ("splade", "splade", "splade", None, True),
+        "splade-xlmr": ("splade", "splade", "splade", None, True),
         "ifree": ("inference_free_splade", "static", "splade", 12, False),
         "m3": ("bge_m3", "token_weights", "token_weights", None, True),
     }
@@ -215,7 +259,7 @@ def _assert_same(ours, ref_row: np.ndarray) -> None:
     np.testing.assert_allclose(ours.values, ref_row[active], rtol=1e-5, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["splade", "splade-sum"])
+@pytest.mark.parametrize("name", ["splade", "splade-sum", "splade-distil", "splade-xlmr"])
 def test_splade_equals_sparse_encoder_on_its_own_states(dirs, ingested, name):
     from sentence_transformers import SparseEncoder
 
@@ -230,7 +274,8 @@ def test_splade_equals_sparse_encoder_on_its_own_states(dirs, ingested, name):
     if name == "splade":  # the model's top-k cut every vector: the cut itself is compared
         assert counts == [48] * len(TEXTS)
     else:
-        assert 0 < min(counts) and max(counts) < 30522 // 2
+        vocab = head.spec.vocab_size
+        assert 0 < min(counts) and max(counts) < vocab // 2, counts
 
 
 def test_inference_free_splade_routes(dirs, ingested):
@@ -413,10 +458,10 @@ def test_ingest_refusals(dirs, tmp_path):
     _rewrite(d / "sentence_bert_config.json", _set("transformer_task", "feature-extraction"))
     d = case("pooling", "splade", "is not one sentence-transformers computes")
     _rewrite(d / "1_SpladePooling" / "config.json", _set("pooling_strategy", "mean"))
-    d = case("act", "splade", "hidden_act 'silu'")
+    d = case("act", "splade", "activation 'silu'")
     _rewrite(d / "config.json", _set("hidden_act", "silu"))
-    d = case("family", "splade", "model_type 'roberta'")
-    _rewrite(d / "config.json", _set("model_type", "roberta"))
+    d = case("family", "splade", "model_type 'modernbert'")
+    _rewrite(d / "config.json", _set("model_type", "modernbert"))
     d = case("untied", "splade", "no cls.predictions.decoder.weight")
     _rewrite(d / "config.json", _set("tie_word_embeddings", False))
     d = case("extra", "splade", "only a masked-LM transformer then SpladePooling")
