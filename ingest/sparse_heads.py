@@ -307,10 +307,11 @@ def _route_head(
     raise SparseCheckpointInvalid(f"{model_dir}: a route of modules {kinds} is not computed")
 
 
-def _resolve_route(task: str, structure: dict, parameters: dict) -> str | None:
+def resolve_route(task: str | None, structure: dict, parameters: dict) -> str | None:
     """sentence-transformers' `Router._resolve_route` for a text input of `task`: the
     mappings (task, text), (task, any), (any, text), (any, any), then a route named as the
-    task, then one named "text", then the default route."""
+    task, then one named "text"; past those a named task has no route (sentence-transformers
+    raises), and no task takes the default route."""
     mappings: dict[tuple, str] = {}
     for key, value in (parameters.get("route_mappings") or {}).items():
         try:
@@ -322,10 +323,11 @@ def _resolve_route(task: str, structure: dict, parameters: dict) -> str | None:
     for key in ((task, "text"), (task, None), (None, "text"), (None, None)):
         if key in mappings:
             return mappings[key]
-    for name in (task, "text"):
-        if name in structure:
-            return name
-    return _default_route(structure, parameters)
+    if task is not None and task in structure:
+        return task
+    if "text" in structure:
+        return "text"
+    return None if task is not None else _default_route(structure, parameters)
 
 
 def _default_route(structure: dict, parameters: dict) -> str | None:
@@ -367,7 +369,7 @@ def _sentence_transformers_heads(
     built: dict[str, HeadSpec] = {}
     route_dirs: dict[str, Path] = {}
     for task in ("query", "document"):
-        name = _resolve_route(task, structure, parameters)
+        name = resolve_route(task, structure, parameters)
         if name is None or not isinstance(structure.get(name), list):
             raise SparseCheckpointInvalid(f"{router_dir}: no route for {task}s")
         if name not in built:
@@ -386,9 +388,10 @@ def _sentence_transformers_heads(
     vocabularies = {json.dumps(_tokenizer_model(d), sort_keys=True) for d in route_dirs.values()}
     if len(vocabularies) > 1:
         raise SparseCheckpointInvalid(f"{router_dir}: the routes' tokenizers differ")
-    default = _default_route(structure, parameters)
-    # A default route that is neither side's is no route our heads serve.
-    by_name = {task: _resolve_route(task, structure, parameters) for task in routes}
+    # The route of a request that names no side; one that is neither side's is no route our
+    # heads serve.
+    default = resolve_route(None, structure, parameters)
+    by_name = {task: resolve_route(task, structure, parameters) for task in routes}
     default_task = next((t for t, n in by_name.items() if n == default), None)
     return routes, tensors, default_task
 

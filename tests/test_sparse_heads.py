@@ -28,6 +28,7 @@ from ingest.model_packages import minilm_dir
 from ingest.sparse_heads import (
     SparseCheckpointInvalid,
     SparseHeadInfo,
+    resolve_route,
     sparse_source,
     write_sparse_heads,
 )
@@ -538,3 +539,32 @@ def test_head_file_and_input_refusals(ingested, tmp_path):
         assert e.value.code == "invalid_request"
     with pytest.raises(EngineError, match="routes") as e:
         load(src).for_route("passage")
+
+
+def test_routes_resolve_as_the_router_resolves_them(tmp_path):
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    def pools(*names):
+        return {n: [SpladePooling("max")] for n in names}
+
+    routers = [
+        Router.for_query_document([SpladePooling("max")], [SpladePooling("max")]),
+        Router(
+            pools("q", "d"),
+            route_mappings={("query", None): "q", (None, "text"): "d"},
+            allow_empty_key=False,
+        ),
+        Router(pools("query", "text")),  # no default: the first route, allow_empty_key
+        Router(pools("a", "b"), allow_empty_key=False),  # no route for any task
+        Router(pools("a", "b")),  # a default, which a named task never falls back to
+    ]
+    for i, router in enumerate(routers):
+        router.save(str(tmp_path / str(i)))
+        cfg = json.loads((tmp_path / str(i) / "router_config.json").read_text())
+        for task in (None, "query", "document"):
+            try:
+                want = router._resolve_route(task=task, modality="text")
+            except ValueError:
+                want = None
+            assert resolve_route(task, cfg["structure"], cfg["parameters"]) == want, (i, task)
