@@ -1,9 +1,10 @@
 """Sparse heads: one `SparseVector` per sequence from its final token states and ids,
 computed as the reference computes it (the formulas are stated on each class).
 
-Memory stays bounded: a SPLADE head never holds T x V logits; it runs `chunk_tokens` tokens
-through the vocabulary projection at a time and keeps one running max (or sum) per vocabulary
-entry, so its peak is `chunk_tokens x V` floats whatever the sequence length.
+Memory stays bounded: a SPLADE head never holds T x V logits; it runs a chunk of tokens
+through the vocabulary projection at a time (about 32 MB of logits: 256 tokens of BERT's
+30522 entries, 32 of XLM-RoBERTa's 250002) and keeps one running max (or sum) per vocabulary
+entry, so its peak is one chunk whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 from formats.sparse_head import HeadSpec, SparseHeads, read_spec, read_tensors
 from workers.engine import EngineError
 
-CHUNK_TOKENS = 64
+# One chunk's logits (tokens x vocabulary, f32) are kept near this size.
+CHUNK_BYTES = 32 << 20
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _ERF = np.frompyfunc(math.erf, 1, 1)
 
@@ -103,32 +105,48 @@ class SpladeHead:
         x = (x - mean) / np.sqrt(var + self.spec.layer_norm_eps) * self._norm_w + self._norm_b
         return x.astype(np.float32)
 
-    def token_scores(self, states: np.ndarray) -> np.ndarray:
-        """log1p(relu(logits)) of a few tokens, (n, V) float32: one chunk's worth."""
-        logits = self.transform(states) @ self._dec_w.T
-        logits += self._dec_b
+    def _activate(self, logits: np.ndarray) -> np.ndarray:
+        """log1p(relu(.)) in place (twice log1p for `log1p_relu`)."""
         np.maximum(logits, 0.0, out=logits)
         np.log1p(logits, out=logits)
         if self.spec.activation == "log1p_relu":
             np.log1p(logits, out=logits)
         return logits
 
-    def pooled(self, states: np.ndarray, chunk_tokens: int = CHUNK_TOKENS) -> np.ndarray:
+    def token_scores(self, states: np.ndarray) -> np.ndarray:
+        """log1p(relu(logits)) of a few tokens, (n, V) float32: one chunk's worth."""
+        logits = self.transform(states) @ self._dec_w.T
+        logits += self._dec_b
+        return self._activate(logits)
+
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk: as many as keep one chunk's logits near CHUNK_BYTES (256 for
+        BERT's 30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
+        return max(16, min(256, CHUNK_BYTES // (4 * self.spec.vocab_size)))
+
+    def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
         """The pooled (V,) vector before the top-k cut, `chunk_tokens` tokens at a time."""
         if states.shape[0] == 0:
             raise EngineError("invalid_request", "a sequence of no tokens has no sparse vector")
-        # Every score is >= 0, so 0 is the max pool's identity as well as the sum's.
-        acc = np.zeros(self.spec.vocab_size, np.float32)
-        for start in range(0, states.shape[0], chunk_tokens):
-            scores = self.token_scores(states[start : start + chunk_tokens])
-            if self.spec.pooling == "max":
-                np.maximum(acc, scores.max(axis=0), out=acc)
-            else:
-                acc += scores.sum(axis=0)
-        return acc
+        step = chunk_tokens or self.chunk_tokens()
+        if self.spec.pooling == "sum":
+            acc = np.zeros(self.spec.vocab_size, np.float32)
+            for start in range(0, states.shape[0], step):
+                acc += self.token_scores(states[start : start + step]).sum(axis=0)
+            return acc
+        # Max pooling: the bias add, relu and log1p are non-decreasing in the logit, in
+        # float32 as in exact arithmetic, so the max of the transformed logits is the
+        # transform of the max logit -- the same float, for V operations instead of T x V.
+        top = np.full(self.spec.vocab_size, -np.inf, np.float32)
+        for start in range(0, states.shape[0], step):
+            logits = self.transform(states[start : start + step]) @ self._dec_w.T
+            np.maximum(top, logits.max(axis=0), out=top)
+            del logits  # one chunk alive at a time, not two
+        top += self._dec_b
+        return self._activate(top)
 
     def apply(
-        self, states: np.ndarray, ids: np.ndarray, chunk_tokens: int = CHUNK_TOKENS
+        self, states: np.ndarray, ids: np.ndarray, chunk_tokens: int | None = None
     ) -> SparseVector:
         _check_states(states, ids, self.spec.hidden_size, self.spec.vocab_size)
         pooled = self.pooled(states, chunk_tokens)
