@@ -10,6 +10,7 @@ entry, so its peak is one chunk whatever the sequence length.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,33 +125,66 @@ class SpladeHead:
         BERT's 30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
         return max(16, min(256, CHUNK_BYTES // (4 * self.spec.vocab_size)))
 
-    def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
-        """The pooled (V,) vector before the top-k cut, `chunk_tokens` tokens at a time."""
-        if states.shape[0] == 0:
+    def pooled_many(
+        self, states: list[np.ndarray], chunk_tokens: int | None = None
+    ) -> Iterator[np.ndarray]:
+        """Each sequence's pooled (V,) vector before the top-k cut, in order. The sequences'
+        tokens run through the vocabulary projection together, a chunk at a time across
+        sequence boundaries: the (V, H) matrix is read once per chunk, not once per sequence
+        (short texts would otherwise spend their time streaming it), and at most one chunk's
+        logits and one running vector are alive.
+
+        Max pooling takes the max of the raw logits and then adds the bias and applies
+        log1p(relu(.)): those are non-decreasing in the logit, in float32 as in exact
+        arithmetic, so this is the same float as the max of the transformed logits, for V
+        operations per sequence instead of T x V."""
+        if any(s.shape[0] == 0 for s in states):
             raise EngineError("invalid_request", "a sequence of no tokens has no sparse vector")
+        if not states:
+            return
         step = chunk_tokens or self.chunk_tokens()
-        if self.spec.pooling == "sum":
-            acc = np.zeros(self.spec.vocab_size, np.float32)
-            for start in range(0, states.shape[0], step):
-                acc += self.token_scores(states[start : start + step]).sum(axis=0)
-            return acc
-        # Max pooling: the bias add, relu and log1p are non-decreasing in the logit, in
-        # float32 as in exact arithmetic, so the max of the transformed logits is the
-        # transform of the max logit -- the same float, for V operations instead of T x V.
-        top = np.full(self.spec.vocab_size, -np.inf, np.float32)
-        for start in range(0, states.shape[0], step):
-            logits = self.transform(states[start : start + step]) @ self._dec_w.T
-            np.maximum(top, logits.max(axis=0), out=top)
-            del logits  # one chunk alive at a time, not two
-        top += self._dec_b
-        return self._activate(top)
+        is_max = self.spec.pooling == "max"
+        reduce = np.maximum if is_max else np.add
+        flat = np.concatenate(states)
+        ends = np.cumsum([s.shape[0] for s in states])
+        seq, running = 0, None
+        for start in range(0, flat.shape[0], step):
+            stop = min(start + step, flat.shape[0])
+            if is_max:
+                scores = self.transform(flat[start:stop]) @ self._dec_w.T
+            else:
+                scores = self.token_scores(flat[start:stop])
+            # The chunk's rows split where sequences end inside it; one reduced row a part.
+            cuts = [start, *(int(e) for e in ends[seq:] if start < e < stop)]
+            parts = reduce.reduceat(scores, [c - start for c in cuts], axis=0)
+            del scores  # one chunk alive at a time
+            # Part k continues (k = 0) or starts (k > 0) sequence `seq`; every part but the
+            # last ends its sequence, the last one only where the sequence ends with the chunk.
+            for k, row in enumerate(parts):
+                running = np.array(row) if running is None else reduce(running, row)
+                if k < len(parts) - 1 or ends[seq] == stop:
+                    yield self._activate(running + self._dec_b) if is_max else running
+                    seq, running = seq + 1, None
+
+    def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
+        """One sequence's pooled (V,) vector before the top-k cut."""
+        return next(self.pooled_many([states], chunk_tokens))
 
     def apply(
         self, states: np.ndarray, ids: np.ndarray, chunk_tokens: int | None = None
     ) -> SparseVector:
-        _check_states(states, ids, self.spec.hidden_size, self.spec.vocab_size)
-        pooled = self.pooled(states, chunk_tokens)
-        return _sparse(np.arange(pooled.size), pooled, self.top_k)
+        return self.apply_many([states], [ids], chunk_tokens)[0]
+
+    def apply_many(
+        self, states: list[np.ndarray], ids: list[np.ndarray], chunk_tokens: int | None = None
+    ) -> list[SparseVector]:
+        """One vector per sequence (states (T_i, H) and ids (T_i,) each), computed together."""
+        if len(states) != len(ids):
+            raise EngineError("invalid_request", f"{len(states)} state sets for {len(ids)} ids")
+        for h, i in zip(states, ids, strict=True):
+            _check_states(h, i, self.spec.hidden_size, self.spec.vocab_size)
+        every = np.arange(self.spec.vocab_size)
+        return [_sparse(every, v, self.top_k) for v in self.pooled_many(states, chunk_tokens)]
 
 
 class StaticSparseHead:
