@@ -154,17 +154,18 @@ class SpladeHead:
                 scores = self.transform(flat[start:stop]) @ self._dec_w.T
             else:
                 scores = self.token_scores(flat[start:stop])
-            # The chunk's rows split where sequences end inside it; one reduced row a part.
-            cuts = [start, *(int(e) for e in ends[seq:] if start < e < stop)]
-            parts = reduce.reduceat(scores, [c - start for c in cuts], axis=0)
-            del scores  # one chunk alive at a time
-            # Part k continues (k = 0) or starts (k > 0) sequence `seq`; every part but the
-            # last ends its sequence, the last one only where the sequence ends with the chunk.
-            for k, row in enumerate(parts):
-                running = np.array(row) if running is None else reduce(running, row)
-                if k < len(parts) - 1 or ends[seq] == stop:
+            # The chunk's rows split where sequences end inside it. Part k continues (k = 0)
+            # or starts (k > 0) sequence `seq`; every part but the last ends its sequence, the
+            # last one only where the sequence ends with the chunk.
+            cuts = [start, *(int(e) for e in ends[seq:] if start < e < stop), stop]
+            for k in range(len(cuts) - 1):
+                part = scores[cuts[k] - start : cuts[k + 1] - start]
+                row = part.max(axis=0) if is_max else part.sum(axis=0)
+                running = row if running is None else reduce(running, row)
+                if k < len(cuts) - 2 or ends[seq] == stop:
                     yield self._activate(running + self._dec_b) if is_max else running
                     seq, running = seq + 1, None
+            del scores  # one chunk alive at a time
 
     def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
         """One sequence's pooled (V,) vector before the top-k cut."""
