@@ -354,18 +354,31 @@ def test_bge_m3_lexical_weights_equal_flag_embeddings_formula(dirs, ingested):
 
 
 def test_the_chunked_head_equals_the_whole_matrix(dirs, ingested):
+    """Chunks of 7 tokens run across sequence boundaries: sequences that end with a chunk,
+    inside one, several in one chunk, of one token, spanning three chunks."""
     long_text = " ".join(TEXTS)
+    lengths = [7, 1, 2, 2, 9, 7, 20]  # ends 7 8 10 12 21 28 48: chunks end at 7 14 21 28 ...
     for name in ("splade", "splade-sum"):
         head = load(head_dir(ingested[name])).for_route("document")
         assert isinstance(head, SpladeHead)
-        ((states, _ids),) = _st_states(dirs[name], [long_text])
-        assert states.shape[0] > 3 * 7
-        whole = head.token_scores(states)  # T x V at once, as SpladePooling without chunks
-        want = whole.max(axis=0) if head.spec.pooling == "max" else whole.sum(axis=0)
-        # One matmul of T rows and several of 7 round alike only to float32's noise.
-        got = head.pooled(states, chunk_tokens=7)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=ATOL)
-        assert (got != 0).sum() == (want != 0).sum() > 100
+        ((states, ids),) = _st_states(dirs[name], [long_text])
+        bounds = np.cumsum([0, *lengths])
+        assert states.shape[0] >= bounds[-1]
+        seqs = [states[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        seq_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        got = list(head.pooled_many(seqs, chunk_tokens=7))
+        assert len(got) == len(seqs)
+        for pooled, seq in zip(got, seqs, strict=True):
+            whole = head.token_scores(seq)  # T x V at once, as SpladePooling without chunks
+            want = whole.max(axis=0) if head.spec.pooling == "max" else whole.sum(axis=0)
+            # One matmul of T rows and several of 7 round alike only to float32's noise.
+            np.testing.assert_allclose(pooled, want, rtol=1e-5, atol=ATOL)
+            assert (pooled != 0).sum() == (want != 0).sum() > 0
+        # apply_many is apply on each: one sequence, chunked at the default size.
+        for vec, seq, i in zip(head.apply_many(seqs, seq_ids), seqs, seq_ids, strict=True):
+            one = head.apply(seq, i)
+            np.testing.assert_array_equal(vec.indices, one.indices)
+            np.testing.assert_allclose(vec.values, one.values, rtol=1e-5, atol=ATOL)
 
 
 def test_torch_state_is_read_without_torch_as_torch_saved_it(tmp_path):
