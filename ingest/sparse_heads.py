@@ -15,7 +15,7 @@ Three layouts are read, each as its reference computes it:
   (queries: one weight per vocabulary entry, no transformer) and the SPLADE pipeline above
   (documents), resolved for the tasks "query" and "document" by the Router's own rules.
 - bge-m3 in FlagEmbedding's layout: `sparse_linear.pt` (a `torch.save`d `Linear(H, 1)`)
-  beside the XLM-RoBERTa checkpoint, read without torch (`ingest/torch_state.py`); the ids
+  beside the XLM-RoBERTa checkpoint, read without torch (`formats/torch_pt.py`); the ids
   FlagEmbedding drops are the tokenizer's cls, eos, pad and unk tokens.
 
 `max_active_dims` is the model's (`config_sentence_transformers.json`), as `SparseEncoder`
@@ -53,8 +53,8 @@ from formats.sparse_head import (
     head_dir,
     write_spec,
 )
+from formats.torch_pt import read_torch_pt
 from ingest.durable import full_disk_as
-from ingest.torch_state import read_torch_state
 
 SPARSE_LINEAR = "sparse_linear.pt"
 
@@ -457,7 +457,9 @@ def _dropped_ids(model_dir: Path) -> tuple[int, ...]:
 def _bge_m3_heads(model_dir: Path) -> tuple[dict[str, HeadSpec], dict[str, np.ndarray]]:
     config = HfConfig.read(model_dir)
     hidden, vocab = config.positive_int("hidden_size"), config.positive_int("vocab_size")
-    state = read_torch_state(model_dir / SPARSE_LINEAR)
+    state = {
+        k: np.asarray(v, np.float32) for k, v in read_torch_pt(model_dir / SPARSE_LINEAR).items()
+    }
     weight, bias = state.get("weight"), state.get("bias")
     if set(state) != {"weight", "bias"} or weight is None or bias is None:
         raise SparseCheckpointInvalid(

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
-import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
 from formats.sparse_head import SPARSE_CONFIG, SPARSE_WEIGHTS, SparseHeadInvalid, head_dir
+from formats.torch_pt import TorchPtInvalid
 from ingest.model_packages import minilm_dir
 from ingest.sparse_heads import (
     SparseCheckpointInvalid,
@@ -32,7 +31,6 @@ from ingest.sparse_heads import (
     sparse_source,
     write_sparse_heads,
 )
-from ingest.torch_state import TorchStateInvalid, read_torch_state
 from workers.engine import EngineError
 from workers.heads.sparse import SpladeHead, StaticSparseHead, TokenWeightHead, load
 
@@ -381,65 +379,6 @@ def test_the_chunked_head_equals_the_whole_matrix(dirs, ingested):
             np.testing.assert_allclose(vec.values, one.values, rtol=1e-5, atol=ATOL)
 
 
-def test_torch_state_is_read_without_torch_as_torch_saved_it(tmp_path):
-    import torch
-
-    torch.manual_seed(4)
-    base = torch.randn(6, 5)
-    tensors = {
-        "f32": base,
-        "f16": base.half(),
-        "bf16": base.bfloat16(),
-        "strided": base.T[1:, 2:],  # a view: offset and strides into a shared storage
-    }
-    torch.save(tensors, tmp_path / "state.pt")
-    got = read_torch_state(tmp_path / "state.pt")
-    assert list(got) == list(tensors)
-    for name, t in tensors.items():
-        assert got[name].dtype == np.float32
-        np.testing.assert_array_equal(got[name], t.float().numpy())
-    # A module's own state_dict carries `_metadata` (a BUILD of the OrderedDict).
-    torch.save(torch.nn.Linear(3, 1).state_dict(), tmp_path / "linear.pt")
-    assert sorted(read_torch_state(tmp_path / "linear.pt")) == ["bias", "weight"]
-
-
-def _pt_with_pickle(path: Path, payload: bytes) -> Path:
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("x/data.pkl", payload)
-        z.writestr("x/byteorder", "little")
-    return path
-
-
-class _Evil:
-    def __reduce__(self):
-        return (os.system, ("echo pwned > /dev/null",))
-
-
-def test_torch_state_refusals(tmp_path):
-    import torch
-
-    (tmp_path / "garbage.pt").write_bytes(b"not a zip")
-    torch.save({"p": torch.nn.Parameter(torch.ones(2))}, tmp_path / "param.pt")
-    _pt_with_pickle(tmp_path / "evil.pt", pickle.dumps({"w": _Evil()}, protocol=2))
-    _pt_with_pickle(tmp_path / "list.pt", pickle.dumps([1, 2], protocol=2))
-    torch.save({"w": torch.ones(4)}, tmp_path / "cut.pt")
-    with zipfile.ZipFile(tmp_path / "cut.pt") as z:
-        items = {n: z.read(n) for n in z.namelist()}
-    with zipfile.ZipFile(tmp_path / "cut.pt", "w") as z:
-        for n, data in items.items():
-            z.writestr(n, data[:-4] if n.endswith("data/0") else data)
-    for name, says in [
-        ("garbage", "not a readable"),
-        ("param", "_rebuild_parameter"),
-        ("evil", "system"),
-        ("list", "not a dict"),
-        ("cut", "truncated"),
-    ]:
-        with pytest.raises(TorchStateInvalid, match=says) as e:
-            read_torch_state(tmp_path / f"{name}.pt")
-        assert e.value.code == "artifact_invalid"
-
-
 def _variant(src: Path, dst: Path) -> Path:
     """A copy of `src` whose files are hard links (cheap); `_rewrite` replaces one file."""
     shutil.copytree(src, dst, copy_function=os.link)
@@ -491,13 +430,13 @@ def test_ingest_refusals(dirs, tmp_path):
     d = case("m3-shape", "m3", "expected")
     (d / "sparse_linear.pt").unlink()
     torch.save(torch.nn.Linear(HIDDEN, 2).state_dict(), d / "sparse_linear.pt")
-    d = case("m3-garbage", "m3", "not a readable")
+    d = case("m3-garbage", "m3", "torch.save")
     (d / "sparse_linear.pt").unlink()
     (d / "sparse_linear.pt").write_bytes(b"\0" * 64)
 
     for name, src, says in cases:
         with pytest.raises(
-            SparseCheckpointInvalid if name != "m3-garbage" else TorchStateInvalid, match=says
+            SparseCheckpointInvalid if name != "m3-garbage" else TorchPtInvalid, match=says
         ) as e:
             write_sparse_heads(src, tmp_path / "out" / name)
         assert e.value.code == "artifact_invalid", name

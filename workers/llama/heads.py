@@ -69,15 +69,15 @@ def sparse_outputs(
     """The sparse section: the side's head on each item's states (or on its ids alone)."""
     loaded = mdl.heads["sparse"]
     head = loaded.for_route(side)
-    got = []
-    for i, ids in enumerate(seqs):
-        if isinstance(head, sparse.StaticSparseHead):
-            vec = head.apply(ids)
-        else:
-            assert states is not None
-            vec = head.apply(states[i], ids)
-        got.append((vec.indices, vec.values))
-    return sparse_section(got, head.spec.vocab_size)
+    if isinstance(head, sparse.StaticSparseHead):
+        vecs = [head.apply(ids) for ids in seqs]
+    elif isinstance(head, sparse.SpladeHead):  # the vocabulary matrix read once a chunk
+        assert states is not None
+        vecs = head.apply_many(states, seqs)
+    else:
+        assert states is not None
+        vecs = [head.apply(h, ids) for h, ids in zip(states, seqs, strict=True)]
+    return sparse_section([(v.indices, v.values) for v in vecs], head.spec.vocab_size)
 
 
 def multivector_inputs(
