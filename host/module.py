@@ -49,6 +49,7 @@ from host.classify import ClassifyInput, ClassifyResult, activation_for, split_i
 from host.config import HostConfig, LaneConfig
 from host.cpu_lane import llama_worker_env
 from host.errors import CertificateRequired, ConfigInvalid
+from host.keyed_locks import KeyedLocks
 from host.lane import Lane, LaneState
 from host.lane_policy import (
     AneCandidate,
@@ -221,9 +222,9 @@ class Module:
         self.lane_policy: LanePolicy = lane_policy or NoLanePolicy()
         self.permits = DevicePermits(self.config.host.permits())
         self._served: dict[str, _Served] = {}
-        self._loading: dict[str, asyncio.Lock] = {}
+        self._loading = KeyedLocks()  # by served_key: one load of a lane at a time
         self._choices: dict[str, LaneChoice] = {}
-        self._choosing: dict[str, asyncio.Lock] = {}
+        self._choosing = KeyedLocks()  # by model: one lane choice at a time
         self.routing = RoutedLanes(self)  # models served by two lanes, and each call's lane
         self.llama_device: str | None = None  # from the last llama.cpp HELLO
         # Fault counts of lanes already unloaded, by lane id, so that /metrics' counters never
@@ -259,8 +260,7 @@ class Module:
             return self._record(name)
         _check_lane(lane)
         key = served_key(name, lane)
-        lock = self._loading.setdefault(key, asyncio.Lock())
-        async with lock:
+        async with self._loading.hold(key):
             if key in self._served:
                 return self._served[key].record
             try:
@@ -369,8 +369,7 @@ class Module:
         choice = self._choices.get(name)
         if choice is not None:  # every request asks: answer without the lock once decided
             return choice
-        lock = self._choosing.setdefault(name, asyncio.Lock())
-        async with lock:
+        async with self._choosing.hold(name):
             choice = self._choices.get(name)
             if choice is None:
                 choice = self._choices[name] = await self._choose(name)
