@@ -63,7 +63,7 @@ from host.lane_policy import (
 from host.lane_router import LatencyCurve
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
-from host.routed_lanes import RoutedLanes, predicted_alone
+from host.routed_lanes import RoutedLanes, predict
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
@@ -472,26 +472,10 @@ class Module:
         not_routed = ""
         lane_set = self.lane_policy.lane_set(name, configured)
         if isinstance(lane_set, LaneSet):
-            together = "+".join(lane_set.lanes)
-            agreement = lane_set.agreement
-            if agreement is None:
-                return LaneChoice(
-                    lane_set.lanes[0],
-                    None,
-                    f"routed {together} once their vectors agree (measured at load)",
-                    lane_set.lanes,
-                )
-            if agreement.passed:
-                return LaneChoice(
-                    lane_set.lanes[0],
-                    None,
-                    f"routed {together}: vectors agree ({agreement.describe()})",
-                    lane_set.lanes,
-                )
-            not_routed = f"; not routed: lanes {together} disagree ({agreement.describe()})"
-            alone = predicted_alone(lane_set, self.llama_device)
-            if alone is not None:
-                return LaneChoice(alone.lane, alone.device, alone.reason + not_routed)
+            predicted = predict(lane_set, self.llama_device)
+            if isinstance(predicted, LaneChoice):
+                return predicted
+            not_routed = f"; not routed: {predicted}"
         elif configured is not None:
             not_routed = f"; not routed: {lane_set}"
         candidate = self.lane_policy.ane_candidate(name)

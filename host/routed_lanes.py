@@ -12,6 +12,8 @@ and the lane each call goes to.
   two models; and of two lanes that disagree, the one proved closer to the model is the one
   to trust. Without a certified lane there is nothing to prefer either by, and the Module's
   single-lane rule decides.
+- `predict`: the same choice as far as certificates tell, without starting a worker (what
+  `synapse doctor` and `/v1/models` show before a model is used).
 - `lane_for`: per call, the loaded, unquarantined lane expected to finish it first
   (host.lane_router.route), from the lanes' latency curves and the inputs each has in flight,
   which `in_flight` counts around every request a lane's worker is sent.
@@ -218,12 +220,23 @@ def alone_reason(lane: str, device: str | None, lanes: LaneSet) -> str:
     )
 
 
-def predicted_alone(lanes: LaneSet, llama_device: str | None) -> LaneChoice | None:
-    """Without starting a worker: the lane that serves alone when `lanes` disagree, or None
-    (no certified lane: the single-lane rule)."""
+def predict(lanes: LaneSet, llama_device: str | None) -> LaneChoice | str:
+    """Without starting a worker, what `choose` will make of `lanes` as far as certificates
+    tell: routed (once the agreement measured at load passes, when none is recorded), or the
+    better certified lane alone when a certificate recorded that they disagree; else why they
+    are not routed (no certified lane to prefer: the single-lane rule decides)."""
+    together = "+".join(lanes.lanes)
+    agreement = lanes.agreement
+    if agreement is None:
+        reason = f"routed {together} once their vectors agree (measured at load)"
+        return LaneChoice(lanes.lanes[0], None, reason, lanes.lanes)
+    if agreement.passed:
+        reason = f"routed {together}: vectors agree ({agreement.describe()})"
+        return LaneChoice(lanes.lanes[0], None, reason, lanes.lanes)
+    why = f"lanes {together} disagree ({agreement.describe()})"
     order = better_certified(lanes.lanes, lanes.fits)
     if not order:
-        return None
+        return why
     lane = order[0]
     device = "ane" if lane == "ane" else llama_device
-    return LaneChoice(lane, device, alone_reason(lane, device, lanes))
+    return LaneChoice(lane, device, alone_reason(lane, device, lanes) + f"; not routed: {why}")
