@@ -12,7 +12,9 @@ Two lanes (`lane_set`): with `lanes = "auto"` every lane certified for this mach
 the Core ML and the llama.cpp lane, or no pair); with an explicit list, those lanes, certified
 or not. Their agreement is the one a certificate recorded for exactly these two certificates,
 else it is measured once they are loaded (`measure`, on the certification corpus), and so is
-the latency curve of a lane whose certificate has none.
+the latency curve of a lane whose certificate has none. Each lane certified here also carries
+how close its certificate found it to the reference (`reference_fit`): when the lanes cannot
+serve together, the closer one serves alone (host.lane_router.better_certified).
 
 The policy reads the certificate store it is built with; `certification.modules` builds it
 with the store beside the Module's artifact store (`<cache dir>/certificates`).
@@ -31,7 +33,7 @@ from certification.policy import check_certificate, loosened
 from certification.shapes import parse_shapes
 from certification.store import CertificateStore
 from host.lane_policy import Agreement, AneCandidate, LaneSet
-from host.lane_router import LatencyCurve
+from host.lane_router import LatencyCurve, ReferenceFit
 
 if TYPE_CHECKING:
     from host.lane_policy import LoadedLanes
@@ -99,7 +101,8 @@ class CertificateLanePolicy:
         curves = {
             lane: cert.measurements.latency_curve if cert else None for lane, cert in certs.items()
         }
-        return LaneSet(tuple(lanes), extra, ids, curves, _recorded_agreement(certs))
+        fits = {lane: fit for lane, cert in certs.items() if cert and (fit := reference_fit(cert))}
+        return LaneSet(tuple(lanes), extra, ids, curves, _recorded_agreement(certs), fits)
 
     async def measure(
         self, loaded: Module, model: str, lanes: LaneSet
@@ -135,6 +138,29 @@ def certified_load_extra(cert: Certificate) -> dict:
     if shapes:
         extra["shapes"] = shapes
     return extra
+
+
+# The check whose value says how far a certified lane is from the reference, per model kind,
+# and how it becomes an error (lower: closer): the worst item, the same corpus on every lane.
+_FIT_CHECKS = {
+    "quality.min_cosine": ("1 - min cos", lambda v: 1.0 - v),
+    "quality.rerank_max_abs_error": ("max score error", lambda v: v),
+    "quality.label_score_max_abs_error": ("max label score error", lambda v: v),
+}
+
+
+def reference_fit(cert: Certificate) -> ReferenceFit | None:
+    """How close `cert`'s lane came to the reference: its first measured worst-item check
+    (embedders: min cosine; rerankers: max score error; classifiers: max label score error),
+    or None when it has none."""
+    for check in cert.checks:
+        fit = _FIT_CHECKS.get(check.name)
+        if fit is not None and check.status == "pass" and check.value is not None:
+            measure, error = fit
+            return ReferenceFit(
+                certificate=cert.id, error=float(error(float(check.value))), measure=measure
+            )
+    return None
 
 
 def _recorded_agreement(certs: dict[str, Certificate | None]) -> Agreement | None:

@@ -20,7 +20,8 @@ request routed to the lane expected to finish it first (host.lane_router), but o
 lanes' vectors agree (`Agreement`, min cosine >= `AGREEMENT_MIN_COS` on the certification
 corpus; rerank: the same order): else one index would mix two models. The agreement comes
 from a certificate that recorded it for exactly these two lanes, else it is measured once
-the lanes are loaded (`LanePolicy.measure`).
+the lanes are loaded (`LanePolicy.measure`). When they disagree, or one cannot load, the
+better certified lane serves alone (host.lane_router.better_certified).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from host.lane_router import LatencyCurve
+from host.lane_router import LatencyCurve, ReferenceFit
 
 if TYPE_CHECKING:
     from ingest.store import ModelRecord
@@ -81,6 +82,9 @@ class LaneSet:
     certificates: dict[str, str] = field(default_factory=dict)
     curves: dict[str, LatencyCurve | None] = field(default_factory=dict)
     agreement: Agreement | None = None  # recorded for exactly these lanes, else None
+    # Per lane certified here: how close its certificate found it to the reference (what
+    # picks the one lane that serves when the lanes cannot serve together).
+    fits: dict[str, ReferenceFit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,16 @@ measured on this machine (at certification, or at load) — says what a request 
 costs there, and the items already queued or running on the lane say how long it is busy.
 
 `route` is a pure function of those numbers (no clock, no I/O), so its rule is proved by
-table tests; the Module keeps the per-lane counts and calls it.
+table tests; host.routed_lanes keeps the per-lane counts and calls it.
+
+When the lanes cannot serve together (their vectors disagree, or one cannot load), one lane
+serves alone: `better_certified` orders the candidates, also a pure function.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -76,3 +79,34 @@ def route(curves: Mapping[str, LatencyCurve], queued: Mapping[str, int], items: 
         if t < best_t:
             best, best_t = lane, t
     return best or next(iter(curves))
+
+
+class ReferenceFit(msgspec.Struct, frozen=True, kw_only=True):
+    """How close a lane's certificate found it to the fp32 reference on the certification
+    corpus: the worst item's distance, the same measure for every lane of one model."""
+
+    certificate: str  # the certificate id
+    error: float  # embedders: 1 - min cosine; rerankers and classifiers: max |score error|
+    measure: str = "1 - min cos"  # what `error` is, for reasons ("max score error")
+
+    def describe(self) -> str:
+        return f"{self.measure} {self.error:.2e}, certificate {self.certificate}"
+
+
+def better_certified(lanes: Sequence[str], fits: Mapping[str, ReferenceFit]) -> list[str]:
+    """The lanes of `lanes` that may serve a model alone when they cannot serve it together
+    (their vectors disagree, or one cannot load), best first.
+
+    The rule: only a lane certified for this machine is a candidate (`fits` holds exactly
+    those: an uncertified lane was never judged against the reference, so nothing says it is
+    the right one of two that disagree); among them the closer to the reference (the lower
+    worst-item error its certificate measured; a non-finite error counts as the farthest);
+    a tie goes to the lane listed first. The caller skips a lane that cannot load and takes
+    the next; with none, the single-lane rule applies."""
+    ranked = [lane for lane in lanes if lane in fits]
+
+    def closeness(lane: str) -> tuple[float, int]:
+        error = fits[lane].error
+        return (error if math.isfinite(error) else math.inf, ranked.index(lane))
+
+    return sorted(ranked, key=closeness)

@@ -15,8 +15,8 @@ policy. All lanes of a Module share one set of execution permits (`cpu` = cores,
 Two lanes for one model: when the policy offers a set of lanes (every lane certified here,
 or `ModuleConfig.model_lanes[name]`) and their vectors agree (host.lane_policy.Agreement),
 the choice names both (`LaneChoice.lanes`) and each call without `lane=` goes to the lane
-expected to finish it first (host.lane_router, from the lanes' latency curves and the items
-each has in flight). Results say which lane served them (`EmbedResult.lane`).
+expected to finish it first; when they cannot serve together, the better certified lane
+serves alone (host.routed_lanes). Results say which lane served them (`EmbedResult.lane`).
 
 What a caller can ask about lanes, each answering one question:
 - `load_default_lane(name)` -> LaneChoice: decide (once) and load the lane a call without
@@ -49,6 +49,7 @@ from host.classify import ClassifyInput, ClassifyResult, activation_for, split_i
 from host.config import HostConfig, LaneConfig
 from host.cpu_lane import llama_worker_env
 from host.errors import CertificateRequired, ConfigInvalid
+from host.keyed_locks import KeyedLocks
 from host.lane import Lane, LaneState
 from host.lane_policy import (
     AneCandidate,
@@ -59,11 +60,12 @@ from host.lane_policy import (
     ane_reason,
     llama_reason,
 )
-from host.lane_router import LatencyCurve, route
+from host.lane_router import LatencyCurve
 from host.late_chunking import chunk_bounds, pick_windows, pool_chunks
 from host.late_chunking import token_states as late_token_states
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
+from host.routed_lanes import RoutedLanes, predict
 from host.sanitize import sanitize
 from host.token_outputs import (
     TokenOutputs,
@@ -175,7 +177,6 @@ class _Served:
     artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
     device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
     chat_pairs: ChatPairs | None = None  # an LLM reranker's pair composer, built on first use
-    in_flight: int = 0  # inputs sent to the worker and not yet answered (the router reads it)
     load_extra: dict | None = None  # the runtime_config_extra LOAD was given (its identity)
 
 
@@ -255,10 +256,10 @@ class Module:
         self.lane_policy: LanePolicy = lane_policy or NoLanePolicy()
         self.permits = DevicePermits(self.config.host.permits())
         self._served: dict[str, _Served] = {}
-        self._loading: dict[str, asyncio.Lock] = {}
+        self._loading = KeyedLocks()  # by served_key: one load of a lane at a time
         self._choices: dict[str, LaneChoice] = {}
-        self._choosing: dict[str, asyncio.Lock] = {}
-        self._curves: dict[str, dict[str, LatencyCurve]] = {}  # routed models: lane -> curve
+        self._choosing = KeyedLocks()  # by model: one lane choice at a time
+        self.routing = RoutedLanes(self)  # models served by two lanes, and each call's lane
         self.llama_device: str | None = None  # from the last llama.cpp HELLO
         # Fault counts of lanes already unloaded, by lane id, so that /metrics' counters never
         # go back when a model is unloaded (by the memory budget or keep_alive): a worker
@@ -293,8 +294,7 @@ class Module:
             return self._record(name)
         _check_lane(lane)
         key = served_key(name, lane)
-        lock = self._loading.setdefault(key, asyncio.Lock())
-        async with lock:
+        async with self._loading.hold(key):
             if key in self._served:
                 return self._served[key].record
             try:
@@ -403,8 +403,7 @@ class Module:
         choice = self._choices.get(name)
         if choice is not None:  # every request asks: answer without the lock once decided
             return choice
-        lock = self._choosing.setdefault(name, asyncio.Lock())
-        async with lock:
+        async with self._choosing.hold(name):
             choice = self._choices.get(name)
             if choice is None:
                 choice = self._choices[name] = await self._choose(name)
@@ -424,7 +423,7 @@ class Module:
         not_routed = ""
         lane_set = self.lane_policy.lane_set(name, configured)
         if isinstance(lane_set, LaneSet):
-            routed = await self._try_routed(name, lane_set)
+            routed = await self.routing.choose(name, lane_set)
             if isinstance(routed, LaneChoice):
                 return routed
             not_routed = f"; not routed: {routed}"
@@ -452,79 +451,15 @@ class Module:
         device = self._served[served_key(name, lane)].device
         return LaneChoice(lane, device, f"{lane}/{device}: configured (lanes = [{lane!r}])")
 
-    async def _try_routed(self, name: str, lanes: LaneSet) -> LaneChoice | str:
-        """Load every lane of `lanes`, confirm the certified ones' identities, and check that
-        their vectors agree (recorded, else measured now); a LaneChoice naming them all, or
-        why not (the lanes loaded here are unloaded again)."""
-        together = "+".join(lanes.lanes)
-        if lanes.agreement is not None and not lanes.agreement.passed:
-            return f"lanes {together} disagree ({lanes.agreement.describe()})"
-        loaded: list[str] = []
-        try:
-            for lane in lanes.lanes:
-                extra = lanes.runtime_config_extra.get(lane) or None
-                await self.load(name, lane, extra)
-                loaded.append(lane)
-                if lanes.certificates.get(lane):
-                    self.lane_policy.require(self, name, lane, extra)
-            agreement = lanes.agreement
-            curves = {lane: c for lane, c in lanes.curves.items() if c is not None}
-            if agreement is None or len(curves) < len(lanes.lanes):
-                measured, more = await self.lane_policy.measure(self, name, lanes)
-                agreement = agreement or measured
-                curves = {**more, **curves}
-        except SynapseError as exc:
-            log.warning("%s: lanes %s cannot serve together: %s", name, together, exc.message)
-            await self._unload_quietly(name, loaded)
-            return f"lanes {together} could not be loaded together ({exc.code}: {exc.message})"
-        if not agreement.passed:
-            log.warning("%s: lanes %s disagree: %s", name, together, agreement.describe())
-            await self._unload_quietly(name, loaded)
-            return f"lanes {together} disagree ({agreement.describe()})"
-        self._curves[name] = {lane: curves[lane] for lane in lanes.lanes}
-        first = lanes.lanes[0]
-        device = self._served[served_key(name, first)].device
-        certs = [c for c in (lanes.certificates.get(lane) for lane in lanes.lanes) if c]
-        by = f"; certificates {', '.join(certs)}" if certs else ""
-        return LaneChoice(
-            first,
-            device,
-            f"routed {together}: vectors agree ({agreement.describe()}){by}",
-            tuple(lanes.lanes),
-        )
-
-    async def _unload_quietly(self, name: str, lanes: list[str]) -> None:
-        for lane in lanes:
-            try:
-                await self.unload(name, lane)
-            except SynapseError as exc:
-                log.warning("%s: unloading the %s lane: %s", name, lane, exc.message)
-
-    def _route(self, name: str, choice: LaneChoice, items: int) -> str:
-        """The lane a call of `items` inputs without `lane=` goes to: the chosen lane, or for
-        a routed model the loaded, unquarantined lane expected to finish it first."""
-        curves = self._curves.get(name)
-        if not choice.lanes or not curves:
-            return choice.lane
-        ready = {}
-        in_flight = {}
-        for lane in choice.lanes:
-            served = self._served.get(served_key(name, lane))
-            if served is None or served.lane.state().quarantined or lane not in curves:
-                continue
-            ready[lane] = curves[lane]
-            in_flight[lane] = served.in_flight
-        return route(ready, in_flight, items) if ready else choice.lane
-
     def pick_lane(self, name: str, items: int) -> str | None:
         """The lane a call of `items` inputs without `lane=` would go to now (None: not
         chosen yet); a caller that names it gets the routed lane and knows which it is."""
         choice = self._choices.get(name)
-        return None if choice is None else self._route(name, choice, items)
+        return None if choice is None else self.routing.lane_for(name, choice, items)
 
     def latency_curves(self, name: str) -> dict[str, LatencyCurve]:
         """A routed model's latency curve per lane (empty for a model on one lane)."""
-        return dict(self._curves.get(name, {}))
+        return self.routing.curves(name)
 
     def serving_lanes(self, name: str) -> tuple[str, ...]:
         """The lanes calls without `lane=` reach for `name` (two or more when routed)."""
@@ -571,23 +506,10 @@ class Module:
         not_routed = ""
         lane_set = self.lane_policy.lane_set(name, configured)
         if isinstance(lane_set, LaneSet):
-            together = "+".join(lane_set.lanes)
-            agreement = lane_set.agreement
-            if agreement is None:
-                return LaneChoice(
-                    lane_set.lanes[0],
-                    None,
-                    f"routed {together} once their vectors agree (measured at load)",
-                    lane_set.lanes,
-                )
-            if agreement.passed:
-                return LaneChoice(
-                    lane_set.lanes[0],
-                    None,
-                    f"routed {together}: vectors agree ({agreement.describe()})",
-                    lane_set.lanes,
-                )
-            not_routed = f"; not routed: lanes {together} disagree ({agreement.describe()})"
+            predicted = predict(lane_set, self.llama_device)
+            if isinstance(predicted, LaneChoice):
+                return predicted
+            not_routed = f"; not routed: {predicted}"
         elif configured is not None:
             not_routed = f"; not routed: {lane_set}"
         candidate = self.lane_policy.ane_candidate(name)
@@ -645,7 +567,7 @@ class Module:
         choice = self._choices.get(name)
         if choice is not None and lane in (choice.lanes or (choice.lane,)):
             del self._choices[name]  # a routed pair without one of its lanes chooses again
-            self._curves.pop(name, None)
+            self.routing.forget(name)
         served = self._served.pop(served_key(name, lane), None)
         if served is None:
             raise ModelNotFound(f"model {name!r} is not loaded", model=name)
@@ -663,7 +585,7 @@ class Module:
         lanes = [s.lane for s in self._served.values()]
         self._served.clear()
         self._choices.clear()
-        self._curves.clear()
+        self.routing.clear()
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
 
     def residents(self) -> dict[str, dict[str, _Served]]:
@@ -690,7 +612,7 @@ class Module:
         it first when it is not; refused when the model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = self._route(name, await self.load_default_lane(name), items)
+            lane = self.routing.lane_for(name, await self.load_default_lane(name), items)
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -841,8 +763,7 @@ class Module:
             self.config.max_batch_items,
             self.config.host.max_frame,
         )
-        served.in_flight += len(ids)  # what a router sees this lane busy with
-        try:
+        with self.routing.in_flight(served.lane, len(ids)):  # what the router sees
             return await request_outputs(
                 served.lane,
                 served.record.name,
@@ -854,8 +775,6 @@ class Module:
                 width,
                 deadline_s,
             )
-        finally:
-            served.in_flight -= len(ids)
 
     @uses_model(DEFAULT_EMBED)
     async def late_chunk(
@@ -1014,8 +933,7 @@ class Module:
         `max_batch_items` inputs a request, and a reply of `width` floats an input under
         `max_frame`); `request(chunk)` builds a chunk's message and its i32 payload, and the
         reply's rows land in `out[chunk]`. Returns `out`."""
-        served.in_flight += len(lengths)  # what a router sees this lane busy with
-        try:
+        with self.routing.in_flight(served.lane, len(lengths)):  # what the router sees
             for chunk in plan_chunks(
                 list(lengths),
                 max_tokens or self.config.max_worker_batch_tokens,
@@ -1026,8 +944,6 @@ class Module:
                 req, payload = request(chunk)
                 _, got = await served.lane.request(req, payload, deadline_s=deadline_s)
                 out[chunk.start : chunk.stop] = got
-        finally:
-            served.in_flight -= len(lengths)
         return out
 
     # ---- rerank ---------------------------------------------------------------------------

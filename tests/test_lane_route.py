@@ -3,13 +3,15 @@ Core ML lane and the CPU llama.cpp lane as the second.
 
 Certification records each lane's latency curve and, certifying the second lane, its
 agreement with the first; a Module then serves the model on both lanes and routes each call
-by size; lanes that disagree are not routed (and say why); an explicit lane list serves
-without certificates once the agreement measured at load passes; the HTTP answer names its
+by size; lanes that disagree, or of which one cannot start, are not routed (and say why), and
+the better certified lane serves alone; an explicit lane list serves without certificates once
+the agreement measured at load passes; the HTTP answer names its
 lane; a bulk job runs both lanes at once and records both.
 
 The certified Core ML certificate is the REAL provisional one of this run with the placement a
 Mac's compute plan would add (as tests/test_lane_choice.py does: Linux has no compute plan).
-Only the routing test replaces the measured curves, with curves whose answer is known.
+Only the routing test replaces the measured curves, and the fallback tests the measured
+distance from the reference, with values whose answer is known.
 """
 
 from __future__ import annotations
@@ -103,6 +105,22 @@ def with_curve(cert: Certificate, seconds: list[float]) -> Certificate:
     return msgspec.structs.replace(cert, measurements=measured)
 
 
+def with_min_cosine(cert: Certificate, value: float) -> Certificate:
+    """`cert` as if its worst corpus item had measured `value` against the reference."""
+    checks = [
+        msgspec.structs.replace(c, value=value) if c.name == "quality.min_cosine" else c
+        for c in cert.checks
+    ]
+    return msgspec.structs.replace(cert, checks=checks)
+
+
+def disagreeing(llama: Certificate) -> Certificate:
+    assert llama.agreement is not None
+    return msgspec.structs.replace(
+        llama, agreement=msgspec.structs.replace(llama.agreement, min_cosine=0.9990)
+    )
+
+
 def test_certification_records_the_curve_and_the_agreement(certs):
     ane, llama = certs
     for cert in certs:
@@ -149,11 +167,10 @@ async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp
 
 async def test_lanes_that_disagree_are_not_routed(store_root, tmp_path, certs):
     ane, llama = certs
-    assert llama.agreement is not None
-    disagreeing = msgspec.structs.replace(
-        llama, agreement=msgspec.structs.replace(llama.agreement, min_cosine=0.9990)
-    )
-    async with module(store_root, policy_with(tmp_path, ane, disagreeing)) as mod:
+    # llama.cpp certified the farther from the reference: the Core ML lane serves alone (the
+    # next test turns it around).
+    farther = with_min_cosine(disagreeing(llama), 0.99995)
+    async with module(store_root, policy_with(tmp_path, ane, farther)) as mod:
         said = mod.default_lane(MODEL)  # what doctor and /v1/models show
         why = "not routed: lanes ane+llama disagree (min cos 0.999000 < 0.9998 on 9 items"
         assert said.lanes == () and why in said.reason
@@ -161,6 +178,54 @@ async def test_lanes_that_disagree_are_not_routed(store_root, tmp_path, certs):
         choice = mod.chosen_lanes()[MODEL]
         assert result.lane == "ane" and choice.lanes == () and why in choice.reason
         assert [s.lane for s in mod.served_lanes()] == ["ane"]  # no second worker
+
+
+async def test_of_lanes_that_disagree_the_one_certified_closer_to_the_reference_serves(
+    store_root, tmp_path, certs
+):
+    """The Core ML lane is a certified candidate too, but its certificate measured it farther
+    from the reference than llama.cpp's: llama.cpp serves, whatever the single-lane rule
+    (which prefers a certified Core ML lane) would say."""
+    ane, llama = certs
+    llama_fit = next(c.value for c in llama.checks if c.name == "quality.min_cosine")
+    assert llama_fit is not None and llama_fit > 0.99995
+    farther = with_min_cosine(ane, 0.99995)
+    async with module(store_root, policy_with(tmp_path, farther, disagreeing(llama))) as mod:
+        fits = mod.lane_policy.lane_set(MODEL, None).fits
+        assert fits["llama"].error == pytest.approx(1 - llama_fit)  # the real certificate's
+        assert fits["ane"].error == pytest.approx(5e-5)
+        said = mod.default_lane(MODEL)  # what doctor and /v1/models show, no worker started
+        assert said.lane == "llama" and said.lanes == ()
+        assert "the better certified of ane+llama against the reference (llama: " in said.reason
+        assert "not routed: lanes ane+llama disagree (min cos 0.999000" in said.reason
+        result = await mod.embed(TEXTS)
+        choice = mod.chosen_lanes()[MODEL]
+        assert result.lane == "llama" and choice.lane == "llama" and choice.lanes == ()
+        assert choice.reason.startswith("llama/cpu: the better certified of ane+llama")
+        assert f"1 - min cos 5.00e-05, certificate {ane.id}" in choice.reason
+        assert [s.lane for s in mod.served_lanes()] == ["llama"]  # no Core ML worker
+
+
+async def test_a_lane_that_cannot_start_is_passed_over_for_the_next_certified_one(
+    store_root, tmp_path, certs
+):
+    """Both lanes certified and agreeing, the Core ML lane the closer to the reference, but
+    its worker dies before it connects: it is passed over, and the llama.cpp lane serves alone
+    as the next certified one (not by the single-lane rule's "its lane failed to load")."""
+    ane, llama = certs
+    farther = with_min_cosine(llama, 0.99995)
+    crashing = ["python", "-m", "workers.faulty", "--fault", "crash_on_start"]
+    argv = {"llama": ["python", "-m", "workers.llama"], "ane": crashing}
+    async with module(store_root, policy_with(tmp_path, ane, farther), worker_argv=argv) as mod:
+        assert mod.default_lane(MODEL).lanes == ("ane", "llama")  # they agree: routed
+        result = await mod.embed(TEXTS)
+        choice = mod.chosen_lanes()[MODEL]
+        assert result.lane == "llama" and choice.lanes == ()
+        assert choice.reason.startswith("llama/cpu: the better certified of ane+llama")
+        assert "(ane: 1 - min cos" in choice.reason  # the closer one, passed over
+        assert "not routed: lanes ane+llama could not be loaded together" in choice.reason
+        assert "exited before connecting" in choice.reason
+        assert [s.lane for s in mod.served_lanes()] == ["llama"]
 
 
 async def test_listed_lanes_serve_without_a_certificate_once_they_agree_at_load(

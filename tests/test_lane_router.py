@@ -1,18 +1,31 @@
-"""The routing rule between two lanes of one model (a pure function: tables), the agreement
-gate's verdict, and what configures two lanes: the serve config, `--lane ane,llama`, and
+"""The routing rule between two lanes of one model (a pure function: tables), the lane that
+serves alone when they cannot serve together, the agreement gate's verdict, and what
+configures two lanes: the serve config, `--lane ane,llama`, and
 certificates written before curves and agreement were recorded."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+import numpy as np
 import pytest
 
 from batch.errors import BatchUsageError
 from batch.job import JobOptions, job_lanes
+from certification import gates
 from certification.certificate import decode, encode
+from certification.lane_policy import reference_fit
 from host.errors import ConfigInvalid
 from host.lane_policy import AGREEMENT_MIN_COS, Agreement
-from host.lane_router import LatencyCurve, expected_finish, expected_seconds, route
+from host.lane_router import (
+    LatencyCurve,
+    ReferenceFit,
+    better_certified,
+    expected_finish,
+    expected_seconds,
+    route,
+)
 from service.config import load_config
 from tests.test_certification_store import make_cert
 
@@ -67,6 +80,46 @@ def test_a_tie_goes_to_the_lane_listed_first():
     assert route({"llama": GPU}, {"ane": 0}, 1) == "llama"  # one lane: always it
     with pytest.raises(ValueError, match="no lanes"):
         route({}, {}, 1)
+
+
+def fit(error: float) -> ReferenceFit:
+    return ReferenceFit(certificate="c", error=error)
+
+
+@pytest.mark.parametrize(
+    "lanes, fits, order",
+    [
+        (("ane", "llama"), {}, []),  # nothing certified: the single-lane rule decides
+        (("ane", "llama"), {"llama": fit(9e-5)}, ["llama"]),  # the certified one, however far
+        (("ane", "llama"), {"ane": fit(4e-6), "llama": fit(9e-6)}, ["ane", "llama"]),
+        (("ane", "llama"), {"ane": fit(9e-6), "llama": fit(4e-6)}, ["llama", "ane"]),
+        (("ane", "llama"), {"ane": fit(5e-6), "llama": fit(5e-6)}, ["ane", "llama"]),  # tie
+        (("llama", "ane"), {"ane": fit(5e-6), "llama": fit(5e-6)}, ["llama", "ane"]),
+        (("ane", "llama"), {"ane": fit(math.nan), "llama": fit(0.5)}, ["llama", "ane"]),
+        (("ane",), {"ane": fit(1e-6), "llama": fit(0.0)}, ["ane"]),  # only lanes of the set
+    ],
+)
+def test_the_better_certified_lane_serves_alone(lanes, fits, order):
+    assert better_certified(lanes, fits) == order
+
+
+def test_a_certificate_measures_its_distance_from_the_reference_by_the_model_kind():
+    t = make_cert("x").thresholds  # a real row of the gate table
+    embed = gates.cosine_checks(np.array([0.999995, 0.999999]), t)
+    rerank = [gates.rerank_check(np.array([1e-3, 4e-3]), t, "")]
+    labels = gates.label_score_checks(np.array([2e-3]), np.array([True]), t)
+    cases = [
+        (gates.embedding_not_applicable("cross-encoder") + rerank, "max score error", 4e-3),
+        (embed + [gates.rerank_not_applicable("embedding")], "1 - min cos", 5e-6),
+        (gates.embedding_not_applicable("sequence classifier") + labels, "max label", 2e-3),
+    ]
+    for checks, measure, error in cases:
+        cert = msgspec.structs.replace(make_cert("2026-01-01T00:00:00Z"), checks=checks)
+        got = reference_fit(cert)
+        assert got is not None and got.certificate == cert.id
+        assert got.measure.startswith(measure) and got.error == pytest.approx(error)
+    failed = gates.cosine_checks(np.array([0.5]), t)  # a failed check measures nothing
+    assert reference_fit(msgspec.structs.replace(make_cert("x"), checks=failed)) is None
 
 
 @pytest.mark.parametrize(
