@@ -2,8 +2,9 @@
 sentence-transformers' prompts, the prompt applied when a call names none, and the Matryoshka
 widths the model's vectors may be cut to.
 
-Prompts come from the directory (`formats.st_layout`, either layout). Ingest may add prompts
-or replace some by name, and name another default, as `SentenceTransformer(prompts=...,
+Prompts come from the directory (`formats.st_layout`, either layout; a jina-embeddings-v3
+config's `task_instructions` are prompts named by task, under the directory's own). Ingest may
+add prompts or replace some by name, and name another default, as `SentenceTransformer(prompts=...,
 default_prompt_name=...)` does over a saved model: a prompt given by name wins over the
 directory's of that name, the others are kept.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
 from formats.matryoshka import MatryoshkaError, declared_widths
 from formats.st_layout import LayoutError, read_layout
 
@@ -43,6 +45,10 @@ def encode_options(
         layout = read_layout(model_dir)
     except LayoutError as e:
         raise ArtifactInvalid(str(e)) from e
+    # A task's instruction is the prompt of that name: choosing the default prompt chooses
+    # the task (ingest.hf_jina_v3 merges its adapter).
+    own_prompts = {**HfConfig.read(model_dir, missing_ok=True).mapping("task_instructions")}
+    own_prompts.update(layout.prompts)
     own_dims: list[int] = []
     if not matryoshka_dims:  # widths given at ingest win: the files' are not needed
         try:
@@ -53,7 +59,7 @@ def encode_options(
         prompts,
         default_prompt_name,
         matryoshka_dims,
-        own_prompts=layout.prompts,
+        own_prompts=own_prompts,
         own_default=layout.default_prompt_name,
         own_dims=own_dims,
     )
