@@ -172,7 +172,9 @@ def convert(
     h, heads = config.positive_int("hidden_size"), config.positive_int("num_attention_heads")
     ff, layers = config.positive_int("intermediate_size"), config.positive_int("num_hidden_layers")
     n_vocab, n_types = config.positive_int("vocab_size"), config.positive_int("type_vocab_size", 1)
-    n_ctx = config.positive_int("max_position_embeddings")
+    # The config keeps XLM-RoBERTa's position-table size, whose first pad_token_id + 1 rows were
+    # never positions (8194 -> 8192 trained tokens); llama.cpp's converter records the same.
+    n_ctx = config.positive_int("max_position_embeddings") - _pad_offset(config)
     if h % heads:
         raise ArtifactInvalid("hidden_size is not a multiple of num_attention_heads")
     if pooling is None:
@@ -248,6 +250,15 @@ def convert(
         architecture=ARCH_NAME,
         task=task if tasks(config) else None,
     )
+
+
+def _pad_offset(config: HfConfig) -> int:
+    pad = config.value("pad_token_id", 1)
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise ArtifactInvalid(f"config.json: pad_token_id {pad!r} is not a token id")
+    if pad + 1 >= config.positive_int("max_position_embeddings"):
+        raise ArtifactInvalid("config.json: max_position_embeddings leaves no positions")
+    return pad + 1
 
 
 def _tensor_order(name: str) -> tuple[int, str]:

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
 from ingest.store import ArtifactStore
+from tests.test_gguf_converted import hub_xlmr_tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -115,7 +115,7 @@ def dirs(module_tmp) -> dict:
     from transformers import JinaEmbeddingsV3Model
 
     hf, hub = module_tmp / "hf", module_tmp / "hub"
-    n_vocab = xlmr_tokenizer(hf, MAX_SEQ, vocab_size=700)
+    n_vocab = hub_xlmr_tokenizer(hf, MAX_SEQ)  # with the .model file llama.cpp's converter reads
     torch.manual_seed(0)
     JinaEmbeddingsV3Model(_config(n_vocab)).eval().save_pretrained(hf)
     _st_modules(hf)
@@ -210,6 +210,14 @@ def served(module_tmp, dirs) -> dict:
         dirs["hub"], "jina-query", dtype="f32", default_prompt_name="retrieval.query"
     )
     store.ingest_hf_dir(dirs["hf"], "jina-hf", dtype="f32")
+    # llama.cpp's own converter of the Hub layout: the base model, each task's adapter apart.
+    from certification.tokenizer_proof import prove_gguf_tokenizer
+    from tests.llama_converter import Job, convert
+
+    gguf = module_tmp / "llama" / "jina.gguf"
+    gguf.parent.mkdir()
+    convert([Job(str(dirs["hub"]), str(gguf), "f32")])
+    store.ingest_gguf(gguf, name="jina-gguf", prove=prove_gguf_tokenizer, max_tokens=MAX_SEQ)
 
     async def serve(runtime_dir: str) -> dict:
         cfg = ModuleConfig(
@@ -219,11 +227,12 @@ def served(module_tmp, dirs) -> dict:
             return {
                 "query": (await mod.embed(TEXTS, model="jina-query")).vectors,
                 "hf": (await mod.embed(TEXTS, model="jina-hf")).vectors,
+                "gguf": (await mod.embed(TEXTS, model="jina-gguf")).vectors,
             }
 
     runtime_dir = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     try:
-        return {"store": store, **asyncio.run(serve(runtime_dir))}
+        return {"store": store, "gguf_path": gguf, **asyncio.run(serve(runtime_dir))}
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
@@ -254,9 +263,22 @@ def test_a_task_merged_at_ingest_embeds_like_transformers_with_that_adapter(serv
     assert _cos(served["query"], _reference(dirs, None)).min() < BAR
 
 
-def test_transformers_own_directory_converts_as_it_is(served, dirs):
-    got = _cos(served["hf"], _reference(dirs, None))
-    assert got.min() >= BAR, got.min()
+def test_transformers_own_directory_and_llama_cpps_base_gguf_are_the_model_without_adapter(
+    served, dirs
+):
+    base = _reference(dirs, None)
+    for name in ("hf", "gguf"):
+        assert _cos(served[name], base).min() >= BAR, (name, _cos(served[name], base).min())
+    # The same positions both ways: the trained length without XLM-RoBERTa's offset rows.
+    store = served["store"]
+    assert store.get("jina-hf").manifest.n_ctx_train == store.get("jina-gguf").manifest.n_ctx_train
+    # An adapter GGUF llama.cpp's converter writes beside it is no model: refused, named.
+    from certification.tokenizer_proof import prove_gguf_tokenizer
+
+    adapter = served["gguf_path"].with_name("lora-retrieval.query-jina.gguf")
+    assert adapter.is_file()
+    with pytest.raises(ArtifactInvalid, match=r"LoRA adapter \(task retrieval.query\)"):
+        store.ingest_gguf(adapter, name="adapter", prove=prove_gguf_tokenizer)
 
 
 def test_a_checkpoint_with_adapters_needs_a_task(dirs, module_tmp):
