@@ -130,14 +130,26 @@ def merged_weights(
         w, a, b = parts["original"], parts["0.lora_A"], parts["0.lora_B"]
         if a.ndim != 3 or b.ndim != 3 or a.shape[0] != len(names) or b.shape[0] != len(names):
             raise ArtifactInvalid(f"{stem}: LoRA pairs must stack one per task ({len(names)})")
-        if stem.endswith("_embeddings"):  # nn.Embedding: (rows x rank) @ (rank x width)
-            delta = a[t].astype(np.float64) @ b[t].astype(np.float64)
-        else:  # nn.Linear: (out x rank) @ (rank x in)
-            delta = b[t].astype(np.float64) @ a[t].astype(np.float64)
-        if delta.shape != w.shape:
-            raise ArtifactInvalid(f"{stem}: the adapter's {delta.shape} does not fit {w.shape}")
-        plain[f"{stem}.weight"] = (w.astype(np.float64) + scale * delta).astype(np.float32)
+        # nn.Embedding: (rows x rank) @ (rank x width); nn.Linear: (out x rank) @ (rank x in)
+        left, right = (a[t], b[t]) if stem.endswith("_embeddings") else (b[t], a[t])
+        if (left.shape[0], right.shape[1]) != w.shape or left.shape[1] != right.shape[0]:
+            raise ArtifactInvalid(
+                f"{stem}: the adapter's {left.shape} @ {right.shape} does not fit {w.shape}"
+            )
+        plain[f"{stem}.weight"] = _merge(w, left, right, scale)
     return plain
+
+
+def _merge(w: np.ndarray, left: np.ndarray, right: np.ndarray, scale: float) -> np.ndarray:
+    """`w + scale * left @ right` in float64, stored f32, a block of rows at a time: the
+    word-embedding delta of the real model (250002 x 1024) would take 2 GB in one piece."""
+    out = np.empty(w.shape, dtype=np.float32)
+    r = right.astype(np.float64)
+    for start in range(0, w.shape[0], 8192):
+        rows = slice(start, start + 8192)
+        delta = left[rows].astype(np.float64) @ r
+        out[rows] = w[rows].astype(np.float64) + scale * delta
+    return out
 
 
 def rope_theta(config: HfConfig) -> float:
