@@ -33,8 +33,17 @@ import numpy as np
 from formats.digest import sha256_file
 from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
-from workers.engine import Engine, EngineError, Generation, Progress
-from workers.llama import encode, generate, llm_head, model_kind, native
+from workers.engine import (
+    Engine,
+    EngineError,
+    Generation,
+    Progress,
+    Section,
+    dense_section,
+    ragged_section,
+    sparse_section,
+)
+from workers.llama import encode, generate, llm_head, model_kind, native, token_states
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.context_plan import flash_attention, plan_context
 from workers.llama.decode_plan import decode_tokens_for
@@ -299,6 +308,38 @@ class LlamaEngine(Engine):
         hidden = encode.encode(mdl, _split(ids, lengths), progress, self._decode_tokens)
         return llm_head.scores(hidden, mdl.llm_direction)
 
+    def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
+        """Every requested output from ONE decode of each item's tokens (token_states.py):
+        `dense` is the model's pooling of those states (normalized if asked), `tokens` the
+        states themselves, `sparse` / `multivector` the model's heads on them."""
+        mdl = self._get(req.model_ref, "embed")
+        if not req.outputs or len(set(req.outputs)) != len(req.outputs):
+            raise EngineError("invalid_request", f"outputs {list(req.outputs)}: name each once")
+        missing = [k for k in req.outputs if k in ("sparse", "multivector") and k not in mdl.heads]
+        if missing:
+            raise EngineError("unsupported", f"{mdl.ref} has no {missing[0]} head")
+        lengths = [it.n_tokens for it in req.items]
+        ids = self._check_ids(mdl, ids, lengths)
+        seqs = _split(ids, lengths)
+        states = token_states.token_states(mdl, seqs, progress, self._decode_tokens)
+        sections: list[Section] = []
+        for kind in req.outputs:
+            if kind == "dense":
+                dense = np.stack([token_states.pool(s, mdl.pooling) for s in states])
+                if req.normalize:
+                    dense /= np.maximum(np.linalg.norm(dense, axis=1, keepdims=True), 1e-12)
+                sections.append(dense_section(dense))
+            elif kind == "tokens":
+                sections.append(ragged_section("tokens", states, mdl.n_embd))
+            else:
+                head = mdl.heads[kind]
+                got = [head.apply(s, q, req.side) for s, q in zip(states, seqs, strict=True)]
+                if kind == "sparse":
+                    sections.append(sparse_section(got, head.vocab_size))
+                else:
+                    sections.append(ragged_section("multivector", got, head.dims))
+        return sections
+
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         """Greedy decoding (argmax, first index on ties — llama.cpp's greedy sampler).
 
@@ -407,6 +448,15 @@ class LlamaEngine(Engine):
                 slot.free()
             raise
         vocab = llama_cpp.llama_model_get_vocab(model)
+        token_cparams = None
+        if kind == "embed":
+            token_cparams = native.planned_context_params(
+                plan,
+                offloaded=offloaded,
+                encoder=True,
+                pooling="none",
+                flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
+            )
         return native.LoadedModel(
             ref=ref,
             path=path,
@@ -432,6 +482,7 @@ class LlamaEngine(Engine):
             all_threads=plan.all_threads,
             typed=typed,
             llm_direction=direction,
+            token_cparams=token_cparams,
         )
 
     # ---- internals: requests -----------------------------------------------------------------

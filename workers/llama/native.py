@@ -209,6 +209,12 @@ class LoadedModel:
     typed: TypedPairs | None = None
     # An LLM reranker's W[true] - W[false] (llm_head.py); None for every other model.
     llm_direction: np.ndarray | None = None
+    # An embedder's pooling-NONE context params, and that context once a request needs token
+    # states (token_states.py); None for other kinds.
+    token_cparams: Any = None
+    token_slot: Slot | None = None
+    # Heads on the token states, by the output they give ("sparse", "multivector").
+    heads: dict[str, Any] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
     # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
     stream_threads: tuple[int, int] = (1, 1)
@@ -224,6 +230,8 @@ class LoadedModel:
             self.pool.shutdown(wait=True)
         for slot in self.slots:
             slot.free()
+        if self.token_slot is not None:
+            self.token_slot.free()
         llama_cpp.llama_model_free(self.model)
 
 

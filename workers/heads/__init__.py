@@ -1,0 +1,1 @@
+"""Heads that run in the worker on the engine's final token states (numpy only)."""
