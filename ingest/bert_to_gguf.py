@@ -164,7 +164,8 @@ def wordpiece_vocab(model_dir: Path, n_vocab: int) -> Vocab:
     return Vocab("bert", "default", tokens, types, ids=vocab)
 
 
-def _unigram_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+def unigram_dir_vocab(model_dir: Path, n_vocab: int) -> Vocab:
+    """The Unigram vocabulary of an XLM-RoBERTa directory's tokenizer.json."""
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise ArtifactInvalid(
@@ -343,7 +344,7 @@ def convert(
         offset = _position_offset(config)
         n_ctx_train -= offset
         mapped = [(t, n, a[offset:] if t == MODEL_TENSOR.POS_EMBD else a) for t, n, a in mapped]
-        vocab = _unigram_vocab(model_dir, config.positive_int("vocab_size"))
+        vocab = unigram_dir_vocab(model_dir, config.positive_int("vocab_size"))
     else:
         vocab = wordpiece_vocab(model_dir, config.positive_int("vocab_size"))
     special = special_ids(model_dir, vocab.ids, model_type)

@@ -2,14 +2,16 @@
 sentence-transformers' prompts, the prompt applied when a call names none, and the Matryoshka
 widths the model's vectors may be cut to.
 
-Prompts come from the directory (`formats.st_layout`, either layout). Ingest may add prompts
-or replace some by name, and name another default, as `SentenceTransformer(prompts=...,
+Prompts come from the directory (`formats.st_layout`, either layout; a jina-embeddings-v3
+config's `task_instructions` are prompts named by task, under the directory's own). Ingest may
+add prompts or replace some by name, and name another default, as `SentenceTransformer(prompts=...,
 default_prompt_name=...)` does over a saved model: a prompt given by name wins over the
 directory's of that name, the others are kept.
 
-Matryoshka widths: sentence-transformers saves none (config_sentence_transformers.json holds
-prompts, default_prompt_name and similarity_fn_name; a generated model card tags
-`loss:MatryoshkaLoss` without the widths), so only ingest's `matryoshka_dims` sets them.
+Matryoshka widths: those the directory's files record (`formats.matryoshka`: config.json's
+`matryoshka_dimensions`, or the MatryoshkaLoss parameters of the model card sentence-transformers
+writes after training; config_sentence_transformers.json holds none), unless ingest's
+`matryoshka_dims` names others, which win (and settle files that disagree).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ArtifactInvalid, InvalidRequest
+from formats.hf_config import HfConfig
+from formats.matryoshka import MatryoshkaError, declared_widths
 from formats.st_layout import LayoutError, read_layout
 
 
@@ -41,12 +45,23 @@ def encode_options(
         layout = read_layout(model_dir)
     except LayoutError as e:
         raise ArtifactInvalid(str(e)) from e
+    # A task's instruction is the prompt of that name: choosing the default prompt chooses
+    # the task (ingest.hf_jina_v3 merges its adapter).
+    own_prompts = {**HfConfig.read(model_dir, missing_ok=True).mapping("task_instructions")}
+    own_prompts.update(layout.prompts)
+    own_dims: list[int] = []
+    if not matryoshka_dims:  # widths given at ingest win: the files' are not needed
+        try:
+            own_dims = declared_widths(model_dir)
+        except MatryoshkaError as e:
+            raise ArtifactInvalid(f"{e}; name the widths with --matryoshka-dims") from e
     return given_options(
         prompts,
         default_prompt_name,
         matryoshka_dims,
-        own_prompts=layout.prompts,
+        own_prompts=own_prompts,
         own_default=layout.default_prompt_name,
+        own_dims=own_dims,
     )
 
 
@@ -57,6 +72,7 @@ def given_options(
     *,
     own_prompts: Mapping[str, str] | None = None,
     own_default: str | None = None,
+    own_dims: Sequence[int] = (),
 ) -> EncodeOptions:
     """Ingest's options over the model's own (`own_*`: a GGUF has none, so only these)."""
     merged = dict(own_prompts or {})
@@ -69,7 +85,8 @@ def given_options(
             f"({', '.join(sorted(merged)) or 'it has none'})"
         )
     asked = prompts is not None or default_prompt_name is not None or bool(matryoshka_dims)
-    return EncodeOptions(merged, default, _checked_dims(matryoshka_dims), asked)
+    dims = _checked_dims(matryoshka_dims) if matryoshka_dims else list(own_dims)
+    return EncodeOptions(merged, default, dims, asked)
 
 
 def fitted(options: EncodeOptions, kind: str, dims: int) -> EncodeOptions:

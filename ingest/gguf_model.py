@@ -16,6 +16,7 @@ Rules, from the llama.cpp that llama-cpp-python 0.3.36 vendors:
   template it keeps (ingest.llm_rerank); one without a template we can render is refused,
   and so is any other reranker carrying a `tokenizer.chat_template.rerank`: its pairs would
   not match its training.
+- A LoRA adapter GGUF (`general.type` adapter) is refused: it is no model.
 - Anything the GGUF does not say (an embedder's pooling) is given by the caller, or refused:
   pooling is never guessed.
 - Limits: one input is at most `ITEM_LIMIT` tokens (the worker's default encoder batch) or
@@ -114,6 +115,15 @@ def inspect_gguf(
     """The serving facts of the GGUF at `path`; `kind` / `pooling` say what it does not."""
     hdr = read_header(path)
     arch = hdr.architecture
+    if hdr.kv.get("general.type") == "adapter":
+        # llama.cpp's converter writes jina-embeddings-v3's task adapters as LoRA GGUFs
+        # beside the base model; an adapter alone is no model.
+        task = hdr.kv.get("adapter.lora.task_name")
+        raise ArtifactInvalid(
+            f"{path} is a LoRA adapter{f' (task {task})' if task else ''}, not a model; to "
+            "serve a task, ingest the Hugging Face directory with --default-prompt TASK (the "
+            "task's adapter is merged at ingest)"
+        )
     if arch not in EMBED_ARCHITECTURES:
         raise ArtifactInvalid(
             f"architecture {arch or '(none)'!r} is not one llama.cpp embeds or reranks with "

@@ -62,6 +62,9 @@ class ConvertedModel(msgspec.Struct, frozen=True):
     problem_type: str | None = None
     # An LLM reranker's template and scored tokens (ingest.llm_rerank), None otherwise.
     llm_rerank: LlmRerankSpec | None = None
+    # The task whose adapter was merged into the weights (jina-embeddings-v3): the model
+    # serves that task alone, so only its prompt is kept (ingest.hf_jina_v3).
+    task: str | None = None
 
 
 def load_json(path: Path) -> dict:

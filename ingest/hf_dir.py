@@ -14,7 +14,7 @@ import msgspec
 
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.hf_config import HfConfig
-from ingest import bert_to_gguf, hf_gemma3, hf_modernbert, hf_nomic_bert, hf_qwen3
+from ingest import bert_to_gguf, hf_gemma3, hf_jina_v3, hf_modernbert, hf_nomic_bert, hf_qwen3
 from ingest.hf_common import ConvertedModel, Dtype, PoolingName, check_request, st_layout
 from ingest.llm_rerank import LLM_RERANK_FAMILIES, is_llm_reranker, spec_from_hf_dir
 
@@ -27,6 +27,7 @@ FAMILIES: dict[str, Converter] = {
     "nomic_bert": hf_nomic_bert.convert,
     "gemma3_text": hf_gemma3.convert,
     "qwen3": hf_qwen3.convert,
+    hf_jina_v3.MODEL_TYPE: hf_jina_v3.convert,
 }
 
 
@@ -39,8 +40,10 @@ def convert_hf_dir(
     name: str | None = None,
     true_token: str | None = None,
     false_token: str | None = None,
+    task: str | None = None,
 ) -> ConvertedModel:
-    """Convert `model_dir` to a GGUF at `out_path` (atomically). `pooling` overrides what the
+    """Convert `model_dir` to a GGUF at `out_path` (atomically). `task`: the adapter a
+    jina-embeddings-v3 checkpoint is served with (ingest.hf_jina_v3). `pooling` overrides what the
     directory declares; an embedder that declares none must be given one. A `...ForCausalLM`
     directory that is an LLM reranker (ingest.llm_rerank) is converted as one, scoring
     `true_token` against `false_token` when given. Raises ArtifactInvalid / InvalidRequest."""
@@ -56,6 +59,11 @@ def convert_hf_dir(
         )
     if true_token is not None or false_token is not None:
         raise InvalidRequest("--true-token/--false-token name an LLM reranker's scored tokens")
+    if hf_jina_v3.is_jina_v3(config):
+        # Before the family table: the Hub's checkpoint says model_type xlm-roberta.
+        return hf_jina_v3.convert(
+            model_dir, config, out_path, dtype, pooling, name or model_dir.name, task=task
+        )
     convert = FAMILIES.get(model_type)
     if convert is None:
         raise ArtifactInvalid(

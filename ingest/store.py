@@ -630,8 +630,16 @@ class ArtifactStore:
                 name=model_name or name,
                 true_token=tokens[0],
                 false_token=tokens[1],
+                task=options.default_prompt_name,
             )
             options = fitted(options, info.kind, info.dims)
+            if info.task is not None:  # one task's adapter merged: only its prompt applies
+                options = EncodeOptions(
+                    {info.task: options.prompts[info.task]},
+                    info.task,
+                    options.matryoshka_dims,
+                    options.asked,
+                )
             tok_src = body / "tokenizer.json"
             tokenizer = None
             if tok_src.is_file():

@@ -266,7 +266,7 @@ def create_app(
             except ConfigInvalid as exc:
                 print(f"synapse serve: error[{exc.code}]: {exc.message}", file=sys.stderr)
                 raise
-            for name in config.preload:
+            for name in config.preloaded:
                 try:
                     await module.load(name)
                 except SynapseError as exc:

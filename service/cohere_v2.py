@@ -30,7 +30,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from common.errors import InvalidRequest, SynapseError
-from ingest.store import DEFAULT_EMBED
 from service import rerank
 from service.embeddings import apply_dimensions, is_matryoshka
 from service.encoding import encode_embeddings, quantization_ranges
@@ -205,7 +204,7 @@ async def embed(request: Request, state: ServerState) -> Response:
         raise Unsupported(
             "input_type 'image' needs images; this server embeds text only", param="input_type"
         )
-    model = state.resolve(req.model, DEFAULT_EMBED)
+    model = state.resolve(req.model, state.config.default_model)
     assert state.module is not None and state.scheduler is not None
     prompt_name = prompt_for(req.input_type, state.module.record(model).manifest.prompts)
     max_tokens = await _limit(state, model, req.max_tokens)

@@ -37,7 +37,14 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: int = 8080
     module: ModuleConfig = msgspec.field(default_factory=ModuleConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
-    preload: list[str] = msgspec.field(default_factory=lambda: [DEFAULT_EMBED])
+    # The model a request that names none is served by, loaded at start: a store name or a
+    # Hugging Face repository id ("BAAI/bge-m3", pulled at start when missing, as TEI's and
+    # Infinity's `--model-id`). Unset: the default embedder.
+    model: str | None = None
+    # Models loaded at start. Unwritten: `model` alone when it is set (a server named for one
+    # model does not also load the default embedder), else the default embedder; `model` is
+    # always among them, first.
+    preload: list[str] | None = None
     install_defaults: bool = True  # ingest the embedded default models at start (idempotent)
     # Models whose embeddings may be truncated with `dimensions` (Matryoshka-trained), beside
     # those whose manifest has `matryoshka_dims`. MiniLM is neither: truncating it loses
@@ -64,6 +71,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     residency: ResidencyConfig = msgspec.field(default_factory=ResidencyConfig)
     # Per model (aliases allowed): which lanes serve it (ModelSettings).
     models: dict[str, ModelSettings] = {}
+
+    @property
+    def default_model(self) -> str:
+        """What a request that names no model gets."""
+        return self.model or DEFAULT_EMBED
+
+    @property
+    def preloaded(self) -> list[str]:
+        return self.preload or []
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -98,6 +114,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     f"aliases: {alias!r} -> {target!r}, which is itself an alias; name the "
                     "installed model directly"
                 )
+        if self.model is not None and not self.model.strip():
+            raise ConfigInvalid("model: name a model (a store name or ORG/NAME), or leave it out")
+        if self.preload is None:
+            self.preload = [self.model or DEFAULT_EMBED]
+        elif self.model is not None and self.model not in self.preload:
+            self.preload = [self.model, *self.preload]
         # Requests are matched after alias resolution: list the model an alias names.
         self.matryoshka_models = [self.aliases.get(m, m) for m in self.matryoshka_models]
         self.residency = self.residency.resolved(self.aliases)

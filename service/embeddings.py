@@ -26,7 +26,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from common.errors import InvalidRequest
-from ingest.store import DEFAULT_EMBED
 from service.encoding import encode_embeddings, quantization_ranges
 from service.metrics import LANE_HEADER
 from service.scheduler import Embedded
@@ -160,7 +159,7 @@ def is_matryoshka(state: ServerState, model: str) -> bool:
 async def create_embeddings(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, EmbeddingRequest)
     texts, token_arrays = parse_input(req.input)
-    model = state.resolve(req.model, DEFAULT_EMBED)
+    model = state.resolve(req.model, state.config.default_model)
     sched = state.scheduler
     assert sched is not None
     usage_tokens = None

@@ -1,5 +1,6 @@
-"""Models a serve config names by Hugging Face repository id: `preload = ["BAAI/bge-m3"]`,
-or an alias to one (`aliases = {"text-embedding-3-small" = "BAAI/bge-m3"}`).
+"""Models a serve config names by Hugging Face repository id: `model = "BAAI/bge-m3"` (the
+model a request that names none gets), `preload = ["BAAI/bge-m3"]`, or an alias to one
+(`aliases = {"text-embedding-3-small" = "BAAI/bge-m3"}`).
 
 Before any server starts (as the default models are installed), each repository id is
 resolved to a model of the store: one already ingested from that repository (any commit: a
@@ -20,7 +21,7 @@ from service.config import ServeConfig
 
 def repo_names(config: ServeConfig) -> list[str]:
     """The names in `config` that are repository ids (a store name never holds a `/`)."""
-    names = [*config.preload, *config.aliases.values()]
+    names = [*config.preloaded, *config.aliases.values(), *([config.model] if config.model else [])]
     return sorted({n for n in names if "/" in n and parse_ref(n) is not None})
 
 
@@ -34,7 +35,10 @@ def resolve_repo_models(config: ServeConfig, offline: bool = False) -> ServeConf
     for repo, name in names.items():
         aliases.setdefault(repo, name)
     resolved = msgspec.structs.replace(
-        config, preload=[names.get(n, n) for n in config.preload], aliases=aliases
+        config,
+        model=names.get(config.model, config.model) if config.model else None,
+        preload=[names.get(n, n) for n in config.preloaded],
+        aliases=aliases,
     )
     resolved.__post_init__()
     return resolved

@@ -23,7 +23,6 @@ from starlette.responses import Response
 
 from common.errors import InvalidRequest
 from host.module import RerankResult as Ranked
-from ingest.store import DEFAULT_EMBED
 from service.metrics import LANE_HEADER
 from service.schemas import (
     BilledUnits,
@@ -105,7 +104,7 @@ async def _rerank(
 ) -> Ranked:
     """`Module.rerank` for a decoded request (`query`, `model`, `truncate`,
     `truncation_direction`); an over-the-limit error names the request's `param` field."""
-    name = state.resolve(req.model, DEFAULT_EMBED)
+    name = state.resolve(req.model, state.config.default_model)
     assert state.module is not None and state.scheduler is not None
     module = state.module
 

@@ -28,7 +28,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from common.errors import InvalidRequest, SynapseError
-from ingest.store import DEFAULT_EMBED
 from service.embeddings import (
     _INPUT_SCHEMA,
     apply_dimensions,
@@ -100,7 +99,7 @@ async def embed(request: Request, state: ServerState) -> Response:
         texts, token_arrays = parse_input(req.inputs)
     except InvalidRequest as exc:
         raise InvalidRequest(exc.message.replace("input", "inputs", 1), param="inputs") from None
-    model = state.resolve(req.model, DEFAULT_EMBED)
+    model = state.resolve(req.model, state.config.default_model)
     sched = state.scheduler
     assert sched is not None
     truncate = True if req.truncate is None else req.truncate
@@ -135,7 +134,7 @@ async def embed(request: Request, state: ServerState) -> Response:
 
 
 async def info(request: Request, state: ServerState) -> Response:
-    model = state.resolve(request.query_params.get("model"), DEFAULT_EMBED)
+    model = state.resolve(request.query_params.get("model"), state.config.default_model)
     assert state.module is not None
     record = state.module.record(model)
     man = record.manifest

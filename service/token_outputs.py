@@ -26,7 +26,6 @@ from starlette.responses import Response
 
 from common.errors import InvalidRequest
 from host.token_outputs import TokenOutputs
-from ingest.store import DEFAULT_EMBED
 from service.state import ServerState
 from service.truncation import Direction, direction, name_field
 
@@ -100,7 +99,7 @@ async def _run(
     state: ServerState, req: _TokenRequest, outputs: list[str], normalize: bool = True
 ) -> TokenOutputs:
     texts = _texts(req.inputs)
-    name = state.resolve(req.model, DEFAULT_EMBED)
+    name = state.resolve(req.model, state.config.default_model)
     assert state.module is not None and state.scheduler is not None
     module = state.module
 
@@ -144,7 +143,7 @@ def _has_head(state: ServerState, name: str, kind: str) -> bool:
 
 async def embed_all(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, EmbedAllRequest)
-    name = state.resolve(req.model, DEFAULT_EMBED)
+    name = state.resolve(req.model, state.config.default_model)
     kind = "multivector" if _has_head(state, name, "multivector") else "tokens"
     result = await _run(state, req, [kind])
     rows = result.multivector if kind == "multivector" else result.tokens

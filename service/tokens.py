@@ -32,7 +32,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from common.errors import InvalidRequest
-from ingest.store import DEFAULT_EMBED
 from service.state import ServerState
 
 # Larger inputs are tokenized in a thread, as embedding does: one request cannot stall the loop.
@@ -118,7 +117,7 @@ def _texts(req: TokenizeRequest) -> tuple[list[str], bool]:
 async def tokenize(request: Request, state: ServerState) -> Response:
     req = await state.read_json(request, TokenizeRequest)
     texts, tei = _texts(req)
-    model = state.resolve(req.model, DEFAULT_EMBED)
+    model = state.resolve(req.model, state.config.default_model)
     module = state.module
     assert module is not None
     try:
@@ -164,7 +163,7 @@ async def detokenize(request: Request, state: ServerState) -> Response:
             "exactly one of `tokens` (vLLM shape) and `ids` (TEI shape)", param="tokens"
         )
     sequences = [req.tokens] if req.tokens is not None else _id_batch(req.ids)
-    model = state.resolve(req.model, DEFAULT_EMBED)
+    model = state.resolve(req.model, state.config.default_model)
     module = state.module
     assert module is not None
     limit = module.admission.budgets.max_inputs

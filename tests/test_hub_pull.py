@@ -14,11 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
 from ingest.store import ArtifactStore
 from tests import small_disk
 from tests.hub_support import HubServer, Repo, cut_at, repo_from_dir, tiny_bert_dir
+from tests.test_serve_support import ServerProcess, server_config
 
 pytestmark = pytest.mark.model
 
@@ -315,6 +318,51 @@ def test_serve_config_names_models_by_repository_id(tmp_path, hub, pulled):
     env = _env(tmp_path / "nothing", _dead_endpoint())
     proc = resolve(env, offline=True)
     assert proc.returncode != 0 and "ModelNotFound" in proc.stderr
+
+
+def test_serve_model_key_pulls_the_repository_at_start_and_serves_it_by_default(
+    tmp_path, hub, source
+):
+    """`model = "acme/tiny-embed"`: with an empty store and an empty Hugging Face cache the
+    server pulls it before it listens, loads it alone (not the default embedder too), and a
+    request naming no model gets its vectors, which match sentence-transformers' over the
+    source directory; a repository the Hub does not have stops the start with one line."""
+    from sentence_transformers import SentenceTransformer
+
+    env = _env(tmp_path, hub.endpoint)
+    store = tmp_path / "synapse" / "models"
+    server = ServerProcess(server_config(str(store), model=REPO), env=env)
+    try:
+        assert list(server.health()["lanes"]) == ["tiny-embed"]
+        got = httpx.post(
+            f"{server.url}/v1/embeddings", json={"input": ["a short text"]}, timeout=60
+        )
+        assert got.status_code == 200, got.text
+        body = got.json()
+        assert body["model"] == "tiny-embed"
+        vec = np.array(body["data"][0]["embedding"], dtype=np.float32)
+        # The repository id is an alias of the model it became.
+        by_repo = httpx.post(
+            f"{server.url}/v1/embeddings", json={"input": ["a short text"], "model": REPO}
+        ).json()
+        assert by_repo["data"][0]["embedding"] == body["data"][0]["embedding"]
+    finally:
+        server.stop()
+    ref = SentenceTransformer(str(source), device="cpu").encode(
+        ["a short text"], normalize_embeddings=True
+    )[0]
+    assert vec.shape == ref.shape and float(vec @ ref) > 0.999
+    prov = ArtifactStore(store).get("tiny-embed").manifest.provenance
+    assert prov is not None and prov.repo == REPO
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(server_config(str(store), model="acme/no-such-repo")))
+    proc = synapse(env, "serve", "--config", str(bad))
+    assert proc.returncode == 2
+    assert _error_line(proc) == (
+        "synapse serve: cannot get the models the config names: error[repo_not_found]: "
+        f"no repository acme/no-such-repo on {hub.endpoint} (a private one needs HF_TOKEN)"
+    )
 
 
 @pytest.mark.skipif(small_disk.unavailable() is not None, reason=str(small_disk.unavailable()))

@@ -128,3 +128,13 @@ def test_the_default_completion_length_follows_a_lower_generation_limit():
     assert ServeConfig().default_completion_tokens == 16  # OpenAI's default
     low = msgspec.convert({"module": {"max_generate_tokens": 4}}, ServeConfig)
     assert low.default_completion_tokens == 4  # not a config error, not 16
+
+
+def test_model_key_is_preloaded_first_and_alone_unless_preload_names_others():
+    assert load_config(None).default_model == "minilm-l6-v2"
+    cfg = ServeConfig(model="acme/embed")
+    assert cfg.preload == ["acme/embed"] and cfg.default_model == "acme/embed"
+    assert ServeConfig(model="m", preload=["r"]).preload == ["m", "r"]
+    assert ServeConfig(model="m", preload=["r", "m"]).preload == ["r", "m"]
+    with pytest.raises(ConfigInvalid, match="model: name a model"):
+        ServeConfig(model=" ")
