@@ -97,3 +97,15 @@ def test_the_same_order_gate_exempts_near_ties_only():
     check = gates.rerank_order_check([4], 10, 2e-2)
     assert check.status == "fail" and "0.02" in check.detail
     assert gates.rerank_order_check([], 10, 2e-2).status == "pass"
+
+
+def test_a_wider_llm_rerank_scale_is_a_loosened_override_and_a_narrower_one_is_not():
+    from certification.policy import loosened
+    from tests.test_certification_store import make_cert
+
+    cert = make_cert("2026-01-01T00:00:00Z")  # a llama row: llm_rerank_rel 0
+    cert.overrides = {"llm_rerank_rel": 1e-2}
+    assert loosened(cert) == ["llm_rerank_rel 0.01 vs table 0"]
+    cert.overrides = {"llm_rerank_rel": 0.0}
+    assert loosened(cert) == []
+    assert ANE.with_overrides({"llm_rerank_rel": 1e-3}).llm_rerank_rel == 1e-3
