@@ -99,15 +99,14 @@ def test_the_core_ml_llm_reranker_certifies_at_the_bar_its_scores_set(certs):
     assert err.threshold == pytest.approx(bar) and m.rerank_bar == pytest.approx(bar)
     assert err.status == "pass" and err.value == pytest.approx(np.abs(lane - ref).max())
     assert "max|ref|" in err.detail
-    # fp16 through the decoder costs more than the cross-encoder bar (the reason the bar
-    # scales), yet the bar stays far inside the scores' spread: a wrong token, row or
-    # position moves scores by that spread.
-    assert err.value > t.rerank_max_abs
+    # The bar stays far inside the scores' spread: a wrong token, row or position moves
+    # scores by that spread. (fp16 through the decoder costs more than the cross-encoder
+    # bar, 5e-3: the reason it scales; the run prints by how much.)
     assert ref.std() > 20 * bar
     # Same order on every query, and the gate had orders to compare.
     order = _check(cert, "quality.rerank_same_order")
     assert order.status == "pass", order
-    assert cert.corpus.n_items >= 2 * cert.corpus.n_queries - 4
+    assert cert.corpus.n_items >= 2 * cert.corpus.n_queries - 2  # 2 documents for all but 2
     print(
         f"\ncore ml llm rerank certify: max |raw diff| {err.value:.3e} (bar {bar:.3e}, "
         f"max|ref| {np.abs(ref).max():.2f}), mean {np.abs(lane - ref).mean():.2e}"
