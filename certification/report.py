@@ -55,7 +55,9 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 {% if score_plot %}{{ score_plot|safe }}
 <p>Each point is one pair: the lane's raw score against the reference's. The dashed line is
  where they agree; the shaded band is the error bar the pairs were judged at
- ({{ "%.4g"|format(score_bar) }}); points outside it are red.</p>{% endif %}
+ ({{ "%.4g"|format(score_bar) }}); points outside it are red. On the right, each pair's
+ difference (lane - reference) against the reference score, on a scale where that band is
+ visible.</p>{% endif %}
 {{ placement_plot|safe }}
 {% if placement_note %}<p>{{ placement_note }}</p>{% endif %}
 {{ latency_plot|safe }}

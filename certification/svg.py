@@ -6,7 +6,9 @@ data (`data-lo`/`data-hi`/`data-count`, or `data-label`/`data-value`) and a `<ti
 tooltip, so the report is checkable by parsing it and readable without JavaScript. The
 scatter's points are `<circle class="point">` with `data-x`/`data-y` (and `data-outside`
 when a point lies outside the band), its diagonal a `<line class="diagonal">` and its band
-a `<polygon class="band" data-half-width>`.
+a `<polygon class="band" data-half-width>`; beside it the differences (`<circle
+class="residual">`, lane - reference against reference) in their band (`<rect
+class="band-residual">`), on an axis where a tight bar is visible.
 """
 
 from __future__ import annotations
@@ -184,7 +186,52 @@ def scatter(
         f'<text x="{PAD_L - 4}" y="{PAD_T + 8}" font-size="10" text-anchor="end">{hi:.4g}</text>'
         f'<text x="{PAD_L - 4}" y="{y0}" font-size="10" text-anchor="end">{lo:.4g}</text>'
         f'<text x="12" y="{(PAD_T + y0) / 2}" font-size="10" text-anchor="middle" '
-        f'transform="rotate(-90 12 {(PAD_T + y0) / 2})">{escape(y_label)}</text></svg>'
+        f'transform="rotate(-90 12 {(PAD_T + y0) / 2})">{escape(y_label)}</text>'
+    )
+    parts.append(_residuals(x, y, band, (px, lo, hi), side))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _residuals(x: np.ndarray, y: np.ndarray, band: float | None, xaxis, side: float) -> str:
+    """The scatter's right-hand panel: lane - reference against the reference, on an axis
+    sized to the band, where a bar that is a hairline on the scores' scale is visible."""
+    _, lo, hi = xaxis
+    left, width = PAD_L + side + 44, W - PAD_R - (PAD_L + side + 44)
+    d = y - x
+    top = max(float(np.abs(d).max()), 1.5 * band if band else 0.0, 1e-12) * 1.1
+
+    def qx(v: float) -> float:
+        return left + width * (v - lo) / (hi - lo)
+
+    def qy(v: float) -> float:
+        return PAD_T + side * (top - v) / (2 * top)
+
+    parts = []
+    if band is not None:
+        parts.append(
+            f'<rect class="band-residual" x="{left}" y="{qy(band):.2f}" width="{width}" '
+            f'height="{qy(-band) - qy(band):.2f}" fill="#c8e6c9" data-half-width="{band:.6g}"/>'
+        )
+    parts.append(
+        f'<line x1="{left}" y1="{qy(0):.1f}" x2="{left + width}" y2="{qy(0):.1f}" '
+        'stroke="#555" stroke-dasharray="4 3"/>'
+    )
+    for a, b in zip(x, d, strict=True):
+        out = band is not None and abs(b) > band
+        parts.append(
+            f'<circle class="residual" cx="{qx(a):.1f}" cy="{qy(b):.1f}" r="1.8" '
+            f'fill="{"#c62828" if out else "#1565c0"}" fill-opacity="0.7" '
+            f'data-x="{a:.6g}" data-y="{b:.6g}"/>'
+        )
+    y0 = PAD_T + side
+    parts.append(
+        f'<line x1="{left}" y1="{y0}" x2="{left + width}" y2="{y0}" stroke="#333"/>'
+        f'<line x1="{left}" y1="{PAD_T}" x2="{left}" y2="{y0}" stroke="#333"/>'
+        f'<text x="{left - 3}" y="{PAD_T + 8}" font-size="10" text-anchor="end">+{top:.2g}</text>'
+        f'<text x="{left - 3}" y="{y0}" font-size="10" text-anchor="end">-{top:.2g}</text>'
+        f'<text x="{left + width / 2}" y="{y0 + 30}" font-size="11" text-anchor="middle">'
+        "lane - reference, against reference</text>"
     )
     return "".join(parts)
 

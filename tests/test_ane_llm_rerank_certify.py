@@ -133,6 +133,7 @@ class _Scatter(HTMLParser):
         super().__init__()
         self.plots: set[str] = set()
         self.points: list[dict] = []
+        self.residuals: list[dict] = []
         self.band: list[dict] = []
         self.diagonal = 0
         self._in: str | None = None
@@ -144,7 +145,9 @@ class _Scatter(HTMLParser):
             self.plots.add(str(self._in))
         elif self._in == "scores" and a.get("class") == "point":
             self.points.append(a)
-        elif self._in == "scores" and a.get("class") == "band":
+        elif self._in == "scores" and a.get("class") == "residual":
+            self.residuals.append(a)
+        elif self._in == "scores" and a.get("class") in ("band", "band-residual"):
             self.band.append(a)
         elif self._in == "scores" and a.get("class") == "diagonal":
             self.diagonal += 1
@@ -171,8 +174,14 @@ def test_the_report_plots_lane_against_reference_scores_with_the_bars_band(certs
         ys = [float(p["data-y"]) for p in plot.points]
         np.testing.assert_allclose(xs, m.rerank_ref_scores, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(ys, m.rerank_lane_scores, rtol=1e-5, atol=1e-5)
-        assert plot.diagonal == 1 and len(plot.band) == 1
-        assert float(plot.band[0]["data-half-width"]) == pytest.approx(m.rerank_bar, rel=1e-5)
+        assert plot.diagonal == 1 and len(plot.band) == 2  # around the diagonal, around 0
+        for band in plot.band:
+            assert float(band["data-half-width"]) == pytest.approx(m.rerank_bar, rel=1e-5)
+        # Beside it, each pair's difference, on an axis where the band is visible.
+        diffs = [float(p["data-y"]) for p in plot.residuals]
+        np.testing.assert_allclose(
+            diffs, np.subtract(m.rerank_lane_scores, m.rerank_ref_scores), atol=1e-5
+        )
         # Points outside the band are the pairs over the bar: none when healthy, the failing
         # ones when degraded.
         outside = sum(p.get("data-outside") == "1" for p in plot.points)
