@@ -16,7 +16,8 @@ Schema v1, one JSON object per certificate:
     fingerprint   certification.fingerprint.Fingerprint of the probe-set outputs
     drift         None, or the previous certificate the fingerprint was compared with
     corpus        items, sample stride (1 = whole corpus), corpus digest
-    measurements  per-item cosines, per-request latencies, rerank errors, placement detail,
+    measurements  per-item cosines, per-request latencies, rerank errors (and both scores of
+                  every pair, with the bar they were judged at), placement detail,
                   and the lane's latency curve (seconds for 1, 4, 16, 64 items at the corpus's
                   typical length; absent in older certificates: measured at load instead)
     agreement     None, or how closely this lane agreed with the model's other certified lane
@@ -92,6 +93,12 @@ class Measurements(msgspec.Struct, kw_only=True):
     latencies_ms: list[float] = []  # per lane request during the corpus pass
     request_items: list[int] = []  # items in each of those requests
     rerank_errors: list[float | None] = []  # |lane - reference| per pair (cross-encoders)
+    # Rerankers: the two scores of every judged pair (what the report's scatter plots), and
+    # the error bar the pairs were judged at (LLM rerankers: scaled by the reference's
+    # scores, see certification.gates.llm_rerank_bar). Empty/None in older certificates.
+    rerank_lane_scores: list[float | None] = []
+    rerank_ref_scores: list[float | None] = []
+    rerank_bar: float | None = None
     retrieval_overlap: list[float | None] = []  # per query
     tokenizer_mismatch_items: list[int] = []  # corpus indices whose ids differ
     placement_share: float | None = None

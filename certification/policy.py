@@ -71,7 +71,7 @@ def check_certificate(
 
 # Gating thresholds and the direction that makes them stricter.
 _AT_LEAST = ("min_cosine", "mean_cosine", "retrieval_top10", "placement_share")
-_AT_MOST = ("rerank_max_abs", "tokenizer_mismatches")
+_AT_MOST = ("rerank_max_abs", "llm_rerank_rel", "tokenizer_mismatches")
 
 
 def loosened(cert: Certificate) -> list[str]:

@@ -1,6 +1,7 @@
 """The HTML report of a certificate: verdict, checks, key, fingerprint, and inline-SVG plots
-(per-item cosine distribution, placement by device, latency histogram). One self-contained
-file: no scripts, no external assets."""
+(per-item cosine distribution, a reranker's lane-vs-reference score scatter with its error
+band, placement by device, latency histogram). One self-contained file: no scripts, no
+external assets."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 
 <h2>Plots</h2><div class="plots">
 {{ cosine_plot|safe }}
+{% if score_plot %}{{ score_plot|safe }}
+<p>Each point is one pair: the lane's raw score against the reference's. The dashed line is
+ where they agree; the shaded band is the error bar the pairs were judged at
+ ({{ "%.4g"|format(score_bar) }}); points outside it are red. On the right, each pair's
+ difference (lane - reference) against the reference score, on a scale where that band is
+ visible.</p>{% endif %}
 {{ placement_plot|safe }}
 {% if placement_note %}<p>{{ placement_note }}</p>{% endif %}
 {{ latency_plot|safe }}
@@ -77,11 +84,14 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 def render(cert: Certificate) -> str:
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     placement_plot, note = _placement_plot(cert)
+    score_plot, score_bar = _score_plot(cert)
     return env.from_string(_TEMPLATE).render(
         c=cert,
         key=msgspec.to_builtins(cert.key),
         fmt=_fmt,
         cosine_plot=_cosine_plot(cert),
+        score_plot=score_plot,
+        score_bar=score_bar,
         placement_plot=placement_plot,
         placement_note=note,
         latency_plot=svg.histogram(
@@ -131,6 +141,35 @@ def _cosine_plot(cert: Certificate) -> str:
         marker_label=f"max {cert.thresholds.rerank_max_abs:g}",
         y_label="pairs",
     )
+
+
+def _score_plot(cert: Certificate) -> tuple[str, float]:
+    """A reranker's scatter of lane against reference score per pair, with the band the
+    pairs were judged at ("", 0) when the certificate holds no scores (an embedder, or a
+    reranker certified before they were recorded)."""
+    m = cert.measurements
+    if not m.rerank_lane_scores or len(m.rerank_lane_scores) != len(m.rerank_ref_scores):
+        return "", 0.0
+    pairs = [
+        (r, lane)
+        for r, lane in zip(m.rerank_ref_scores, m.rerank_lane_scores, strict=True)
+        if r is not None and lane is not None and math.isfinite(r) and math.isfinite(lane)
+    ]
+    bar = m.rerank_bar if m.rerank_bar is not None else cert.thresholds.rerank_max_abs
+    left = len(m.rerank_lane_scores) - len(pairs)
+    bad = f"; {left} not a number, failing" if left else ""
+    outside = sum(abs(lane - r) > bar for r, lane in pairs)
+    plot = svg.scatter(
+        "scores",
+        [r for r, _ in pairs],
+        [lane for _, lane in pairs],
+        f"Lane vs reference score per pair ({len(pairs)} pairs, {outside} outside the bar{bad})",
+        "reference score (fp32)",
+        f"{cert.key.lane} lane score",
+        band=bar,
+        band_label=f"|lane - reference| <= {bar:.4g}",
+    )
+    return plot, bar
 
 
 def _placement_plot(cert: Certificate) -> tuple[str, str]:

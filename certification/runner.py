@@ -335,11 +335,10 @@ async def _judge_rerank(
         lane_scores.append(scores)
         ref_scores.append(await ref_task)
         progress.advance("reference", len(docs))
-    errors = np.abs(
-        np.concatenate(lane_scores).astype(np.float64)
-        - np.concatenate(ref_scores).astype(np.float64)
-    )
-    measured.rerank_errors = [float(e) for e in errors]
+    lane_all = np.concatenate(lane_scores).astype(np.float64)
+    ref_all = np.concatenate(ref_scores).astype(np.float64)
+    errors = np.abs(lane_all - ref_all)
+    _record_scores(measured, lane_all, ref_all, t.rerank_max_abs)
     note = "reference with the model's own token types (1 on the document half)"
     progress.start("probe", "probe set (fingerprint)", 1)
     probe, _ = await client.rerank(qs[0], probe_set())
@@ -411,7 +410,7 @@ async def _judge_llm_rerank(
     instruction = spec.default_instruction
     progress.start("lane", f"{client.lane} lane: LLM rerank pairs", len(texts))
     progress.start("reference", "fp32 reference forward", len(texts))
-    errors, bad = [], []
+    lane_scores, ref_scores = [], []
     for qi, docs in groups.items():
         fitted = [fitter.fit(sanitize(qs[qi]), sanitize(d), instruction, limit)[2:] for d in docs]
         ref_task = asyncio.create_task(
@@ -425,11 +424,17 @@ async def _judge_llm_rerank(
         progress.advance("lane", len(docs))
         ref = await ref_task
         progress.advance("reference", len(docs))
-        errors.append(np.abs(scores.astype(np.float64) - ref))
-        if not np.array_equal(np.argsort(-scores, kind="stable"), np.argsort(-ref, kind="stable")):
-            bad.append(qi)
-    all_errors = np.concatenate(errors)
-    measured.rerank_errors = [float(e) for e in all_errors]
+        lane_scores.append(scores.astype(np.float64))
+        ref_scores.append(np.asarray(ref, np.float64))
+    lane_all, ref_all = np.concatenate(lane_scores), np.concatenate(ref_scores)
+    all_errors = np.abs(lane_all - ref_all)
+    bar = gates.llm_rerank_bar(ref_all, t)[0]
+    _record_scores(measured, lane_all, ref_all, bar)
+    bad = [
+        qi
+        for qi, lane, ref in zip(groups, lane_scores, ref_scores, strict=True)
+        if gates.reversed_pairs(lane, ref, bar)
+    ]
     note = (
         "raw logit[true] - logit[false] vs sentence-transformers CrossEncoder (LogitScore); "
         f"instruction: {instruction!r} (None: the template's default)"
@@ -437,8 +442,18 @@ async def _judge_llm_rerank(
     progress.start("probe", "probe set (fingerprint)", 1)
     probe, _ = await client.rerank(qs[0], probe_set())
     progress.advance("probe")
-    checks = [gates.rerank_check(all_errors, t, note), gates.rerank_order_check(bad, len(groups))]
+    checks = [
+        gates.llm_rerank_check(all_errors, ref_all, t, note),
+        gates.rerank_order_check(bad, len(groups), bar),
+    ]
     return _Judged(checks, probe, t.fingerprint_grid_rerank)
+
+
+def _record_scores(measured: Measurements, lane: np.ndarray, ref: np.ndarray, bar: float) -> None:
+    measured.rerank_errors = [float(e) for e in np.abs(lane - ref)]
+    measured.rerank_lane_scores = [float(x) for x in lane]
+    measured.rerank_ref_scores = [float(x) for x in ref]
+    measured.rerank_bar = float(bar)
 
 
 def _pair_composer(

@@ -1,8 +1,14 @@
-"""Dependency-free inline SVG plots for the HTML report: a histogram and a bar chart.
+"""Dependency-free inline SVG plots for the HTML report: a histogram, a bar chart and a
+scatter against a reference.
 
 Every plot is one `<svg data-plot=NAME>` whose `<rect class="bar">` elements carry their
 data (`data-lo`/`data-hi`/`data-count`, or `data-label`/`data-value`) and a `<title>`
-tooltip, so the report is checkable by parsing it and readable without JavaScript.
+tooltip, so the report is checkable by parsing it and readable without JavaScript. The
+scatter's points are `<circle class="point">` with `data-x`/`data-y` (and `data-outside`
+when a point lies outside the band), its diagonal a `<line class="diagonal">` and its band
+a `<polygon class="band" data-half-width>`; beside it the differences (`<circle
+class="residual">`, lane - reference against reference) in their band (`<rect
+class="band-residual">`), on an axis where a tight bar is visible.
 """
 
 from __future__ import annotations
@@ -104,6 +110,128 @@ def bars(
     parts.append(
         f'<text x="{W - PAD_R}" y="{legend_y}" font-size="10" text-anchor="end">'
         f"{escape(x_label)}</text></svg>"
+    )
+    return "".join(parts)
+
+
+def scatter(
+    name: str,
+    xs: list[float] | np.ndarray,
+    ys: list[float] | np.ndarray,
+    title: str,
+    x_label: str,
+    y_label: str,
+    band: float | None = None,
+    band_label: str = "",
+) -> str:
+    """y against x on equal axes, with the diagonal y = x and, when `band` is given, the band
+    |y - x| <= band around it (shaded); points outside the band are drawn red."""
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if x.size == 0:
+        return _empty(name, title, "no data")
+    size = H + 120  # square plot area: the diagonal at 45 degrees
+    side = size - PAD_T - PAD_B
+    lo, hi = float(min(x.min(), y.min())), float(max(x.max(), y.max()))
+    pad = 0.04 * (hi - lo) if hi > lo else 0.5
+    lo, hi = lo - pad, hi + pad
+
+    def px(v: float) -> float:
+        return PAD_L + side * (v - lo) / (hi - lo)
+
+    def py(v: float) -> float:
+        return PAD_T + side * (hi - v) / (hi - lo)
+
+    parts = [_open(name, title, int(x.size), height=size)]
+    parts.append(f'<clipPath id="clip-{escape(name)}"><rect x="{PAD_L}" y="{PAD_T}" ')
+    parts.append(f'width="{side}" height="{side}"/></clipPath>')
+    clip = f'clip-path="url(#clip-{escape(name)})"'
+    if band is not None:
+        # The band in data units, drawn as the strip between y = x - band and y = x + band
+        # (clipped to the plot): at a tight bar it is a hairline, which is the honest picture.
+        corners = [(lo, lo + band), (hi, hi + band), (hi, hi - band), (lo, lo - band)]
+        points = " ".join(f"{px(a):.2f},{py(b):.2f}" for a, b in corners)
+        parts.append(
+            f'<polygon class="band" points="{points}" fill="#c8e6c9" stroke="#2e7d32" '
+            f'stroke-width="0.5" {clip} data-half-width="{band:.6g}">'
+            f"<title>{escape(band_label)}</title></polygon>"
+        )
+    parts.append(
+        f'<line class="diagonal" x1="{px(lo):.1f}" y1="{py(lo):.1f}" x2="{px(hi):.1f}" '
+        f'y2="{py(hi):.1f}" stroke="#555" stroke-dasharray="4 3"/>'
+    )
+    for a, b in zip(x, y, strict=True):
+        out = band is not None and abs(b - a) > band
+        flag = ' data-outside="1"' if out else ""
+        parts.append(
+            f'<circle class="point" cx="{px(a):.1f}" cy="{py(b):.1f}" r="2.2" '
+            f'fill="{"#c62828" if out else "#1565c0"}" fill-opacity="0.7" '
+            f'data-x="{a:.6g}" data-y="{b:.6g}"{flag}>'
+            f"<title>reference {a:.5g}, lane {b:.5g}, diff {b - a:+.3g}</title></circle>"
+        )
+    if band_label:
+        parts.append(
+            f'<text x="{PAD_L + 6}" y="{PAD_T + 12}" font-size="10" fill="#2e7d32">'
+            f"{escape(band_label)}</text>"
+        )
+    y0 = PAD_T + side
+    parts.append(
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{PAD_L + side}" y2="{y0}" stroke="#333"/>'
+        f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{y0}" stroke="#333"/>'
+        f'<text x="{PAD_L}" y="{y0 + 14}" font-size="10">{lo:.4g}</text>'
+        f'<text x="{PAD_L + side}" y="{y0 + 14}" font-size="10" text-anchor="end">{hi:.4g}</text>'
+        f'<text x="{PAD_L + side / 2}" y="{y0 + 30}" font-size="11" text-anchor="middle">'
+        f"{escape(x_label)}</text>"
+        f'<text x="{PAD_L - 4}" y="{PAD_T + 8}" font-size="10" text-anchor="end">{hi:.4g}</text>'
+        f'<text x="{PAD_L - 4}" y="{y0}" font-size="10" text-anchor="end">{lo:.4g}</text>'
+        f'<text x="12" y="{(PAD_T + y0) / 2}" font-size="10" text-anchor="middle" '
+        f'transform="rotate(-90 12 {(PAD_T + y0) / 2})">{escape(y_label)}</text>'
+    )
+    parts.append(_residuals(x, y, band, (px, lo, hi), side))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _residuals(x: np.ndarray, y: np.ndarray, band: float | None, xaxis, side: float) -> str:
+    """The scatter's right-hand panel: lane - reference against the reference, on an axis
+    sized to the band, where a bar that is a hairline on the scores' scale is visible."""
+    _, lo, hi = xaxis
+    left, width = PAD_L + side + 44, W - PAD_R - (PAD_L + side + 44)
+    d = y - x
+    top = max(float(np.abs(d).max()), 1.5 * band if band else 0.0, 1e-12) * 1.1
+
+    def qx(v: float) -> float:
+        return left + width * (v - lo) / (hi - lo)
+
+    def qy(v: float) -> float:
+        return PAD_T + side * (top - v) / (2 * top)
+
+    parts = []
+    if band is not None:
+        parts.append(
+            f'<rect class="band-residual" x="{left}" y="{qy(band):.2f}" width="{width}" '
+            f'height="{qy(-band) - qy(band):.2f}" fill="#c8e6c9" data-half-width="{band:.6g}"/>'
+        )
+    parts.append(
+        f'<line x1="{left}" y1="{qy(0):.1f}" x2="{left + width}" y2="{qy(0):.1f}" '
+        'stroke="#555" stroke-dasharray="4 3"/>'
+    )
+    for a, b in zip(x, d, strict=True):
+        out = band is not None and abs(b) > band
+        parts.append(
+            f'<circle class="residual" cx="{qx(a):.1f}" cy="{qy(b):.1f}" r="1.8" '
+            f'fill="{"#c62828" if out else "#1565c0"}" fill-opacity="0.7" '
+            f'data-x="{a:.6g}" data-y="{b:.6g}"/>'
+        )
+    y0 = PAD_T + side
+    parts.append(
+        f'<line x1="{left}" y1="{y0}" x2="{left + width}" y2="{y0}" stroke="#333"/>'
+        f'<line x1="{left}" y1="{PAD_T}" x2="{left}" y2="{y0}" stroke="#333"/>'
+        f'<text x="{left - 3}" y="{PAD_T + 8}" font-size="10" text-anchor="end">+{top:.2g}</text>'
+        f'<text x="{left - 3}" y="{y0}" font-size="10" text-anchor="end">-{top:.2g}</text>'
+        f'<text x="{left + width / 2}" y="{y0 + 30}" font-size="11" text-anchor="middle">'
+        "lane - reference, against reference</text>"
     )
     return "".join(parts)
 

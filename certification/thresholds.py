@@ -24,6 +24,10 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     mean_cosine: float  # per-item cosine, average over the corpus
     retrieval_top10: float  # mean top-10 overlap, lane vs reference rankings
     rerank_max_abs: float  # max |lane score - reference score| over the rerank pairs
+    # LLM rerankers only: the bar grows by this much per unit of the reference's largest
+    # |score| over the judged pairs (bar = rerank_max_abs + llm_rerank_rel * max|ref|); 0 in
+    # certificates written before it existed. Cross-encoders are judged at rerank_max_abs.
+    llm_rerank_rel: float = 0.0
     tokenizer_mismatches: int  # corpus items whose ids differ from the reference tokenizer
     placement_share: float | None  # min Neural Engine share after admission; None = n/a
     # Fingerprint grid cells (see certification.fingerprint): noise below grid/8 never
@@ -94,6 +98,18 @@ TABLE: dict[tuple[str, str], Thresholds] = {
         mean_cosine=0.9999,
         retrieval_top10=0.9,
         rerank_max_abs=5e-3,  # real token types in both; fp16 head through tanh
+        # LLM rerankers: 5e-3 + 4e-3 x max|ref|. Their raw score (logit[yes] - logit[no]) is
+        # the score row dotted with the final normed state, so fp16's relative error in that
+        # state reaches every pair in proportion to the scores' range, whatever the pair's
+        # own score (on the tiny seeded Qwen3 reranker, whole corpus, reference executor:
+        # max 2.0e-2, p99 1.5e-2, mean 5.5e-3 with max|ref| 8.4; error vs |ref| correlation
+        # 0.04). At that range the bar is 3.9e-2, 1.9x the worst healthy pair, while real
+        # faults still fail: weights cut to 6 mantissa bits 0.13 (3.4x over), RMS-norm eps
+        # 1e-2 0.24, one template token lost 0.99 (the first) to 10 (the last), the
+        # yes/no rows swapped 17. (8 mantissa bits, 4x fp16's own rounding: 0.037 on 42
+        # pairs, at the bar's edge.) The emulator rounds after every op; the Neural
+        # Engine's own accumulation order is not measured here.
+        llm_rerank_rel=4e-3,
         tokenizer_mismatches=0,
         placement_share=0.9,  # a lane mostly on the CPU is not the Neural Engine lane it claims
         fingerprint_grid_embed=1 / 64,  # cell 1.6e-2, margin 2e-3: fp16 noise is larger

@@ -180,6 +180,12 @@ async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_s
     assert len(cert.measurements.rerank_errors) == cert.corpus.n_items
     assert check(cert, "quality.min_cosine").status == "n/a"
     assert cert.status == "certified"
+    # A cross-encoder keeps the flat bar (never scaled by its scores), and the report plots
+    # its pairs against the reference in that band.
+    assert cert.measurements.rerank_bar == rerank.threshold == cert.thresholds.rerank_max_abs
+    html = report.render(cert)
+    assert 'data-plot="scores"' in html and f'data-half-width="{rerank.threshold:.6g}"' in html
+    assert html.count('class="point"') == cert.corpus.n_items
 
 
 # ---- Core ML lane ----------------------------------------------------------------------------
