@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
+from formats.gguf_header import SEQ_CLS_PAD_KEY, GGUFFormatError, GGUFHeader, read_gguf_header
 from ingest.llm_rerank import LLM_RERANK_FAMILIES, LlmRerankSpec, spec_from_gguf
 
 ENCODER_ARCHITECTURES = frozenset(
@@ -145,6 +145,14 @@ def inspect_gguf(
                 "a BERT cross-encoder GGUF without its pooler (cls.weight: the dense + tanh "
                 "layer the classifier reads) cannot be served as trained; convert it again "
                 "with the pooler kept"
+            )
+        if SEQ_CLS_PAD_KEY in hdr.kv:
+            # Our converter's file of a decoder sequence classifier: its problem type and
+            # pair template are config.json's and the tokenizer's, not the GGUF's.
+            raise InvalidRequest(
+                f"a {arch} sequence classifier GGUF (written by `synapse models ingest DIR`): "
+                "ingest its Hugging Face directory, which says its problem type and how its "
+                "pairs are composed"
             )
         if arch in LLM_RERANK_FAMILIES.values() and declared == "rank":
             return _llm_reranker(path, hdr, pooling)

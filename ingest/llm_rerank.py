@@ -63,11 +63,14 @@ _STRUCTURED_PATTERNS = ("content[0]", ".type", "'type'", '"type"', "item.type", 
 
 class LlmRerankSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     chat_template: str
-    true_token: str
-    false_token: str
-    true_id: int
-    false_id: int
     message_format: MessageFormat
+    # The two scored tokens of an LLM reranker. None for a one-label decoder sequence
+    # classifier whose pairs are rendered through its chat template (`pair_template`): its
+    # own score row is the head.
+    true_token: str | None = None
+    false_token: str | None = None
+    true_id: int | None = None
+    false_id: int | None = None
     special_tokens: dict[str, str] = {}
     # The instruction a request that names none gets (the checkpoint's default prompt); None:
     # no system message, so the template's own default applies.
@@ -192,14 +195,7 @@ def _pick_tokens(
     return true_token, false_token, ids[true_token], ids[false_token]
 
 
-def spec_from_hf_dir(
-    model_dir: Path,
-    *,
-    true_token: str | None = None,
-    false_token: str | None = None,
-    instructions: dict[str, str] | None = None,
-    default_instruction_name: str | None = None,
-) -> LlmRerankSpec:
+def _tokenizer_files(model_dir: Path) -> tuple[dict, dict]:
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise ArtifactInvalid(f"{model_dir} has no tokenizer.json")
@@ -208,10 +204,59 @@ def spec_from_hf_dir(
     tok_cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
     if not isinstance(tok_json, dict) or not isinstance(tok_cfg, dict):
         raise ArtifactInvalid(f"{model_dir}: tokenizer files are not JSON objects")
+    return tok_json, tok_cfg
+
+
+def spec_from_hf_dir(
+    model_dir: Path,
+    *,
+    true_token: str | None = None,
+    false_token: str | None = None,
+    instructions: dict[str, str] | None = None,
+    default_instruction_name: str | None = None,
+) -> LlmRerankSpec:
+    tok_json, tok_cfg = _tokenizer_files(model_dir)
     template = _hf_template(model_dir, tok_cfg)
     t, f, tid, fid = _pick_tokens(
         _vocab_ids(tok_json), true_token, false_token, st_logit_score(model_dir)
     )
+    return _with_template(
+        model_dir, tok_cfg, template, instructions, default_instruction_name, (t, f, tid, fid)
+    )
+
+
+def pair_template(
+    model_dir: Path,
+    *,
+    instructions: dict[str, str] | None = None,
+    default_instruction_name: str | None = None,
+) -> LlmRerankSpec | None:
+    """How sentence-transformers' CrossEncoder composes a one-label decoder sequence
+    classifier's pairs: through the tokenizer's chat template when it has one (CrossEncoder
+    turns every pair into query/document messages then, whatever the head), as a plain
+    tokenizer pair otherwise (None)."""
+    _, tok_cfg = _tokenizer_files(model_dir)
+    try:
+        template = _hf_template(model_dir, tok_cfg)
+    except ArtifactInvalid:
+        return None
+    return _with_template(model_dir, tok_cfg, template, instructions, default_instruction_name)
+
+
+def _with_template(
+    model_dir: Path,
+    tok_cfg: dict,
+    template: str,
+    instructions: dict[str, str] | None,
+    default_instruction_name: str | None,
+    tokens: tuple[str, str, int, int] | None = None,
+) -> LlmRerankSpec:
+    t: str | None = None
+    f: str | None = None
+    tid: int | None = None
+    fid: int | None = None
+    if tokens is not None:
+        t, f, tid, fid = tokens
     specials = {}
     smap_path = model_dir / "special_tokens_map.json"
     smap = _read_json(smap_path) if smap_path.is_file() else {}
