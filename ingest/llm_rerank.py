@@ -35,7 +35,7 @@ MessageFormat = Literal["flat", "structured"]
 DEFAULT_TRUE, DEFAULT_FALSE = "yes", "no"
 # The decoder families whose graphs we convert and serve (model_type -> GGUF architecture):
 # a reranker of another family is refused by name.
-LLM_RERANK_FAMILIES = {"qwen3": "qwen3"}
+LLM_RERANK_FAMILIES = {"qwen3": "qwen3", "gemma3_text": "gemma3"}
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names its `special_tokens_map` gives a template.
 SPECIAL_TOKEN_NAMES = (
     "bos_token",

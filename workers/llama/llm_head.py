@@ -10,9 +10,11 @@ Two kinds of checkpoint give one:
   vocabulary head. The rows come from `cls.output.weight`, ordered by
   `classifier.output_labels` (true first): what llama.cpp's converter writes for Qwen3
   rerankers (the two rows of the LM head, or of the tied token embedding), and what our
-  converter writes of a Hugging Face directory. llama.cpp's own RANK pooling softmaxes the two
-  rows; the raw difference is kept here (log P(true) - log P(false)), since a logit recovered
-  from a rounded probability loses precision past |10|.
+  converter writes of a Hugging Face directory. llama.cpp's Gemma 3 graph loads no
+  `cls.output` (a file with one does not load), so a Gemma 3 reranker's rows are read from
+  the LM head llama.cpp itself uses, at the labels' token ids. llama.cpp's own RANK pooling
+  softmaxes the two rows; the raw difference is kept here (log P(true) - log P(false)),
+  since a logit recovered from a rounded probability loses precision past |10|.
 - A decoder sequence classifier (`Qwen3ForSequenceClassification`: transformers'
   `GenericForSequenceClassification`) scores `score.weight @ h` (N labels, no bias) at the
   rightmost token whose id is not the config's `pad_token_id` (the last token when it has
@@ -33,9 +35,12 @@ import gguf
 import numpy as np
 
 from formats.gguf_header import SEQ_CLS_PAD_KEY as SEQ_CLS_PAD
-from formats.gguf_header import GGUFHeader
+from formats.gguf_header import ArrayInfo, GGUFHeader, read_gguf_header
 
 CLS_OUT = "cls.output.weight"
+# Decoders whose llama.cpp graph loads no `cls.output`: an LLM reranker's two rows are read
+# from the LM head at the labels' token ids.
+_ROWS_FROM_LM_HEAD = frozenset({"gemma3"})
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,52 @@ def has_rows(hdr: GGUFHeader, n: int) -> bool:
     return t is not None and len(t.shape) == 2 and t.shape[1] == n and t.shape[0] == width
 
 
+def _lm_head(hdr: GGUFHeader):
+    """The LM head llama.cpp computes logits with: `output.weight`, else the token embedding
+    it ties to (what llama.cpp's loaders duplicate when the file has no output)."""
+    by_name = {t.name: t for t in hdr.tensors}
+    return by_name.get("output.weight") or by_name.get("token_embd.weight")
+
+
 def has_two_rows(hdr: GGUFHeader) -> bool:
-    """Whether the GGUF's classifier head is two rows of the hidden width (an LLM reranker's)."""
+    """Whether the GGUF's classifier head is two rows of the hidden width (an LLM reranker's),
+    or, for a graph that loads no `cls.output` (Gemma 3), whether it names two labels whose
+    rows the LM head holds."""
+    if _head_tensor(hdr) is None and hdr.architecture in _ROWS_FROM_LM_HEAD:
+        labels = hdr.arch_get("classifier.output_labels")
+        head = _lm_head(hdr)
+        width = hdr.arch_get("embedding_length")
+        n = labels.length if isinstance(labels, ArrayInfo) else None
+        return n == 2 and head is not None and head.shape[0] == width
     return has_rows(hdr, 2)
+
+
+def _lm_head_rows(path: str | Path, hdr: GGUFHeader) -> np.ndarray:
+    """The two labels' rows of the LM head, float64 (2, n_embd); the labels are looked up in
+    the GGUF's vocabulary (first occurrence, as ingest picked them)."""
+    arch = hdr.architecture
+    full = read_gguf_header(
+        path, want_arrays=frozenset({f"{arch}.classifier.output_labels", "tokenizer.ggml.tokens"})
+    )
+    labels = full.arch_get("classifier.output_labels")
+    tokens = full.kv.get("tokenizer.ggml.tokens")
+    if not isinstance(labels, list) or not isinstance(tokens, list):
+        raise ValueError("no classifier.output_labels / tokenizer.ggml.tokens to find the rows")
+    index = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
+    missing = [label for label in labels if label not in index]
+    if missing:
+        raise ValueError(f"label {missing[0]!r} is not a token of the vocabulary")
+    t = _lm_head(hdr)
+    assert t is not None
+    n_vocab = int(t.shape[1])
+    row_bytes = t.nbytes // n_vocab
+    out = []
+    for label in labels:
+        start = hdr.data_offset + t.offset + index[label] * row_bytes
+        raw = np.memmap(path, np.uint8, "r", start, (1, row_bytes))
+        row = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(t.type))
+        out.append(np.asarray(row, np.float64).reshape(int(t.shape[0])))
+    return np.stack(out)
 
 
 def head_rows(path: str | Path, hdr: GGUFHeader) -> np.ndarray:
@@ -92,8 +140,9 @@ def head_rows(path: str | Path, hdr: GGUFHeader) -> np.ndarray:
 
 
 def score_direction(path: str | Path, hdr: GGUFHeader) -> np.ndarray:
-    """`W[true] - W[false]` in float64 (n_embd,)."""
-    rows = head_rows(path, hdr)
+    """`W[true] - W[false]` in float64 (n_embd,): `cls.output.weight`'s rows, or the LM
+    head's for a graph that loads no `cls.output` (Gemma 3)."""
+    rows = head_rows(path, hdr) if _head_tensor(hdr) is not None else _lm_head_rows(path, hdr)
     return rows[0] - rows[1]
 
 

@@ -24,7 +24,7 @@ _ALWAYS_BIDIRECTIONAL = frozenset({"gemma-embedding", "dream", "llada", "llada-m
 
 # Decoders whose rerankers we serve as LLM rerankers (the host renders the checkpoint's chat
 # template; the worker reads the two LM-head rows at the last token, see llm_head.py).
-LLM_RERANK_ARCHITECTURES = frozenset({"qwen3"})
+LLM_RERANK_ARCHITECTURES = frozenset({"qwen3", "gemma3"})
 
 
 def is_causal(hdr: GGUFHeader) -> bool:
@@ -137,7 +137,8 @@ def _llm_reranker(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
         raise EngineError(
             "unsupported",
             f"{hdr.architecture} reranker without the two-row head {llm_head.CLS_OUT} "
-            "(the true and false tokens' LM-head rows) cannot be scored",
+            "(the true and false tokens' LM-head rows; for Gemma 3, two labels the LM head "
+            "holds) cannot be scored",
         )
     _check_last_token(cfg, "an LLM reranker")
     return "rerank", "last"
