@@ -15,7 +15,8 @@ Rules, from the llama.cpp that llama-cpp-python 0.3.36 vendors:
   makes of Qwen3-Reranker) is an LLM reranker whose pairs the host renders through the
   template it keeps (ingest.llm_rerank); one without a template we can render is refused,
   and so is any other reranker carrying a `tokenizer.chat_template.rerank`: its pairs would
-  not match its training.
+  not match its training. A decoder sequence classifier's GGUF (our converter's, marked by
+  `SEQ_CLS_PAD_KEY`) is refused: its problem type and pair template are its directory's.
 - Anything the GGUF does not say (an embedder's pooling) is given by the caller, or refused:
   pooling is never guessed.
 - Limits: one input is at most `ITEM_LIMIT` tokens (the worker's default encoder batch) or

@@ -19,6 +19,8 @@ Everything else llama.cpp would compute differently is refused, named: causal at
 attention logit softcapping, a query scale other than 1/sqrt(head_dim), another activation,
 attention biases, scaled RoPE, a Dense with a bias, an activation or a residual, a Dense
 chain that does not start and end at the hidden width, pooling that skips the prompt.
+A Gemma 3 LLM reranker (`convert_reranker`: a Gemma3ForCausalLM scored with LogitScore) is
+written to llama.cpp's causal `gemma3` by the same rules.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ A Qwen3 LLM reranker (`convert_reranker`, see ingest.llm_rerank) is written as l
 converter writes one: rank pooling, `classifier.output_labels` [true, false],
 `cls.output.weight` holding those two rows of the LM head (the tied token embedding when the
 checkpoint has no `lm_head`), kept in f32 whatever the file's dtype since the score is their
-difference, and the checkpoint's Jinja template as `tokenizer.chat_template`. The tokenizer stays
+difference, and the checkpoint's Jinja template as `tokenizer.chat_template`. A
+Qwen3ForSequenceClassification is written the same way with its `score` head as
+`cls.output.weight` (`_convert_classifier`). The tokenizer stays
 the directory's tokenizer.json, whose post-processor appends `<|endoftext|>`: the token the
 model was trained to pool. The GGUF's vocabulary is byte-level BPE with the `qwen2`
 pre-tokenizer, as llama.cpp's converter writes Qwen3's.
