@@ -144,7 +144,10 @@ def _convert_classifier(
             f"score.weight has shape {tuple(score.shape)}, the config says ({n_labels}, {h})"
         )
     pad = config.get("pad_token_id")
-    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0):
+    n_vocab = config.positive_int("vocab_size")
+    if pad is not None and (
+        not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < n_vocab
+    ):
         raise ArtifactInvalid(f"config.json: pad_token_id {pad!r} is not a token id")
     layout = st_layout(model_dir)
     template = (

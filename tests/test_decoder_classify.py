@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from certification.tokenizer_proof import prove_gguf_tokenizer
+from common.errors import InvalidRequest
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from ingest.store import ArtifactStore
@@ -137,6 +139,9 @@ def test_ingest_records_the_head(store):
     pad = json.loads((store.get("cls3").dir / "tokenizer.json").read_text())["added_tokens"]
     assert hdr.kv[SEQ_CLS_PAD_KEY] == next(t["id"] for t in pad if t["content"] == "<|endoftext|>")
     assert hdr.arch_get("pooling_type") == 4  # rank, as llama.cpp's Qwen3 rerankers
+    # Its GGUF alone lacks the problem type and pair template: the directory is the way in.
+    with pytest.raises(InvalidRequest, match="ingest its Hugging Face directory"):
+        store.ingest_gguf(store.get("cls3").artifact_path, "again", prove=prove_gguf_tokenizer)
 
 
 async def test_one_label_reranks_as_cross_encoder(store, dirs, short_runtime_dir):

@@ -127,3 +127,17 @@ def test_heads_on_a_decoders_last_token() -> None:
     assert decide_kind(gemma, RuntimeConfig()) == ("rerank", "last")
     gemma.kv["gemma3.classifier.output_labels"] = ArrayInfo(8, 3)
     assert "two labels the LM head holds" in _refused(gemma, RuntimeConfig(), "unsupported")
+
+
+def test_a_classifier_head_reads_the_rightmost_non_pad_token() -> None:
+    """transformers' `(arange * (ids != pad)).argmax()`: trailing pads are skipped, inner ones
+    kept, and a sequence of pads alone is read at its first token."""
+    import numpy as np
+
+    from workers.llama.llm_head import DecoderHead
+
+    head = DecoderHead("classifier", np.eye(2), pad_id=0)
+    assert head.strip_pads(np.array([5, 0, 6, 0, 0])).tolist() == [5, 0, 6]
+    assert head.strip_pads(np.array([0, 0])).tolist() == [0]
+    assert DecoderHead("classifier", np.eye(2)).strip_pads(np.array([5, 0])).tolist() == [5, 0]
+    assert head.apply(np.array([[1.0, 2.0]])).tolist() == [[1.0, 2.0]]
