@@ -13,7 +13,9 @@ infers from the template.
 A directory is a reranker when its sentence-transformers files say so (modules ending in
 `LogitScore`) or, as llama.cpp's converter decides (`Qwen3Model._is_qwen3_reranker` in the
 llama.cpp llama-cpp-python 0.3.36 vendors), its README heading or its name says
-Qwen3-Reranker. A GGUF is one when llama.cpp's converter made it of such a directory: rank
+Qwen3-Reranker. Its template must carry a (query, document) pair as sentence-transformers
+probes it (`ingest.chat_template`), or sentence-transformers would not score it either. A GGUF
+is one when llama.cpp's converter made it of such a directory: rank
 pooling on a decoder, two classifier labels, `cls.output.weight` (the two LM-head rows) and
 the checkpoint's Jinja template kept as `tokenizer.chat_template`.
 """
@@ -29,6 +31,7 @@ import msgspec
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.gguf_header import GGUFHeader
 from formats.hf_config import HfConfig
+from ingest.chat_template import check_pair_roles
 
 MessageFormat = Literal["flat", "structured"]
 # The tokens sentence-transformers' CrossEncoder scores with when the checkpoint names none.
@@ -268,6 +271,7 @@ def _with_template(
             specials[key] = value
     named = dict(instructions or {})
     default = named.get(default_instruction_name) if default_instruction_name else None
+    check_pair_roles(template, message_format(template), specials)
     return LlmRerankSpec(
         chat_template=template,
         true_token=t,
@@ -312,6 +316,7 @@ def spec_from_gguf(hdr: GGUFHeader, tokens: list[str]) -> LlmRerankSpec:
         value = hdr.kv.get(f"tokenizer.ggml.{gguf_key}")
         if isinstance(value, int) and 0 <= value < len(tokens):
             specials[key] = tokens[value]
+    check_pair_roles(template, message_format(template), specials)
     return LlmRerankSpec(
         chat_template=template,
         true_token=t,

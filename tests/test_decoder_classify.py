@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from certification.tokenizer_proof import prove_gguf_tokenizer
-from common.errors import InvalidRequest
+from common.errors import ArtifactInvalid, InvalidRequest
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from ingest.store import ArtifactStore
@@ -142,6 +142,23 @@ def test_ingest_records_the_head(store):
     # Its GGUF alone lacks the problem type and pair template: the directory is the way in.
     with pytest.raises(InvalidRequest, match="ingest its Hugging Face directory"):
         store.ingest_gguf(store.get("cls3").artifact_path, "again", prove=prove_gguf_tokenizer)
+
+
+def test_a_template_that_drops_the_pair_is_refused_as_cross_encoder_refuses_it(dirs, module_tmp):
+    """A chat model's template (system/user/assistant only) renders a pair to a prompt
+    without it: sentence-transformers will not score it, and ingest refuses it, saying so."""
+    from sentence_transformers import CrossEncoder
+
+    chat_only = _without_template(dirs["rr"], module_tmp / "qwen3-seqcls-chat-only")
+    (chat_only / "chat_template.jinja").write_text(
+        "{%- for m in messages %}{%- if m.role in ('system', 'user', 'assistant') %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    )
+    with pytest.raises(ValueError, match="cannot carry a 'query'/'document' pair"):
+        CrossEncoder(str(chat_only), device="cpu").predict([("q", "d")])
+    store = ArtifactStore(module_tmp / "refused")
+    with pytest.raises(ArtifactInvalid, match="'query' and 'document' content does not reach"):
+        store.ingest_hf_dir(chat_only, "chat-only", dtype="f32")
 
 
 async def test_one_label_reranks_as_cross_encoder(store, dirs, short_runtime_dir):
