@@ -160,7 +160,7 @@ def _convert_classifier(
         else None
     )
     head = _Head(np.asarray(score, np.float32), config.labels(), -1 if pad is None else pad)
-    info = _convert(model_dir, config, out_path, dtype, "last", name, template, head)
+    info = _convert(model_dir, config, out_path, dtype, "last", name, template, head, weights)
     return msgspec.structs.replace(info, n_labels=n_labels)
 
 
@@ -216,13 +216,15 @@ def _convert(
     name: str,
     spec: LlmRerankSpec | None,
     head: _Head | None = None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> ConvertedModel:
     theta = _rope_theta(config)
     h, n_layers = config.positive_int("hidden_size"), config.positive_int("num_hidden_layers")
     n_head, n_kv = config.positive_int("num_attention_heads"), config.kv_heads()
     head_dim = config.head_dim()
     ff, n_vocab = config.positive_int("intermediate_size"), config.positive_int("vocab_size")
-    weights = read_model_weights(model_dir)
+    if weights is None:  # a classifier's were read already, for its score head
+        weights = read_model_weights(model_dir)
     if spec is not None and head is None:
         head = _llm_head(weights, config, spec)
     tensors = map_names(weights, ARCH, n_layers, _ignored)
