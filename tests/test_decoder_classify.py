@@ -40,6 +40,7 @@ SENTIMENT = {0: "negative", 1: "neutral", 2: "positive"}
 PAIRS = [(QUERIES[0], DOCS[0]), (QUERIES[1], DOCS[3])]
 RAW_BAR = 2e-2  # the certification bar on raw scores (the LLM reranker's)
 PROB_TOL = 2e-2  # test_classify's bar on probabilities
+TEXTS_IDS = [17, 40, 91, 12, 300, 5]  # any ids of the vocabulary
 
 
 def tiny_qwen3_classifier(
@@ -223,3 +224,34 @@ async def test_the_score_is_read_at_the_last_non_pad_token(store, dirs, short_ru
     async with _module(store, short_runtime_dir) as mod:
         got = await mod.classify_token_ids([np.asarray(ids, np.int32)], "cls3")
     assert np.abs(got.logits[0] - ref).max() <= 1e-2, (got.logits[0], ref)
+
+
+async def test_llama_cpp_s_own_rank_pooling_would_softmax_the_head(store, short_runtime_dir):
+    """Why the worker applies the rows itself: llama.cpp loads the GGUF as a Qwen3 reranker
+    and its RANK pooling answers softmax(rows . h) at the last token, probabilities whatever
+    the problem type (a one-label head: always 1.0), where the lane answers the raw logits."""
+    import llama_cpp
+
+    ids = np.asarray(TEXTS_IDS, np.int32)
+    async with _module(store, short_runtime_dir) as mod:
+        lane = (await mod.classify_token_ids([ids], "cls3")).logits[0].astype(np.float64)
+        one = (await mod.classify_token_ids([ids], "rr")).logits[0]
+    for name, n in (("cls3", 3), ("rr", 1)):
+        llm = llama_cpp.Llama(
+            str(store.get(name).artifact_path),
+            n_ctx=256,
+            verbose=False,
+            embedding=True,
+            pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
+        )
+        try:
+            llm.eval(list(ids))
+            out = llama_cpp.llama_get_embeddings_seq(llm.ctx, 0)
+            got = np.ctypeslib.as_array(out, shape=(n,)).astype(np.float64)
+        finally:
+            llm.close()
+        if name == "cls3":
+            softmax = np.exp(lane - lane.max()) / np.exp(lane - lane.max()).sum()
+            assert np.abs(got - softmax).max() <= 1e-3, (got, softmax)
+        else:
+            assert got.tolist() == [1.0] and abs(float(one[0])) > 0.1
