@@ -97,10 +97,21 @@ def _check_config(config: HfConfig, reranker: bool = False) -> None:
             "does not cap attention logits"
         )
     scalar = config.value("query_pre_attn_scalar")
-    if scalar != config.positive_int("head_dim"):
+    if reranker and config.positive_int("num_hidden_layers") == 62:
+        # llama.cpp's gemma3 takes a 62-layer model for Gemma 3 27B and scales its queries by
+        # 1/sqrt(hidden / heads), which is that checkpoint's query_pre_attn_scalar.
+        heads = config.positive_int("num_attention_heads")
+        width = config.positive_int("hidden_size") / heads
+        if scalar != width:
+            raise ArtifactInvalid(
+                f"query_pre_attn_scalar {scalar} != hidden_size / num_attention_heads {width:g}: "
+                "llama.cpp's gemma3 scales a 62-layer model's queries by 1/sqrt(hidden / heads)"
+            )
+    elif scalar != config.positive_int("head_dim"):
+        graph = "gemma3" if reranker else "gemma-embedding"
         raise ArtifactInvalid(
             f"query_pre_attn_scalar {scalar} != head_dim "
-            f"{config.positive_int('head_dim')}: llama.cpp's gemma-embedding scales queries by "
+            f"{config.positive_int('head_dim')}: llama.cpp's {graph} scales queries by "
             "1/sqrt(head_dim)"
         )
     act = config.value("hidden_activation")
@@ -120,9 +131,8 @@ def _check_config(config: HfConfig, reranker: bool = False) -> None:
 
 def _check_causal(config: HfConfig) -> None:
     """What llama.cpp's causal `gemma3` graph computes otherwise than transformers'
-    Gemma3ForCausalLM does, refused: both ways of attending at once, a capped logit (the score
-    would no longer be a difference of two LM-head rows: tanh is applied to each logit), and
-    the 62-layer (27B) query scale llama.cpp hard-wires as 1/sqrt(hidden / heads)."""
+    Gemma3ForCausalLM does, refused: bidirectional attention, and a capped logit (the score
+    would no longer be a difference of two LM-head rows: tanh is applied to each logit)."""
     if config.get("use_bidirectional_attention"):
         raise ArtifactInvalid(
             "use_bidirectional_attention is true: llama.cpp's gemma3 graph is causal"
@@ -133,11 +143,6 @@ def _check_causal(config: HfConfig) -> None:
             f"final_logit_softcapping {cap!r}: the reranker's score would be "
             "cap * (tanh(logit[true] / cap) - tanh(logit[false] / cap)), not the difference "
             "of two LM-head rows that is served"
-        )
-    if config.positive_int("num_hidden_layers") == 62:
-        raise ArtifactInvalid(
-            "62 layers: llama.cpp's gemma3 graph scales queries by 1/sqrt(hidden / heads) "
-            "for this depth (Gemma 3 27B), not by query_pre_attn_scalar"
         )
 
 

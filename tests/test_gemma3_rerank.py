@@ -123,7 +123,8 @@ def test_what_llama_cpp_s_gemma3_would_compute_otherwise_is_refused(model_dir, m
     for change, reason in (
         ({"final_logit_softcapping": 30.0}, "not the difference of two LM-head rows"),
         ({"use_bidirectional_attention": True}, "gemma3 graph is causal"),
-        ({"num_hidden_layers": 62, "layer_types": None}, "62 layers"),
+        # At 62 layers llama.cpp assumes Gemma 3 27B's query scale, 1/sqrt(hidden / heads).
+        ({"num_hidden_layers": 62, "num_attention_heads": 2}, "62-layer model's queries"),
     ):
         (bad / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ArtifactInvalid, match=reason):
