@@ -311,8 +311,9 @@ def run_ray_job(
     `BatchUsageError` before anything is done, else `JobAborted` with the checkpoint left
     for `opts.resume`.
 
-    `timings` (bench): filled with `ray_init_s` and `first_row_s` (seconds from the call to
-    the first embedded rows reaching the driver)."""
+    `timings` (bench): filled with `ray_init_s`, `first_row_s` (seconds from the call to
+    the first embedded rows reaching the driver) and `result_rows` (the row count of each
+    result table, in arrival order)."""
     t0 = time.time()
     spec = validate(opts)
     if spec.path == "-":
@@ -386,8 +387,9 @@ def run_ray_job(
                     _results(spec, start_line, opts, workers, resources, actor_kwargs)
                 ) as results:
                     for table in results:
-                        if timings is not None and "first_row_s" not in timings:
-                            timings["first_row_s"] = time.time() - t0
+                        if timings is not None:
+                            timings.setdefault("first_row_s", time.time() - t0)
+                            timings.setdefault("result_rows", []).append(table.num_rows)
                         committer.add(table)
                 if committer.held_blocks:
                     raise JobAborted(
@@ -513,6 +515,22 @@ def _describe(actor_kwargs: dict) -> str:
         actor.close()
 
 
+def _one_block_per_batch(ds, rows: int):
+    """Without this, a read task's rows are gathered into one block of up to
+    `target_max_block_size` (128 MiB) and an actor's results come back only when that whole
+    block is embedded: nothing is committed (a kill loses everything) until the input ends.
+    The streaming repartition cuts the read into blocks of one batch each. Its tasks would
+    ask a whole CPU, which the actors may hold all of (a deadlock); they only slice tables, so
+    they ask what a read task asks. Ray Data has no public argument for that: the pinned Ray's
+    logical operator is set, and checked, here."""
+    ds = ds.repartition(target_num_rows_per_block=rows)
+    op = ds._logical_plan.dag
+    if type(op).__name__ != "StreamingRepartition" or not isinstance(op.ray_remote_args, dict):
+        raise RuntimeError(f"this Ray plans repartition as {type(op).__name__}: see batch.ray_job")
+    op.ray_remote_args["num_cpus"] = _IO_CPUS
+    return ds
+
+
 def _results(spec, start_line: int, opts, workers: int, resources: dict, actor_kwargs: dict):
     """The actors' result tables as they finish, in any order (the committer orders them).
     Closing this generator closes Ray Data's iterator, which shuts its execution down."""
@@ -524,6 +542,7 @@ def _results(spec, start_line: int, opts, workers: int, resources: dict, actor_k
         num_cpus=_IO_CPUS,
         override_num_blocks=workers,
     )
+    ds = _one_block_per_batch(ds, rows)
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",

@@ -116,6 +116,15 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     embed.add_argument("--no-truncate", action="store_true")
     embed.add_argument("--json", action="store_true", help="print the vectors as JSON")
     embed.add_argument("--lane", choices=["ane", "llama"], help=_LANE_HELP)
+    for flag, what in (
+        ("--sparse", "the learned sparse vector (a sparse model)"),
+        ("--multi-vector", "the per-token output vectors (a multi-vector model)"),
+        ("--tokens", "every token's final state"),
+    ):
+        embed.add_argument(flag, action="store_true", help=f"print {what}; with others: one pass")
+    embed.add_argument(
+        "--query", action="store_true", help="the query side of a sparse or multi-vector model"
+    )
     prompt = embed.add_mutually_exclusive_group()
     prompt.add_argument(
         "--prompt-name",
@@ -325,7 +334,75 @@ def _models_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_kinds(args: argparse.Namespace) -> list[str]:
+    kinds = [
+        kind
+        for kind, on in (
+            ("sparse", args.sparse),
+            ("multivector", args.multi_vector),
+            ("tokens", args.tokens),
+        )
+        if on
+    ]
+    return kinds
+
+
+def _embed_tokens(args: argparse.Namespace, kinds: list[str]) -> int:
+    """`--sparse / --multi-vector / --tokens`: those outputs of one forward pass."""
+
+    async def go() -> int:
+        ensure_defaults()
+        async with _module(args) as mod:
+            got = await mod.encode_outputs(
+                args.texts,
+                kinds,
+                args.model,
+                normalize=not args.no_normalize,
+                truncate=not args.no_truncate,
+                lane=getattr(args, "lane", None),
+                side="query" if args.query else "document",
+                prompt_name=getattr(args, "prompt_name", None),
+                prompt=getattr(args, "prompt", None),
+            )
+        data = []
+        for i in range(len(args.texts)):
+            item: dict = {"index": i, "n_tokens": got.n_tokens[i]}
+            if got.sparse is not None:
+                idx, val = got.sparse[i]
+                item["sparse"] = {"indices": idx.tolist(), "values": val.tolist()}
+            if got.multivector is not None:
+                item["multivector"] = got.multivector[i].tolist()
+            if got.tokens is not None:
+                item["tokens"] = got.tokens[i].tolist()
+            data.append(item)
+        if args.json:
+            print(json.dumps({"model": got.model, "data": data}))
+            return 0
+        console.print(f"model [bold]{got.model}[/]: {', '.join(kinds)} from one pass")
+        for text, item in zip(args.texts, data, strict=True):
+            parts = []
+            if "sparse" in item:
+                pairs = sorted(
+                    zip(item["sparse"]["indices"], item["sparse"]["values"], strict=True),
+                    key=lambda p: -p[1],
+                )
+                top = ", ".join(f"{i}:{v:.3f}" for i, v in pairs[:5])
+                parts.append(f"sparse {len(pairs)} active [{top}]")
+            for kind in ("multivector", "tokens"):
+                if kind in item:
+                    rows = item[kind]
+                    parts.append(f"{kind} {len(rows)} x {len(rows[0]) if rows else 0}")
+            console.print(f"  {escape(repr(text[:50]))}: " + "; ".join(parts))
+        return 0
+
+    return asyncio.run(go())
+
+
 def _embed(args: argparse.Namespace) -> int:
+    kinds = _token_kinds(args)
+    if kinds:
+        return _embed_tokens(args, kinds)
+
     async def go() -> int:
         ensure_defaults()
         async with _module(args) as mod:

@@ -582,4 +582,6 @@ def _reply_array(reply: object, raw: bytes | bytearray | None) -> np.ndarray | N
         return payloads.floats_view(raw, (reply.n, reply.dims))
     if type(reply) is m.LABEL_SCORES:
         return payloads.floats_view(raw, (reply.n, reply.n_labels))
+    if type(reply) is m.ENCODED:  # mixed i32 / f32 sections: payloads.encoded_sections reads it
+        return np.frombuffer(raw, np.uint8)
     return payloads.floats_view(raw, (-1,))

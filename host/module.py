@@ -60,11 +60,27 @@ from host.lane_policy import (
     llama_reason,
 )
 from host.lane_router import LatencyCurve, route
+from host.late_chunking import chunk_bounds, pick_windows, pool_chunks
+from host.late_chunking import token_states as late_token_states
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
+from host.sanitize import sanitize
+from host.token_outputs import (
+    TokenOutputs,
+    check_outputs,
+    maxsim,
+    reply_width,
+    request_outputs,
+)
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
-from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
+from ingest.store import (
+    DEFAULT_EMBED,
+    DEFAULT_GENERATE,
+    ArtifactStore,
+    ModelRecord,
+    served_outputs,
+)
 from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
 
@@ -132,7 +148,7 @@ class RerankResult:
     results: list[tuple[int, float]]  # (document index, score), best first
     usage: Usage
     model: str
-    method: Literal["cross-encoder", "bi-encoder-cosine"]
+    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]
     # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
     # and whether the document (or the query, in its pair) was cut to fit.
     n_tokens: Sequence[int] = ()
@@ -191,12 +207,30 @@ def permit_for(lane: str, device: str) -> str:
     return "cpu" if device == "cpu" else "gpu"
 
 
-def _kind_and_pooling(record: ModelRecord) -> dict[str, str]:
+def _kind_and_pooling(record: ModelRecord) -> dict:
     man = record.manifest
-    out: dict[str, str] = {"kind": man.kind}
+    out: dict = {"kind": man.kind}
     if man.kind != "generate" and man.pooling:
         out["pooling"] = man.pooling
+    if man.heads:  # the worker loads each head beside the model (and checks its digest)
+        out["heads"] = {
+            kind: {"path": str(record.dir / h.file), "digest": h.digest}
+            for kind, h in man.heads.items()
+        }
     return out
+
+
+def _check_served(record: ModelRecord, kinds: Sequence[str]) -> None:
+    """An output the model does not give is refused, naming what it does give."""
+    served = served_outputs(record.manifest)
+    for kind in kinds:
+        if kind not in served:
+            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
+            raise InvalidRequest(
+                f"model {record.name!r} has {what}; it serves {', '.join(served)}",
+                param="outputs",
+                model=record.name,
+            )
 
 
 def hello_device(build_flags: str | None) -> str | None:
@@ -692,6 +726,7 @@ class Module:
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        _check_served(served.record, ["dense"])
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -706,6 +741,157 @@ class Module:
             encoded.truncated,
             text_prompt,
             encoded.n_tokens,
+            served.lane_kind,
+        )
+
+    @uses_model(DEFAULT_EMBED)
+    async def encode_outputs(
+        self,
+        texts: str | bytes | Sequence[str | bytes],
+        outputs: Sequence[str],
+        model: str | None = None,
+        normalize: bool = True,
+        truncate: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        *,
+        side: Literal["query", "document"] = "document",
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        truncation_direction: str = "right",
+    ) -> TokenOutputs:
+        """Several outputs of `texts` from one forward pass (host.token_outputs): the pooled
+        vector (`dense`, what `embed` returns), every token's final state (`tokens`), and a
+        model's `sparse` / `multivector` heads. Prompts, truncation and usage as `embed`."""
+        kinds = check_outputs(outputs)
+        batch = [texts] if isinstance(texts, str | bytes) else list(texts)
+        _check_prompt_args(prompt_name, prompt)
+        self.admission.check_inputs(batch)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        _check_served(served.record, kinds)  # before tokenizing
+        text_prompt = resolve_prompt(served.record, prompt_name, prompt)
+        encoded = served.tokenizer.encode(
+            batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
+        )
+        with self.admission.reserve(encoded.total_tokens):
+            got = await self._request_outputs(
+                served, encoded.ids, kinds, side, normalize, deadline_s
+            )
+        usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
+        return TokenOutputs(
+            model=served.record.name,
+            usage=usage,
+            n_tokens=encoded.n_tokens,
+            truncated=encoded.truncated,
+            prompt=text_prompt,
+            lane=served.lane_kind,
+            dense=np.stack(got["dense"]) if "dense" in got else None,
+            tokens=got.get("tokens"),
+            sparse=got.get("sparse"),
+            multivector=got.get("multivector"),
+            token_ids=list(encoded.ids),
+        )
+
+    @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
+    async def encode_token_ids(
+        self,
+        ids: list[np.ndarray],
+        outputs: Sequence[str],
+        model: str | None = None,
+        normalize: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        side: Literal["query", "document"] = "document",
+    ) -> dict[str, list]:
+        """`encode_outputs` of already-tokenized inputs (bulk jobs): per kind asked, per
+        input, a dense row, a (k, dims) array or a sparse (indices, values). No admission
+        here: the caller admitted them."""
+        kinds = check_outputs(outputs)
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        return await self._request_outputs(served, ids, kinds, side, normalize, deadline_s)
+
+    async def _request_outputs(
+        self,
+        served: _Served,
+        ids: list[np.ndarray],
+        kinds: list[m.OutputKind],
+        side: Literal["query", "document"],
+        normalize: bool,
+        deadline_s: float | None,
+    ) -> dict[str, list]:
+        _check_served(served.record, kinds)
+        heads = served.record.manifest.heads
+        head_dims = {k: h.dims for k, h in heads.items()}
+        longest = max((len(x) for x in ids), default=1)
+        width = reply_width(kinds, served.dims, longest, head_dims)
+        budgets = (
+            self.config.max_worker_batch_tokens,
+            self.config.max_batch_items,
+            self.config.host.max_frame,
+        )
+        served.in_flight += len(ids)  # what a router sees this lane busy with
+        try:
+            return await request_outputs(
+                served.lane,
+                served.record.name,
+                ids,
+                kinds,
+                side,
+                normalize,
+                budgets,
+                width,
+                deadline_s,
+            )
+        finally:
+            served.in_flight -= len(ids)
+
+    @uses_model(DEFAULT_EMBED)
+    async def late_chunk(
+        self,
+        chunks: Sequence[str | bytes],
+        model: str | None = None,
+        normalize: bool = True,
+        deadline_s: float | None = None,
+        lane: str | None = None,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+    ) -> EmbedResult:
+        """One vector per chunk of ONE document, from states that read the whole document
+        (host.late_chunking states the rule). `n_tokens` is each chunk's own tokens; usage
+        counts every token read, window overlaps included."""
+        if not chunks:
+            raise InvalidRequest("late chunking needs the document's chunks", param="input")
+        _check_prompt_args(prompt_name, prompt)
+        self.admission.check_inputs(list(chunks))
+        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, 1)
+        pooling = served.record.manifest.pooling or "mean"
+        if pooling != "mean":
+            raise InvalidRequest(
+                f"late chunking pools a chunk's tokens by their mean; model "
+                f"{served.record.name!r} pools by {pooling}",
+                param="late_chunking",
+            )
+        clean = [sanitize(c) for c in chunks]
+        head = sanitize(resolve_prompt(served.record, prompt_name, prompt))
+        tok = served.tokenizer
+        window = tok.max_tokens - tok.n_special_single
+        offsets, windows = tok.document_windows("".join(clean), head, window, max(1, window // 2))
+        picked = pick_windows(len(offsets), windows)
+        total = sum(len(ids) for ids in picked.ids)
+        with self.admission.reserve(total):
+            got = await self._request_outputs(
+                served, picked.ids, ["tokens"], "document", False, deadline_s
+            )
+        states = late_token_states(picked, got["tokens"])
+        vectors, counts = pool_chunks(states, offsets, chunk_bounds(clean, len(head)), normalize)
+        return EmbedResult(
+            vectors,
+            Usage(prompt_tokens=total, total_tokens=total),
+            served.record.name,
+            [False] * len(clean),
+            head,
+            counts,
             served.lane_kind,
         )
 
@@ -742,6 +928,7 @@ class Module:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        _check_served(served.record, ["dense"])
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def dims(self, model: str, lane: str | None = None) -> int:
@@ -874,7 +1061,9 @@ class Module:
                 served, query, docs, instruction, cut, deadline_s
             )
             tokens = encoded.total_tokens
-            method: Literal["cross-encoder", "bi-encoder-cosine"] = "cross-encoder"
+            method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"] = (
+                "cross-encoder"
+            )
         elif served.record.kind == "rerank" and (
             served.lane_kind == "ane" or served.record.manifest.pooling == "last"
         ):
@@ -885,6 +1074,11 @@ class Module:
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
+        elif "multivector" in served.record.manifest.heads:
+            scores, encoded, tokens = await self._late_interaction(
+                served, query, docs, cut, deadline_s
+            )
+            method = "multi-vector-maxsim"
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
             scores, encoded, tokens = await self._bi_encode(served, query, docs, cut, deadline_s)
@@ -936,6 +1130,34 @@ class Module:
         with self.admission.reserve(q.total_tokens + d.total_tokens):
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
+
+    async def _late_interaction(
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ) -> tuple[np.ndarray, Encoded, int]:
+        """A multi-vector model's score: raw MaxSim, the sum over the query's vectors of
+        their best dot product with the document's (not a sigmoid, not divided by the query's
+        length), the query through the model's query side and each document its document
+        side. (scores, the documents' encoding, tokens)."""
+        truncate, direction, _ = cut
+        tok = served.tokenizer
+        try:
+            q = tok.encode([query], truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input 0", "the query", "query") from None
+        try:
+            d = tok.encode(docs, truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input ", "document ", "documents") from None
+        tokens = q.total_tokens + d.total_tokens
+        with self.admission.reserve(tokens):
+            qv = await self._request_outputs(
+                served, q.ids, ["multivector"], "query", True, deadline_s
+            )
+            dv = await self._request_outputs(
+                served, d.ids, ["multivector"], "document", True, deadline_s
+            )
+        scores = np.array([maxsim(qv["multivector"][0], v) for v in dv["multivector"]])
+        return scores.astype(np.float32), d, tokens
 
     def _chat_pairs(self, served: _Served) -> ChatPairs:
         if served.chat_pairs is None:

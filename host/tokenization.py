@@ -360,6 +360,33 @@ class Tokenizer:
             out.append(Tokenized(text, list(enc.ids), list(enc.tokens), offsets, special))
         return out
 
+    # -- one long text in windows -----------------------------------------------------------
+
+    def document_windows(
+        self, text: str, prompt: str, window: int, step: int
+    ) -> tuple[list[tuple[int, int] | None], list[tuple[np.ndarray, int, int, int]]]:
+        """`prompt + text` (sanitized, as `encode` reads it) cut into windows of at most
+        `window` tokens with the template's special tokens around each, consecutive windows
+        `step` tokens apart (so they overlap by `window - step`). Returns the bare tokens'
+        character offsets into `prompt + text`, and per window (ids with specials, first bare
+        token, end, where the bare tokens start in the ids)."""
+        full = sanitize(prompt) + sanitize(text)
+        bare = self._tok.encode_batch([full], add_special_tokens=False)[0]
+        offsets: list[tuple[int, int] | None] = [(int(a), int(b)) for a, b in bare.offsets]
+        n = len(bare.ids)
+        starts = list(range(0, max(1, n - window + step), step)) if n > window else [0]
+        windows = []
+        for a in starts:
+            b = min(n, a + window)
+            piece = tokenizers.Encoding.merge([bare], growing_offsets=False)
+            piece.truncate(b, direction="right")
+            piece.truncate(b - a, direction="left")
+            done = self._tok.post_process(piece, None, add_special_tokens=True)
+            mask = done.special_tokens_mask
+            first = next((i for i, sp in enumerate(mask) if not sp), 0)
+            windows.append((np.asarray(done.ids, np.int32), a, b, first))
+        return offsets, windows
+
     # -- misc -------------------------------------------------------------------------------
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:

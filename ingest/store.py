@@ -97,6 +97,16 @@ TokenizerBuilder = Callable[[Path, Path], Any]
 TokenizerProof = Callable[[Path, Path], Any]
 
 
+class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A head that runs in the worker on the token states (a sparse or multi-vector output):
+    its weights' file under the model dir, and the width of what it returns (the vocabulary
+    for a sparse head)."""
+
+    file: str
+    dims: int
+    digest: str = ""  # sha256 of `file`, checked by the worker before it loads
+
+
 class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str
     format: str  # always "gguf" in this store
@@ -134,6 +144,19 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     # An LLM reranker's chat template, scored tokens and instructions (ingest.llm_rerank): the
     # host renders its pairs through them. None for every other model.
     llm_rerank: LlmRerankSpec | None = None
+    # Heads on the token states by the output they give ("sparse", "multivector").
+    heads: dict[str, HeadSpec] = {}
+    # What the model returns when it has no pooled vector of its own (a SPLADE model:
+    # ["sparse", "tokens"]); empty: a pooled vector, token states and its heads.
+    outputs: list[str] = []
+
+
+def served_outputs(manifest: Manifest) -> list[str]:
+    """The outputs an embedder serves: its own list, else the pooled vector, the token
+    states and one per head."""
+    if manifest.outputs:
+        return list(manifest.outputs)
+    return ["dense", "tokens", *manifest.heads]
 
 
 class ModelRecord(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ from common.errors import InvalidRequest
 from ingest.store import DEFAULT_EMBED
 from service.encoding import encode_embeddings, quantization_ranges
 from service.metrics import LANE_HEADER
+from service.scheduler import Embedded
 from service.schemas import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from service.state import ServerState
 from service.truncation import Direction, direction
@@ -60,6 +61,13 @@ _FORMATS = (
 )
 
 
+_LATE = (
+    "Jina's late chunking: `input` is ONE document's chunks, in order (concatenated as given); "
+    "each chunk's vector pools the states of its own tokens from a pass over the whole "
+    "document (mean-pooled models only)"
+)
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     input: Annotated[Any, msgspec.Meta(extra_json_schema=_INPUT_SCHEMA)]
     model: str | None = None
@@ -75,6 +83,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     truncation_direction: Direction = "right"
     prompt_name: Annotated[str, msgspec.Meta(description=_PROMPT_NAME)] | None = None
     prompt: Annotated[str, msgspec.Meta(description=_PROMPT)] | None = None
+    late_chunking: Annotated[bool, msgspec.Meta(description=_LATE)] = False
 
 
 def parse_input(value: Any) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -154,7 +163,14 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     model = state.resolve(req.model, DEFAULT_EMBED)
     sched = state.scheduler
     assert sched is not None
-    if texts is not None:
+    usage_tokens = None
+    if req.late_chunking:
+        if texts is None:
+            raise InvalidRequest(
+                "late_chunking takes the document's chunks as texts", param="input"
+            )
+        result, usage_tokens = await _late_chunked(state, texts, model, req)
+    elif texts is not None:
         result = await sched.embed_texts(
             texts,
             model,
@@ -175,7 +191,7 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
         state.module, model, vectors.shape[1], (fmt,), normalize=req.normalize
     )
     rows = encode_embeddings(vectors, (fmt,), ranges)[fmt]
-    tokens = result.total_tokens
+    tokens = result.total_tokens if usage_tokens is None else usage_tokens
     body = EmbeddingResponse(
         object="list",
         data=[
@@ -194,3 +210,22 @@ async def create_embeddings(request: Request, state: ServerState) -> Response:
     state.metrics.observe_lane(result.model, result.lane, len(rows))
     headers = {LANE_HEADER: result.lane} if result.lane else None
     return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
+
+
+async def _late_chunked(
+    state: ServerState, chunks: list[str], model: str, req: EmbeddingRequest
+) -> tuple[Embedded, int]:
+    """The chunks' vectors (n_tokens: each chunk's own tokens) and the tokens read in all."""
+    module, sched = state.module, state.scheduler
+    assert module is not None and sched is not None
+
+    def call():
+        return module.late_chunk(
+            chunks, model, req.normalize, prompt_name=req.prompt_name, prompt=req.prompt
+        )
+
+    got = await sched.unbatched("embed", call)
+    result = Embedded(
+        got.vectors, list(got.n_tokens), list(got.truncated), got.model, got.prompt, got.lane
+    )
+    return result, got.usage.total_tokens

@@ -26,6 +26,7 @@ from service import (
     schemas,
     status,
     tei,
+    token_outputs,
     tokens,
 )
 from service.config import ServeConfig
@@ -91,6 +92,18 @@ ROUTES: tuple[Route, ...] = (
           direct=True),
     Route("/embed", "post", tei.embed, "Embed inputs (TEI shape: a bare list of vectors)",
           list[list[float]], tei.TeiEmbedRequest, INFERENCE_ERRORS, direct=True),
+    Route("/embed_all", "post", token_outputs.embed_all,
+          "Every token's final state per input (TEI shape); a multi-vector model's output "
+          "vectors", token_outputs.EMBED_ALL_RESPONSE, token_outputs.EmbedAllRequest,
+          INFERENCE_ERRORS, direct=True),
+    Route("/embed_sparse", "post", token_outputs.embed_sparse,
+          "A learned sparse vector per input (TEI shape: [{index, value}])",
+          token_outputs.EMBED_SPARSE_RESPONSE, token_outputs.EmbedSparseRequest,
+          INFERENCE_ERRORS, direct=True),
+    Route("/encode", "post", token_outputs.encode,
+          "Dense, sparse, multi-vector and token outputs of the same inputs from one forward "
+          "pass", token_outputs.ENCODE_RESPONSE, token_outputs.EncodeRequest, INFERENCE_ERRORS,
+          direct=True),
     Route("/tokenize", "post", tokens.tokenize,
           "Tokenize text (TEI shape with `inputs`, vLLM's with `prompt`)",
           tokens.TokenizeResponse, tokens.TokenizeRequest, INFERENCE_ERRORS, direct=True),

@@ -15,7 +15,7 @@ import pytest
 
 from bench.real_sizes import xlmr_tokenizer
 from certification.corpus import corpus
-from common.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid, InvalidRequest
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
 from host.sanitize import sanitize
@@ -142,6 +142,88 @@ async def test_the_lane_embeds_like_sentence_transformers(store, dirs, short_run
     st[1].pooling_mode = "mean"
     st.max_seq_length = MAX_SEQ // 2
     assert _cos(plain, st.encode(TEXTS, normalize_embeddings=True)).min() < 0.9999
+
+
+async def test_token_states_are_the_transformers_last_hidden_states(store, dirs, short_runtime_dir):
+    """`tokens` is every token's final state, special tokens included, as transformers'
+    `last_hidden_state` gives it; `dense` from the same pass is what `embed` returns."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    body = SentenceTransformer(str(dirs["st"]), device="cpu")[0].auto_model
+    async with _module(store, short_runtime_dir) as mod:
+        got = await mod.encode_outputs(TEXTS, ["tokens", "dense"], model="xlmr")
+        embedded = (await mod.embed(TEXTS, model="xlmr")).vectors
+    assert got.tokens is not None and got.dense is not None
+    worst = 1.0
+    for ids, states in zip(got.token_ids, got.tokens, strict=True):
+        with torch.no_grad():
+            ref = body(input_ids=torch.tensor([ids], dtype=torch.long)).last_hidden_state[0]
+        assert states.shape == tuple(ref.shape)  # one state per token, specials included
+        worst = min(worst, float(_cos(states, ref.numpy()).min()))
+    print(f"worst token-state cos {worst:.7f}")
+    assert worst >= 0.9999
+    assert _cos(got.dense, embedded).min() >= 0.99999
+    assert list(got.n_tokens) == [len(x) for x in got.token_ids]
+
+
+def _late_reference(body, hf_tok, chunks: list[str], prompt: str, window: int) -> np.ndarray:
+    """Late chunking restated on transformers: windows of `window` bare tokens half a window
+    apart, [CLS] .. [SEP] around each; a token's state from the window where it is furthest
+    from a cut edge; a chunk's vector the normalized mean of the tokens starting inside it."""
+    import torch
+
+    text = prompt + "".join(chunks)
+    enc = hf_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    n, step = len(ids), window // 2
+    starts = [0] if n <= window else list(range(0, n - window + step, step))
+    states = np.zeros((n, body.config.hidden_size), np.float32)
+    room = np.full(n, -1.0)
+    for a in starts:
+        b = min(n, a + window)
+        seq = [hf_tok.cls_token_id, *ids[a:b], hf_tok.sep_token_id]
+        with torch.no_grad():
+            out = body(input_ids=torch.tensor([seq])).last_hidden_state[0, 1:-1].numpy()
+        for t in range(a, b):
+            r = min(np.inf if a == 0 else t - a, np.inf if b == n else b - 1 - t)
+            if r > room[t]:
+                room[t], states[t] = r, out[t - a]
+    vectors, at = [], len(prompt)
+    for c in chunks:
+        mine = [t for t, (s0, _) in enumerate(offsets) if at <= s0 < at + len(c)]
+        v = states[mine].mean(axis=0)
+        vectors.append(v / np.linalg.norm(v))
+        at += len(c)
+    return np.stack(vectors)
+
+
+async def test_late_chunking_pools_states_that_read_the_whole_document(
+    store, dirs, short_runtime_dir
+):
+    """Within the context and beyond it (windows), against transformers' states pooled by
+    the same character offsets; the prompt goes before the first chunk and is in no chunk."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(dirs["st"]), device="cpu")
+    body, hf_tok = st[0].auto_model, st.tokenizer
+    short = ["The cat sat. ", "It purred.", " Then it slept."]
+    long = [t + " " for t in TEXTS[:6]]
+    async with _module(store, short_runtime_dir) as mod:
+        got_short = await mod.late_chunk(short, model="xlmr", prompt_name="passage")
+        got_long = await mod.late_chunk(long, model="xlmr")
+        alone = (await mod.embed(long, model="xlmr")).vectors
+        with pytest.raises(InvalidRequest, match="chunk 1 owns no token"):
+            await mod.late_chunk(["a b", "", "c"], model="xlmr")
+    window = MAX_SEQ - 2
+    assert len(hf_tok("".join(long), add_special_tokens=False)["input_ids"]) > 2 * window
+    ref_short = _late_reference(body, hf_tok, short, PROMPTS["passage"], window)
+    ref_long = _late_reference(body, hf_tok, long, "", window)
+    worst = min(_cos(got_short.vectors, ref_short).min(), _cos(got_long.vectors, ref_long).min())
+    print(f"late chunking worst cos {worst:.7f}")
+    assert worst >= 0.9999
+    assert got_long.usage.total_tokens > sum(got_long.n_tokens)  # overlapping windows
+    assert _cos(got_long.vectors, alone).max() < 0.9999  # not the chunks embedded alone
 
 
 async def test_the_lane_reranks_like_the_cross_encoder(store, dirs, short_runtime_dir):

@@ -120,3 +120,51 @@ def test_info_has_teis_fields(http, prompted_model):
     assert http.get("/info", params={"model": "nope"}).status_code == 404
     generate = http.get("/info", params={"model": "gemma3-270m"})
     assert generate.status_code == 400 and generate.json()["error"]["param"] == "model"
+
+
+def test_embed_all_and_encode_give_every_tokens_state_from_one_pass(http):
+    """TEI's /embed_all: one unnormalized state per token (specials included) per input; /encode
+    returns them with the pooled vector of the same pass, which is /embed's."""
+    texts = ["The cat sits on the mat.", "Stocks fell."]
+    resp = http.post("/embed_all", json={"inputs": texts})
+    assert resp.status_code == 200, resp.text
+    states = [np.array(x, np.float32) for x in resp.json()]
+    lengths = [len(x) for x in http.post("/tokenize", json={"inputs": texts}).json()]
+    assert [s.shape for s in states] == [(n, 384) for n in lengths]
+    assert int(resp.headers["x-synapse-tokens"]) == sum(lengths)
+    assert np.abs(np.linalg.norm(states[0], axis=1) - 1).min() > 1e-2  # not normalized
+    both = http.post("/encode", json={"inputs": texts, "outputs": ["tokens", "dense"]})
+    assert both.status_code == 200, both.text
+    data = both.json()["data"]
+    assert np.allclose(np.array(data[1]["tokens"], np.float32), states[1], atol=1e-6)
+    dense = np.array([d["dense"] for d in data], np.float32)
+    embedded, _ = _embed(http, inputs=texts)
+    assert float((dense * embedded).sum(axis=1).min()) >= 0.99999
+    assert both.json()["usage"]["total_tokens"] == sum(lengths)
+
+
+def test_token_outputs_refuse_what_the_model_has_not(http):
+    resp = http.post("/embed_sparse", json={"inputs": "a"})
+    assert resp.status_code == 400 and "no sparse head" in resp.text, resp.text
+    resp = http.post("/encode", json={"inputs": "a", "outputs": ["dense", "dense"]})
+    assert resp.status_code == 400 and "once" in resp.text, resp.text
+    resp = http.post("/encode", json={"inputs": "a", "outputs": []})
+    assert resp.status_code == 400, resp.text
+    resp = http.post("/embed_all", json={"inputs": []})
+    assert resp.status_code == 400 and "non-empty" in resp.text, resp.text
+
+
+def test_late_chunking_on_v1_embeddings(http):
+    """Jina's `late_chunking`: one vector per chunk of one document, not the chunks alone;
+    usage counts every token read, n_tokens each chunk's own."""
+    chunks = ["The cat sat on the mat. ", "It purred softly. ", "Then it slept."]
+    resp = http.post("/v1/embeddings", json={"input": chunks, "late_chunking": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    late = np.array([d["embedding"] for d in body["data"]], np.float32)
+    alone = _openai(http, input=chunks)
+    assert late.shape == alone.shape == (3, 384)
+    assert float((late * alone).sum(axis=1).max()) < 0.9999
+    assert body["usage"]["total_tokens"] >= sum(d["n_tokens"] for d in body["data"])
+    resp = http.post("/v1/embeddings", json={"input": [[1, 2]], "late_chunking": True})
+    assert resp.status_code == 400 and "chunks as texts" in resp.text

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.protocol import messages as m
+from workers.protocol import payloads
 from workers.protocol.errors import ProtocolError
 from workers.protocol.session import (
     HelloReceived,
@@ -206,6 +207,66 @@ def test_label_scores_violations(frames, match):
     with pytest.raises(ProtocolError, match=match):
         for f in frames:
             s.receive_frame(f)
+    assert s.state is State.FAILED
+
+
+def encode_req(outputs=("dense", "tokens", "sparse", "multivector"), n=(3, 2)) -> m.ENCODE:
+    items = [m.EmbedItem(id=i, n_tokens=k) for i, k in enumerate(n)]
+    return m.ENCODE(req_id=1, model_ref="e", items=items, outputs=list(outputs))
+
+
+def encoded(**over) -> m.ENCODED:
+    sections = {
+        "dense": m.OutputSection(kind="dense", dims=4),
+        "tokens": m.OutputSection(kind="tokens", dims=4, counts=[3, 2]),
+        "sparse": m.OutputSection(kind="sparse", dims=100, counts=[2, 0]),
+        "multivector": m.OutputSection(kind="multivector", dims=2, counts=[1, 2]),
+    }
+    sections.update(over)
+    return m.ENCODED(req_id=1, n=2, sections=list(sections.values()))
+
+
+def test_encoded_carries_its_sections_back_to_back():
+    s = ready_host()
+    s.start_request(encode_req(), raw_len=5 * 4)
+    s.receive_frame(progress(completed=1))
+    assert s.receive_frame(m.encode(encoded())) is None
+    dense = np.arange(8, dtype="<f4")
+    tokens = np.arange(20, dtype="<f4") + 100
+    sparse = np.array([7, 9], "<i4").tobytes() + np.array([0.5, 1.5], "<f4").tobytes()
+    multi = np.arange(6, dtype="<f4") + 200
+    frame = dense.tobytes() + tokens.tobytes() + sparse + multi.tobytes()
+    event = s.receive_frame(frame)
+    assert isinstance(event, ReplyReceived) and s.state is State.IDLE
+    got = payloads.encoded_sections(event.reply, event.raw)
+    assert np.array_equal(got[0], dense.reshape(2, 4))
+    assert np.array_equal(got[1], tokens.reshape(5, 4))
+    assert got[2][0].tolist() == [7, 9] and got[2][1].tolist() == [0.5, 1.5]
+    assert np.array_equal(got[3], multi.reshape(3, 2))
+
+
+@pytest.mark.parametrize(
+    "reply, raw, match",
+    [
+        # counts that are not the request's
+        (m.ENCODED(req_id=1, n=3, sections=encoded().sections), None, "n=3 for 2 items"),
+        (encoded(tokens=m.OutputSection(kind="tokens", dims=4, counts=[3, 1])), None,
+         "tokens count 1 for item 1 of 2 tokens"),
+        (encoded(sparse=m.OutputSection(kind="sparse", dims=100, counts=[2])), None,
+         "sparse has 1 counts for 2 items"),
+        (encoded(dense=m.OutputSection(kind="dense", dims=0)), None, "dense dims=0"),
+        (m.ENCODED(req_id=1, n=2, sections=encoded().sections[:3]), None, "sections"),
+        # a frame of the wrong length: never truncated or reshaped
+        (encoded(), b"\x00" * 4 * 37, "implies 152"),
+        (encoded(), b"\x00" * 4 * 39, "implies 152"),
+    ],
+)
+def test_encoded_violations(reply, raw, match):
+    s = ready_host()
+    s.start_request(encode_req(), raw_len=5 * 4)
+    with pytest.raises(ProtocolError, match=match):
+        s.receive_frame(m.encode(reply))
+        s.receive_frame(raw)
     assert s.state is State.FAILED
 
 

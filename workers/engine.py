@@ -57,6 +57,41 @@ class Generation(msgspec.Struct, frozen=True):
     finish_reason: str
 
 
+class Section(msgspec.Struct, frozen=True):
+    """One ENCODE output, ready for the wire: `arrays` go into the frame in order (f32, or
+    sparse's i32 indices then f32 values), `counts` per item where the kind is ragged."""
+
+    kind: m.OutputKind
+    dims: int
+    counts: list[int]
+    arrays: list[np.ndarray]
+
+
+def dense_section(vectors: np.ndarray) -> Section:
+    return Section("dense", int(vectors.shape[1]), [], [np.asarray(vectors, np.float32)])
+
+
+def ragged_section(kind: m.OutputKind, rows: list[np.ndarray], dims: int) -> Section:
+    """Per-item (k_i, dims) arrays as one section (tokens, multivector)."""
+    flat = np.concatenate(rows) if rows else np.zeros((0, dims), np.float32)
+    return Section(kind, dims, [len(r) for r in rows], [np.asarray(flat, np.float32)])
+
+
+def sparse_section(items: list[tuple[np.ndarray, np.ndarray]], vocab: int) -> Section:
+    """Per-item (indices, values) as one section: every index, then every value."""
+    idx = [np.asarray(i, np.int32) for i, _ in items]
+    val = [np.asarray(v, np.float32) for _, v in items]
+    return Section(
+        "sparse",
+        vocab,
+        [len(i) for i in idx],
+        [
+            np.concatenate(idx) if idx else np.zeros(0, np.int32),
+            np.concatenate(val) if val else np.zeros(0, np.float32),
+        ],
+    )
+
+
 class Engine:
     """Base engine: every operation is `unsupported` until an engine implements it."""
 
@@ -88,6 +123,10 @@ class Engine:
     def classify(self, req: m.CLASSIFY, ids: np.ndarray, progress: Progress) -> np.ndarray:
         """Return float32 (len(req.sequences), n_labels): the head's raw logits."""
         raise EngineError("unsupported", "this engine has no sequence-classification head")
+
+    def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
+        """One section per `req.outputs`, in order, from one forward pass."""
+        raise EngineError("unsupported", "this engine does not return token-level outputs")
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         raise EngineError("unsupported", "this engine does not generate")

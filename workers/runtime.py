@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import psutil
 
-from workers.engine import Engine, EngineError
+from workers.engine import Engine, EngineError, Section
 from workers.protocol import messages as m
 from workers.protocol import payloads
 from workers.protocol.blocking import BlockingChannel
@@ -193,6 +193,8 @@ class WorkerRuntime:
             return m.LABEL_SCORES(
                 req_id=req.req_id, n=logits.shape[0], n_labels=logits.shape[1]
             ), payloads.floats_to_wire(logits)
+        if isinstance(req, m.ENCODE):
+            return _encoded(req, engine.encode(req, ids, progress))
         if isinstance(req, m.GENERATE):
             g = engine.generate(req, ids, progress)
             return m.TEXT(
@@ -222,6 +224,23 @@ class WorkerRuntime:
                 **engine.pong_extras(),
             ), None
         raise EngineError("invalid_request", f"unhandled request {m.message_name(req)}")
+
+
+def _encoded(req: m.ENCODE, sections: list[Section]) -> tuple[m.ENCODED, memoryview]:
+    """ENCODED and its one frame; a section that is not what was asked is an engine bug."""
+    if [s.kind for s in sections] != list(req.outputs):
+        raise RuntimeError(f"encode: engine returned {[s.kind for s in sections]}")
+    parts = []
+    for s in sections:
+        for a in s.arrays:
+            parts.append(np.ascontiguousarray(a, dtype="<i4" if a.dtype.kind in "iu" else "<f4"))
+    frame = b"".join(p.tobytes() for p in parts)
+    reply = m.ENCODED(
+        req_id=req.req_id,
+        n=len(req.items),
+        sections=[m.OutputSection(kind=s.kind, dims=s.dims, counts=s.counts) for s in sections],
+    )
+    return reply, memoryview(frame)
 
 
 def _freeze_heap() -> None:

@@ -17,6 +17,13 @@ Kind = Literal["embed", "rerank", "generate"]
 PoolingName = Literal["none", "mean", "cls", "last", "rank"]
 
 
+class HeadFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A head on the token states: its weights file and that file's sha256 ("" = unchecked)."""
+
+    path: str
+    digest: str = ""
+
+
 class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Every key is optional; unset ones are derived from the GGUF (see `LlamaEngine.load`).
 
@@ -38,6 +45,8 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
                   -11..17: max 0.053 with it, 0.017 without, 0.017 for llama-cpp-python in
                   process without it); an embedder's normalized vector is within its bar either
                   way. True/False force it.
+    heads         embed: heads on the token states by output ("sparse", "multivector"), each
+                  {path, digest}: loaded with the model (workers.heads), digest checked first
     encode_streams  embed/rerank: llama_contexts decoding one request's packed decodes in
                   parallel, n_threads / streams threads each (default: n_threads on the CPU,
                   1 when offloaded to a GPU; see workers.llama.context_plan.encode_streams)
@@ -63,6 +72,7 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     seed: Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)] = 0
     use_mmap: bool = True
     gpu_layers: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0, le=ALL_LAYERS)] = "auto"
+    heads: dict[Literal["sparse", "multivector"], HeadFile] = {}
 
 
 def parse_runtime_config(raw: object) -> RuntimeConfig:

@@ -33,8 +33,17 @@ import numpy as np
 from formats.digest import sha256_file
 from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
 from workers.cpus import usable_cpu_count
-from workers.engine import Engine, EngineError, Generation, Progress
-from workers.llama import encode, generate, llm_head, model_kind, native
+from workers.engine import (
+    Engine,
+    EngineError,
+    Generation,
+    Progress,
+    Section,
+    dense_section,
+    ragged_section,
+    sparse_section,
+)
+from workers.llama import encode, generate, llm_head, model_kind, native, token_states
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.context_plan import flash_attention, plan_context
 from workers.llama.decode_plan import decode_tokens_for
@@ -198,7 +207,7 @@ class LlamaEngine(Engine):
         workers/llama/typed_pairs.py).
         """
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.head is not None:
+        if mdl.decoder_head is not None:
             raise EngineError(
                 "invalid_request",
                 f"{mdl.ref} is a decoder scored at its last token: the host composes its "
@@ -246,7 +255,7 @@ class LlamaEngine(Engine):
         host applies softmax or sigmoid as the model's problem type says.
         """
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.head is not None and mdl.head.kind == "llm-rerank":
+        if mdl.decoder_head is not None and mdl.decoder_head.kind == "llm-rerank":
             raise EngineError(
                 "invalid_request", f"{mdl.ref} is an LLM reranker, not a sequence classifier"
             )
@@ -265,10 +274,10 @@ class LlamaEngine(Engine):
                         f"sequence {i}: n_first {s.n_first} exceeds its {s.n_tokens} tokens",
                     )
         seqs = _split(ids, lengths)
-        if mdl.head is not None:  # a decoder: its rows on the last non-pad token's state
-            seqs = [mdl.head.strip_pads(s) for s in seqs]
+        if mdl.decoder_head is not None:  # a decoder: its rows on the last non-pad token's state
+            seqs = [mdl.decoder_head.strip_pads(s) for s in seqs]
             hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
-            return np.ascontiguousarray(mdl.head.apply(hidden))
+            return np.ascontiguousarray(mdl.decoder_head.apply(hidden))
         types = None
         if mdl.typed is not None:
             types = [pair_types(s.n_first, s.n_tokens) for s in req.sequences]
@@ -287,12 +296,12 @@ class LlamaEngine(Engine):
         `n_first` is the Core ML cross-encoders' token-type boundary; a causal decoder has no
         token types, so it is not read."""
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.head is None:
+        if mdl.decoder_head is None:
             raise EngineError(
                 "unsupported",
                 f"{mdl.ref} composes its own pairs from the GGUF's specials: send RERANK",
             )
-        if mdl.head.rows.shape[0] != 1:
+        if mdl.decoder_head.rows.shape[0] != 1:
             raise EngineError(
                 "unsupported",
                 f"rerank needs a single-logit classifier, this one has {mdl.n_cls_out} labels "
@@ -307,9 +316,41 @@ class LlamaEngine(Engine):
                         "invalid_request",
                         f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}",
                     )
-        seqs = [mdl.head.strip_pads(s) for s in _split(ids, lengths)]
+        seqs = [mdl.decoder_head.strip_pads(s) for s in _split(ids, lengths)]
         hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
-        return np.ascontiguousarray(mdl.head.apply(hidden)[:, 0])
+        return np.ascontiguousarray(mdl.decoder_head.apply(hidden)[:, 0])
+
+    def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
+        """Every requested output from ONE decode of each item's tokens (token_states.py):
+        `dense` is the model's pooling of those states (normalized if asked), `tokens` the
+        states themselves, `sparse` / `multivector` the model's heads on them."""
+        mdl = self._get(req.model_ref, "embed")
+        if not req.outputs or len(set(req.outputs)) != len(req.outputs):
+            raise EngineError("invalid_request", f"outputs {list(req.outputs)}: name each once")
+        missing = [k for k in req.outputs if k in ("sparse", "multivector") and k not in mdl.heads]
+        if missing:
+            raise EngineError("unsupported", f"{mdl.ref} has no {missing[0]} head")
+        lengths = [it.n_tokens for it in req.items]
+        ids = self._check_ids(mdl, ids, lengths)
+        seqs = _split(ids, lengths)
+        states = token_states.token_states(mdl, seqs, progress, self._decode_tokens)
+        sections: list[Section] = []
+        for kind in req.outputs:
+            if kind == "dense":
+                dense = np.stack([token_states.pool(s, mdl.pooling) for s in states])
+                if req.normalize:
+                    dense /= np.maximum(np.linalg.norm(dense, axis=1, keepdims=True), 1e-12)
+                sections.append(dense_section(dense))
+            elif kind == "tokens":
+                sections.append(ragged_section("tokens", states, mdl.n_embd))
+            else:
+                head = mdl.heads[kind]
+                got = [head.apply(s, q, req.side) for s, q in zip(states, seqs, strict=True)]
+                if kind == "sparse":
+                    sections.append(sparse_section(got, head.vocab_size))
+                else:
+                    sections.append(ragged_section("multivector", got, head.dims))
+        return sections
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
         """Greedy decoding (argmax, first index on ties — llama.cpp's greedy sampler).
@@ -419,6 +460,15 @@ class LlamaEngine(Engine):
                 slot.free()
             raise
         vocab = llama_cpp.llama_model_get_vocab(model)
+        token_cparams = None
+        if kind == "embed":
+            token_cparams = native.planned_context_params(
+                plan,
+                offloaded=offloaded,
+                encoder=True,
+                pooling="none",
+                flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
+            )
         return native.LoadedModel(
             ref=ref,
             path=path,
@@ -443,7 +493,8 @@ class LlamaEngine(Engine):
             stream_threads=plan.stream_threads,
             all_threads=plan.all_threads,
             typed=typed,
-            head=head,
+            decoder_head=head,
+            token_cparams=token_cparams,
         )
 
     # ---- internals: requests -----------------------------------------------------------------

@@ -210,7 +210,13 @@ class LoadedModel:
     typed: TypedPairs | None = None
     # The head an LLM reranker or decoder sequence classifier applies to its last token's
     # state (llm_head.py); None for every other model.
-    head: DecoderHead | None = None
+    decoder_head: DecoderHead | None = None
+    # An embedder's pooling-NONE context params, and that context once a request needs token
+    # states (token_states.py); None for other kinds.
+    token_cparams: Any = None
+    token_slot: Slot | None = None
+    # Heads on the token states, by the output they give ("sparse", "multivector").
+    heads: dict[str, Any] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
     # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
     stream_threads: tuple[int, int] = (1, 1)
@@ -226,6 +232,8 @@ class LoadedModel:
             self.pool.shutdown(wait=True)
         for slot in self.slots:
             slot.free()
+        if self.token_slot is not None:
+            self.token_slot.free()
         llama_cpp.llama_model_free(self.model)
 
 

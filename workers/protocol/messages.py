@@ -129,6 +129,25 @@ class CLASSIFY(_Msg, tag="CLASSIFY", frozen=True):
     sequences: list[RerankSequence]
 
 
+# What ENCODE may ask for: one pooled vector an item ("dense"), the final state of every token
+# ("tokens"), a learned sparse vector ("sparse") and a head's per-token vectors ("multivector").
+OUTPUT_KINDS = ("dense", "tokens", "sparse", "multivector")
+OutputKind = Literal["dense", "tokens", "sparse", "multivector"]
+Side = Literal["query", "document"]
+
+
+class ENCODE(_Msg, tag="ENCODE", frozen=True):
+    """Several outputs of the same items from one forward pass. `side` picks a head's query
+    or document route (prefixes, expansion, an inference-free query route)."""
+
+    req_id: U64
+    model_ref: str
+    items: list[EmbedItem]
+    outputs: list[OutputKind]
+    side: Side = "document"
+    normalize: bool = True
+
+
 class GENERATE(_Msg, tag="GENERATE", frozen=True):
     req_id: U64
     model_ref: str
@@ -196,6 +215,26 @@ class LABEL_SCORES(_Msg, tag="LABEL_SCORES", frozen=True):
     n_labels: Count
 
 
+class OutputSection(msgspec.Struct, frozen=True):
+    """One requested output in ENCODED's raw frame. `dims`: a vector's width (the vocabulary
+    size for sparse). `counts`: rows per item for ragged outputs (tokens, multivector) and
+    non-zero entries per item for sparse; empty for dense (one row an item)."""
+
+    kind: OutputKind
+    dims: Count
+    counts: list[Count] = []
+
+
+class ENCODED(_Msg, tag="ENCODED", frozen=True):
+    """`sections` in the request's `outputs` order; the raw frame holds them back to back:
+    dense n x dims f32, tokens / multivector sum(counts) x dims f32, sparse sum(counts) i32
+    indices then sum(counts) f32 values."""
+
+    req_id: U64
+    n: Count
+    sections: list[OutputSection]
+
+
 class TEXT(_Msg, tag="TEXT", frozen=True):
     req_id: U64
     text: str
@@ -258,6 +297,7 @@ HostToWorker = Union[
     RERANK,
     RERANK_SEQUENCES,
     CLASSIFY,
+    ENCODE,
     GENERATE,
     ADMIT_SHAPE,
     EVICT,
@@ -271,6 +311,7 @@ WorkerToHost = Union[
     VECTORS,
     SCORES,
     LABEL_SCORES,
+    ENCODED,
     TEXT,
     SHAPE_ADMITTED,
     EVICTED,
@@ -286,6 +327,7 @@ Request = Union[
     RERANK,
     RERANK_SEQUENCES,
     CLASSIFY,
+    ENCODE,
     GENERATE,
     ADMIT_SHAPE,
     EVICT,
@@ -300,6 +342,7 @@ REPLY_FOR: dict[type, type] = {
     RERANK: SCORES,
     RERANK_SEQUENCES: SCORES,
     CLASSIFY: LABEL_SCORES,
+    ENCODE: ENCODED,
     GENERATE: TEXT,
     ADMIT_SHAPE: SHAPE_ADMITTED,
     EVICT: EVICTED,
@@ -307,7 +350,7 @@ REPLY_FOR: dict[type, type] = {
     PING: PONG,
 }
 INFERENCE_REQUESTS: frozenset[type] = frozenset(
-    {EMBED_BATCH, RERANK, RERANK_SEQUENCES, CLASSIFY, GENERATE}
+    {EMBED_BATCH, RERANK, RERANK_SEQUENCES, CLASSIFY, ENCODE, GENERATE}
 )
 CONTROL_REQUESTS: frozenset[type] = frozenset({LOAD, ADMIT_SHAPE, EVICT, UNLOAD})
 

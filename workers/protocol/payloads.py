@@ -23,7 +23,7 @@ F32 = np.dtype("<f4")
 
 def request_payload_tokens(req: object) -> int | None:
     """Number of i32 ids the raw frame after `req` carries; None if no raw frame follows."""
-    if type(req) is m.EMBED_BATCH:
+    if type(req) is m.EMBED_BATCH or type(req) is m.ENCODE:
         return sum(item.n_tokens for item in req.items)
     if type(req) is m.RERANK:
         return req.query_n_tokens + sum(c.n_tokens for c in req.candidates)
@@ -48,7 +48,37 @@ def reply_payload_floats(reply: object, req: object) -> int | None:
         raise ProtocolError(f"SCORES in reply to {m.message_name(req)}")
     if type(reply) is m.LABEL_SCORES:
         return reply.n * reply.n_labels
+    if type(reply) is m.ENCODED:
+        return sum(section_words(s, reply.n) for s in reply.sections)
     return None
+
+
+def section_words(section: m.OutputSection, n: int) -> int:
+    """4-byte words `section` takes in ENCODED's frame (i32 and f32 are both 4 bytes)."""
+    if section.kind == "dense":
+        return n * section.dims
+    if section.kind == "sparse":
+        return 2 * sum(section.counts)
+    return sum(section.counts) * section.dims
+
+
+def encoded_sections(
+    reply: m.ENCODED, frame: bytes | bytearray | memoryview
+) -> list[np.ndarray | tuple[np.ndarray, np.ndarray]]:
+    """Zero-copy views of each section of an ENCODED frame (its length already checked):
+    dense (n, dims), tokens / multivector (sum(counts), dims), sparse (indices, values)."""
+    out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
+    offset = 0
+    for s in reply.sections:
+        words = section_words(s, reply.n)
+        chunk = memoryview(frame)[offset * 4 : (offset + words) * 4]
+        offset += words
+        if s.kind == "sparse":
+            k = sum(s.counts)
+            out.append((np.frombuffer(chunk[: k * 4], I32), np.frombuffer(chunk[k * 4 :], F32)))
+        else:
+            out.append(np.frombuffer(chunk, F32).reshape(-1, s.dims))
+    return out
 
 
 def check_raw_length(frame_len: int, count: int, itemsize: int, what: str) -> None:

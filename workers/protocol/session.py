@@ -10,7 +10,7 @@ Host side (`HostSession`), the frames it may receive:
     REQUEST      PROGRESS (valid)             -> REQUEST
     REQUEST      reply / ERR                  -> IDLE, or AWAIT_RAW if a raw frame follows
                  (VECTORS n and LABEL_SCORES n must equal the request's item count,
-                 LABEL_SCORES n_labels >= 1)
+                 LABEL_SCORES n_labels >= 1; ENCODED: see `_check_encoded`)
     AWAIT_RAW    raw frame of exact length    -> IDLE
     anything else                             -> FAILED (ProtocolError; close + kill)
 
@@ -243,6 +243,8 @@ class HostSession(_Base):
                 raise ProtocolError(f"LABEL_SCORES n={msg.n} for {len(req.sequences)} sequences")
             if msg.n_labels < 1:
                 raise ProtocolError("LABEL_SCORES n_labels=0: a classifier has a label")
+        if type(msg) is m.ENCODED and type(req) is m.ENCODE:
+            _check_encoded(msg, req)
         floats = payloads.reply_payload_floats(msg, req)
         if floats is not None:
             self._pending_reply, self._raw_count = msg, floats
@@ -302,3 +304,26 @@ class WorkerSession(_Base):
             return RequestReceived(msg)
         self._pending, self._raw_count, self.state = msg, tokens, State.AWAIT_RAW
         return None
+
+
+def _check_encoded(msg: m.ENCODED, req: m.ENCODE) -> None:
+    """One section per requested output, in order; one count per item where counts apply;
+    a vector has a width. Anything else is no answer to the request."""
+    n = len(req.items)
+    if msg.n != n:
+        raise ProtocolError(f"ENCODED n={msg.n} for {n} items")
+    kinds = [s.kind for s in msg.sections]
+    if kinds != list(req.outputs):
+        raise ProtocolError(f"ENCODED sections {kinds} for outputs {list(req.outputs)}")
+    for s in msg.sections:
+        if s.dims < 1:
+            raise ProtocolError(f"ENCODED {s.kind} dims=0")
+        want = 0 if s.kind == "dense" else n
+        if len(s.counts) != want:
+            raise ProtocolError(f"ENCODED {s.kind} has {len(s.counts)} counts for {n} items")
+        if s.kind == "tokens":
+            for i, (count, item) in enumerate(zip(s.counts, req.items, strict=True)):
+                if count != item.n_tokens:
+                    raise ProtocolError(
+                        f"ENCODED tokens count {count} for item {i} of {item.n_tokens} tokens"
+                    )
