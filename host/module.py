@@ -214,7 +214,7 @@ def _kind_and_pooling(record: ModelRecord) -> dict:
         out["pooling"] = man.pooling
     if man.heads:  # the worker loads each head beside the model (and checks its digest)
         out["heads"] = {
-            kind: {"path": str(record.dir / h.file), "digest": h.digest}
+            kind: {"path": str(record.dir / h.file), "digest": h.digest, "limit": man.max_tokens}
             for kind, h in man.heads.items()
         }
     return out
@@ -770,8 +770,20 @@ class Module:
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
         _check_served(served.record, kinds)  # before tokenizing
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
+        sparse_head = served.record.manifest.heads.get("sparse")
+        bare = side == "query" and sparse_head is not None and sparse_head.bare_query
+        if bare and kinds != ["sparse"]:
+            raise InvalidRequest(
+                f"model {served.record.name!r} weighs queries by their ids alone (no forward "
+                "pass): its query side gives the sparse output only",
+                param="outputs",
+            )
         encoded = served.tokenizer.encode(
-            batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
+            batch,
+            truncate=truncate,
+            prompt=text_prompt,
+            direction=truncation_direction,
+            special_tokens=not bare,
         )
         with self.admission.reserve(encoded.total_tokens):
             got = await self._request_outputs(

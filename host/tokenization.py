@@ -161,10 +161,12 @@ class Tokenizer:
         max_tokens: int | None = None,
         prompt: str = "",
         direction: str = "right",
+        special_tokens: bool = True,
     ) -> Encoded:
         """`prompt` is prepended to every text before it is tokenized, as sentence-transformers
         does: its tokens count against the limit, and an input over it is cut (at the end, or
-        with `direction="left"` at the start of the text after the prompt)."""
+        with `direction="left"` at the start of the text after the prompt).
+        `special_tokens=False`: the text's own tokens only (an inference-free sparse query)."""
         limit = self._limit(max_tokens)
         _check_direction(direction)
         clean = _sanitize_all(texts)
@@ -178,6 +180,8 @@ class Tokenizer:
         # n_special_single), and it is what almost every request is, so the serving path
         # pays for one tokenizer call per text, not two. Only an input over the limit is
         # encoded again bare, cut, and post-processed, so the template's tokens survive.
+        if not special_tokens:
+            return self._encode_bare(clean, truncate, limit, direction)
         ids, counts, cut = [], [], []
         with_specials = self._tok.encode_batch_fast(clean, add_special_tokens=True)
         for i, enc in enumerate(with_specials):
@@ -197,6 +201,24 @@ class Tokenizer:
                 )
             ids.append(np.asarray(tokens, dtype=np.int32))
             counts.append(len(tokens))
+            cut.append(over)
+        return Encoded(ids=ids, n_tokens=counts, truncated=cut)
+
+    def _encode_bare(self, clean: list[str], truncate: bool, limit: int, direction: str) -> Encoded:
+        ids, counts, cut = [], [], []
+        for i, enc in enumerate(self._encode_raw(clean)):
+            over = len(enc.ids) > limit
+            if over and not truncate:
+                raise InvalidRequest(
+                    f"input {i} has {len(enc.ids)} tokens, over the limit of {limit}; "
+                    "shorten it or pass truncate=true",
+                    index=i,
+                    n_tokens=len(enc.ids),
+                    max_tokens=limit,
+                )
+            kept = enc.ids[:limit] if direction == "right" else enc.ids[len(enc.ids) - limit :]
+            ids.append(np.asarray(kept if over else enc.ids, dtype=np.int32))
+            counts.append(len(ids[-1]))
             cut.append(over)
         return Encoded(ids=ids, n_tokens=counts, truncated=cut)
 

@@ -396,6 +396,22 @@ def _sentence_transformers_heads(
     return routes, tensors, default_task
 
 
+def encoder_dir(model_dir: Path) -> Path:
+    """Where a sparse model's transformer (and its tokenizer) lives: inside the document
+    route of an inference-free model's Router, else the directory itself."""
+    model_dir = Path(model_dir)
+    modules = _modules(model_dir) or []
+    if [_kind(m) for m in modules] != ["Router"]:
+        return model_dir
+    router_dir = model_dir / str(modules[0].get("path", ""))
+    cfg = _router_config(model_dir, modules[0])
+    name = resolve_route("document", cfg["structure"], cfg["parameters"])
+    names = cfg["structure"].get(name) if name is not None else None
+    if not isinstance(names, list) or not names:
+        raise SparseCheckpointInvalid(f"{router_dir}: no route for documents")
+    return router_dir / str(names[0])
+
+
 def _max_active_dims(model_dir: Path) -> int | None:
     path = model_dir / "config_sentence_transformers.json"
     cfg = _json(path) if path.is_file() else {}

@@ -48,6 +48,8 @@ from common.errors import ArtifactInvalid, InvalidRequest, ModelNotFound, Storag
 from formats.digest import sha256_file
 from formats.gguf_header import ArrayInfo
 from formats.safetensors_io import weight_elements
+from formats.sparse_head import HEADS_DIR as SPARSE_HEADS_DIR
+from formats.sparse_head import SPARSE_CONFIG
 from ingest import gemma
 from ingest.digest import copy_with_digest, read_digest_file, write_digest_file
 from ingest.durable import (
@@ -66,9 +68,12 @@ from ingest.hf_common import Dtype, PoolingName
 from ingest.hf_dir import convert_hf_dir
 from ingest.llm_rerank import LlmRerankSpec
 from ingest.model_packages import minilm_dir, minilm_source
+from ingest.multivector_heads import detect as detect_multivector
+from ingest.multivector_heads import ingest_multivector_head
 from ingest.precision import embed_precision
 from ingest.provenance import Provenance
 from ingest.quantization import QuantizationRanges
+from ingest.sparse_heads import encoder_dir, sparse_source, write_sparse_heads
 
 Kind = Literal["embed", "rerank", "generate"]
 ARTIFACT_FILE = "model.gguf"
@@ -104,7 +109,10 @@ class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
 
     file: str
     dims: int
-    digest: str = ""  # sha256 of `file`, checked by the worker before it loads
+    digest: str = ""  # sha256 of what ingest wrote, checked by the worker before it loads
+    # Inference-free query side: queries are weighed by their ids alone, tokenized without
+    # special tokens (as its SparseStaticEmbedding tokenizes them), and read by no forward.
+    bare_query: bool = False
 
 
 class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -149,6 +157,31 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     # What the model returns when it has no pooled vector of its own (a SPLADE model:
     # ["sparse", "tokens"]); empty: a pooled vector, token states and its heads.
     outputs: list[str] = []
+
+
+def _ingest_heads(src: Path, staging: Path) -> tuple[dict[str, HeadSpec], list[str]]:
+    """The heads a checkpoint carries beside its transformer, written under `staging`, and
+    what the model serves when it has no pooled vector of its own (a ColBERT model's vectors
+    are its output; bge-m3 keeps its CLS vector)."""
+    heads: dict[str, HeadSpec] = {}
+    outputs: list[str] = []
+    mv = ingest_multivector_head(src, staging)
+    if mv is not None:
+        heads["multivector"] = HeadSpec(file=mv.file, dims=mv.dims, digest=mv.digest)
+        if mv.kind != "bge-m3":
+            outputs = ["multivector", "tokens"]
+    source = sparse_source(src)
+    if source is not None:
+        sp = write_sparse_heads(src, staging)
+        heads["sparse"] = HeadSpec(
+            file=f"{SPARSE_HEADS_DIR}/{SPARSE_CONFIG}",
+            dims=sp.vocab_size,
+            digest=sp.digest,
+            bare_query=not sp.query_needs_forward,
+        )
+        if source != "bge_m3":  # SPLADE's vector is its output; bge-m3 keeps its CLS vector
+            outputs = ["sparse", "tokens"]
+    return heads, outputs
 
 
 def served_outputs(manifest: Manifest) -> list[str]:
@@ -313,6 +346,13 @@ class ArtifactStore:
                 name += "-f32"
         dtype = dtype or embed_precision().dtype
         _check_name(name)
+        if pooling is None and (
+            detect_multivector(path) not in (None, "bge-m3")
+            or sparse_source(path) not in (None, "bge_m3")
+        ):
+            # Its vectors are its output, never a pooled one (Manifest.outputs leaves the
+            # pooled vector out): any pooling makes the GGUF an embedder llama.cpp loads.
+            pooling = "mean"
         with self._lock:
             self._sweep()
             if (self.root / name).exists():
@@ -578,10 +618,12 @@ class ArtifactStore:
         tokens: tuple[str | None, str | None] = (None, None),
     ) -> ModelRecord:
         options = options or encode_options(path)
-        with self._staging(name, hf_build_bytes(path, dtype)) as staging:
+        # An inference-free sparse model keeps its transformer in its document route.
+        body = encoder_dir(path) if sparse_source(path) is not None else path
+        with self._staging(name, hf_build_bytes(body, dtype)) as staging:
             artifact = staging / ARTIFACT_FILE
             info = convert_hf_dir(
-                path,
+                body,
                 artifact,
                 dtype,
                 pooling=pooling,
@@ -590,11 +632,12 @@ class ArtifactStore:
                 false_token=tokens[1],
             )
             options = fitted(options, info.kind, info.dims)
-            tok_src = path / "tokenizer.json"
+            tok_src = body / "tokenizer.json"
             tokenizer = None
             if tok_src.is_file():
                 (staging / TOKENIZER_FILE).write_bytes(_cleaned_tokenizer(tok_src))
                 tokenizer = TOKENIZER_FILE
+            heads, outputs = _ingest_heads(path, staging) if info.kind == "embed" else ({}, [])
             digest = sha256_file(artifact)
             write_digest_file(artifact, digest)
             # One input is at most the worker's encoder batch or the trained context, as for a
@@ -625,6 +668,8 @@ class ArtifactStore:
                 matryoshka_dims=options.matryoshka_dims,
                 provenance=provenance,
                 llm_rerank=info.llm_rerank,
+                heads=heads,
+                outputs=outputs,
             )
             return self._publish(staging, manifest)
 

@@ -569,3 +569,143 @@ def test_maxsim_of_an_empty_document_as_sentence_transformers_scores_it():
     assert maxsim(q, empty) == pytest.approx(float(want[0, 0]))
     want = st_mean_maxsim([torch.from_numpy(q)], [torch.from_numpy(empty)])
     assert mean_maxsim(q, empty) == pytest.approx(float(want[0, 0]))
+
+
+# ---- served: the llama.cpp lane ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_store(colbert, bge_m3, module_tmp):
+    from ingest.store import ArtifactStore
+
+    store = ArtifactStore(module_tmp / "models")
+    store.ingest_hf_dir(colbert, "colbert", dtype="f32")
+    store.ingest_hf_dir(bge_m3, "bge-m3", dtype="f32", pooling="cls")  # bge-m3 pools CLS
+    return store
+
+
+def _module(store, runtime_dir):
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+
+    return Module(
+        ModuleConfig(
+            store_root=str(store.root), host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+        )
+    )
+
+
+async def test_the_llama_lane_serves_colbert_like_multivectorencoder(
+    served_store, colbert, short_runtime_dir
+):
+    """Ingested from its directory and served: documents' and queries' vectors as
+    `MultiVectorEncoder.encode` gives them (prefix, expansion, skiplist, Dense, normalize), and
+    rerank by raw MaxSim as its `similarity` scores."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from common.errors import InvalidRequest
+
+    ref = MultiVectorEncoder(str(colbert), device="cpu")
+    manifest = served_store.get("colbert").manifest
+    assert manifest.outputs == ["multivector", "tokens"] and "multivector" in manifest.heads
+    async with _module(served_store, short_runtime_dir) as mod:
+        docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], "colbert")
+        queries = await mod.encode_outputs(QUERIES, ["multivector"], "colbert", side="query")
+        ranked = await mod.rerank(QUERIES[0], DOCUMENTS, "colbert")
+        with pytest.raises(InvalidRequest, match="no dense output"):
+            await mod.embed(["a"], "colbert")
+    ref_docs = ref.encode_document(DOCUMENTS)
+    ref_queries = ref.encode_query(QUERIES)
+    worst = 1.0
+    pairs = [*zip(docs.multivector, ref_docs, strict=True)]
+    pairs += [*zip(queries.multivector, ref_queries, strict=True)]
+    for got, want in pairs:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape
+        worst = min(worst, float(_cos(got, want).min()))
+    print(f"worst multi-vector cos on the llama lane {worst:.7f}")
+    assert worst >= 0.9999
+    want_scores = np.asarray(ref.similarity(ref_queries[:1], ref_docs), np.float64)[0]
+    got_scores = dict(ranked.results)
+    assert ranked.method == "multi-vector-maxsim"
+    assert max(abs(got_scores[i] - want_scores[i]) for i in range(len(DOCUMENTS))) < 1e-3
+
+
+async def test_bge_m3_gives_dense_sparse_and_multi_vector_from_one_pass(
+    served_store, bge_m3, short_runtime_dir
+):
+    """bge-m3 served: its CLS vector, lexical weights and colbert vectors as FlagEmbedding's
+    formulas compute them on transformers, all three from one ENCODE."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    from tests.test_sparse_heads import _flag_embedding_lexical_weights
+
+    texts = QUERIES + DOCUMENTS
+    manifest = served_store.get("bge-m3").manifest
+    assert set(manifest.heads) == {"sparse", "multivector"} and manifest.outputs == []
+    async with _module(served_store, short_runtime_dir) as mod:
+        got = await mod.encode_outputs(texts, ["dense", "sparse", "multivector"], "bge-m3")
+    tok = AutoTokenizer.from_pretrained(str(bge_m3))
+    model = XLMRobertaModel.from_pretrained(str(bge_m3), add_pooling_layer=False).eval()
+    with torch.inference_mode():
+        cls = [model(**tok(t, return_tensors="pt")).last_hidden_state[0, 0].numpy() for t in texts]
+    dense = np.stack([v / np.linalg.norm(v) for v in cls])
+    assert got.dense is not None and _cos(got.dense, dense).min() >= 0.9999
+    for ours, ref in zip(got.multivector or [], _flag_colbert_vecs(bge_m3, texts), strict=True):
+        assert ours.shape == ref.shape and _cos(ours, ref).min() >= 0.9999
+    for (idx, val), ref in zip(
+        got.sparse or [], _flag_embedding_lexical_weights(bge_m3, texts, 256), strict=True
+    ):
+        assert [str(i) for i in idx] == sorted(ref, key=int)
+        want = np.array([ref[str(i)] for i in idx], np.float32)
+        assert np.max(np.abs(val - want) / want) <= 0.10
+        assert _cos(val[None], want[None])[0] >= 0.9999
+
+
+def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
+    """The engine decodes the texts once for any set of outputs: three outputs asked
+    together cost the decodes of one, where three requests cost three times as many."""
+    from tests.test_llama_engine import _load
+    from workers.engine import NullProgress
+    from workers.llama import native
+    from workers.llama.engine import LlamaEngine
+    from workers.protocol import messages as m
+
+    record = served_store.get("bge-m3")
+    heads = {
+        kind: {"path": str(record.dir / h.file), "digest": h.digest}
+        for kind, h in record.manifest.heads.items()
+    }
+    from host.tokenization import Tokenizer
+
+    assert record.tokenizer_path is not None
+    tokenizer = Tokenizer.from_file(str(record.tokenizer_path), max_tokens=64)
+
+    def tok(text: str) -> np.ndarray:
+        return tokenizer.encode([text], truncate=True).ids[0]
+
+    engine = LlamaEngine()
+    decodes = []
+    decode = native.decode
+    monkeypatch.setattr(native, "decode", lambda slot, b: (decodes.append(1), decode(slot, b)))
+    try:
+        ref = _load(engine, record.artifact_path, "m3", kind="embed", pooling="cls", heads=heads)
+        ids = [tok(t) for t in QUERIES + DOCUMENTS]
+
+        def encode(outputs) -> int:
+            decodes.clear()
+            req = m.ENCODE(
+                req_id=1,
+                model_ref=ref.model_ref,
+                items=[m.EmbedItem(id=i, n_tokens=len(x)) for i, x in enumerate(ids)],
+                outputs=outputs,
+            )
+            engine.encode(req, np.concatenate(ids), NullProgress())
+            return len(decodes)
+
+        one = encode(["dense", "sparse", "multivector"])
+        apart = sum(encode([k]) for k in ("dense", "sparse", "multivector"))
+    finally:
+        engine.close()
+    assert one >= 1 and apart == 3 * one

@@ -303,7 +303,9 @@ def test_inference_free_splade_routes(dirs, ingested):
         _assert_same(document.apply(h, ids), row)
 
 
-def _flag_embedding_lexical_weights(model_dir: Path, texts: list[str]) -> list[dict[str, float]]:
+def _flag_embedding_lexical_weights(
+    model_dir: Path, texts: list[str], max_length: int = MAX_SEQ
+) -> list[dict[str, float]]:
     """FlagEmbedding's bge-m3 sparse output, restated in torch from its source:
     `EncoderOnlyEmbedderM3ModelForInference.forward` -> `_sparse_embedding(last_hidden_state,
     input_ids, return_embedding=False)` = `torch.relu(self.sparse_linear(hidden_state))`
@@ -318,7 +320,7 @@ def _flag_embedding_lexical_weights(model_dir: Path, texts: list[str]) -> list[d
     model = AutoModel.from_pretrained(model_dir).eval()
     sparse_linear = torch.nn.Linear(model.config.hidden_size, 1)
     sparse_linear.load_state_dict(torch.load(model_dir / "sparse_linear.pt", map_location="cpu"))
-    batch = tok(texts, padding=True, truncation=True, max_length=MAX_SEQ, return_tensors="pt")
+    batch = tok(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     with torch.no_grad():
         last = model(**batch, return_dict=True).last_hidden_state
         token_weights = torch.relu(sparse_linear(last)).squeeze(-1).numpy()
@@ -352,18 +354,31 @@ def test_bge_m3_lexical_weights_equal_flag_embeddings_formula(dirs, ingested):
 
 
 def test_the_chunked_head_equals_the_whole_matrix(dirs, ingested):
+    """Chunks of 7 tokens run across sequence boundaries: sequences that end with a chunk,
+    inside one, several in one chunk, of one token, spanning three chunks."""
     long_text = " ".join(TEXTS)
+    lengths = [7, 1, 2, 2, 9, 7, 20]  # ends 7 8 10 12 21 28 48: chunks end at 7 14 21 28 ...
     for name in ("splade", "splade-sum"):
         head = load(head_dir(ingested[name])).for_route("document")
         assert isinstance(head, SpladeHead)
-        ((states, _ids),) = _st_states(dirs[name], [long_text])
-        assert states.shape[0] > 3 * 7
-        whole = head.token_scores(states)  # T x V at once, as SpladePooling without chunks
-        want = whole.max(axis=0) if head.spec.pooling == "max" else whole.sum(axis=0)
-        # One matmul of T rows and several of 7 round alike only to float32's noise.
-        got = head.pooled(states, chunk_tokens=7)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=ATOL)
-        assert (got != 0).sum() == (want != 0).sum() > 100
+        ((states, ids),) = _st_states(dirs[name], [long_text])
+        bounds = np.cumsum([0, *lengths])
+        assert states.shape[0] >= bounds[-1]
+        seqs = [states[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        seq_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        got = list(head.pooled_many(seqs, chunk_tokens=7))
+        assert len(got) == len(seqs)
+        for pooled, seq in zip(got, seqs, strict=True):
+            whole = head.token_scores(seq)  # T x V at once, as SpladePooling without chunks
+            want = whole.max(axis=0) if head.spec.pooling == "max" else whole.sum(axis=0)
+            # One matmul of T rows and several of 7 round alike only to float32's noise.
+            np.testing.assert_allclose(pooled, want, rtol=1e-5, atol=ATOL)
+            assert (pooled != 0).sum() == (want != 0).sum() > 0
+        # apply_many is apply on each: one sequence, chunked at the default size.
+        for vec, seq, i in zip(head.apply_many(seqs, seq_ids), seqs, seq_ids, strict=True):
+            one = head.apply(seq, i)
+            np.testing.assert_array_equal(vec.indices, one.indices)
+            np.testing.assert_allclose(vec.values, one.values, rtol=1e-5, atol=ATOL)
 
 
 def test_torch_state_is_read_without_torch_as_torch_saved_it(tmp_path):
@@ -568,3 +583,78 @@ def test_routes_resolve_as_the_router_resolves_them(tmp_path):
             except ValueError:
                 want = None
             assert resolve_route(task, cfg["structure"], cfg["parameters"]) == want, (i, task)
+
+
+# ---- served: the llama.cpp lane ---------------------------------------------------------------
+
+
+def _sparse_cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def served_store(dirs, module_tmp):
+    from ingest.store import ArtifactStore
+
+    store = ArtifactStore(module_tmp / "models")
+    for name in ("splade", "ifree"):
+        store.ingest_hf_dir(dirs[name], name, dtype="f32")
+    return store
+
+
+async def test_the_llama_lane_serves_splade_like_sparse_encoder(
+    served_store, dirs, short_runtime_dir
+):
+    """Ingested from their directories and served: SPLADE documents and inference-free
+    queries as `SparseEncoder` encodes them. On llama.cpp the same active set, each value
+    within 10 % (its tanh GELU moves SPLADE values by a few %) and a sparse cosine >= 0.9999;
+    the inference-free query side runs no forward pass and gives the exact static weights."""
+    from sentence_transformers import SparseEncoder
+
+    from common.errors import InvalidRequest
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+
+    cfg = ModuleConfig(
+        store_root=str(served_store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
+    assert served_store.get("splade").manifest.outputs == ["sparse", "tokens"]
+    async with Module(cfg) as mod:
+        docs = await mod.encode_outputs(TEXTS, ["sparse"], "splade")
+        ifree_docs = await mod.encode_outputs(TEXTS, ["sparse"], "ifree")
+        ifree_queries = await mod.encode_outputs(TEXTS, ["sparse"], "ifree", side="query")
+        with pytest.raises(InvalidRequest, match="no dense output"):
+            await mod.embed(["a"], "splade")
+        with pytest.raises(InvalidRequest, match="sparse output only"):
+            await mod.encode_outputs(["a"], ["tokens"], "ifree", side="query")
+    checks = [
+        (docs.sparse, SparseEncoder(str(dirs["splade"]), device="cpu").encode_document(TEXTS)),
+        (ifree_docs.sparse, SparseEncoder(str(dirs["ifree"]), device="cpu").encode_document(TEXTS)),
+    ]
+    worst_cos, worst_rel = 1.0, 0.0
+    for got, ref in checks:
+        ref = ref.to_dense().numpy() if hasattr(ref, "to_dense") else np.asarray(ref)
+        for (idx, val), want in zip(got, ref, strict=True):
+            dense = np.zeros_like(want)
+            dense[idx] = val
+            # The same active set; under a top-k cut (max_active_dims) two entries within the
+            # value tolerance of the cut may trade places, and nothing else may differ.
+            kept = np.nonzero(want)[0]
+            cut = float(np.abs(want[kept]).min())
+            traded = sorted(set(idx.tolist()) ^ set(kept.tolist()))
+            for i in traded:
+                near = max(abs(dense[i]), abs(want[i]))
+                assert abs(near - cut) <= 0.10 * cut, ("active set differs", i, dense[i], want[i])
+            both = np.intersect1d(idx, kept)
+            ours, theirs = dense.copy(), want.copy()
+            ours[traded] = theirs[traded] = 0.0  # compared as absent in both
+            worst_cos = min(worst_cos, _sparse_cos(ours, theirs))
+            rel = np.abs(dense[both] - want[both]) / np.abs(want[both])
+            worst_rel = max(worst_rel, float(rel.max()))
+    ref_q = SparseEncoder(str(dirs["ifree"]), device="cpu").encode_query(TEXTS)
+    ref_q = ref_q.to_dense().numpy() if hasattr(ref_q, "to_dense") else np.asarray(ref_q)
+    for (idx, val), want in zip(ifree_queries.sparse, ref_q, strict=True):
+        assert np.array_equal(idx, np.nonzero(want)[0]) and np.allclose(val, want[idx], rtol=1e-6)
+    print(f"llama lane SPLADE: worst sparse cos {worst_cos:.7f}, worst value error {worst_rel:.4f}")
+    assert worst_cos >= 0.9999 and worst_rel <= 0.10

@@ -22,6 +22,8 @@ class HeadFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     path: str
     digest: str = ""
+    # The model's token limit the head cuts its own inputs to (a prefix it inserts counts).
+    limit: int | None = None
 
 
 class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

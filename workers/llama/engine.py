@@ -41,9 +41,16 @@ from workers.engine import (
     Section,
     dense_section,
     ragged_section,
-    sparse_section,
 )
-from workers.llama import encode, generate, llm_head, model_kind, native, token_states
+from workers.llama import (
+    encode,
+    generate,
+    heads,
+    llm_head,
+    model_kind,
+    native,
+    token_states,
+)
 from workers.llama.config import Kind, RuntimeConfig, parse_runtime_config
 from workers.llama.context_plan import flash_attention, plan_context
 from workers.llama.decode_plan import decode_tokens_for
@@ -149,6 +156,15 @@ class LlamaEngine(Engine):
         except BaseException:
             llama_cpp.llama_model_free(model)
             raise
+        if cfg.heads:
+            try:
+                if kind != "embed":
+                    raise EngineError("config_invalid", f"heads on a {kind} model")
+                loaded.heads = heads.load_heads(cfg.heads)
+                loaded.head_limits = {k: h.limit for k, h in cfg.heads.items()}
+            except BaseException:
+                loaded.free()
+                raise
         loaded.device = self._offload_device() if gpu_layers > 0 else "cpu"
         self._models[ref] = loaded
         progress.advance("control")
@@ -333,7 +349,25 @@ class LlamaEngine(Engine):
         lengths = [it.n_tokens for it in req.items]
         ids = self._check_ids(mdl, ids, lengths)
         seqs = _split(ids, lengths)
-        states = token_states.token_states(mdl, seqs, progress, self._decode_tokens)
+        if "multivector" in req.outputs:
+            mv = mdl.heads["multivector"]
+            limit = mdl.head_limits.get("multivector") or mdl.item_limit
+            prepared = heads.multivector_inputs(mv, seqs, req.side, min(limit, mdl.item_limit))
+            same = all(np.array_equal(p, q) for p, q in zip(prepared, seqs, strict=True))
+            if not same and list(req.outputs) != ["multivector"]:
+                raise EngineError(
+                    "unsupported",
+                    f"{mdl.ref}'s multi-vector input is not its text's tokens (a prefix or "
+                    "query expansion): ask for the multi-vector output alone",
+                )
+            seqs = prepared
+        # An inference-free sparse query side alone reads no states: no forward pass at all.
+        forward = any(k != "sparse" for k in req.outputs) or heads.sparse_needs_states(
+            mdl, req.side
+        )
+        states = (
+            token_states.token_states(mdl, seqs, progress, self._decode_tokens) if forward else []
+        )
         sections: list[Section] = []
         for kind in req.outputs:
             if kind == "dense":
@@ -344,12 +378,12 @@ class LlamaEngine(Engine):
             elif kind == "tokens":
                 sections.append(ragged_section("tokens", states, mdl.n_embd))
             else:
-                head = mdl.heads[kind]
-                got = [head.apply(s, q, req.side) for s, q in zip(states, seqs, strict=True)]
                 if kind == "sparse":
-                    sections.append(sparse_section(got, head.vocab_size))
+                    sections.append(heads.sparse_outputs(mdl, states, seqs, req.side))
                 else:
-                    sections.append(ragged_section("multivector", got, head.dims))
+                    mv = mdl.heads["multivector"]
+                    got = [mv.apply(s, q, req.side) for s, q in zip(states, seqs, strict=True)]
+                    sections.append(ragged_section("multivector", got, mv.spec.dim))
         return sections
 
     def generate(self, req: m.GENERATE, ids: np.ndarray, progress: Progress) -> Generation:
@@ -462,12 +496,14 @@ class LlamaEngine(Engine):
         vocab = llama_cpp.llama_model_get_vocab(model)
         token_cparams = None
         if kind == "embed":
+            # Token outputs are read per token, unpooled and unbounded (a MaxSim sums them, a
+            # sparse head reads every one): like a reranker's logit, they keep K and V in f32.
             token_cparams = native.planned_context_params(
                 plan,
                 offloaded=offloaded,
                 encoder=True,
                 pooling="none",
-                flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
+                flash_attn=flash_attention(cfg.flash_attn, "rerank", offloaded),
             )
         return native.LoadedModel(
             ref=ref,

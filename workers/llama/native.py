@@ -217,6 +217,7 @@ class LoadedModel:
     token_slot: Slot | None = None
     # Heads on the token states, by the output they give ("sparse", "multivector").
     heads: dict[str, Any] = field(default_factory=dict)
+    head_limits: dict[str, int | None] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None  # runs the slots' decodes when there are several
     # (n_threads, n_threads_batch): each slot's own, and all of them (a lone wide decode).
     stream_threads: tuple[int, int] = (1, 1)
