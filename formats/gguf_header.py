@@ -24,6 +24,9 @@ from typing import Any
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _MAGIC = b"GGUF"
+# The one key of ours in a GGUF: a decoder sequence classifier's pad token id (-1: none),
+# written by our converter, read by the worker (workers/llama/llm_head.py says why).
+SEQ_CLS_PAD_KEY = "synapse.sequence_classifier.pad_token_id"
 # GGUF value types -> struct format (strings=8, arrays=9 handled apart).
 _SCALAR = {
     0: "<B",

@@ -4,9 +4,8 @@
 messages `[{"role": "system", "content": instruction}]? + [{"role": "query", "content": q},
 {"role": "document", "content": d}]` (content as a list of typed parts when the template reads
 them so: `LlmRerankSpec.message_format`), renders them through the checkpoint's chat template
-as transformers' `apply_chat_template` does (a sandboxed Jinja environment with
-`trim_blocks`/`lstrip_blocks`, `raise_exception`, its `tojson`, `strftime_now`, the loop
-controls; `add_generation_prompt=False`; the tokenizer's special tokens as variables), and
+as transformers' `apply_chat_template` does (`ingest.chat_template`;
+`add_generation_prompt=False`; the tokenizer's special tokens as variables), and
 tokenizes the rendered text without adding special tokens. The score is read at the last
 token: the template's assistant suffix.
 
@@ -25,22 +24,19 @@ the instruction and the assistant suffix after which the score is read are alway
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import numpy as np
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common.errors import ArtifactInvalid, InvalidRequest
+from common.errors import InvalidRequest
 from host.sanitize import sanitize
 from host.tokenization import EncodedPairs
+from ingest.chat_template import compile_template
 from ingest.llm_rerank import LlmRerankSpec
 
 # Stand-ins for the caller's texts in a probe render: private-use characters no template
@@ -48,41 +44,6 @@ from ingest.llm_rerank import LlmRerankSpec
 _SLOTS = {"instruction": "\ue000I\ue001", "query": "\ue000Q\ue001", "document": "\ue000D\ue001"}
 _SLOT_RE = re.compile("|".join(re.escape(s) for s in _SLOTS.values()))
 _SLOT_NAMES = {v: k for k, v in _SLOTS.items()}
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' override: Jinja's own filter escapes HTML characters.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_template(template: str) -> jinja2.Template:
-    """The template in the environment transformers renders chat templates in."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateError as e:
-        raise ArtifactInvalid(f"the model's chat template does not compile: {e}") from e
 
 
 @dataclass(frozen=True)

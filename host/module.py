@@ -992,7 +992,9 @@ class Module:
             method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"] = (
                 "cross-encoder"
             )
-        elif served.record.kind == "rerank" and served.lane_kind == "ane":
+        elif served.record.kind == "rerank" and (
+            served.lane_kind == "ane" or served.record.manifest.pooling == "last"
+        ):
             scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
@@ -1138,7 +1140,10 @@ class Module:
     async def _cross_encode_owned(
         self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
     ):
-        """Owned graphs take composed pairs with real token types (RERANK_SEQUENCES)."""
+        """Pairs composed here by the model's tokenizer (RERANK_SEQUENCES): the owned graphs'
+        (with real token types), and a decoder sequence classifier's (pooling "last": its
+        head reads the last non-pad token, workers/llama/llm_head.py) without a chat
+        template, which sentence-transformers tokenizes as a plain pair."""
         truncate, direction, max_doc_tokens = cut
         pairs = served.tokenizer.encode_pairs(
             query, docs, truncate=truncate, direction=direction, max_doc_tokens=max_doc_tokens

@@ -15,7 +15,8 @@ Rules, from the llama.cpp that llama-cpp-python 0.3.36 vendors:
   makes of Qwen3-Reranker) is an LLM reranker whose pairs the host renders through the
   template it keeps (ingest.llm_rerank); one without a template we can render is refused,
   and so is any other reranker carrying a `tokenizer.chat_template.rerank`: its pairs would
-  not match its training.
+  not match its training. A decoder sequence classifier's GGUF (our converter's, marked by
+  `SEQ_CLS_PAD_KEY`) is refused: its problem type and pair template are its directory's.
 - A LoRA adapter GGUF (`general.type` adapter) is refused: it is no model.
 - Anything the GGUF does not say (an embedder's pooling) is given by the caller, or refused:
   pooling is never guessed.
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.errors import ArtifactInvalid, InvalidRequest
-from formats.gguf_header import GGUFFormatError, GGUFHeader, read_gguf_header
+from formats.gguf_header import SEQ_CLS_PAD_KEY, GGUFFormatError, GGUFHeader, read_gguf_header
 from ingest.llm_rerank import LLM_RERANK_FAMILIES, LlmRerankSpec, spec_from_gguf
 
 ENCODER_ARCHITECTURES = frozenset(
@@ -155,6 +156,14 @@ def inspect_gguf(
                 "a BERT cross-encoder GGUF without its pooler (cls.weight: the dense + tanh "
                 "layer the classifier reads) cannot be served as trained; convert it again "
                 "with the pooler kept"
+            )
+        if SEQ_CLS_PAD_KEY in hdr.kv:
+            # Our converter's file of a decoder sequence classifier: its problem type and
+            # pair template are config.json's and the tokenizer's, not the GGUF's.
+            raise InvalidRequest(
+                f"a {arch} sequence classifier GGUF (written by `synapse models ingest DIR`): "
+                "ingest its Hugging Face directory, which says its problem type and how its "
+                "pairs are composed"
             )
         if arch in LLM_RERANK_FAMILIES.values() and declared == "rank":
             return _llm_reranker(path, hdr, pooling)

@@ -102,6 +102,7 @@ def _convert_reranker(
         instructions=layout.prompts,
         default_instruction_name=layout.default_prompt_name,
     )
-    return hf_qwen3.convert_reranker(
-        model_dir, config, out_path, dtype, name or model_dir.name, spec
+    convert = (
+        hf_qwen3.convert_reranker if config.model_type == "qwen3" else hf_gemma3.convert_reranker
     )
+    return convert(model_dir, config, out_path, dtype, name or model_dir.name, spec)

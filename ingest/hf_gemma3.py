@@ -19,6 +19,8 @@ Everything else llama.cpp would compute differently is refused, named: causal at
 attention logit softcapping, a query scale other than 1/sqrt(head_dim), another activation,
 attention biases, scaled RoPE, a Dense with a bias, an activation or a residual, a Dense
 chain that does not start and end at the hidden width, pooling that skips the prompt.
+A Gemma 3 LLM reranker (`convert_reranker`: a Gemma3ForCausalLM scored with LogitScore) is
+written to llama.cpp's causal `gemma3` by the same rules.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ingest.hf_common import (
     write_gguf,
 )
 from ingest.hf_vocab import Vocab, spm_vocab
+from ingest.llm_rerank import LlmRerankSpec
 
 ARCH = MODEL_ARCH.GEMMA_EMBEDDING
 # Keys config.json omits take transformers' Gemma3TextConfig defaults (formats.hf_config).
@@ -60,9 +63,11 @@ _DENSE_NAMES = ("dense_2", "dense_3")  # llama.cpp's two projections, in the ord
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 
 
-def _check_config(config: HfConfig) -> None:
+def _check_config(config: HfConfig, reranker: bool = False) -> None:
     archs = config.architectures or ["Gemma3TextModel"]
-    if archs != ["Gemma3TextModel"]:
+    if reranker and archs != ["Gemma3ForCausalLM"]:
+        raise ArtifactInvalid(f"a Gemma 3 LLM reranker is a Gemma3ForCausalLM, not {archs}")
+    if not reranker and archs != ["Gemma3TextModel"]:
         raise ArtifactInvalid(
             f"architectures {archs}: only Gemma3TextModel (a text encoder) is converted"
         )
@@ -79,7 +84,9 @@ def _check_config(config: HfConfig) -> None:
         config.positive_int(key)
     if config.positive_int("num_attention_heads") % config.positive_int("num_key_value_heads"):
         raise ArtifactInvalid("num_attention_heads is not a multiple of num_key_value_heads")
-    if config.get("use_bidirectional_attention") is not True:
+    if reranker:
+        _check_causal(config)
+    elif config.get("use_bidirectional_attention") is not True:
         raise ArtifactInvalid(
             "use_bidirectional_attention is not true: a causal Gemma 3 is a "
             "decoder, and llama.cpp's gemma-embedding attends both ways"
@@ -90,10 +97,21 @@ def _check_config(config: HfConfig) -> None:
             "does not cap attention logits"
         )
     scalar = config.value("query_pre_attn_scalar")
-    if scalar != config.positive_int("head_dim"):
+    if reranker and config.positive_int("num_hidden_layers") == 62:
+        # llama.cpp's gemma3 takes a 62-layer model for Gemma 3 27B and scales its queries by
+        # 1/sqrt(hidden / heads), which is that checkpoint's query_pre_attn_scalar.
+        heads = config.positive_int("num_attention_heads")
+        width = config.positive_int("hidden_size") / heads
+        if scalar != width:
+            raise ArtifactInvalid(
+                f"query_pre_attn_scalar {scalar} != hidden_size / num_attention_heads {width:g}: "
+                "llama.cpp's gemma3 scales a 62-layer model's queries by 1/sqrt(hidden / heads)"
+            )
+    elif scalar != config.positive_int("head_dim"):
+        graph = "gemma3" if reranker else "gemma-embedding"
         raise ArtifactInvalid(
             f"query_pre_attn_scalar {scalar} != head_dim "
-            f"{config.positive_int('head_dim')}: llama.cpp's gemma-embedding scales queries by "
+            f"{config.positive_int('head_dim')}: llama.cpp's {graph} scales queries by "
             "1/sqrt(head_dim)"
         )
     act = config.value("hidden_activation")
@@ -108,6 +126,23 @@ def _check_config(config: HfConfig) -> None:
     if config.get("attention_bias"):
         raise ArtifactInvalid(
             "attention_bias is true: llama.cpp's gemma-embedding has no attention biases"
+        )
+
+
+def _check_causal(config: HfConfig) -> None:
+    """What llama.cpp's causal `gemma3` graph computes otherwise than transformers'
+    Gemma3ForCausalLM does, refused: bidirectional attention, and a capped logit (the score
+    would no longer be a difference of two LM-head rows: tanh is applied to each logit)."""
+    if config.get("use_bidirectional_attention"):
+        raise ArtifactInvalid(
+            "use_bidirectional_attention is true: llama.cpp's gemma3 graph is causal"
+        )
+    cap = config.get("final_logit_softcapping")
+    if cap is not None:
+        raise ArtifactInvalid(
+            f"final_logit_softcapping {cap!r}: the reranker's score would be "
+            "cap * (tanh(logit[true] / cap) - tanh(logit[false] / cap)), not the difference "
+            "of two LM-head rows that is served"
         )
 
 
@@ -281,7 +316,9 @@ def _dense_layers(dense_dirs: tuple[Path, ...], hidden: int) -> list[np.ndarray]
     return out
 
 
-def _tensors(model_dir: Path, config: HfConfig, dense: list[np.ndarray]) -> dict[str, np.ndarray]:
+def _tensors(
+    model_dir: Path, config: HfConfig, dense: list[np.ndarray], arch: MODEL_ARCH = ARCH
+) -> dict[str, np.ndarray]:
     n_layers = config.positive_int("num_hidden_layers")
     weights = read_model_weights(model_dir)
     projections = {f"{n}.weight": w for n, w in zip(_DENSE_NAMES, dense, strict=False)}
@@ -290,7 +327,7 @@ def _tensors(model_dir: Path, config: HfConfig, dense: list[np.ndarray]) -> dict
         raise ArtifactInvalid(f"unexpected tensor {clash[0]!r} in the transformer's weights")
     # A text encoder has no LM head; if one was saved, embeddings never read it.
     tensors = map_names(
-        weights | projections, ARCH, n_layers, ignored=lambda key: key == "lm_head.weight"
+        weights | projections, arch, n_layers, ignored=lambda key: key == "lm_head.weight"
     )
     h, ff = config.positive_int("hidden_size"), config.positive_int("intermediate_size")
     hd = config.positive_int("head_dim")
@@ -446,4 +483,99 @@ def convert(
         sep_id=None,
         max_seq_length=layout.max_seq_length,
         architecture=gguf.MODEL_ARCH_NAMES[ARCH],
+    )
+
+
+RERANK_ARCH = MODEL_ARCH.GEMMA3
+
+
+def convert_reranker(
+    model_dir: Path,
+    config: HfConfig,
+    out_path: Path,
+    dtype: Dtype,
+    name: str,
+    spec: LlmRerankSpec,
+) -> ConvertedModel:
+    """A Gemma 3 LLM reranker (a Gemma3ForCausalLM that sentence-transformers scores with
+    `LogitScore`) -> GGUF of llama.cpp's causal `gemma3`, with the same weights, norms, window
+    and RoPE rules as the embedder, rank pooling and the two scored tokens as
+    `classifier.output_labels` [true, false]. Unlike Qwen3's, llama.cpp's gemma3 graph loads
+    no `cls.output` tensor (a file with one would not load), so the worker reads the two rows
+    of the LM head llama.cpp uses: `output.weight`, written only when the checkpoint does not
+    tie it to the token embedding, else `token_embd.weight`."""
+    _check_config(config, reranker=True)
+    swa = _layer_types(config)
+    window = config.positive_int("sliding_window")
+    bases = _rope_bases(config)
+    tensors = _tensors(model_dir, config, [], RERANK_ARCH)
+    # transformers' Gemma3TextConfig ties the LM head to the token embedding unless told not to.
+    if config.get("tie_word_embeddings") is False:
+        head = read_model_weights(model_dir).get("lm_head.weight")
+        if head is None:
+            raise ArtifactInvalid("tie_word_embeddings is false, but there is no lm_head.weight")
+        tensors["output.weight"] = head
+    hidden = config.positive_int("hidden_size")
+    n_vocab = config.positive_int("vocab_size")
+    if max(spec.true_id or 0, spec.false_id or 0) >= n_vocab:
+        raise ArtifactInvalid(f"the scored tokens are outside the {n_vocab}-row LM head")
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ArtifactInvalid(f"missing tokenizer.json in {model_dir}")
+    tok = load_json(tok_path)
+    vocab = spm_vocab(tok, n_vocab)
+    special, _, _ = _special_ids(model_dir, tok, vocab)
+    assert spec.true_token is not None and spec.false_token is not None
+    labels = [spec.true_token, spec.false_token]
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_name(name)
+        w.add_file_type(file_type(dtype))
+        w.add_context_length(config.positive_int("max_position_embeddings"))
+        w.add_embedding_length(hidden)
+        w.add_block_count(config.positive_int("num_hidden_layers"))
+        w.add_feed_forward_length(config.positive_int("intermediate_size"))
+        w.add_head_count(config.positive_int("num_attention_heads"))
+        w.add_head_count_kv(config.positive_int("num_key_value_heads"))
+        w.add_key_length(config.positive_int("head_dim"))
+        w.add_value_length(config.positive_int("head_dim"))
+        w.add_layer_norm_rms_eps(config.number("rms_norm_eps"))
+        w.add_rope_freq_base(bases["full_attention"])
+        w.add_rope_freq_base_swa(bases["sliding_attention"])
+        w.add_sliding_window(window)  # causal: transformers keeps config.json's window as is
+        w.add_sliding_window_pattern(swa)
+        w.add_pooling_type(POOLING_TYPES["rank"])
+        w.add_classifier_output_labels(labels)
+        w.add_chat_template(spec.chat_template)
+        vocab.add_to(w)
+        w.add_add_space_prefix(_space_prefix(tok))
+        for kind, add in (
+            ("bos", w.add_bos_token_id),
+            ("eos", w.add_eos_token_id),
+            ("unk", w.add_unk_token_id),
+            ("pad", w.add_pad_token_id),
+        ):
+            if kind in special:
+                add(special[kind])
+        # The chat template composes each sequence (its own <bos>); llama.cpp adds nothing.
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        for tname, arr in tensors.items():
+            w.add_tensor(tname, np.ascontiguousarray(arr, dtype=tensor_dtype(tname, arr, dtype)))
+
+    write_gguf(out_path, gguf.MODEL_ARCH_NAMES[RERANK_ARCH], fill)
+    return ConvertedModel(
+        kind="rerank",
+        dtype=dtype,
+        dims=hidden,
+        pooling="rank",
+        n_ctx_train=config.positive_int("max_position_embeddings"),
+        vocab_size=n_vocab,
+        n_layers=config.positive_int("num_hidden_layers"),
+        n_labels=0,
+        cls_id=None,
+        sep_id=None,
+        max_seq_length=st_layout(model_dir).max_seq_length,
+        architecture=gguf.MODEL_ARCH_NAMES[RERANK_ARCH],
+        llm_rerank=spec,
     )

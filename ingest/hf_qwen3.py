@@ -15,7 +15,9 @@ A Qwen3 LLM reranker (`convert_reranker`, see ingest.llm_rerank) is written as l
 converter writes one: rank pooling, `classifier.output_labels` [true, false],
 `cls.output.weight` holding those two rows of the LM head (the tied token embedding when the
 checkpoint has no `lm_head`), kept in f32 whatever the file's dtype since the score is their
-difference, and the checkpoint's Jinja template as `tokenizer.chat_template`. The tokenizer stays
+difference, and the checkpoint's Jinja template as `tokenizer.chat_template`. A
+Qwen3ForSequenceClassification is written the same way with its `score` head as
+`cls.output.weight` (`_convert_classifier`). The tokenizer stays
 the directory's tokenizer.json, whose post-processor appends `<|endoftext|>`: the token the
 model was trained to pool. The GGUF's vocabulary is byte-level BPE with the `qwen2`
 pre-tokenizer, as llama.cpp's converter writes Qwen3's.
@@ -23,12 +25,15 @@ pre-tokenizer, as llama.cpp's converter writes Qwen3's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import msgspec
 import numpy as np
 
 from common.errors import ArtifactInvalid, InvalidRequest
+from formats.gguf_header import SEQ_CLS_PAD_KEY
 from formats.hf_config import SIZE_KEYS, HfConfig
 from formats.safetensors_io import read_model_weights
 from ingest.hf_common import (
@@ -46,10 +51,11 @@ from ingest.hf_common import (
     write_gguf,
 )
 from ingest.hf_vocab import byte_bpe_vocab
-from ingest.llm_rerank import LlmRerankSpec
+from ingest.llm_rerank import LlmRerankSpec, pair_template
 
 ARCH = gguf.MODEL_ARCH.QWEN3
 _EMBED_ARCHS = {"Qwen3Model", "Qwen3ForCausalLM"}
+SEQ_CLS_ARCH = "Qwen3ForSequenceClassification"
 
 
 def _rope_theta(config: HfConfig) -> float:
@@ -66,13 +72,7 @@ def _check_config(config: HfConfig, reranker: bool = False) -> None:
     archs = config.architectures or ["Qwen3Model"]
     if reranker and archs != ["Qwen3ForCausalLM"]:
         raise ArtifactInvalid(f"a Qwen3 LLM reranker is a Qwen3ForCausalLM, not {archs}")
-    if len(archs) != 1 or archs[0] not in _EMBED_ARCHS:
-        if archs and archs[0] == "Qwen3ForSequenceClassification":
-            raise ArtifactInvalid(
-                "Qwen3 sequence classifiers are not served: llama.cpp scores "
-                "Qwen3 rerankers through a prompt template we cannot "
-                "reproduce as trained"
-            )
+    if len(archs) != 1 or archs[0] not in (*_EMBED_ARCHS, SEQ_CLS_ARCH):
         raise ArtifactInvalid(f"unsupported architecture {archs} for model_type 'qwen3'")
     for key in SIZE_KEYS:
         config.positive_int(key)
@@ -90,7 +90,9 @@ def _check_config(config: HfConfig, reranker: bool = False) -> None:
 
 
 def _ignored(key: str) -> bool:
-    return key.startswith("lm_head.") or key.endswith("rotary_emb.inv_freq")
+    return key in ("score.weight", "score.bias") or (
+        key.startswith("lm_head.") or key.endswith("rotary_emb.inv_freq")
+    )
 
 
 def convert(
@@ -102,12 +104,64 @@ def convert(
     name: str,
 ) -> ConvertedModel:
     _check_config(config)
+    if config.architectures == [SEQ_CLS_ARCH]:
+        return _convert_classifier(model_dir, config, out_path, dtype, pooling, name)
     pooling = embed_pooling(model_dir, pooling)
     if pooling != "last":
         # A causal decoder's early tokens never see the later ones: mean or first-token
         # pooling is not what Qwen3 embedders are trained with.
         raise InvalidRequest(f"Qwen3 embedders pool the last token, not {pooling!r}")
     return _convert(model_dir, config, out_path, dtype, pooling, name, None)
+
+
+def _convert_classifier(
+    model_dir: Path,
+    config: HfConfig,
+    out_path: Path,
+    dtype: Dtype,
+    pooling: PoolingName | None,
+    name: str,
+) -> ConvertedModel:
+    """A Qwen3ForSequenceClassification (transformers' GenericForSequenceClassification:
+    `score.weight`, N labels, no bias, read at the rightmost non-pad token), written as a
+    reranker GGUF whose `cls.output.weight` is that score head, marked by the pad id
+    (workers.llama.llm_head.SEQ_CLS_PAD). llama.cpp's converter refuses the architecture (its
+    TEXT_MODEL_MAP has no entry for it), so this is the one way in. One label: a reranker,
+    whose pairs sentence-transformers renders through the tokenizer's chat template when it
+    has one (kept as the manifest's pair template); N labels: a classifier."""
+    if pooling not in (None, "rank", "last"):
+        raise InvalidRequest("a sequence classifier scores its last token; it takes no pooling")
+    weights = read_model_weights(model_dir)
+    n_labels = len(config.labels())
+    h = config.positive_int("hidden_size")
+    score = weights.get("score.weight")
+    if score is None:
+        raise ArtifactInvalid(f"{SEQ_CLS_ARCH} without score.weight: its head is missing")
+    if "score.bias" in weights:
+        raise ArtifactInvalid("score.bias: transformers' score head has no bias")
+    if tuple(score.shape) != (n_labels, h):
+        raise ArtifactInvalid(
+            f"score.weight has shape {tuple(score.shape)}, the config says ({n_labels}, {h})"
+        )
+    pad = config.get("pad_token_id")
+    n_vocab = config.positive_int("vocab_size")
+    if pad is not None and (
+        not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < n_vocab
+    ):
+        raise ArtifactInvalid(f"config.json: pad_token_id {pad!r} is not a token id")
+    layout = st_layout(model_dir)
+    template = (
+        pair_template(
+            model_dir,
+            instructions=layout.prompts,
+            default_instruction_name=layout.default_prompt_name,
+        )
+        if n_labels == 1
+        else None
+    )
+    head = _Head(np.asarray(score, np.float32), config.labels(), -1 if pad is None else pad)
+    info = _convert(model_dir, config, out_path, dtype, "last", name, template, head, weights)
+    return msgspec.structs.replace(info, n_labels=n_labels)
 
 
 def convert_reranker(
@@ -122,6 +176,37 @@ def convert_reranker(
     return _convert(model_dir, config, out_path, dtype, "rank", name, spec)
 
 
+@dataclass(frozen=True)
+class _Head:
+    """The rows written as `cls.output.weight` (f32 whatever the file's dtype: the score is a
+    dot product with them, or their difference), named by `labels`; `pad_id` marks a
+    sequence classifier (-1: no pad id), None an LLM reranker."""
+
+    rows: np.ndarray
+    labels: list[str]
+    pad_id: int | None = None
+
+
+def _llm_head(weights: dict, config: HfConfig, spec: LlmRerankSpec) -> _Head:
+    """The LM head's rows of the two scored tokens, or the token embedding's when the config
+    ties them (transformers' Qwen3Config defaults tie_word_embeddings to false)."""
+    assert spec.true_id is not None and spec.false_id is not None
+    assert spec.true_token is not None and spec.false_token is not None
+    embed = (
+        "model.embed_tokens.weight"
+        if "model.embed_tokens.weight" in weights
+        else "embed_tokens.weight"
+    )
+    key = embed if config.flag("tie_word_embeddings") else "lm_head.weight"
+    if key not in weights:
+        raise ArtifactInvalid(f"no {key}: the reranker's score reads two rows of the LM head")
+    head = weights[key]
+    if head.shape[0] <= max(spec.true_id, spec.false_id):
+        raise ArtifactInvalid(f"the LM head has {head.shape[0]} rows, fewer than the vocabulary")
+    rows = np.stack([head[spec.true_id], head[spec.false_id]]).astype(np.float32)
+    return _Head(rows, [spec.true_token, spec.false_token])
+
+
 def _convert(
     model_dir: Path,
     config: HfConfig,
@@ -130,31 +215,18 @@ def _convert(
     pooling: PoolingName,
     name: str,
     spec: LlmRerankSpec | None,
+    head: _Head | None = None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> ConvertedModel:
     theta = _rope_theta(config)
     h, n_layers = config.positive_int("hidden_size"), config.positive_int("num_hidden_layers")
     n_head, n_kv = config.positive_int("num_attention_heads"), config.kv_heads()
     head_dim = config.head_dim()
     ff, n_vocab = config.positive_int("intermediate_size"), config.positive_int("vocab_size")
-    weights = read_model_weights(model_dir)
-    head_rows = None
-    if spec is not None:
-        # The LM head, or the token embedding it is tied to when the config says so
-        # (transformers' Qwen3Config defaults tie_word_embeddings to false).
-        embed = (
-            "model.embed_tokens.weight"
-            if "model.embed_tokens.weight" in weights
-            else ("embed_tokens.weight")
-        )
-        key = embed if config.flag("tie_word_embeddings") else "lm_head.weight"
-        if key not in weights:
-            raise ArtifactInvalid(f"no {key}: the reranker's score reads two rows of the LM head")
-        head = weights[key]
-        if head.shape[0] <= max(spec.true_id, spec.false_id):
-            raise ArtifactInvalid(
-                f"the LM head has {head.shape[0]} rows, fewer than the vocabulary"
-            )
-        head_rows = np.stack([head[spec.true_id], head[spec.false_id]]).astype(np.float32)
+    if weights is None:  # a classifier's were read already, for its score head
+        weights = read_model_weights(model_dir)
+    if spec is not None and head is None:
+        head = _llm_head(weights, config, spec)
     tensors = map_names(weights, ARCH, n_layers, _ignored)
     shapes = {"token_embd.weight": (n_vocab, h), "output_norm.weight": (h,)}
     for b in range(n_layers):
@@ -195,19 +267,25 @@ def _convert(
         w.add_rope_dimension_count(head_dim)
         w.add_rope_freq_base(theta)
         w.add_layer_norm_rms_eps(config.number("rms_norm_eps"))
-        w.add_pooling_type(POOLING_TYPES[pooling])
+        # A head on the last token is rank-pooled, as llama.cpp's converter writes Qwen3
+        # rerankers (model_kind reads it so; the worker decodes it with LAST pooling).
+        w.add_pooling_type(POOLING_TYPES["rank" if head is not None else pooling])
         vocab.add_to(w)
         w.add_eos_token_id(eos)
         w.add_pad_token_id(eos)
         w.add_add_bos_token(False)
-        if spec is None or head_rows is None:
+        if head is None:
             w.add_add_eos_token(True)  # Qwen3-Embedding appends <|endoftext|> and pools it
         else:
-            # The template ends the prompt; nothing is appended after the assistant suffix.
+            # The tokenizer composes each sequence (the template ends an LLM reranker's
+            # prompt); llama.cpp appends nothing.
             w.add_add_eos_token(False)
-            w.add_classifier_output_labels([spec.true_token, spec.false_token])
-            w.add_chat_template(spec.chat_template)
-            w.add_tensor("cls.output.weight", head_rows)
+            w.add_classifier_output_labels(head.labels)
+            if spec is not None:
+                w.add_chat_template(spec.chat_template)
+            if head.pad_id is not None:
+                w.add_int32(SEQ_CLS_PAD_KEY, head.pad_id)
+            w.add_tensor("cls.output.weight", head.rows)
         for tname, arr in tensors.items():
             if tname == "output.weight":
                 continue  # the LM head does not embed
@@ -216,7 +294,7 @@ def _convert(
     write_gguf(out_path, gguf.MODEL_ARCH_NAMES[ARCH], fill)
     max_seq = st_layout(model_dir).max_seq_length
     return ConvertedModel(
-        kind="embed" if spec is None else "rerank",
+        kind="embed" if head is None else "rerank",
         dtype=dtype,
         dims=h,
         pooling=pooling,

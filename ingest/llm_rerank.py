@@ -13,7 +13,9 @@ infers from the template.
 A directory is a reranker when its sentence-transformers files say so (modules ending in
 `LogitScore`) or, as llama.cpp's converter decides (`Qwen3Model._is_qwen3_reranker` in the
 llama.cpp llama-cpp-python 0.3.36 vendors), its README heading or its name says
-Qwen3-Reranker. A GGUF is one when llama.cpp's converter made it of such a directory: rank
+Qwen3-Reranker. Its template must carry a (query, document) pair as sentence-transformers
+probes it (`ingest.chat_template`), or sentence-transformers would not score it either. A GGUF
+is one when llama.cpp's converter made it of such a directory: rank
 pooling on a decoder, two classifier labels, `cls.output.weight` (the two LM-head rows) and
 the checkpoint's Jinja template kept as `tokenizer.chat_template`.
 """
@@ -29,13 +31,14 @@ import msgspec
 from common.errors import ArtifactInvalid, InvalidRequest
 from formats.gguf_header import GGUFHeader
 from formats.hf_config import HfConfig
+from ingest.chat_template import check_pair_roles
 
 MessageFormat = Literal["flat", "structured"]
 # The tokens sentence-transformers' CrossEncoder scores with when the checkpoint names none.
 DEFAULT_TRUE, DEFAULT_FALSE = "yes", "no"
 # The decoder families whose graphs we convert and serve (model_type -> GGUF architecture):
 # a reranker of another family is refused by name.
-LLM_RERANK_FAMILIES = {"qwen3": "qwen3"}
+LLM_RERANK_FAMILIES = {"qwen3": "qwen3", "gemma3_text": "gemma3"}
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names its `special_tokens_map` gives a template.
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -63,11 +66,14 @@ _STRUCTURED_PATTERNS = ("content[0]", ".type", "'type'", '"type"', "item.type", 
 
 class LlmRerankSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     chat_template: str
-    true_token: str
-    false_token: str
-    true_id: int
-    false_id: int
     message_format: MessageFormat
+    # The two scored tokens of an LLM reranker. None for a one-label decoder sequence
+    # classifier whose pairs are rendered through its chat template (`pair_template`): its
+    # own score row is the head.
+    true_token: str | None = None
+    false_token: str | None = None
+    true_id: int | None = None
+    false_id: int | None = None
     special_tokens: dict[str, str] = {}
     # The instruction a request that names none gets (the checkpoint's default prompt); None:
     # no system message, so the template's own default applies.
@@ -192,14 +198,7 @@ def _pick_tokens(
     return true_token, false_token, ids[true_token], ids[false_token]
 
 
-def spec_from_hf_dir(
-    model_dir: Path,
-    *,
-    true_token: str | None = None,
-    false_token: str | None = None,
-    instructions: dict[str, str] | None = None,
-    default_instruction_name: str | None = None,
-) -> LlmRerankSpec:
+def _tokenizer_files(model_dir: Path) -> tuple[dict, dict]:
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise ArtifactInvalid(f"{model_dir} has no tokenizer.json")
@@ -208,10 +207,59 @@ def spec_from_hf_dir(
     tok_cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
     if not isinstance(tok_json, dict) or not isinstance(tok_cfg, dict):
         raise ArtifactInvalid(f"{model_dir}: tokenizer files are not JSON objects")
+    return tok_json, tok_cfg
+
+
+def spec_from_hf_dir(
+    model_dir: Path,
+    *,
+    true_token: str | None = None,
+    false_token: str | None = None,
+    instructions: dict[str, str] | None = None,
+    default_instruction_name: str | None = None,
+) -> LlmRerankSpec:
+    tok_json, tok_cfg = _tokenizer_files(model_dir)
     template = _hf_template(model_dir, tok_cfg)
     t, f, tid, fid = _pick_tokens(
         _vocab_ids(tok_json), true_token, false_token, st_logit_score(model_dir)
     )
+    return _with_template(
+        model_dir, tok_cfg, template, instructions, default_instruction_name, (t, f, tid, fid)
+    )
+
+
+def pair_template(
+    model_dir: Path,
+    *,
+    instructions: dict[str, str] | None = None,
+    default_instruction_name: str | None = None,
+) -> LlmRerankSpec | None:
+    """How sentence-transformers' CrossEncoder composes a one-label decoder sequence
+    classifier's pairs: through the tokenizer's chat template when it has one (CrossEncoder
+    turns every pair into query/document messages then, whatever the head), as a plain
+    tokenizer pair otherwise (None)."""
+    _, tok_cfg = _tokenizer_files(model_dir)
+    try:
+        template = _hf_template(model_dir, tok_cfg)
+    except ArtifactInvalid:
+        return None
+    return _with_template(model_dir, tok_cfg, template, instructions, default_instruction_name)
+
+
+def _with_template(
+    model_dir: Path,
+    tok_cfg: dict,
+    template: str,
+    instructions: dict[str, str] | None,
+    default_instruction_name: str | None,
+    tokens: tuple[str, str, int, int] | None = None,
+) -> LlmRerankSpec:
+    t: str | None = None
+    f: str | None = None
+    tid: int | None = None
+    fid: int | None = None
+    if tokens is not None:
+        t, f, tid, fid = tokens
     specials = {}
     smap_path = model_dir / "special_tokens_map.json"
     smap = _read_json(smap_path) if smap_path.is_file() else {}
@@ -223,6 +271,7 @@ def spec_from_hf_dir(
             specials[key] = value
     named = dict(instructions or {})
     default = named.get(default_instruction_name) if default_instruction_name else None
+    check_pair_roles(template, message_format(template), specials)
     return LlmRerankSpec(
         chat_template=template,
         true_token=t,
@@ -267,6 +316,7 @@ def spec_from_gguf(hdr: GGUFHeader, tokens: list[str]) -> LlmRerankSpec:
         value = hdr.kv.get(f"tokenizer.ggml.{gguf_key}")
         if isinstance(value, int) and 0 <= value < len(tokens):
             specials[key] = tokens[value]
+    check_pair_roles(template, message_format(template), specials)
     return LlmRerankSpec(
         chat_template=template,
         true_token=t,

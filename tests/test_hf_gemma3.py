@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,9 +37,12 @@ WINDOW = 8  # config.json's sliding window: a local layer sees 4 tokens either s
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
-def _gemma_tokenizer(dst: Path) -> int:
+def _gemma_tokenizer(
+    dst: Path, extra: Sequence[str] = (), max_len: int = MAX_SEQ, chat_template: str | None = None
+) -> int:
     """Gemma's tokenizer shape (<pad>=0 <eos>=1 <bos>=2 <unk>=3, byte fallback, no dummy
-    prefix, `<bos> ... <eos>` as EmbeddingGemma adds) from a SentencePiece BPE trained here."""
+    prefix, `<bos> ... <eos>` as EmbeddingGemma adds) from a SentencePiece BPE trained here
+    (on the corpus and `extra`)."""
     import sentencepiece as spm
     from tokenizers.models import BPE
     from transformers import GemmaTokenizer
@@ -45,7 +50,7 @@ def _gemma_tokenizer(dst: Path) -> int:
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(list(corpus()) * 3),
+        sentence_iterator=iter(list(corpus()) * 3 + list(extra)),
         model_writer=buf,
         vocab_size=1200,
         model_type="bpe",
@@ -76,13 +81,15 @@ def _gemma_tokenizer(dst: Path) -> int:
         merges=spec["merges"],
         add_bos_token=True,
         add_eos_token=True,
-        model_max_length=MAX_SEQ,
+        model_max_length=max_len,
     )
+    if chat_template is not None:
+        tok.chat_template = chat_template
     tok.save_pretrained(dst)
     return len(tok)
 
 
-def _config(n_vocab: int):
+def _config(n_vocab: int, causal: bool = False):
     from transformers import Gemma3TextConfig
 
     # Wide random weights (initializer 0.3): vectors of different texts differ enough that a
@@ -96,16 +103,35 @@ def _config(n_vocab: int):
         num_key_value_heads=2,
         head_dim=16,
         query_pre_attn_scalar=16,
-        max_position_embeddings=128,
+        # A reranker's pair (its template alone is some 80 tokens) needs more room.
+        max_position_embeddings=512 if causal else 128,
         sliding_window=WINDOW,
         layer_types=LAYER_TYPES,
-        use_bidirectional_attention=True,
+        use_bidirectional_attention=not causal,
         initializer_range=0.3,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
-        architectures=["Gemma3TextModel"],
+        architectures=["Gemma3ForCausalLM" if causal else "Gemma3TextModel"],
     )
+
+
+def tiny_gemma3(dst: Path, causal: bool = False, **tokenizer: Any) -> Path:
+    """The tiny Gemma 3 of these tests: the encoder (Gemma3TextModel), or with `causal` the
+    decoder with its tied LM head (Gemma3ForCausalLM); RMSNorm weights random, since Gemma
+    initialises them to 0 (a scale of 1), which would hide a missing 1 + w."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextModel
+
+    n_vocab = _gemma_tokenizer(dst, **tokenizer)
+    torch.manual_seed(0)
+    model = (Gemma3ForCausalLM if causal else Gemma3TextModel)(_config(n_vocab, causal)).eval()
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if key.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(dst)
+    return dst
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +144,8 @@ def dirs(module_tmp) -> dict[str, Path]:
         Pooling,
         Transformer,
     )
-    from transformers import Gemma3TextModel
 
-    raw = module_tmp / "gemma-raw"
-    n_vocab = _gemma_tokenizer(raw)
-    torch.manual_seed(0)
-    model = Gemma3TextModel(_config(n_vocab)).eval()
-    with torch.no_grad():  # Gemma initialises its norms to 0 (a scale of 1); make them count
-        for key, param in model.named_parameters():
-            if key.endswith("norm.weight"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(raw)
+    raw = tiny_gemma3(module_tmp / "gemma-raw")
     st = module_tmp / "gemma-st"
     modules = [
         Transformer(str(raw), max_seq_length=MAX_SEQ),

@@ -195,7 +195,7 @@ def test_what_the_converter_refuses(dirs, module_tmp):
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "sliding_window"),
-        ({"architectures": ["Qwen3ForSequenceClassification"]}, "prompt template"),
+        ({"architectures": ["Qwen3ForSequenceClassification"]}, "without score.weight"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope scaling"),
     ):
         (bad / "config.json").write_text(json.dumps(config | change))

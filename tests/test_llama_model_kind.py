@@ -104,3 +104,40 @@ def test_kind_refusals() -> None:
     assert "must use rank" in _refused(
         ranker, RuntimeConfig(kind="rerank", pooling="mean"), "config_invalid"
     )
+
+
+def test_heads_on_a_decoders_last_token() -> None:
+    """A Qwen3 GGUF marked as a sequence classifier is scored by its N rows at the last token
+    (llama.cpp's RANK pooling would softmax them); a Gemma 3 reranker, whose graph loads no
+    cls.output, by its two labels' rows of the LM head."""
+    from formats.gguf_header import SEQ_CLS_PAD_KEY
+
+    labels = {"classifier.output_labels": ArrayInfo(8, 3), "embedding_length": 8}
+    cls = _hdr("qwen3", **{"pooling_type": 4, **labels})
+    cls.kv[SEQ_CLS_PAD_KEY] = 5
+    assert "its head cls.output.weight (3 rows" in _refused(cls, RuntimeConfig(), "unsupported")
+    cls.tensors = [TensorInfo("cls.output.weight", (8, 3), 0, 0, 96)]
+    assert decide_kind(cls, RuntimeConfig(kind="rerank", pooling="last")) == ("rerank", "last")
+    assert "scores the last token" in _refused(cls, RuntimeConfig(pooling="mean"), "config_invalid")
+    gemma = _hdr(
+        "gemma3",
+        ("token_embd.weight",),
+        **{"pooling_type": 4, "embedding_length": 1, "classifier.output_labels": ArrayInfo(8, 2)},
+    )
+    assert decide_kind(gemma, RuntimeConfig()) == ("rerank", "last")
+    gemma.kv["gemma3.classifier.output_labels"] = ArrayInfo(8, 3)
+    assert "two labels the LM head holds" in _refused(gemma, RuntimeConfig(), "unsupported")
+
+
+def test_a_classifier_head_reads_the_rightmost_non_pad_token() -> None:
+    """transformers' `(arange * (ids != pad)).argmax()`: trailing pads are skipped, inner ones
+    kept, and a sequence of pads alone is read at its first token."""
+    import numpy as np
+
+    from workers.llama.llm_head import DecoderHead
+
+    head = DecoderHead("classifier", np.eye(2), pad_id=0)
+    assert head.strip_pads(np.array([5, 0, 6, 0, 0])).tolist() == [5, 0, 6]
+    assert head.strip_pads(np.array([0, 0])).tolist() == [0]
+    assert DecoderHead("classifier", np.eye(2)).strip_pads(np.array([5, 0])).tolist() == [5, 0]
+    assert head.apply(np.array([[1.0, 2.0]])).tolist() == [[1.0, 2.0]]

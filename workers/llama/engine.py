@@ -223,11 +223,11 @@ class LlamaEngine(Engine):
         workers/llama/typed_pairs.py).
         """
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.llm_direction is not None:
+        if mdl.decoder_head is not None:
             raise EngineError(
                 "invalid_request",
-                f"{mdl.ref} is an LLM reranker: its pairs are rendered through its chat "
-                "template by the host and sent as RERANK_SEQUENCES",
+                f"{mdl.ref} is a decoder scored at its last token: the host composes its "
+                "pairs (through its chat template, if any) and sends RERANK_SEQUENCES",
             )
         if mdl.n_cls_out != 1:
             raise EngineError(
@@ -271,7 +271,7 @@ class LlamaEngine(Engine):
         host applies softmax or sigmoid as the model's problem type says.
         """
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.llm_direction is not None:
+        if mdl.decoder_head is not None and mdl.decoder_head.kind == "llm-rerank":
             raise EngineError(
                 "invalid_request", f"{mdl.ref} is an LLM reranker, not a sequence classifier"
             )
@@ -290,6 +290,10 @@ class LlamaEngine(Engine):
                         f"sequence {i}: n_first {s.n_first} exceeds its {s.n_tokens} tokens",
                     )
         seqs = _split(ids, lengths)
+        if mdl.decoder_head is not None:  # a decoder: its rows on the last non-pad token's state
+            seqs = [mdl.decoder_head.strip_pads(s) for s in seqs]
+            hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
+            return np.ascontiguousarray(mdl.decoder_head.apply(hidden))
         types = None
         if mdl.typed is not None:
             types = [pair_types(s.n_first, s.n_tokens) for s in req.sequences]
@@ -300,17 +304,24 @@ class LlamaEngine(Engine):
         self, req: m.RERANK_SEQUENCES, ids: np.ndarray, progress: Progress
     ) -> np.ndarray:
         """Score pairs the host composed: an LLM reranker's (query, document) rendered through
-        the checkpoint's chat template, the assistant suffix last. Each sequence is decoded on
-        its own sequence id (packed sequences never attend to each other) with LAST pooling,
-        so the scored state is each sequence's own last token whatever else shares the decode;
-        the score is the raw `logit[true] - logit[false]` there (llm_head.py). `n_first` is
-        the Core ML cross-encoders' token-type boundary; a causal decoder has no token types,
-        so it is not read."""
+        the checkpoint's chat template, the assistant suffix last, or a one-label decoder
+        sequence classifier's pair. Each sequence is decoded on its own sequence id (packed
+        sequences never attend to each other) with LAST pooling, so the scored state is each
+        sequence's own last (non-pad) token whatever else shares the decode; the score is the
+        raw `logit[true] - logit[false]` there, or the classifier's one logit (llm_head.py).
+        `n_first` is the Core ML cross-encoders' token-type boundary; a causal decoder has no
+        token types, so it is not read."""
         mdl = self._get(req.model_ref, "rerank")
-        if mdl.llm_direction is None:
+        if mdl.decoder_head is None:
             raise EngineError(
                 "unsupported",
                 f"{mdl.ref} composes its own pairs from the GGUF's specials: send RERANK",
+            )
+        if mdl.decoder_head.rows.shape[0] != 1:
+            raise EngineError(
+                "unsupported",
+                f"rerank needs a single-logit classifier, this one has {mdl.n_cls_out} labels "
+                "(score it with CLASSIFY)",
             )
         lengths = [s.n_tokens for s in req.sequences]
         ids = self._check_ids(mdl, ids, lengths)
@@ -321,8 +332,9 @@ class LlamaEngine(Engine):
                         "invalid_request",
                         f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}",
                     )
-        hidden = encode.encode(mdl, _split(ids, lengths), progress, self._decode_tokens)
-        return llm_head.scores(hidden, mdl.llm_direction)
+        seqs = [mdl.decoder_head.strip_pads(s) for s in _split(ids, lengths)]
+        hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
+        return np.ascontiguousarray(mdl.decoder_head.apply(hidden)[:, 0])
 
     def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
         """Every requested output from ONE decode of each item's tokens (token_states.py):
@@ -454,10 +466,10 @@ class LlamaEngine(Engine):
             flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
         )
         typed = None
-        direction = None
-        if kind == "rerank" and model_kind.is_llm_reranker(hdr):
+        head = None
+        if kind == "rerank" and model_kind.has_decoder_head(hdr):
             try:
-                direction = llm_head.score_direction(path, hdr)
+                head = llm_head.load_head(path, hdr)
             except (OSError, ValueError, NotImplementedError) as e:
                 raise EngineError("artifact_invalid", f"{path}: {llm_head.CLS_OUT}: {e}") from e
         if kind == "rerank" and hdr.architecture == "bert":
@@ -517,7 +529,7 @@ class LlamaEngine(Engine):
             stream_threads=plan.stream_threads,
             all_threads=plan.all_threads,
             typed=typed,
-            llm_direction=direction,
+            decoder_head=head,
             token_cparams=token_cparams,
         )
 

@@ -24,7 +24,7 @@ _ALWAYS_BIDIRECTIONAL = frozenset({"gemma-embedding", "dream", "llada", "llada-m
 
 # Decoders whose rerankers we serve as LLM rerankers (the host renders the checkpoint's chat
 # template; the worker reads the two LM-head rows at the last token, see llm_head.py).
-LLM_RERANK_ARCHITECTURES = frozenset({"qwen3"})
+LLM_RERANK_ARCHITECTURES = frozenset({"qwen3", "gemma3"})
 
 
 def is_causal(hdr: GGUFHeader) -> bool:
@@ -61,6 +61,8 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
         cfg.kind == "rerank" and gguf_pooling in (None, "none") and has_head
     )
     if is_rank and arch in LLM_RERANK_ARCHITECTURES:
+        if llm_head.is_sequence_classifier(hdr):
+            return _decoder_classifier(hdr, cfg)
         return _llm_reranker(hdr, cfg)
     if is_rank and "tokenizer.chat_template.rerank" in hdr.kv:
         raise EngineError(
@@ -97,10 +99,34 @@ def decide_kind(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
     return kind, "none"
 
 
-def is_llm_reranker(hdr: GGUFHeader) -> bool:
-    """A decoder with rank pooling that we serve through the two-row head (llm_head.py)."""
+def has_decoder_head(hdr: GGUFHeader) -> bool:
+    """A decoder with rank pooling that we serve through a head on its last token's state
+    (llm_head.py): an LLM reranker or a sequence classifier."""
     raw = hdr.arch_get("pooling_type")
     return hdr.architecture in LLM_RERANK_ARCHITECTURES and raw == POOLING_TYPES["rank"]
+
+
+def _check_last_token(cfg: RuntimeConfig, what: str) -> None:
+    if cfg.kind not in (None, "rerank"):
+        raise EngineError("config_invalid", f"{what} cannot be served as {cfg.kind}")
+    if cfg.pooling not in (None, "rank", "last"):
+        raise EngineError("config_invalid", f"{what} scores the last token")
+    if cfg.embedding is False:
+        raise EngineError("config_invalid", "embedding=False contradicts kind rerank")
+
+
+def _decoder_classifier(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
+    """A decoder sequence classifier (llm_head.py): LAST pooling, its N rows applied in numpy
+    (llama.cpp's RANK pooling would softmax them)."""
+    n = n_cls_out(hdr)
+    if not llm_head.has_rows(hdr, n):
+        raise EngineError(
+            "unsupported",
+            f"{hdr.architecture} sequence classifier without its head {llm_head.CLS_OUT} "
+            f"({n} rows of the hidden width, one per classifier.output_labels entry)",
+        )
+    _check_last_token(cfg, "a decoder sequence classifier")
+    return "rerank", "last"
 
 
 def _llm_reranker(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
@@ -111,12 +137,8 @@ def _llm_reranker(hdr: GGUFHeader, cfg: RuntimeConfig) -> tuple[Kind, str]:
         raise EngineError(
             "unsupported",
             f"{hdr.architecture} reranker without the two-row head {llm_head.CLS_OUT} "
-            "(the true and false tokens' LM-head rows) cannot be scored",
+            "(the true and false tokens' LM-head rows; for Gemma 3, two labels the LM head "
+            "holds) cannot be scored",
         )
-    if cfg.kind not in (None, "rerank"):
-        raise EngineError("config_invalid", f"an LLM reranker cannot be served as {cfg.kind}")
-    if cfg.pooling not in (None, "rank", "last"):
-        raise EngineError("config_invalid", "an LLM reranker scores the last token")
-    if cfg.embedding is False:
-        raise EngineError("config_invalid", "embedding=False contradicts kind rerank")
+    _check_last_token(cfg, "an LLM reranker")
     return "rerank", "last"

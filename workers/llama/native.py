@@ -23,6 +23,7 @@ from workers.llama import cpu_quirks
 from workers.llama.config import Kind
 from workers.llama.context_plan import ContextPlan
 from workers.llama.device import context_param_fields, model_param_fields
+from workers.llama.llm_head import DecoderHead
 from workers.llama.model_kind import POOLING_TYPES
 from workers.llama.typed_pairs import TypedPairs
 
@@ -207,8 +208,9 @@ class LoadedModel:
     device: str = "cpu"  # where its layers run: "cpu", or the offload device ("metal"...)
     # A BERT cross-encoder's token types, fed as input embeddings (None: ids are faithful).
     typed: TypedPairs | None = None
-    # An LLM reranker's W[true] - W[false] (llm_head.py); None for every other model.
-    llm_direction: np.ndarray | None = None
+    # The head an LLM reranker or decoder sequence classifier applies to its last token's
+    # state (llm_head.py); None for every other model.
+    decoder_head: DecoderHead | None = None
     # An embedder's pooling-NONE context params, and that context once a request needs token
     # states (token_states.py); None for other kinds.
     token_cparams: Any = None
