@@ -318,6 +318,13 @@ def run_ray_job(
     spec = validate(opts)
     if spec.path == "-":
         raise BatchUsageError("--ray reads a file every node can open, not stdin")
+    if opts.late_chunking or opts.outputs or not opts.dense:
+        # Its blocks are row ranges cut without regard to documents, and its actors return
+        # vectors only: these run on the local job (drop --ray).
+        raise BatchUsageError(
+            "--late-chunking, --sparse, --multi-vector, --tokens and --no-dense run on the "
+            "local job, not yet with --ray"
+        )
     if "," in (opts.lane or ""):
         raise BatchUsageError(
             f"--lane {opts.lane}: two lanes in one job run locally (without --ray), where "
