@@ -250,10 +250,16 @@ def test_encoded_carries_its_sections_back_to_back():
     [
         # counts that are not the request's
         (m.ENCODED(req_id=1, n=3, sections=encoded().sections), None, "n=3 for 2 items"),
-        (encoded(tokens=m.OutputSection(kind="tokens", dims=4, counts=[3, 1])), None,
-         "tokens count 1 for item 1 of 2 tokens"),
-        (encoded(sparse=m.OutputSection(kind="sparse", dims=100, counts=[2])), None,
-         "sparse has 1 counts for 2 items"),
+        (
+            encoded(tokens=m.OutputSection(kind="tokens", dims=4, counts=[3, 1])),
+            None,
+            "tokens count 1 for item 1 of 2 tokens",
+        ),
+        (
+            encoded(sparse=m.OutputSection(kind="sparse", dims=100, counts=[2])),
+            None,
+            "sparse has 1 counts for 2 items",
+        ),
         (encoded(dense=m.OutputSection(kind="dense", dims=0)), None, "dense dims=0"),
         (m.ENCODED(req_id=1, n=2, sections=encoded().sections[:3]), None, "sections"),
         # a frame of the wrong length: never truncated or reshaped
