@@ -180,6 +180,11 @@ def validate(opts: JobOptions) -> InputSpec:
     _check_kinds(opts)
     job_lanes(opts)
     spec = InputSpec(opts.input, opts.text_field, opts.id_field, opts.doc_field)
+    if opts.doc_field is not None and spec.format == "txt":
+        raise BatchUsageError(
+            f"input {opts.input}: a .txt input has no fields; --doc-field reads .jsonl, .csv "
+            f"or .parquet rows"
+        )
     spec.check()
     if Path(opts.output).suffix.lower() != ".parquet":
         raise BatchUsageError(f"output {opts.output}: the output is a .parquet file")

@@ -77,3 +77,29 @@ def test_sparse_and_multivector_columns_read_back_exactly_by_pyarrow_and_duckdb(
 def test_a_sparse_row_whose_indices_and_values_differ_in_length_is_refused():
     with pytest.raises(ValueError, match="2 indices and 1 values"):
         kind_arrays("sparse", [(np.array([1, 2]), np.array([0.5]))], 0)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"late_chunking": True}, "needs --doc-field"),
+        ({"doc_field": "doc"}, "needs --doc-field"),
+        ({"late_chunking": True, "doc_field": "doc", "outputs": ("tokens",)}, "dense vector only"),
+        ({"late_chunking": True, "doc_field": "doc", "input": "rows.txt"}, "no fields"),
+        ({"dense": False}, "nothing to write"),
+        ({"dense": False, "outputs": ("sparse",), "dtype": "int8"}, "writes none"),
+        ({"outputs": ("sparse", "sparse")}, "each output kind once"),
+        ({"outputs": ("colbert",)}, "one of sparse, multivector, tokens"),
+        ({"task": "classify", "model": "x", "outputs": ("tokens",)}, "label scores only"),
+    ],
+)
+def test_what_late_chunking_and_the_token_outputs_combine_with(tmp_path, kw, message):
+    """Usage errors before any model is loaded (the CLI's exit 2)."""
+    from batch.errors import BatchUsageError
+    from batch.job import JobOptions, validate
+
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "doc": 1}\n')
+    (tmp_path / "rows.txt").write_text("a\n")
+    kw = {**kw, "input": str(tmp_path / kw.get("input", "rows.jsonl"))}
+    with pytest.raises(BatchUsageError, match=message):
+        validate(JobOptions(output=str(tmp_path / "out.parquet"), **kw))
