@@ -16,7 +16,7 @@ Documents (`--doc-field F`):
   chunks (2048) of at most `max_input_bytes` each (1 MiB), `max_request_bytes` of text
   (16 MiB) and `max_inflight_tokens` tokens read
   (262144, window overlaps included). A document over a bound is not embedded: it gets ONE
-  error record, `document_too_long`, and the job goes on;
+  error record, `document_too_long`, for all its rows (its bad rows too), and the job goes on;
 - a document with a bad row (an empty text, a text that is not a string...) is not embedded:
   the bad row keeps its own error record and the document's other rows get one
   `document_incomplete` record, since late-chunking the rest without it would give vectors
