@@ -234,16 +234,22 @@ def _check_model_kinds(opts: JobOptions, emb: LaneEmbedder) -> dict[str, str]:
                 f"pools by {pooling}"
             )
         return {"late_chunking": "true", "doc_field": opts.doc_field or ""}
-    if not opts.outputs:
+    return outputs_metadata(emb)
+
+
+def outputs_metadata(emb: LaneEmbedder) -> dict[str, str]:
+    """The metadata keys of an embedder asked for token-level outputs (none otherwise);
+    a model without a head asked is a usage error."""
+    kinds = [k for k in emb.outputs if k != "dense"]
+    if not kinds:
         return {}
-    missing = [
-        k for k in opts.outputs if k in ("sparse", "multivector") and k not in manifest.heads
-    ]
+    heads = emb.module.record(emb.model).manifest.heads
+    missing = [k for k in kinds if k in ("sparse", "multivector") and k not in heads]
     if missing:
         raise BatchUsageError(f"model {emb.model!r} has no {missing[0]} head")
-    meta = {"outputs": ",".join((("dense",) if opts.dense else ()) + opts.outputs)}
-    if "multivector" in opts.outputs:
-        meta["multivector_dims"] = str(manifest.heads["multivector"].dims)
+    meta = {"outputs": ",".join(emb.outputs)}
+    if "multivector" in kinds:
+        meta["multivector_dims"] = str(heads["multivector"].dims)
     return meta
 
 
