@@ -65,10 +65,22 @@ from host.late_chunking import token_states as late_token_states
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
 from host.sanitize import sanitize
-from host.token_outputs import TokenOutputs, check_outputs, reply_width, request_outputs
+from host.token_outputs import (
+    TokenOutputs,
+    check_outputs,
+    maxsim,
+    reply_width,
+    request_outputs,
+)
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
-from ingest.store import DEFAULT_EMBED, DEFAULT_GENERATE, ArtifactStore, ModelRecord
+from ingest.store import (
+    DEFAULT_EMBED,
+    DEFAULT_GENERATE,
+    ArtifactStore,
+    ModelRecord,
+    served_outputs,
+)
 from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
 
@@ -136,7 +148,7 @@ class RerankResult:
     results: list[tuple[int, float]]  # (document index, score), best first
     usage: Usage
     model: str
-    method: Literal["cross-encoder", "bi-encoder-cosine"]
+    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]
     # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
     # and whether the document (or the query, in its pair) was cut to fit.
     n_tokens: Sequence[int] = ()
@@ -206,6 +218,19 @@ def _kind_and_pooling(record: ModelRecord) -> dict:
             for kind, h in man.heads.items()
         }
     return out
+
+
+def _check_served(record: ModelRecord, kinds: Sequence[str]) -> None:
+    """An output the model does not give is refused, naming what it does give."""
+    served = served_outputs(record.manifest)
+    for kind in kinds:
+        if kind not in served:
+            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
+            raise InvalidRequest(
+                f"model {record.name!r} has {what}; it serves {', '.join(served)}",
+                param="outputs",
+                model=record.name,
+            )
 
 
 def hello_device(build_flags: str | None) -> str | None:
@@ -701,6 +726,7 @@ class Module:
         _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        _check_served(served.record, ["dense"])
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -742,12 +768,7 @@ class Module:
         _check_prompt_args(prompt_name, prompt)
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
-        missing = [k for k in kinds if k in ("sparse", "multivector")]
-        missing = [k for k in missing if k not in served.record.manifest.heads]
-        if missing:  # before tokenizing: the same refusal _request_outputs makes
-            raise InvalidRequest(
-                f"model {served.record.name!r} has no {missing[0]} head", param="outputs"
-            )
+        _check_served(served.record, kinds)  # before tokenizing
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -798,12 +819,8 @@ class Module:
         normalize: bool,
         deadline_s: float | None,
     ) -> dict[str, list]:
+        _check_served(served.record, kinds)
         heads = served.record.manifest.heads
-        for kind in kinds:
-            if kind in ("sparse", "multivector") and kind not in heads:
-                raise InvalidRequest(
-                    f"model {served.record.name!r} has no {kind} head", param="outputs"
-                )
         head_dims = {k: h.dims for k, h in heads.items()}
         longest = max((len(x) for x in ids), default=1)
         width = reply_width(kinds, served.dims, longest, head_dims)
@@ -911,6 +928,7 @@ class Module:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        _check_served(served.record, ["dense"])
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def dims(self, model: str, lane: str | None = None) -> int:
@@ -1043,7 +1061,9 @@ class Module:
                 served, query, docs, instruction, cut, deadline_s
             )
             tokens = encoded.total_tokens
-            method: Literal["cross-encoder", "bi-encoder-cosine"] = "cross-encoder"
+            method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"] = (
+                "cross-encoder"
+            )
         elif served.record.kind == "rerank" and served.lane_kind == "ane":
             scores, encoded = await self._cross_encode_owned(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
@@ -1052,6 +1072,11 @@ class Module:
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
+        elif "multivector" in served.record.manifest.heads:
+            scores, encoded, tokens = await self._late_interaction(
+                served, query, docs, cut, deadline_s
+            )
+            method = "multi-vector-maxsim"
         elif served.record.kind == "embed":
             # No cross-encoder: rank by the embedding model's cosine (a bi-encoder).
             scores, encoded, tokens = await self._bi_encode(served, query, docs, cut, deadline_s)
@@ -1103,6 +1128,34 @@ class Module:
         with self.admission.reserve(q.total_tokens + d.total_tokens):
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
+
+    async def _late_interaction(
+        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+    ) -> tuple[np.ndarray, Encoded, int]:
+        """A multi-vector model's score: raw MaxSim, the sum over the query's vectors of
+        their best dot product with the document's (not a sigmoid, not divided by the query's
+        length), the query through the model's query side and each document its document
+        side. (scores, the documents' encoding, tokens)."""
+        truncate, direction, _ = cut
+        tok = served.tokenizer
+        try:
+            q = tok.encode([query], truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input 0", "the query", "query") from None
+        try:
+            d = tok.encode(docs, truncate, direction=direction)
+        except InvalidRequest as exc:
+            raise _renamed(exc, "input ", "document ", "documents") from None
+        tokens = q.total_tokens + d.total_tokens
+        with self.admission.reserve(tokens):
+            qv = await self._request_outputs(
+                served, q.ids, ["multivector"], "query", True, deadline_s
+            )
+            dv = await self._request_outputs(
+                served, d.ids, ["multivector"], "document", True, deadline_s
+            )
+        scores = np.array([maxsim(qv["multivector"][0], v) for v in dv["multivector"]])
+        return scores.astype(np.float32), d, tokens
 
     def _chat_pairs(self, served: _Served) -> ChatPairs:
         if served.chat_pairs is None:

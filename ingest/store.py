@@ -146,6 +146,17 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     llm_rerank: LlmRerankSpec | None = None
     # Heads on the token states by the output they give ("sparse", "multivector").
     heads: dict[str, HeadSpec] = {}
+    # What the model returns when it has no pooled vector of its own (a SPLADE model:
+    # ["sparse", "tokens"]); empty: a pooled vector, token states and its heads.
+    outputs: list[str] = []
+
+
+def served_outputs(manifest: Manifest) -> list[str]:
+    """The outputs an embedder serves: its own list, else the pooled vector, the token
+    states and one per head."""
+    if manifest.outputs:
+        return list(manifest.outputs)
+    return ["dense", "tokens", *manifest.heads]
 
 
 class ModelRecord(msgspec.Struct, frozen=True):

@@ -148,7 +148,7 @@ class CohereRerankResponse(_Body):
     results: list[CohereRerankResult]
     meta: CohereMeta
     model: str  # extension
-    method: Literal["cross-encoder", "bi-encoder-cosine"]  # extension
+    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]  # extension
 
 
 # ---- embed -------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class BilledUnits(_Body):
 
 
 class RerankMeta(_Body):
-    method: Literal["cross-encoder", "bi-encoder-cosine"]
+    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]
     billed_units: BilledUnits
     warning: str | None = None
 

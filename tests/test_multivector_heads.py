@@ -1,0 +1,571 @@
+"""The multi-vector heads against their references, on transformers' own final hidden states.
+
+Two tiny seeded checkpoints, built once for the module:
+
+- a sentence-transformers 6 `MultiVectorEncoder` (ColBERT): a random BERT with MiniLM's
+  WordPiece vocabulary, query/document prefixes ([unused0] / [unused1], registered as special
+  tokens), fixed query expansion, a document length cap, the punctuation skiplist and two
+  `Dense` layers (bias + tanh, then a bare projection) before token-level `Normalize`; also
+  rewritten as a PyLate <= 3 save (prefixes and knobs at the top level, an unregistered marker)
+  and with expansion tokens not attended;
+- a bge-m3 in FlagEmbedding's layout: a random XLM-RoBERTa with `colbert_linear.pt` written by
+  `torch.save`, scored with FlagEmbedding's formulas restated here (the package is not
+  installed): `colbert_linear(h[:, 1:]) * mask[:, 1:]`, `F.normalize`, the first
+  `sum(mask) - 1` rows, `colbert_score = sum(max) / len(q)`.
+
+Our head (ingested, loaded, `prepare_ids` then `apply`) reads transformers' final states for
+exactly the ids our `prepare_ids` gives, which must equal the ids the reference fed its
+transformer; every vector is compared, and MaxSim against the reference's similarity.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import string
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from formats.digest import sha256_file
+from formats.multivector_head import MultiVectorHeadInvalid, read_head
+from formats.torch_pt import TorchPtInvalid, read_torch_pt
+from ingest.model_packages import minilm_dir
+from ingest.multivector_heads import (
+    MultiVectorCheckpointInvalid,
+    UnsupportedMultiVectorHead,
+    detect,
+    ingest_multivector_head,
+)
+from workers.engine import EngineError
+from workers.heads.multivector import load, maxsim, mean_maxsim
+
+pytestmark = pytest.mark.model
+
+HIDDEN, DIM = 64, 24
+Q_LEN, DOC_LEN = 16, 24
+QUERIES = [
+    "what is a cat?",
+    "Where do the seven rivers of Zürich meet, and which bridges cross them today near the lake?",
+    "x",
+]
+DOCUMENTS = [
+    "A cat, as it happens, is an animal.",
+    "Bridges: (many) cross the Limmat; the rivers - Sihl and Limmat - meet north of the station, "
+    "well past any text this short document cap would keep!",
+    "Paris.",
+]
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _same_vectors(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert ours.shape == ref.shape
+    assert _cos(ours, ref).min() >= 0.9999
+    assert np.abs(ours - ref).max() < 1e-5
+
+
+# ---- the ColBERT checkpoint ----------------------------------------------------------------
+
+
+def _copy_tokenizer(dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in _TOKENIZER_FILES:
+        if (minilm_dir() / name).is_file():
+            shutil.copyfile(minilm_dir() / name, dst / name)
+
+
+@pytest.fixture(scope="module")
+def colbert(module_tmp) -> Path:
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    raw = module_tmp / "bert"
+    _copy_tokenizer(raw)
+    tok = AutoTokenizer.from_pretrained(str(raw))
+    tok.add_special_tokens({"additional_special_tokens": ["[unused0]", "[unused1]"]})
+    tok.save_pretrained(str(raw))
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
+    BertModel(config).eval().save_pretrained(raw)
+    body = Transformer(
+        str(raw),
+        query_expansion={"strategy": "fixed", "attend": True, "length": Q_LEN},
+        document_length=DOC_LEN,
+    )
+    dense = [
+        Dense(
+            HIDDEN,
+            32,
+            bias=True,
+            activation_function=torch.nn.Tanh(),
+            module_input_name="token_embeddings",
+        ),
+        Dense(
+            32,
+            DIM,
+            bias=False,
+            activation_function=torch.nn.Identity(),
+            module_input_name="token_embeddings",
+        ),
+    ]
+    model = MultiVectorEncoder(
+        modules=[
+            body,
+            *dense,
+            MultiVectorMask(skiplist_words=list(string.punctuation)),
+            Normalize(module_input_name="token_embeddings"),
+        ],
+        prompts={"query": "[unused0] ", "document": "[unused1] "},
+        device="cpu",
+    )
+    out = module_tmp / "colbert"
+    model.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert(colbert):
+    from transformers import BertModel
+
+    return BertModel.from_pretrained(str(colbert)).eval()
+
+
+def _states(encoder, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """transformers' final hidden states of one sequence (T, H)."""
+    import torch
+
+    with torch.inference_mode():
+        t = torch.as_tensor(ids, dtype=torch.long)[None]
+        m = torch.ones_like(t) if mask is None else torch.as_tensor(mask)[None]
+        return encoder(input_ids=t, attention_mask=m).last_hidden_state[0].numpy()
+
+
+def _bare_ids(model_dir: Path, text: str) -> list[int]:
+    """What the host's tokenizer (the `tokenizers` library) gives for the bare text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok.encode(text).ids
+
+
+def _check_against_reference(model_dir: Path, out_dir: Path, encoder, *, owned: bool = False):
+    """Ingest, load, and compare each side's vectors and the MaxSim matrix with the reference."""
+    from sentence_transformers import MultiVectorEncoder
+
+    info = ingest_multivector_head(model_dir, out_dir)
+    assert info is not None and info.kind == "colbert" and info.dims == DIM
+    assert info.digest == sha256_file(out_dir / info.file)
+    head = load(out_dir / info.file)
+    ref = MultiVectorEncoder(str(model_dir), device="cpu")
+    ours: dict[str, list[np.ndarray]] = {}
+    refs: dict[str, list[np.ndarray]] = {}
+    for side, texts in (("query", QUERIES), ("document", DOCUMENTS)):
+        refs[side] = ref.encode(
+            texts, prompt=ref.prompts.get(side), task=side, convert_to_numpy=True
+        )
+        ours[side] = []
+        for text, want in zip(texts, refs[side], strict=True):
+            features = ref.preprocess([text], prompt=ref.prompts.get(side), task=side)
+            ids = head.prepare_ids(_bare_ids(model_dir, text), side)
+            assert ids.tolist() == features["input_ids"][0].tolist()
+            mask = features["attention_mask"][0].numpy() if owned else None
+            got = head.apply(_states(encoder, ids, mask), ids, side, owned_mask=owned)
+            _same_vectors(got, want)
+            ours[side].append(got)
+    scores = ref.similarity(refs["query"], refs["document"]).numpy()
+    mine = np.array([[maxsim(q, d) for d in ours["document"]] for q in ours["query"]])
+    assert np.abs(mine - scores).max() < 1e-5
+    from sentence_transformers.util.similarity import mean_maxsim as st_mean_maxsim
+
+    means = st_mean_maxsim(refs["query"], refs["document"]).numpy()
+    mine_mean = np.array([[mean_maxsim(q, d) for d in ours["document"]] for q in ours["query"]])
+    assert np.abs(mine_mean - means).max() < 1e-6
+    return head, refs
+
+
+def test_colbert_head_matches_multivectorencoder(colbert, bert, module_tmp):
+    head, refs = _check_against_reference(colbert, module_tmp / "out-native", bert)
+    spec = head.spec
+    # What the reference returns per token: [CLS], the prefix, the text, [SEP] and the expansion
+    # tokens for a query (exactly Q_LEN); documents lose their punctuation and stop at DOC_LEN.
+    assert [len(v) for v in refs["query"]] == [Q_LEN] * len(QUERIES)
+    assert spec.query_prefix_ids == [1] and spec.document_prefix_ids == [2]
+    assert spec.expansion is not None and spec.expansion.attend and spec.expansion.token_id == 103
+    assert not head.needs_owned_mask("query") and not head.needs_owned_mask("document")
+    assert spec.skiplist_sides == ["document"] and 1012 in spec.skiplist_ids  # "."
+    assert len(head.prepare_ids(_bare_ids(colbert, DOCUMENTS[1]), "document")) == DOC_LEN
+    # A caller that tokenized prompt + text itself gets the same ids.
+    prompted = _bare_ids(colbert, "[unused0] " + QUERIES[1])
+    assert np.array_equal(
+        head.prepare_ids(prompted, "query", prompt_applied=True),
+        head.prepare_ids(_bare_ids(colbert, QUERIES[1]), "query"),
+    )
+    # The model's own limit cuts prompt + text as the reference's tokenizer does: [SEP] kept.
+    cut = head.prepare_ids(_bare_ids(colbert, DOCUMENTS[0]), "document", limit=6)
+    assert cut.tolist() == _bare_ids(colbert, "[unused1] " + DOCUMENTS[0])[:5] + [102]
+    assert spec.reference_similarity == "maxsim" and spec.prefix_insertable
+
+
+@pytest.fixture(scope="module")
+def pylate_dir(colbert, module_tmp) -> Path:
+    """The same weights as a PyLate <= 3 save: knobs and prefixes at the top level of
+    config_sentence_transformers.json, the markers not registered in the tokenizer."""
+    d = module_tmp / "pylate"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors", "1_Dense", "2_Dense"):
+        (d / f).symlink_to(colbert / f)
+    _copy_tokenizer(d)  # MiniLM's own: [unused0] is a vocabulary entry, not a special token
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "pylate.models.Dense.Dense"},
+    ]
+    (d / "modules.json").write_text(json.dumps(modules))
+    st = {
+        "model_type": "ColBERT",
+        "query_prefix": "[unused0] ",
+        "document_prefix": "[unused1] ",
+        "query_length": Q_LEN,
+        "document_length": DOC_LEN,
+        "attend_to_expansion_tokens": True,
+        "prompts": {},
+    }
+    (d / "config_sentence_transformers.json").write_text(json.dumps(st))
+    return d
+
+
+def test_pylate_layout_reads_as_sentence_transformers_loads_it(pylate_dir, bert, module_tmp):
+    head, _ = _check_against_reference(pylate_dir, module_tmp / "out-pylate", bert)
+    assert head.spec.query_prefix_ids == [1] and head.spec.normalize
+
+
+def _body_variant(colbert: Path, d: Path, query_length: int | None = None, **expansion) -> Path:
+    """The ColBERT directory with other query expansion settings (and query length cap)."""
+    shutil.copytree(colbert, d, symlinks=True)
+    cfg = json.loads((d / "sentence_bert_config.json").read_text())
+    cfg["query_expansion"].update(expansion)
+    if query_length is not None:
+        cfg["query_length"] = query_length
+    (d / "sentence_bert_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_min_expansion_pads_short_queries_and_keeps_long_ones(colbert, bert, module_tmp):
+    """strategy "min": short queries padded to the length, long ones cut only at query_length."""
+    d = _body_variant(colbert, module_tmp / "min", query_length=20, strategy="min", length=8)
+    head, refs = _check_against_reference(d, module_tmp / "out-min", bert)
+    assert [len(v) for v in refs["query"]] == [8, 20, 8]
+    assert head.spec.expansion is not None and head.spec.query_length == 20
+
+
+@pytest.fixture(scope="module")
+def stanford_dir(colbert, bert, module_tmp) -> Path:
+    """The same encoder as a Stanford-NLP ColBERT checkpoint: `HF_ColBERT`, the encoder's
+    weights under `bert.` with the projection `linear.weight` beside them, artifact.metadata."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = module_tmp / "stanford"
+    _copy_tokenizer(d)
+    config = json.loads((colbert / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    weights = {f"bert.{k}": v.contiguous() for k, v in bert.state_dict().items()}
+    generator = torch.Generator().manual_seed(2)
+    weights["linear.weight"] = torch.randn(DIM, HIDDEN, generator=generator) * HIDDEN**-0.5
+    save_file(weights, str(d / "model.safetensors"))
+    meta = {"query_maxlen": Q_LEN, "doc_maxlen": DOC_LEN, "attend_to_mask_tokens": True}
+    (d / "artifact.metadata").write_text(json.dumps(meta))
+    return d
+
+
+def test_stanford_layout_reads_as_sentence_transformers_loads_it(stanford_dir, bert, module_tmp):
+    head, _ = _check_against_reference(stanford_dir, module_tmp / "out-stanford", bert)
+    spec = head.spec
+    assert spec.query_prefix_ids == [1] and spec.document_prefix_ids == [2]
+    assert spec.layers[0].bias is False and spec.skiplist_ids
+
+
+def test_unattended_expansion_needs_an_owned_mask(colbert, bert, module_tmp):
+    """attend=False (classic ColBERT): the head still matches the reference on states
+    computed under the reference's mask, but only a caller that built that mask is served."""
+    d = _body_variant(colbert, module_tmp / "unattended", attend=False)
+    head, refs = _check_against_reference(d, module_tmp / "out-unattended", bert, owned=True)
+    assert head.needs_owned_mask("query") and not head.needs_owned_mask("document")
+    ids = head.prepare_ids(_bare_ids(d, QUERIES[0]), "query")
+    with pytest.raises(EngineError) as e:
+        head.apply(_states(bert, ids), ids, "query")
+    assert e.value.code == "unsupported"
+    # Why: attending to the expansion tokens (all llama.cpp can do) is a different model.
+    approx = head.apply(_states(bert, ids), ids, "query", owned_mask=True)
+    assert _cos(approx, refs["query"][0]).min() < 0.99
+    info = ingest_multivector_head(d, module_tmp / "out-unattended-2")
+    assert info is not None and info.query_needs_owned_mask
+
+
+# ---- bge-m3 --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bge_m3(module_tmp) -> Path:
+    import torch
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    from bench.real_sizes import xlmr_tokenizer
+
+    d = module_tmp / "bge-m3"
+    d.mkdir()
+    n_vocab = xlmr_tokenizer(d, 256, vocab_size=700)
+    torch.manual_seed(1)
+    config = XLMRobertaConfig(
+        vocab_size=n_vocab,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=258,
+        initializer_range=0.3,
+    )
+    XLMRobertaModel(config, add_pooling_layer=False).eval().save_pretrained(d)
+    torch.save(torch.nn.Linear(HIDDEN, HIDDEN).state_dict(), d / "colbert_linear.pt")
+    torch.save(torch.nn.Linear(HIDDEN, 1).state_dict(), d / "sparse_linear.pt")
+    return d
+
+
+def _flag_colbert_vecs(d: Path, texts: list[str]) -> list[np.ndarray]:
+    """BGEM3FlagModel's colbert_vecs, restated: a padded batch through the encoder,
+    colbert_linear on every state but the first, masked, normalized, cut to sum(mask) - 1."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = XLMRobertaModel.from_pretrained(str(d), add_pooling_layer=False).eval()
+    linear = torch.nn.Linear(HIDDEN, HIDDEN)
+    linear.load_state_dict(torch.load(d / "colbert_linear.pt", map_location="cpu"))
+    inputs = tok(texts, truncation=True, max_length=256, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        last = model(**inputs, return_dict=True).last_hidden_state
+        vecs = linear(last[:, 1:]) * inputs["attention_mask"][:, 1:][:, :, None].float()
+        vecs = F.normalize(vecs, dim=-1).numpy()
+    counts = inputs["attention_mask"].sum(1).numpy()
+    return [v[: n - 1] for v, n in zip(vecs, counts, strict=True)]
+
+
+def test_bge_m3_head_matches_flagembedding(bge_m3, module_tmp):
+    from transformers import XLMRobertaModel
+
+    info = ingest_multivector_head(bge_m3, module_tmp / "out-m3")
+    assert info is not None and info.kind == "bge-m3" and info.dims == HIDDEN
+    assert info.reference_similarity == "meanmaxsim" and not info.query_needs_owned_mask
+    head = load(module_tmp / "out-m3" / "heads")
+    encoder = XLMRobertaModel.from_pretrained(str(bge_m3), add_pooling_layer=False).eval()
+    want = _flag_colbert_vecs(bge_m3, QUERIES + DOCUMENTS)
+    ours = []
+    for text, ref in zip(QUERIES + DOCUMENTS, want, strict=True):
+        ids = head.prepare_ids(_bare_ids(bge_m3, text), "document")
+        assert ids.tolist() == _bare_ids(bge_m3, text)  # bge-m3 reads the text as tokenized
+        got = head.apply(_states(encoder, ids), ids, "document")
+        assert len(got) == len(ids) - 1  # every token's vector but CLS's, </s> included
+        _same_vectors(got, ref)
+        ours.append(got)
+    q, d = ours[: len(QUERIES)], ours[len(QUERIES) :]
+    wq, wd = want[: len(QUERIES)], want[len(QUERIES) :]
+    for i in range(len(q)):
+        for j in range(len(d)):
+            # M3Embedder.colbert_score: sum of each query vector's best match / len(q).
+            score = (wq[i] @ wd[j].T).max(1).sum()
+            assert abs(maxsim(q[i], d[j]) - score) < 1e-5
+            assert abs(mean_maxsim(q[i], d[j]) - score / len(wq[i])) < 1e-6
+
+
+# ---- the .pt reader ------------------------------------------------------------------------
+
+
+def test_torch_pt_reads_what_torch_save_wrote(tmp_path):
+    import torch
+
+    t = torch.randn(5, 6).to(torch.bfloat16)
+    tensors = {"bf16": t, "t": t.float().t(), "slice": t.float()[1:3, 2:5], "f16": t.half()}
+    torch.save(tensors, tmp_path / "x.pt")
+    got = read_torch_pt(tmp_path / "x.pt")
+    assert list(got) == list(tensors)
+    for name, want in tensors.items():
+        assert np.array_equal(got[name], want.float().numpy()), name
+
+
+def test_torch_pt_refusals(tmp_path):
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    cases = {
+        "missing.pt": None,
+        "garbage.pt": b"not a zip at all",
+        "code.pt": {"x": Payload()},
+        "list.pt": [torch.zeros(2)],
+    }
+    for name, obj in cases.items():
+        if isinstance(obj, bytes):
+            (tmp_path / name).write_bytes(obj)
+        elif obj is not None:
+            torch.save(obj, tmp_path / name)
+    # A storage the pickle names is missing from the archive.
+    torch.save({"w": torch.zeros(3)}, tmp_path / "full.pt")
+    with (
+        zipfile.ZipFile(tmp_path / "full.pt") as src,
+        zipfile.ZipFile(tmp_path / "cut.pt", "w") as dst,
+    ):
+        for entry in src.namelist():
+            if "/data/" not in entry:
+                dst.writestr(entry, src.read(entry))
+    for name in [*cases, "cut.pt"]:
+        with pytest.raises(TorchPtInvalid) as e:
+            read_torch_pt(tmp_path / name)
+        assert e.value.code == "artifact_invalid" and name in e.value.message
+
+
+# ---- what ingest and the head refuse -------------------------------------------------------
+
+
+def _variant(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose files are links, so a test can replace one of them."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+def _replace_json(d: Path, name: str, edit) -> None:
+    path = d / name
+    data = json.loads(path.read_text())
+    path.unlink()
+    path.write_text(json.dumps(edit(data)))
+
+
+def test_ingest_refusals(colbert, bge_m3, tmp_path):
+    import torch
+
+    assert ingest_multivector_head(minilm_dir(), tmp_path / "none") is None
+    assert detect(bge_m3) == "bge-m3" and detect(colbert) == "colbert"
+
+    def module_list(mods):
+        return [*mods, {"idx": 9, "name": "9", "path": "", "type": "x.HierarchicalTokenPooling"}]
+
+    def gelu(cfg):
+        return {**cfg, "activation_function": "torch.nn.modules.activation.GELU"}
+
+    def bad_expansion(cfg):
+        return {**cfg, "query_expansion": {"strategy": "fixed", "length": 0}}
+
+    unsupported = {
+        "modules.json": module_list,
+        "1_Dense/config.json": gelu,
+    }
+    invalid = {
+        "sentence_bert_config.json": bad_expansion,
+        "2_Dense/config.json": lambda c: {**c, "in_features": 31},
+    }
+    for i, (name, edit) in enumerate([*unsupported.items(), *invalid.items()]):
+        d = _variant(colbert, tmp_path / f"v{i}")
+        if "/" in name:
+            sub = d / name.split("/")[0]
+            sub.unlink()
+            _variant(colbert / sub.name, sub)
+        _replace_json(d, name, edit)
+        kind = UnsupportedMultiVectorHead if name in unsupported else MultiVectorCheckpointInvalid
+        with pytest.raises(kind):
+            ingest_multivector_head(d, tmp_path / f"out{i}")
+
+    broken = _variant(colbert, tmp_path / "broken")
+    (broken / "modules.json").unlink()
+    (broken / "modules.json").write_text("[{")
+    with pytest.raises(MultiVectorCheckpointInvalid):
+        ingest_multivector_head(broken, tmp_path / "out-broken")
+
+    # bge-m3: a colbert_linear that does not read the hidden size, or is no Linear at all.
+    for name, state in {
+        "narrow": torch.nn.Linear(HIDDEN + 1, HIDDEN).state_dict(),
+        "extra": {**torch.nn.Linear(HIDDEN, HIDDEN).state_dict(), "scale": torch.ones(1)},
+    }.items():
+        d = _variant(bge_m3, tmp_path / f"m3-{name}")
+        (d / "colbert_linear.pt").unlink()
+        torch.save(state, d / "colbert_linear.pt")
+        with pytest.raises(MultiVectorCheckpointInvalid):
+            ingest_multivector_head(d, tmp_path / f"out-m3-{name}")
+
+
+def test_head_refusals(colbert, tmp_path):
+    out = tmp_path / "out"
+    ingest_multivector_head(colbert, out)
+    head = load(out / "heads")
+    ids = head.prepare_ids(_bare_ids(colbert, QUERIES[0]), "query")
+    for states, side in (
+        (np.zeros((len(ids), HIDDEN + 1), np.float32), "query"),
+        (np.zeros((len(ids) - 1, HIDDEN), np.float32), "query"),
+        (np.zeros((len(ids), HIDDEN), np.float32), "passage"),
+    ):
+        with pytest.raises(EngineError) as e:
+            head.apply(states, ids, side)
+        assert e.value.code == "invalid_request"
+    with pytest.raises(EngineError):
+        head.prepare_ids([101], "query")  # no room for [CLS] ... [SEP]
+    with pytest.raises(EngineError):
+        maxsim(np.zeros((2, DIM)), np.zeros((3, DIM + 1)))
+
+    # Files that disagree: a spec naming a wider layer than the weights hold, weights that are
+    # not the ones its spec names, a missing file.
+    spec = json.loads((out / "heads" / "multivector.json").read_text())
+    spec["layers"][1]["out_features"] = DIM + 1
+    (out / "heads" / "multivector.json").write_text(json.dumps(spec))
+    with pytest.raises(MultiVectorHeadInvalid, match="dense.1.weight"):
+        read_head(out / "heads")
+    spec["layers"][1]["out_features"] = DIM
+    spec["weights_sha256"] = "0" * 64
+    (out / "heads" / "multivector.json").write_text(json.dumps(spec))
+    with pytest.raises(MultiVectorHeadInvalid, match="sha256"):
+        read_head(out / "heads" / "multivector.json")
+    (out / "heads" / "multivector.safetensors").unlink()
+    with pytest.raises(EngineError) as e:
+        load(out / "heads")
+    assert e.value.code == "artifact_invalid"
+
+
+def test_maxsim_of_an_empty_document_as_sentence_transformers_scores_it():
+    import torch
+    from sentence_transformers.util.similarity import maxsim as st_maxsim
+    from sentence_transformers.util.similarity import mean_maxsim as st_mean_maxsim
+
+    q = np.random.default_rng(0).standard_normal((3, DIM)).astype(np.float32)
+    empty = np.zeros((0, DIM), np.float32)
+    want = st_maxsim([torch.from_numpy(q)], [torch.from_numpy(empty)])
+    assert maxsim(q, empty) == pytest.approx(float(want[0, 0]))
+    want = st_mean_maxsim([torch.from_numpy(q)], [torch.from_numpy(empty)])
+    assert mean_maxsim(q, empty) == pytest.approx(float(want[0, 0]))
