@@ -49,7 +49,7 @@ from host.classify import activate, activation_for
 from host.errors import ConfigInvalid
 from host.module import ModuleConfig, check_lane_list
 from ingest.durable import full_disk_as
-from ingest.store import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED, served_outputs
 
 log = logging.getLogger("synapse.batch")
 
@@ -234,19 +234,30 @@ def _check_model_kinds(opts: JobOptions, emb: LaneEmbedder) -> dict[str, str]:
                 f"pools by {pooling}"
             )
         return {"late_chunking": "true", "doc_field": opts.doc_field or ""}
+    if opts.task == "embed" and opts.dense and "dense" not in served_outputs(manifest):
+        raise BatchUsageError(
+            f"model {emb.model!r} has no pooled vector (it serves "
+            f"{', '.join(served_outputs(manifest))}): pass --no-dense with what it serves"
+        )
     return outputs_metadata(emb)
 
 
 def outputs_metadata(emb: LaneEmbedder) -> dict[str, str]:
     """The metadata keys of an embedder asked for token-level outputs (none otherwise);
-    a model without a head asked is a usage error."""
+    an output the model does not serve is a usage error."""
     kinds = [k for k in emb.outputs if k != "dense"]
     if not kinds:
         return {}
-    heads = emb.module.record(emb.model).manifest.heads
-    missing = [k for k in kinds if k in ("sparse", "multivector") and k not in heads]
-    if missing:
-        raise BatchUsageError(f"model {emb.model!r} has no {missing[0]} head")
+    manifest = emb.module.record(emb.model).manifest
+    served = served_outputs(manifest)
+    for kind in emb.outputs:
+        if kind not in served:
+            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
+            hint = " (--no-dense)" if kind == "dense" else ""
+            raise BatchUsageError(
+                f"model {emb.model!r} has {what}{hint}; it serves {', '.join(served)}"
+            )
+    heads = manifest.heads
     meta = {"outputs": ",".join(emb.outputs)}
     if "multivector" in kinds:
         meta["multivector_dims"] = str(heads["multivector"].dims)
