@@ -6,7 +6,10 @@ The one difference is when the pooling happens: a job pools each forward window 
 as soon as its token states come back (summing, in float64, the states of the tokens that
 window owns into their chunks) and drops the states, so a window of thousands of documents
 never holds their token states at once. The sums (float64, as `late_chunk`'s mean) are
-divided and normalized as it does, so the vectors agree to float32 rounding.
+divided and normalized as it does, so from the same token states the vectors agree to float32
+rounding. The states themselves are the same only when the document's windows run in a batch
+of their own, as `late_chunk` runs them: the job's batches mix documents' windows for speed,
+and llama.cpp's results move by ~1e-4 with a batch's shape (cos >= 0.9999).
 
 Documents (`--doc-field F`):
 - consecutive rows with the same value of F are one document's chunks, in input order. A value
@@ -24,7 +27,8 @@ Documents (`--doc-field F`):
   to no document: it ends the document before it;
 - a chunk that owns no token (host/late_chunking.py) refuses its document the same way, with
   `invalid_request`, as `late_chunk` refuses the request.
-A document's error record: `line`/`id` of its first row, `doc`, `last_line`, `rows`, `error`.
+A document's error record: `line`/`id` of its first row (`document_incomplete`: of its first
+good row), `doc`, `last_line`, `rows` (the rows it stands for), `error`.
 """
 
 from __future__ import annotations
