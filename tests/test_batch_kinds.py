@@ -103,3 +103,22 @@ def test_what_late_chunking_and_the_token_outputs_combine_with(tmp_path, kw, mes
     kw = {**kw, "input": str(tmp_path / kw.get("input", "rows.jsonl"))}
     with pytest.raises(BatchUsageError, match=message):
         validate(JobOptions(output=str(tmp_path / "out.parquet"), **kw))
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--late-chunking"], "--late-chunking needs --doc-field F"),
+        (["--no-dense", "--dtype", "int8", "--multi-vector"], "--dtype int8 is the embedding"),
+    ],
+)
+def test_the_cli_flags_reach_the_job(tmp_path, flags, says):
+    """The flags as the job reads them: a usage error (exit 2) before any model is installed."""
+    from tests.batch_support import batch_cli
+
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "doc": 1}\n')
+    done = batch_cli(
+        tmp_path / "cache", str(tmp_path / "rows.jsonl"), "-o", str(tmp_path / "o.parquet"), *flags
+    )
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert not (tmp_path / "cache" / "models").exists()  # nothing was installed
