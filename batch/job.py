@@ -579,7 +579,9 @@ def _commit_late(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ran
     w = state.window
     crashed_docs: dict[int, str] = {}
     for i, msg in state.crashed.items():
-        crashed_docs.setdefault(w.seq_ref[i][0], msg)
+        d = w.seq_ref[i][0]
+        name = w.docs[d].rows[0].doc
+        crashed_docs.setdefault(d, msg.replace("this row", f"a window of document {name!r}", 1))
     errors = list(w.errors)
     row_ids: list[str] = []
     n_tokens: list[int] = []

@@ -223,3 +223,41 @@ async def test_tokens_column_is_encode_outputs_token_states_and_duckdb_reads_it(
         flat = table.column("tokens")[i].values.flatten().to_numpy().reshape(-1, dims)
         assert np.array_equal(flat, states)
     assert table.column("n_tokens").to_pylist() == list(ref.n_tokens)
+
+
+async def test_a_document_whose_window_crashes_the_engine_twice_is_one_error_record(
+    store_root, runtime_dir, tmp_path, monkeypatch
+):
+    """Validation off and n_ubatch 64: the one document over 64 tokens trips a REAL GGML_ASSERT
+    each time its window runs; it gets one engine_crashed record for its rows, the others
+    are embedded."""
+    monkeypatch.setenv("SYNAPSE_LLAMA_UNSAFE_NO_VALIDATE", "1")
+    rows = [
+        ("A", "a1", "The cat sat. "),
+        ("A", "a2", "It purred."),
+        ("P", "p1", "the river bank " * 40),
+        ("P", "p2", "end."),
+        ("B", "b1", "Another one."),
+    ]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t, "doc": d}) + "\n" for d, i, t in rows))
+    lanes: list = []
+    summary = await run_job(
+        _options(
+            store_root,
+            runtime_dir,
+            src,
+            tmp_path / "p.parquet",
+            window_rows=1,
+            workers=1,
+            lane="llama",
+            runtime_config={"n_ubatch": 64, "n_batch": 64},
+        ),
+        on_ready=lanes.extend,
+    )
+    assert pq.read_table(tmp_path / "p.parquet").column("id").to_pylist() == ["a1", "a2", "b1"]
+    [error] = _errors(tmp_path / "p.parquet")
+    assert (error["line"], error["doc"], error["rows"]) == (3, "P", 2)
+    assert error["error"]["code"] == "engine_crashed"
+    assert "a window of document 'P' crashed the engine twice" in error["error"]["message"]
+    assert summary.errors == 1 and lanes[0].crashes == 2  # the window, then once again
