@@ -87,6 +87,38 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
         help="rows per commit and per output row group (default 4096)",
     )
     embed.add_argument(
+        "--late-chunking",
+        action="store_true",
+        help="rows are chunks of documents (--doc-field): each row's vector is its chunk's, "
+        "from token states that read the whole document",
+    )
+    embed.add_argument(
+        "--doc-field",
+        metavar="F",
+        help="with --late-chunking: consecutive rows with the same F are one document's "
+        "chunks, in order",
+    )
+    embed.add_argument(
+        "--sparse",
+        action="store_true",
+        help="also write the model's sparse vector (sparse_indices, sparse_values columns)",
+    )
+    embed.add_argument(
+        "--multi-vector",
+        action="store_true",
+        help="also write the model's multi-vectors (multivector column, one vector a token)",
+    )
+    embed.add_argument(
+        "--tokens",
+        action="store_true",
+        help="also write every token's final state (tokens column)",
+    )
+    embed.add_argument(
+        "--no-dense",
+        action="store_true",
+        help="leave out the embedding column (with --sparse, --multi-vector or --tokens)",
+    )
+    embed.add_argument(
         "--ray",
         nargs="?",
         const="local",
@@ -228,6 +260,18 @@ def _options(args: argparse.Namespace):
         window_rows=args.window_rows,
         prompt_name=args.prompt_name,
         dtype=args.dtype,
+        late_chunking=args.late_chunking,
+        doc_field=args.doc_field,
+        dense=not args.no_dense,
+        outputs=tuple(
+            kind
+            for kind, asked in (
+                ("sparse", args.sparse),
+                ("multivector", args.multi_vector),
+                ("tokens", args.tokens),
+            )
+            if asked
+        ),
     )
 
 

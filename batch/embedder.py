@@ -14,7 +14,9 @@ Crash policy (the lane's supervisor already kills, reaps and replaces a crashed 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +32,9 @@ log = logging.getLogger("synapse.batch")
 
 @dataclass
 class BatchResult:
-    vectors: np.ndarray  # float32 (n, dims); rows in `failed` are zeros
+    # float32 (n, dims), rows in `failed` zeros; with `outputs`, per input a dict kind ->
+    # its output (host.token_outputs), None in `failed`
+    vectors: Any
     failed: dict[int, str] = field(default_factory=dict)  # batch index -> error message
 
 
@@ -45,8 +49,12 @@ class LaneEmbedder:
         crash_budget: int = 8,
         prompt_name: str | None = None,
         task: str = "embed",
+        outputs: Sequence[str] = (),
     ) -> None:
         self.module = module
+        # Token-level outputs (Module.encode_token_ids) instead of pooled vectors: each input
+        # gives a dict kind -> output. Empty: vectors, as `embed_token_ids` returns them.
+        self.outputs = tuple(outputs)
         # "embed": rows -> vectors; "classify": rows -> a sequence classifier's raw logits,
         # one per label (`dims` is then the label count), on the llama lane.
         self.task = task
@@ -122,13 +130,18 @@ class LaneEmbedder:
                         failed[i] = _crash_message(exc)
         return BatchResult(out, failed)
 
-    async def _attempt(self, ids: list[np.ndarray]) -> np.ndarray:
+    async def _attempt(self, ids: list[np.ndarray]) -> Any:
         lane = self.supervisor
         if lane.state().quarantined:
             lane.clear_quarantine()  # our crash budget, not the lane's, decides (see above)
         try:
             if self.task == "classify":
                 vectors = (await self.module.classify_token_ids(ids, self.model)).logits
+            elif self.outputs:
+                got = await self.module.encode_token_ids(
+                    ids, self.outputs, self.model, normalize=self.normalize, lane=self.lane
+                )
+                vectors = [{k: got[k][i] for k in self.outputs} for i in range(len(ids))]
             else:
                 vectors = await self.module.embed_token_ids(
                     ids, self.model, normalize=self.normalize, lane=self.lane
@@ -146,7 +159,9 @@ class LaneEmbedder:
         self.rows += len(ids)
         return vectors
 
-    def _zeros(self, n: int) -> np.ndarray:
+    def _zeros(self, n: int) -> Any:
+        if self.outputs:
+            return [None] * n
         return np.zeros((n, self.dims), dtype=np.float32)
 
 

@@ -28,6 +28,8 @@ from batch.checkpoint import Checkpoint
 from batch.dtypes import DTYPES, convert, dtype_metadata, needs_ranges
 from batch.embedder import LaneEmbedder
 from batch.errors import ENGINE_CRASHED, BatchUsageError, JobAborted
+from batch.kinds import KINDS, kind_arrays, kind_fields
+from batch.late import Pool, document_record
 from batch.metadata import describe
 from batch.output import (
     classify_schema,
@@ -39,7 +41,7 @@ from batch.output import (
 )
 from batch.progress import JobProgress
 from batch.rows import InputSpec, count_records
-from batch.windows import Window, error_record, windows
+from batch.windows import Window, error_record, late_windows, windows
 from certification.calibration import Calibrations, calibration_set
 from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
@@ -47,7 +49,7 @@ from host.classify import activate, activation_for
 from host.errors import ConfigInvalid
 from host.module import ModuleConfig, check_lane_list
 from ingest.durable import full_disk_as
-from ingest.store import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED, served_outputs
 
 log = logging.getLogger("synapse.batch")
 
@@ -75,6 +77,12 @@ class JobOptions:
     # "embed" (vectors) or "classify" (a sequence classifier's label scores, batch/output.py)
     task: str = "embed"
     raw_scores: bool = False  # classify: the head's logits, not the model's activation
+    # Late chunking (batch/late.py): rows grouped into documents by `doc_field`, each row
+    # the late-chunked vector of its chunk.
+    late_chunking: bool = False
+    doc_field: str | None = None
+    dense: bool = True  # the `embedding` column
+    outputs: tuple[str, ...] = ()  # token-level columns beside it (batch/kinds.py)
 
     def errors_output(self) -> Path:
         return Path(self.output).with_name(Path(self.output).name + ".errors.jsonl")
@@ -95,7 +103,27 @@ class JobOptions:
             # was embedded as float32, so it still resumes.
             **({"dtype": self.dtype} if self.dtype != "float32" else {}),
             **({"task": self.task, "raw_scores": self.raw_scores} if self.task != "embed" else {}),
+            # Each only when asked, so a checkpoint from before them still resumes.
+            **({"late_chunking": True, "doc_field": self.doc_field} if self.late_chunking else {}),
+            **(
+                {"dense": self.dense, "outputs": list(self.outputs)}
+                if self.outputs or not self.dense
+                else {}
+            ),
         }
+
+    def embedder_args(self) -> dict:
+        """How each lane is asked: late chunking reads unnormalized token states (the chunk
+        vectors are normalized after pooling); token-level outputs come with the dense one
+        from one pass."""
+        if self.late_chunking:
+            return {"normalize": False, "outputs": ("tokens",)}
+        if self.outputs:
+            return {
+                "normalize": self.normalize,
+                "outputs": (("dense",) if self.dense else ()) + self.outputs,
+            }
+        return {"normalize": self.normalize}
 
 
 @dataclass
@@ -149,14 +177,91 @@ def validate(opts: JobOptions) -> InputSpec:
             raise BatchUsageError("batch classify needs --model: a sequence classifier")
         if opts.lane not in (None, "llama"):
             raise BatchUsageError("batch classify runs on the llama lane (--lane llama)")
+    _check_kinds(opts)
     job_lanes(opts)
-    spec = InputSpec(opts.input, opts.text_field, opts.id_field)
+    spec = InputSpec(opts.input, opts.text_field, opts.id_field, opts.doc_field)
+    if opts.doc_field is not None and spec.format == "txt":
+        raise BatchUsageError(
+            f"input {opts.input}: a .txt input has no fields; --doc-field reads .jsonl, .csv "
+            f"or .parquet rows"
+        )
     spec.check()
     if Path(opts.output).suffix.lower() != ".parquet":
         raise BatchUsageError(f"output {opts.output}: the output is a .parquet file")
     if Path(opts.output).is_dir():
         raise BatchUsageError(f"output {opts.output} is a directory; name a .parquet file")
     return spec
+
+
+def _check_kinds(opts: JobOptions) -> None:
+    """What late chunking and the token-level outputs combine with."""
+    unknown = [k for k in opts.outputs if k not in KINDS]
+    if unknown:
+        raise BatchUsageError(f"output {unknown[0]!r}: one of {', '.join(KINDS)}")
+    if len(set(opts.outputs)) != len(opts.outputs):
+        raise BatchUsageError("each output kind once")
+    if opts.late_chunking != (opts.doc_field is not None):
+        raise BatchUsageError(
+            "--late-chunking needs --doc-field F (the field naming each row's document), "
+            "and --doc-field is for --late-chunking"
+        )
+    if not opts.dense and not opts.outputs:
+        raise BatchUsageError(
+            "--no-dense leaves nothing to write: ask --sparse, --multi-vector or --tokens"
+        )
+    if not opts.dense and opts.dtype != "float32":
+        raise BatchUsageError(
+            f"--dtype {opts.dtype} is the embedding column's, and --no-dense writes none"
+        )
+    if opts.task != "embed" and (opts.late_chunking or opts.outputs or not opts.dense):
+        raise BatchUsageError("batch classify writes label scores only")
+    if opts.late_chunking and (opts.outputs or not opts.dense):
+        raise BatchUsageError(
+            "--late-chunking writes each chunk's dense vector only: drop --sparse, "
+            "--multi-vector, --tokens and --no-dense"
+        )
+
+
+def _check_model_kinds(opts: JobOptions, emb: LaneEmbedder) -> dict[str, str]:
+    """Before anything is embedded: the model can give what the job asks. Returns the
+    metadata keys saying what the file holds."""
+    manifest = emb.module.record(emb.model).manifest
+    if opts.late_chunking:
+        pooling = manifest.pooling or "mean"
+        if pooling != "mean":
+            raise BatchUsageError(
+                f"--late-chunking pools a chunk's tokens by their mean; model {emb.model!r} "
+                f"pools by {pooling}"
+            )
+        return {"late_chunking": "true", "doc_field": opts.doc_field or ""}
+    if opts.task == "embed" and opts.dense and "dense" not in served_outputs(manifest):
+        raise BatchUsageError(
+            f"model {emb.model!r} has no pooled vector (it serves "
+            f"{', '.join(served_outputs(manifest))}): pass --no-dense with what it serves"
+        )
+    return outputs_metadata(emb)
+
+
+def outputs_metadata(emb: LaneEmbedder) -> dict[str, str]:
+    """The metadata keys of an embedder asked for token-level outputs (none otherwise);
+    an output the model does not serve is a usage error."""
+    kinds = [k for k in emb.outputs if k != "dense"]
+    if not kinds:
+        return {}
+    manifest = emb.module.record(emb.model).manifest
+    served = served_outputs(manifest)
+    for kind in emb.outputs:
+        if kind not in served:
+            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
+            hint = " (--no-dense)" if kind == "dense" else ""
+            raise BatchUsageError(
+                f"model {emb.model!r} has {what}{hint}; it serves {', '.join(served)}"
+            )
+    heads = manifest.heads
+    meta = {"outputs": ",".join(emb.outputs)}
+    if "multivector" in kinds:
+        meta["multivector_dims"] = str(heads["multivector"].dims)
+    return meta
 
 
 async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
@@ -186,16 +291,18 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
                 mod,
                 opts.model,
                 lanes[0] if lanes is not None and len(lanes) == 1 else None,
-                opts.normalize,
-                opts.runtime_config,
+                runtime_config=opts.runtime_config,
                 prompt_name=opts.prompt_name,
                 task=opts.task,
+                **opts.embedder_args(),
             )
             for mod in modules
         ]
         await asyncio.gather(*(e.start() for e in embedders))
+        kinds_meta = _check_model_kinds(opts, embedders[0])
         embedders += await _second_lanes(embedders, lanes, opts)
         meta = describe(embedders, opts.normalize)
+        meta.update(kinds_meta)
         if opts.task == "classify":
             meta.update(_classify_metadata(embedders[0], opts.raw_scores))
         ranges = None
@@ -257,7 +364,11 @@ async def _second_lanes(
             if lane != emb.lane:
                 more.append(
                     LaneEmbedder(
-                        emb.module, emb.model, lane, opts.normalize, prompt_name=opts.prompt_name
+                        emb.module,
+                        emb.model,
+                        lane,
+                        prompt_name=opts.prompt_name,
+                        **opts.embedder_args(),
                     )
                 )
     await asyncio.gather(*(e.start() for e in more))
@@ -287,17 +398,30 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress, ran
 
     def read() -> None:  # a daemon thread: a blocked stdin read never holds the exit
         try:
-            source = windows(
-                spec,
-                ckpt.next_line,
-                opts.window_rows,
-                embedders[0].tokenizer,
-                opts.truncate,
-                cfg.max_worker_batch_tokens,
-                cfg.max_batch_items,
-                ckpt.state["parts"],
-                embedders[0].prompt,
-            )
+            if opts.late_chunking:
+                source = late_windows(
+                    spec,
+                    ckpt.next_line,
+                    opts.window_rows,
+                    embedders[0].tokenizer,
+                    cfg.max_worker_batch_tokens,
+                    cfg.max_batch_items,
+                    cfg.budgets,
+                    ckpt.state["parts"],
+                    embedders[0].prompt,
+                )
+            else:
+                source = windows(
+                    spec,
+                    ckpt.next_line,
+                    opts.window_rows,
+                    embedders[0].tokenizer,
+                    opts.truncate,
+                    cfg.max_worker_batch_tokens,
+                    cfg.max_batch_items,
+                    ckpt.state["parts"],
+                    embedders[0].prompt,
+                )
             for window in source:
                 if stop_reader.is_set():
                     return
@@ -319,7 +443,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress, ran
                 if j in result.failed:
                     state.crashed[i] = result.failed[j]
                 else:
-                    state.vectors[i] = result.vectors[j]
+                    state.put(i, result.vectors[j])
             state.left -= 1
             if state.left == 0:
                 state.done.set()
@@ -337,7 +461,7 @@ async def _pipeline(opts, spec, ckpt: Checkpoint, embedders, meta, progress, ran
                     break
                 if isinstance(window, BaseException):
                     raise window
-                state = _Progress(window, int(meta["dims"]))
+                state = _Progress(window, int(meta["dims"]), bool(opts.outputs))
                 pending[window.index] = state
                 for batch in window.batches:
                     work.put_nowait((window, batch))
@@ -370,21 +494,41 @@ async def _supervise(main, runners) -> None:
 
 @dataclass
 class _Progress:
+    """A window at the lanes: what came back of each of its inputs (`window.ids`)."""
+
     window: Window
     dims: int
+    tokens_kinds: bool = False  # inputs give dicts of token-level outputs, not vectors
     vectors: np.ndarray = field(init=False)
+    items: list = field(init=False)  # per input, its outputs (token-level kinds)
+    pools: list[Pool] = field(init=False)  # late chunking: per document
     crashed: dict[int, str] = field(default_factory=dict)
     left: int = field(init=False)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.vectors = np.zeros((len(self.window.rows), self.dims), dtype=np.float32)
-        self.left = len(self.window.batches)
+        w = self.window
+        plain = not self.tokens_kinds and not w.late
+        self.vectors = np.zeros((len(w.rows) if plain else 0, self.dims), dtype=np.float32)
+        self.items = [None] * (len(w.ids) if self.tokens_kinds else 0)
+        self.pools = [Pool(d, self.dims) for d in w.docs]
+        self.left = len(w.batches)
         if self.left == 0:
             self.done.set()
 
+    def put(self, i: int, got) -> None:
+        if self.window.late:  # pooled now: the states are dropped as they arrive
+            doc, w = self.window.seq_ref[i]
+            self.pools[doc].add(w, got["tokens"])
+        elif self.tokens_kinds:
+            self.items[i] = got
+        else:
+            self.vectors[i] = got
+
 
 def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=None) -> None:
+    if state.window.late:
+        return _commit_late(state, ckpt, schema, progress, opts, ranges)
     w = state.window
     keep = [i for i in range(len(w.rows)) if i not in state.crashed]
     errors = list(w.errors) + [
@@ -401,6 +545,19 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=N
         if not opts.raw_scores:
             scores = activate(scores, activation)  # type: ignore[arg-type]
         table = make_classify_table(row_ids, scores, labels, n_tokens, truncated, schema)
+    elif opts.outputs:
+        dense = None
+        if opts.dense:
+            dense = np.stack([state.items[i]["dense"] for i in keep]) if keep else state.vectors
+            dense = convert(dense.reshape(len(keep), state.dims), opts.dtype, ranges)
+        extra = [
+            array
+            for kind in opts.outputs
+            for array in kind_arrays(
+                kind, [state.items[i][kind] for i in keep], _kind_dims(kind, schema)
+            )
+        ]
+        table = make_table(row_ids, dense, n_tokens, truncated, schema, extra)
     else:
         vectors = convert(state.vectors[keep], opts.dtype, ranges)
         table = make_table(row_ids, vectors, n_tokens, truncated, schema)
@@ -408,6 +565,54 @@ def _commit(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges=N
     with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
         ckpt.commit(table, errors, w.next_line, tokens)
     progress.update(len(keep), tokens, len(errors))
+    _raise_if_over_max_errors(ckpt, opts)
+
+
+def _kind_dims(kind: str, schema) -> int:
+    typ = schema.field("sparse_indices" if kind == "sparse" else kind).type
+    return typ.value_type.list_size if kind != "sparse" else 0
+
+
+def _commit_late(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges) -> None:
+    """Each document's rows with its chunks' vectors; a document one of whose windows
+    crashed the engine twice gets one error record instead."""
+    w = state.window
+    crashed_docs: dict[int, str] = {}
+    for i, msg in state.crashed.items():
+        d = w.seq_ref[i][0]
+        name = w.docs[d].rows[0].doc
+        crashed_docs.setdefault(d, msg.replace("this row", f"a window of document {name!r}", 1))
+    errors = list(w.errors)
+    row_ids: list[str] = []
+    n_tokens: list[int] = []
+    vectors: list[np.ndarray] = []
+    tokens = 0
+    for d, (doc, pool) in enumerate(zip(w.docs, state.pools, strict=True)):
+        if d in crashed_docs:
+            first = doc.rows[0]
+            errors.append(
+                document_record(
+                    first,
+                    first.doc or "",
+                    doc.rows[-1].line,
+                    len(doc.rows),
+                    ENGINE_CRASHED,
+                    crashed_docs[d],
+                )
+            )
+            continue
+        row_ids += cast("list[str]", [r.id for r in doc.rows])
+        n_tokens += [int(c) for c in doc.counts]
+        vectors.append(pool.vectors(opts.normalize))
+        tokens += doc.tokens_read
+    errors.sort(key=lambda e: e["line"])
+    stacked = np.concatenate(vectors) if vectors else np.zeros((0, state.dims), np.float32)
+    table = make_table(
+        row_ids, convert(stacked, opts.dtype, ranges), n_tokens, [False] * len(row_ids), schema
+    )
+    with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
+        ckpt.commit(table, errors, w.next_line, tokens)
+    progress.update(len(row_ids), tokens, len(errors))
     _raise_if_over_max_errors(ckpt, opts)
 
 
@@ -428,7 +633,15 @@ def _schema(opts: JobOptions, meta: dict[str, str], *, with_metadata: bool):
         keys = ("labels", "activation")
         part_meta = meta if with_metadata else {k: meta[k] for k in keys}
         return classify_schema(int(meta["dims"]), part_meta)
-    return output_schema(int(meta["dims"]), meta if with_metadata else None, opts.dtype)
+    dims = int(meta["dims"])
+    extra = [
+        f
+        for kind in opts.outputs
+        for f in kind_fields(kind, int(meta["multivector_dims"]) if kind == "multivector" else dims)
+    ]
+    return output_schema(
+        dims, meta if with_metadata else None, opts.dtype, dense=opts.dense, extra=extra
+    )
 
 
 def _full_disk_aborts(where: Path, advice: str):

@@ -1,7 +1,10 @@
 """The output Parquet file: its schema and metadata, row groups, and atomic publication.
 
 Columns: `id` (string), `embedding` (fixed_size_list<float32>[dims], or the `--dtype`'s type:
-batch/dtypes.py), `n_tokens` (int32), `truncated` (bool). File metadata (key -> UTF-8 value):
+batch/dtypes.py; absent with `--no-dense`), the token-level outputs asked for (batch/kinds.py:
+`sparse_indices`/`sparse_values`, `multivector`, `tokens`), `n_tokens` (int32), `truncated`
+(bool). With them, `synapse.outputs` lists the kinds written ("dense,sparse") and
+`synapse.multivector_dims` gives a multi-vector head's width. File metadata (key -> UTF-8 value):
 `synapse.model`, `synapse.lane`, `synapse.artifact_digest`, `synapse.certificate` (empty when
 none), `synapse.normalize` ("true"/"false"), `synapse.dims` (the model's width, also for packed
 bits), `synapse.dtype`, and for int8/uint8 `synapse.quantization_ranges`. Plain Arrow types
@@ -33,12 +36,22 @@ META_KEYS = ("model", "lane", "artifact_digest", "certificate", "normalize", "di
 
 
 def output_schema(
-    dims: int, metadata: dict[str, str] | None = None, dtype: str = "float32"
+    dims: int,
+    metadata: dict[str, str] | None = None,
+    dtype: str = "float32",
+    *,
+    dense: bool = True,
+    extra: list[pa.Field] | None = None,
 ) -> pa.Schema:
+    """`extra`: the token-level outputs' columns (batch/kinds.py), after `embedding` (which
+    is absent when `dense` is False)."""
+    head = [pa.field("id", pa.string(), nullable=False)]
+    if dense:
+        head.append(pa.field("embedding", embedding_type(dims, dtype), nullable=False))
     schema = pa.schema(
         [
-            pa.field("id", pa.string(), nullable=False),
-            pa.field("embedding", embedding_type(dims, dtype), nullable=False),
+            *head,
+            *(extra or []),
             pa.field("n_tokens", pa.int32(), nullable=False),
             pa.field("truncated", pa.bool_(), nullable=False),
         ]
@@ -50,17 +63,22 @@ def output_schema(
 
 def make_table(
     ids: list[str],
-    vectors: np.ndarray,
+    vectors: np.ndarray | None,
     n_tokens: Iterable[int],
     truncated: Iterable[bool],
     schema: pa.Schema,
+    extra: list[pa.Array] | None = None,
 ) -> pa.Table:
-    """`vectors` in the embedding column's dtype (batch.dtypes.convert), float32 by default."""
-    embedding = embedding_array(vectors, schema.field("embedding").type)
+    """`vectors` in the embedding column's dtype (batch.dtypes.convert), float32 by default;
+    None when the schema has no embedding column. `extra`: the arrays of the schema's
+    token-level columns, in its order."""
+    head = [pa.array(ids, pa.string())]
+    if vectors is not None:
+        head.append(embedding_array(vectors, schema.field("embedding").type))
     return pa.Table.from_arrays(
         [
-            pa.array(ids, pa.string()),
-            embedding,
+            *head,
+            *(extra or []),
             pa.array(list(n_tokens), pa.int32()),
             pa.array(list(truncated), pa.bool_()),
         ],

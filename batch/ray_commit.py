@@ -21,8 +21,14 @@ import pyarrow.compute as pc
 from batch.checkpoint import Checkpoint
 from batch.dtypes import convert
 from batch.errors import JobAborted
-from batch.job import JobOptions, _full_disk_aborts, _raise_if_over_max_errors, _resume_advice
-from batch.output import make_table, output_schema
+from batch.job import (
+    JobOptions,
+    _full_disk_aborts,
+    _raise_if_over_max_errors,
+    _resume_advice,
+    _schema,
+)
+from batch.output import make_table
 
 
 class BlockCommitter:
@@ -84,14 +90,22 @@ class BlockCommitter:
             }
             for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()
         ]
-        vectors = float_vectors(good.column("embedding"))
+        vectors = None
+        if self.opts.dense:
+            vectors = convert(float_vectors(good.column("embedding")), self.opts.dtype, self.ranges)
         n_tokens = good.column("n_tokens").to_pylist()
+        assert self._schema is not None  # bound with the first rows
+        known = {"id", "embedding", "n_tokens", "truncated"}
+        extra = [  # the token-level outputs' columns, as the actors built them
+            good.column(f.name).combine_chunks() for f in self._schema if f.name not in known
+        ]
         part = make_table(
             good.column("id").to_pylist(),
-            convert(vectors, self.opts.dtype, self.ranges),
+            vectors,
             n_tokens,
             good.column("truncated").to_pylist(),
             self._schema,
+            extra,
         )
         tokens = sum(n_tokens)
         next_line = table.column("line")[-1].as_py() + 1
@@ -117,7 +131,7 @@ class BlockCommitter:
         with _full_disk_aborts(self.ckpt.root, _resume_advice(self.ckpt)):
             self.ckpt.bind_artifact(meta["artifact_digest"], meta["prompt"])
         self.meta_json = meta_json
-        self._schema = output_schema(int(meta["dims"]), None, self.opts.dtype)
+        self._schema = _schema(self.opts, meta, with_metadata=False)
 
 
 def float_vectors(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

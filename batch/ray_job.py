@@ -170,10 +170,12 @@ class EmbedActor:
         planned_workers,
         runtime_config=None,
         prompt_name=None,
+        outputs=(),
     ) -> None:
         import msgspec
 
         from batch.embedder import LaneEmbedder
+        from batch.job import outputs_metadata
         from batch.metadata import describe
         from certification.modules import build_module
         from host.module import ModuleConfig
@@ -185,12 +187,22 @@ class EmbedActor:
         config = msgspec.json.decode(module_config, type=ModuleConfig)  # JSON: any node
         config = msgspec.structs.replace(config, planned_workers=planned_workers)
         self.module = build_module(config)  # the lane choice `synapse serve` makes
+        # `outputs`: token-level outputs (with "dense" for the embedding column), as the
+        # local job asks them (JobOptions.embedder_args)
         self.embedder = LaneEmbedder(
-            self.module, model, lane, normalize, runtime_config, prompt_name=prompt_name
+            self.module,
+            model,
+            lane,
+            normalize,
+            runtime_config,
+            prompt_name=prompt_name,
+            outputs=tuple(outputs),
         )
         self._run(self.embedder.start())
         self.truncate = truncate
-        self.meta = json.dumps(describe([self.embedder], normalize), sort_keys=True)
+        meta = describe([self.embedder], normalize)
+        meta.update(outputs_metadata(self.embedder))
+        self.meta = json.dumps(meta, sort_keys=True)
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -227,15 +239,21 @@ class EmbedActor:
             emb.prompt,
         )
         vectors = np.zeros((len(window.rows), emb.dims), np.float32)
+        items: list = [None] * len(window.rows)  # token-level outputs, per row
         crashed: dict[int, str] = {}
         for group in window.batches:
             result = self._run(emb.embed([window.ids[i] for i in group]))
             for j, i in enumerate(group):
                 if j in result.failed:
                     crashed[i] = result.failed[j]
+                elif emb.outputs:
+                    items[i] = result.vectors[j]
+                    if "dense" in emb.outputs:
+                        vectors[i] = items[i]["dense"]
                 else:
                     vectors[i] = result.vectors[j]
-        return _result_table(window, vectors, crashed, emb.dims, self.meta, blocks)
+        table = _result_table(window, vectors, crashed, emb.dims, self.meta, blocks)
+        return _with_outputs(table, window, items, emb.outputs, json.loads(self.meta))
 
     def calibration_ranges(self) -> list:
         """The model's int8/uint8 ranges at its full width (certification.calibration)."""
@@ -304,6 +322,31 @@ def _result_table(window, vectors, crashed, dims, meta, blocks: dict) -> pa.Tabl
     return table.sort_by("line")
 
 
+def _with_outputs(table: pa.Table, window, items: list, outputs, meta: dict) -> pa.Table:
+    """`table` (sorted by line) with the token-level outputs' columns; a row without them
+    (an error row, a crashed one) has empty lists, and the committer drops it."""
+    from batch.kinds import kind_arrays
+
+    kinds = [k for k in outputs if k != "dense"]
+    if not kinds:
+        return table
+    by_line = {row.line: items[i] for i, row in enumerate(window.rows)}
+    per_row = [by_line.get(line) for line in table.column("line").to_pylist()]
+    dims = int(meta["dims"])
+    for kind in kinds:
+        width = int(meta["multivector_dims"]) if kind == "multivector" else dims
+        empty = (
+            (np.zeros(0, np.int32), np.zeros(0, np.float32))
+            if kind == "sparse"
+            else np.zeros((0, width), np.float32)
+        )
+        got = [empty if item is None else item[kind] for item in per_row]
+        names = ("sparse_indices", "sparse_values") if kind == "sparse" else (kind,)
+        for name, array in zip(names, kind_arrays(kind, got, width), strict=True):
+            table = table.append_column(name, array)
+    return table
+
+
 def run_ray_job(
     opts: JobOptions, address: str | None, workers: int | None = None, timings: dict | None = None
 ) -> JobSummary:
@@ -318,6 +361,10 @@ def run_ray_job(
     spec = validate(opts)
     if spec.path == "-":
         raise BatchUsageError("--ray reads a file every node can open, not stdin")
+    if opts.late_chunking:
+        # Its blocks are row ranges cut without regard to documents: a document's chunks
+        # could land on two actors. Late chunking runs on the local job (drop --ray).
+        raise BatchUsageError("--late-chunking runs on the local job, not yet with --ray")
     if "," in (opts.lane or ""):
         raise BatchUsageError(
             f"--lane {opts.lane}: two lanes in one job run locally (without --ray), where "
@@ -491,6 +538,7 @@ def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
         "planned_workers": max(1, min(workers, cores)),
         "runtime_config": opts.runtime_config,
         "prompt_name": opts.prompt_name,
+        "outputs": tuple(opts.embedder_args().get("outputs", ())),
     }
 
 

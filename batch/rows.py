@@ -23,6 +23,10 @@ Invalid UTF-8 bytes in a text or an id (any format) become U+FFFD, the project's
 sanitization rule (host/sanitize.py), so one bad byte never fails a file.
 Ids are always strings in the output (an integer id 7 becomes "7"), so one column type holds
 every input.
+
+With a document field (`--late-chunking --doc-field F`) every row also carries its document:
+the value of F, a string or an integer (compared as its string), else `missing_field` /
+`invalid_doc`. A Parquet or CSV input without column F is a usage error for the whole file.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Row:
     text: str | None  # None on error rows
     error_code: str | None = None
     error_message: str | None = None
+    doc: str | None = None  # the row's document (a document field was named), else None
 
     @property
     def ok(self) -> bool:
@@ -66,6 +71,7 @@ class InputSpec:
     path: str  # "-" for stdin
     text_field: str = "text"
     id_field: str = "id"
+    doc_field: str | None = None  # late chunking: the field naming each row's document
 
     @property
     def format(self) -> str:
@@ -140,7 +146,11 @@ def _lines(
         if fmt == "txt":
             yield _check_text(line_no, str(line_no), text)
         elif text.strip():
-            yield parse_json_line(line_no, text, spec.text_field, spec.id_field)
+            row = parse_json_line(line_no, text, spec.text_field, spec.id_field)
+            if spec.doc_field is not None and row.error_code != "invalid_json":
+                obj = json.loads(text)  # parsed once more only for a document field
+                row = with_doc(row, obj.get(spec.doc_field, _MISSING), spec.doc_field)
+            yield row
 
 
 def parse_json_line(line: int, text: str, text_field: str, id_field: str) -> Row:
@@ -159,6 +169,28 @@ def parse_json_line(line: int, text: str, text_field: str, id_field: str) -> Row
     return _row_from(
         line, obj.get(text_field, _MISSING), obj.get(id_field, _MISSING), text_field, id_field
     )
+
+
+def with_doc(row: Row, value: object, doc_field: str | None) -> Row:
+    """`row` with its document (rows.py's document rule). An already bad row stays bad, and
+    carries its document when the field reads (it belongs to that document)."""
+    if doc_field is None:
+        return row
+    if not row.ok:
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            return Row(row.line, row.id, None, row.error_code, row.error_message, str(value))
+        return row
+    if value is _MISSING or value is None:
+        return Row(row.line, row.id, None, "missing_field", f"no {doc_field!r} field")
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return Row(
+            row.line,
+            row.id,
+            None,
+            "invalid_doc",
+            f"{doc_field!r} is {type(value).__name__}; documents are strings or integers",
+        )
+    return Row(row.line, row.id, row.text, doc=str(value))
 
 
 _MISSING = object()
@@ -221,6 +253,7 @@ def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[R
                 return
             text_at = header.index(spec.text_field)
             id_at = header.index(spec.id_field) if spec.id_field in header else None
+            doc_at = header.index(spec.doc_field) if spec.doc_field is not None else None
             for fields in reader:
                 if not fields:
                     continue  # a blank line is not a row
@@ -237,7 +270,9 @@ def _csv_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterator[R
                     )
                     continue
                 rid = fields[id_at] if id_at is not None else _MISSING
-                yield _row_from(line, fields[text_at], rid, spec.text_field, spec.id_field)
+                row = _row_from(line, fields[text_at], rid, spec.text_field, spec.id_field)
+                doc = fields[doc_at] if doc_at is not None else None
+                yield with_doc(row, doc, spec.doc_field)
         except csv.Error as exc:  # the reader is lenient: hardly anything gets here
             raise BatchUsageError(f"{spec.path}: malformed csv after row {line}: {exc}") from None
 
@@ -274,10 +309,14 @@ def _parquet_rows(spec: InputSpec, start_line: int, limit: int | None) -> Iterat
             if spec.id_field in batch.schema.names
             else [None] * n
         )
-        for text, rid in zip(texts, ids, strict=True):
+        docs = (
+            batch.column(spec.doc_field).to_pylist() if spec.doc_field is not None else [None] * n
+        )
+        for text, rid, doc in zip(texts, ids, docs, strict=True):
             line += 1
             if line >= start_line:
-                yield _row_from(line, _utf8(text), _utf8(rid), spec.text_field, spec.id_field)
+                row = _row_from(line, _utf8(text), _utf8(rid), spec.text_field, spec.id_field)
+                yield with_doc(row, _utf8(doc), spec.doc_field)
 
 
 def _utf8(value: object) -> object:
@@ -302,6 +341,7 @@ def _parquet_batches(spec: InputSpec):
         _require_column(spec, names)
         _require_string(spec, pf.schema_arrow.field(spec.text_field).type)
         cols = [spec.text_field] + ([spec.id_field] if spec.id_field in names else [])
+        cols += [spec.doc_field] if spec.doc_field is not None else []
         batches = pf.iter_batches(batch_size=_ARROW_BATCH, columns=cols)
     except (pa.ArrowInvalid, OSError) as exc:
         raise BatchUsageError(f"{spec.path}: not a readable parquet file: {exc}") from None
@@ -316,6 +356,11 @@ def _require_column(spec: InputSpec, names: list[str]) -> None:
         raise BatchUsageError(
             f"{spec.path}: no column {spec.text_field!r} (columns: {', '.join(names)}); "
             f"name the text column with --text-field"
+        )
+    if spec.doc_field is not None and spec.doc_field not in names:
+        raise BatchUsageError(
+            f"{spec.path}: no column {spec.doc_field!r} (columns: {', '.join(names)}); "
+            f"name the document column with --doc-field"
         )
 
 

@@ -15,7 +15,17 @@ from typing import cast
 import numpy as np
 
 from batch.errors import TOO_LONG
+from batch.late import (
+    DOCUMENT_INCOMPLETE,
+    DOCUMENT_TOO_LONG,
+    Document,
+    document_record,
+    over_bounds,
+    plan_document,
+)
 from batch.rows import InputSpec, Row, read_rows
+from common.errors import InvalidRequest
+from host.admission import Budgets
 from host.tokenization import Tokenizer
 
 
@@ -28,10 +38,19 @@ class Window:
     truncated: list[bool]
     errors: list[dict]  # error records of this window's bad rows
     batches: list[list[int]] = field(default_factory=list)  # indices into rows
+    # Late chunking (batch/late.py): `ids` are the documents' forward windows, not one per
+    # row; `seq_ref[i]` is (document, its window) of ids[i]; `row_tokens` each chunk's tokens.
+    docs: list[Document] = field(default_factory=list)
+    seq_ref: list[tuple[int, int]] = field(default_factory=list)
+    row_tokens: list[int] | None = None
 
     @property
     def n_tokens(self) -> list[int]:
         return [len(x) for x in self.ids]
+
+    @property
+    def late(self) -> bool:
+        return self.row_tokens is not None
 
 
 def error_record(row: Row, code: str | None = None, message: str | None = None) -> dict:
@@ -122,3 +141,161 @@ def windows(
         yield tokenize_window(
             index, buf, buf[-1].line + 1, tokenizer, truncate, max_tokens, max_items, prompt
         )
+
+
+@dataclass
+class _OpenDocument:
+    """A document's rows as they are read; once over a bound its rows are only counted."""
+
+    first: Row
+    rows: list[Row] = field(default_factory=list)
+    n_rows: int = 0
+    n_bytes: int = 0
+    last_line: int = 0
+    too_long: str | None = None
+
+    def add(self, row: Row, budgets: Budgets) -> None:
+        self.n_rows += 1
+        self.last_line = row.line
+        size = len((row.text or "").encode("utf-8", "replace"))
+        self.n_bytes += size
+        if self.too_long is None:
+            self.too_long = over_bounds(self.n_rows, self.n_bytes, size, budgets)
+            self.rows.append(row)
+        if self.too_long is not None:
+            self.rows = []  # bounded memory, whatever the document's length
+
+
+@dataclass
+class _LateBuffer:
+    docs: list[Document] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    n_rows: int = 0
+    last_line: int = 0
+
+
+def late_windows(
+    spec: InputSpec,
+    start_line: int,
+    window_rows: int,
+    tokenizer: Tokenizer,
+    max_tokens: int,
+    max_items: int,
+    budgets: Budgets,
+    first_index: int = 0,
+    prompt: str = "",
+) -> Iterator[Window]:
+    """Windows of whole documents (batch/late.py states the document rules): a window closes
+    at the first document boundary at or past `window_rows` rows, so a document longer than
+    a window keeps its rows together, and a resumed job starts at a document's first row."""
+    index = first_index
+    buf = _LateBuffer()
+    cur: _OpenDocument | None = None
+
+    def close(doc: _OpenDocument) -> None:
+        buf.n_rows += doc.n_rows
+        buf.last_line = max(buf.last_line, doc.last_line)
+        name = cast("str", doc.first.doc)
+        if doc.too_long is not None:
+            buf.errors.append(
+                document_record(
+                    doc.first,
+                    name,
+                    doc.last_line,
+                    doc.n_rows,
+                    DOCUMENT_TOO_LONG,
+                    f"document {name!r} has {doc.too_long}, over the bound of one "
+                    f"late-chunking request; its {doc.n_rows} rows were not embedded",
+                )
+            )
+            return
+        bad = [r for r in doc.rows if not r.ok]
+        good = [r for r in doc.rows if r.ok]
+        buf.errors += [error_record(r) for r in bad]
+        if bad:
+            if good:
+                lines = ", ".join(str(r.line) for r in bad[:10])
+                buf.errors.append(
+                    document_record(
+                        good[0],
+                        name,
+                        doc.last_line,
+                        len(good),
+                        DOCUMENT_INCOMPLETE,
+                        f"document {name!r} has bad rows (line {lines}); its other "
+                        f"{len(good)} rows were not embedded",
+                    )
+                )
+            return
+        try:
+            planned = plan_document(good, tokenizer, prompt)
+        except InvalidRequest as exc:
+            buf.errors.append(
+                document_record(good[0], name, doc.last_line, len(good), exc.code, exc.message)
+            )
+            return
+        if planned.tokens_read > budgets.max_inflight_tokens:
+            buf.errors.append(
+                document_record(
+                    good[0],
+                    name,
+                    doc.last_line,
+                    len(good),
+                    DOCUMENT_TOO_LONG,
+                    f"document {name!r} reads {planned.tokens_read} tokens, more than "
+                    f"{budgets.max_inflight_tokens} (one late-chunking request's bound); its "
+                    f"{len(good)} rows were not embedded",
+                )
+            )
+            return
+        buf.docs.append(planned)
+
+    def flush() -> Window:
+        nonlocal buf, index
+        window = _late_window(index, buf, max_tokens, max_items)
+        buf, index = _LateBuffer(), index + 1
+        return window
+
+    for row in read_rows(spec, start_line):
+        if cur is not None and row.doc is not None and row.doc == cur.first.doc:
+            cur.add(row, budgets)
+            continue
+        if cur is not None:
+            close(cur)
+            cur = None
+            if buf.n_rows >= window_rows:
+                yield flush()
+        if row.doc is None:  # its document field could not be read: a row error, no document
+            buf.errors.append(error_record(row))
+            buf.n_rows += 1
+            buf.last_line = row.line
+            if buf.n_rows >= window_rows:
+                yield flush()
+        else:
+            cur = _OpenDocument(row)
+            cur.add(row, budgets)
+    if cur is not None:
+        close(cur)
+    if buf.n_rows:
+        yield flush()
+
+
+def _late_window(index: int, buf: _LateBuffer, max_tokens: int, max_items: int) -> Window:
+    rows = [r for d in buf.docs for r in d.rows]
+    ids = [s for d in buf.docs for s in d.seqs]
+    seq_ref = [(i, w) for i, d in enumerate(buf.docs) for w in range(len(d.seqs))]
+    row_tokens = [int(c) for d in buf.docs for c in d.counts]
+    buf.errors.sort(key=lambda e: e["line"])
+    window = Window(
+        index,
+        buf.last_line + 1,
+        rows,
+        ids,
+        [False] * len(rows),
+        buf.errors,
+        docs=buf.docs,
+        seq_ref=seq_ref,
+        row_tokens=row_tokens,
+    )
+    window.batches = plan_batches(window.n_tokens, max_tokens, max_items)
+    return window

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -163,3 +165,44 @@ def test_sigint_stops_the_ray_job_with_its_checkpoint_and_resume_finishes_it(
     assert summary.resumed_from_line == committed["next_line"] > 1
     assert summary.rows == 200 and read_output(out)[1] == ids  # none lost, none twice
     assert not wait_gone(short_runtime_dir, timeout_s=30), "an actor's worker outlived it"
+
+
+def test_token_level_outputs_on_ray_are_the_local_jobs(ray_session, store_root, tmp_path):
+    """`--tokens --no-dense` (the sparse and multi-vector columns take the same path): the
+    same columns, schema and metadata as the local job; late chunking stays local."""
+    runtime_dir = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    write_jsonl(tmp_path / "c.jsonl", 12, seed=3, extra=[json.dumps({"id": "e", "text": ""})])
+    kw = {"window_rows": 8, "outputs": ("tokens",), "dense": False}
+    src = tmp_path / "c.jsonl"
+    try:
+        asyncio.run(run_job(options(store_root, runtime_dir, src, tmp_path / "l.parquet", **kw)))
+        remote = run_ray_job(
+            options(store_root, runtime_dir, src, tmp_path / "r.parquet", **kw), None, workers=1
+        )
+        with pytest.raises(BatchUsageError, match="--late-chunking runs on the local job"):
+            run_ray_job(
+                options(
+                    store_root,
+                    runtime_dir,
+                    src,
+                    tmp_path / "x.parquet",
+                    late_chunking=True,
+                    doc_field="id",
+                ),
+                None,
+            )
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    (lt, lids), (rt, rids) = (
+        read_output(tmp_path / "l.parquet"),
+        read_output(tmp_path / "r.parquet"),
+    )
+    assert rids == lids and remote.rows == 12 and remote.errors == 1
+    assert rt.schema == lt.schema and "embedding" not in rt.schema.names
+    assert read_metadata(tmp_path / "r.parquet") == read_metadata(tmp_path / "l.parquet")
+    assert read_metadata(tmp_path / "r.parquet")["outputs"] == "tokens"
+    assert rt.column("n_tokens").to_pylist() == lt.column("n_tokens").to_pylist()
+    for i in range(rt.num_rows):
+        a = lt.column("tokens")[i].values.flatten().to_numpy()
+        b = rt.column("tokens")[i].values.flatten().to_numpy()
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)

@@ -208,3 +208,32 @@ def test_csv_count_is_the_readers_record_count_not_its_lines(tmp_path):
     assert count_records(InputSpec(str(path))) == len(rows) == 4
     path.write_bytes(b"id,text\n")
     assert count_records(InputSpec(str(path))) == 0
+
+
+def test_the_document_field_in_every_format(tmp_path):
+    """--doc-field: a string or an integer (as its string); missing or another type is a row
+    error; a row bad for its text still carries its document; a table without the column is
+    a usage error."""
+    lines = [
+        {"id": "a", "text": "one", "doc": "d1"},
+        {"id": "b", "text": "two", "doc": 7},
+        {"id": "c", "text": "three"},
+        {"id": "d", "text": "four", "doc": True},
+        {"id": "e", "text": "", "doc": "d1"},
+    ]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = rows_of(tmp_path / "r.jsonl", doc_field="doc")
+    assert [(r.doc, r.error_code) for r in got] == [
+        ("d1", None),
+        ("7", None),
+        (None, "missing_field"),
+        (None, "invalid_doc"),
+        ("d1", "empty_text"),
+    ]
+    table = pa.table({"text": ["x", "y"], "doc": [3, 4]})
+    pq.write_table(table, tmp_path / "r.parquet")
+    pcsv.write_csv(table, tmp_path / "r.csv")
+    for name in ("r.parquet", "r.csv"):
+        assert [r.doc for r in rows_of(tmp_path / name, doc_field="doc")] == ["3", "4"]
+        with pytest.raises(BatchUsageError, match="--doc-field"):
+            InputSpec(str(tmp_path / name), doc_field="chapter").check()
