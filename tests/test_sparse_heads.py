@@ -597,3 +597,46 @@ async def test_the_llama_lane_serves_splade_like_sparse_encoder(
         assert np.array_equal(idx, np.nonzero(want)[0]) and np.allclose(val, want[idx], rtol=1e-6)
     print(f"llama lane SPLADE: worst sparse cos {worst_cos:.7f}, worst value error {worst_rel:.4f}")
     assert worst_cos >= 0.9999 and worst_rel <= 0.10
+
+
+async def test_a_bulk_job_writes_the_sparse_vectors_the_lane_serves(
+    served_store, short_runtime_dir, tmp_path
+):
+    """`synapse batch embed --sparse --no-dense` on a SPLADE model: each row's
+    `sparse_indices` / `sparse_values` are what `encode_outputs` returns, read back by DuckDB."""
+    import json
+
+    import duckdb
+
+    from batch.job import JobOptions, run_job
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+
+    src = tmp_path / "c.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS))
+    )
+    out = tmp_path / "s.parquet"
+    config = ModuleConfig(
+        store_root=str(served_store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+    )
+    opts = JobOptions(
+        input=str(src),
+        output=str(out),
+        module=config,
+        model="splade",
+        outputs=("sparse",),
+        dense=False,
+    )
+    await run_job(opts)
+    async with Module(config) as mod:
+        ref = await mod.encode_outputs(TEXTS, ["sparse"], "splade")
+    rows = duckdb.execute(
+        "SELECT sparse_indices, sparse_values FROM read_parquet(?)", [str(out)]
+    ).fetchall()
+    assert ref.sparse is not None and len(rows) == len(TEXTS)
+    for (idx, val), (want_idx, want_val) in zip(rows, ref.sparse, strict=True):
+        assert idx == want_idx.tolist()
+        # Decodes packed otherwise than the request's round differently (~1e-5).
+        np.testing.assert_allclose(np.array(val, np.float32), want_val, rtol=1e-4)
