@@ -638,5 +638,7 @@ async def test_a_bulk_job_writes_the_sparse_vectors_the_lane_serves(
     assert ref.sparse is not None and len(rows) == len(TEXTS)
     for (idx, val), (want_idx, want_val) in zip(rows, ref.sparse, strict=True):
         assert idx == want_idx.tolist()
-        # Decodes packed otherwise than the request's round differently (~1e-5).
-        np.testing.assert_allclose(np.array(val, np.float32), want_val, rtol=1e-4)
+        # A job packs its decodes otherwise than one request does, and llama.cpp's token
+        # states move with the packing (up to ~2.5e-4 relative here, far inside the lane's
+        # 10 % value bar against the reference).
+        np.testing.assert_allclose(np.array(val, np.float32), want_val, rtol=1e-3)
