@@ -209,11 +209,17 @@ def bench_splade(root: Path, n: int, repeats: int) -> dict:
     ref_model = SparseEncoder(str(hf), device="cpu")
     ref_s = _timed(lambda: ref_model.encode_document(texts, batch_size=32), repeats)
     ref = ref_model.encode_document(texts, batch_size=32).to_dense().numpy()
-    cos = []
+    cos, same_set = [], 0
     for (idx, val), want in zip(got, ref, strict=True):
         dense = np.zeros_like(want)
         dense[idx] = val
-        cos.append(float(dense @ want / max(np.linalg.norm(dense) * np.linalg.norm(want), 1e-30)))
+        same_set += bool(np.array_equal(idx, np.nonzero(want)[0]))
+        norms = np.linalg.norm(dense) * np.linalg.norm(want)
+        cos.append(
+            1.0
+            if norms == 0 and not dense.any() and not want.any()
+            else float(dense @ want / max(norms, 1e-30))
+        )
     return {
         "model": record.name,
         "dtype": record.manifest.dtype,
@@ -223,6 +229,8 @@ def bench_splade(root: Path, n: int, repeats: int) -> dict:
         "lane_vs_sparse_encoder": round(ref_s / lane_s, 3),
         "target_lane_vs_sparse_encoder": 1.5,
         "min_sparse_cosine_vs_reference": round(min(cos), 6),
+        "items_with_the_reference_active_set": f"{same_set}/{len(got)}",
+        "mean_active_entries": round(float(np.mean([len(i) for i, _ in got])), 1),
         "worker_peak_rss_mb_32x512": round(peak_mb, 1),
     }
 
