@@ -39,7 +39,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import numpy as np
 
-from bench.real_sizes import XLMR_CONFIG, _cpu, _write_json, cache_dir, ensure_model, xlmr_tokenizer
+from bench.real_sizes import (
+    XLMR_CONFIG,
+    _cpu,
+    _st_files,
+    cache_dir,
+    ensure_model,
+    xlmr_tokenizer,
+)
 from certification.corpus import corpus
 from ingest.store import ArtifactStore
 
@@ -105,29 +112,9 @@ def build_m3(out: Path) -> Path:
     hidden = config["hidden_size"]
     torch.save(torch.nn.Linear(hidden, hidden).state_dict(), tmp / "colbert_linear.pt")
     torch.save(torch.nn.Linear(hidden, 1).state_dict(), tmp / "sparse_linear.pt")
-    _write_json(
-        tmp / "1_Pooling" / "config.json",
-        {"word_embedding_dimension": hidden, "pooling_mode_cls_token": True},
-    )
-    _write_json(
-        tmp / "modules.json",
-        [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {
-                "idx": 1,
-                "name": "1",
-                "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling",
-            },
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            },
-        ],
-    )
-    (tmp / "2_Normalize").mkdir()
+    # bge-m3's sentence-transformers files: CLS pooling, then Normalize.
+    max_seq = config["max_position_embeddings"] - config["pad_token_id"] - 1
+    _st_files(tmp, hidden, "cls_token", max_seq, {})
     tmp.replace(out)
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, wait
 
 import llama_cpp
@@ -56,39 +57,58 @@ def encode(
 ) -> np.ndarray:
     """Pooled output (n_embd per seq, or n_cls_out for rank) for each sequence.
 
-    With several slots, each slot's thread takes the next decode off a shared queue
-    (llama_decode releases the GIL), so one request's decodes run on every core; the
-    calling thread only reports PROGRESS and collects failures. Which slot runs a decode
-    does not change its numbers; how sequences are packed can, by float rounding, and so
-    can a request of one decode, which runs with every thread (`wide_decode`).
+    How sequences are packed can change the numbers, by float rounding; which slot runs a
+    decode cannot (see `run_decodes`).
     `decode_tokens`: the packing target (decode_plan.decode_tokens_for the build).
     `types`: per-sequence token types, fed as input embeddings (`mdl.typed` models).
     """
     width = mdl.n_cls_out if mdl.pooling == "rank" else mdl.n_embd
     out = np.empty((len(seqs), width), dtype=np.float32)
+    lengths = [len(s) for s in seqs]
     budget = min(mdl.n_batch, mdl.n_ubatch)
-    groups = plan_decodes(
-        [len(s) for s in seqs], budget, mdl.n_seq_max, decode_tokens, len(mdl.slots)
+    groups = plan_decodes(lengths, budget, mdl.n_seq_max, decode_tokens, len(mdl.slots))
+    run_decodes(
+        mdl,
+        mdl.slots,
+        groups,
+        lengths,
+        lambda slot, group: _encode_group(mdl, slot, seqs, group, out, types),
+        progress,
     )
-    if mdl.pool is None or len(groups) == 1:
-        slot = mdl.slots[0]
-        wide = bool(groups) and wide_decode(len(mdl.slots), [len(seqs[i]) for i in groups[0]])
+    return out
+
+
+def run_decodes(
+    mdl: LoadedModel,
+    slots: list[Slot],
+    groups: list[list[int]],
+    lengths: list[int],
+    decode: Callable[[Slot, list[int]], None],
+    progress: Progress,
+) -> None:
+    """`decode(slot, group)` for every group. With several slots, each slot's thread takes the
+    next decode off a shared queue (llama_decode releases the GIL), so one request's decodes
+    run on every core; the calling thread only reports PROGRESS and collects failures. A
+    request of one decode runs on the first slot with every thread (`wide_decode`)."""
+    if mdl.pool is None or len(slots) == 1 or len(groups) <= 1:
+        slot = slots[0]
+        wide = bool(groups) and wide_decode(len(slots), [lengths[i] for i in groups[0]])
         if wide:
             llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
         try:
             reporter = _ProgressThrottle(progress)
             for group in groups:
-                _encode_group(mdl, slot, seqs, group, out, types)
+                decode(slot, group)
                 reporter.done(1)
             reporter.flush()
         finally:
             if wide:
                 llama_cpp.llama_set_n_threads(slot.ctx, *mdl.stream_threads)
-        return out
+        return
     todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
     for group in groups:
         todo.put(group)
-    finished = [0] * len(mdl.slots)
+    finished = [0] * len(slots)
     failed = threading.Event()
 
     def drain(i: int, slot: Slot) -> None:
@@ -98,13 +118,13 @@ def encode(
             except queue.Empty:
                 return
             try:
-                _encode_group(mdl, slot, seqs, group, out, types)
+                decode(slot, group)
             except BaseException:
                 failed.set()  # the other slots stop after their current decode
                 raise
             finished[i] += 1
 
-    futures = [mdl.pool.submit(drain, i, slot) for i, slot in enumerate(mdl.slots)]
+    futures = [mdl.pool.submit(drain, i, slot) for i, slot in enumerate(slots)]
     reporter = _ProgressThrottle(progress)
     pending = set(futures)
     while pending:
@@ -116,7 +136,6 @@ def encode(
     for fut in futures:
         fut.result()  # re-raise the first failure, typed as the slot raised it
     reporter.flush()
-    return out
 
 
 def _encode_group(

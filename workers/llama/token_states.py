@@ -13,16 +13,14 @@ size" cannot happen: an item over `item_limit` is refused before it gets here.
 from __future__ import annotations
 
 import ctypes
-import queue
-import threading
-from concurrent.futures import FIRST_EXCEPTION, wait
 
 import llama_cpp
 import numpy as np
 
 from workers.engine import EngineError, Progress
 from workers.llama import native
-from workers.llama.decode_plan import plan_decodes, wide_decode
+from workers.llama.decode_plan import plan_decodes
+from workers.llama.encode import run_decodes
 from workers.llama.native import LoadedModel, Slot
 
 
@@ -30,62 +28,22 @@ def token_states(
     mdl: LoadedModel, seqs: list[np.ndarray], progress: Progress, decode_tokens: int
 ) -> list[np.ndarray]:
     """(len(seq), n_embd) float32 final states for each sequence, special tokens included.
-
-    Decoded as the pooled outputs are (encode.py): one pooling-NONE context per encode stream,
-    each stream's thread taking the next decode off a shared queue, so one request's decodes
-    run on every core (on this 2-core machine two 1-thread streams ran 3x the rate of one
-    2-thread context); a request of one decode runs with every thread."""
+    Decoded as the pooled outputs are (encode.run_decodes): one pooling-NONE context per encode
+    stream, so one request's decodes run on every core (on this 2-core machine two 1-thread
+    streams ran 3x the rate of one 2-thread context)."""
     slots = token_slots(mdl)
-    budget = min(mdl.n_batch, mdl.n_ubatch)
     lengths = [len(s) for s in seqs]
+    budget = min(mdl.n_batch, mdl.n_ubatch)
     groups = plan_decodes(lengths, budget, mdl.n_seq_max, decode_tokens, len(slots))
     out: list[np.ndarray] = [np.zeros((0, mdl.n_embd), np.float32)] * len(seqs)
-    if mdl.pool is None or len(slots) == 1 or len(groups) <= 1:
-        slot = slots[0]
-        wide = bool(groups) and wide_decode(len(slots), [lengths[i] for i in groups[0]])
-        if wide:
-            llama_cpp.llama_set_n_threads(slot.ctx, *mdl.all_threads)
-        try:
-            for group in groups:
-                _decode_group(mdl, slot, seqs, group, out)
-                progress.advance("inference")
-        finally:
-            if wide:
-                llama_cpp.llama_set_n_threads(slot.ctx, *mdl.stream_threads)
-        return out
-    todo: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-    for group in groups:
-        todo.put(group)
-    finished = [0] * len(slots)
-    failed = threading.Event()
-
-    def drain(i: int, slot: Slot) -> None:
-        while not failed.is_set():
-            try:
-                group = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                _decode_group(mdl, slot, seqs, group, out)
-            except BaseException:
-                failed.set()  # the other streams stop after their current decode
-                raise
-            finished[i] += 1
-
-    futures = [mdl.pool.submit(drain, i, slot) for i, slot in enumerate(slots)]
-    reported = 0
-    pending = set(futures)
-    while pending:  # PROGRESS from this thread only, as decodes complete
-        _, pending = wait(pending, timeout=0.25, return_when=FIRST_EXCEPTION)
-        done = sum(finished)
-        if done > reported:
-            progress.advance("inference", done - reported)
-            reported = done
-        if failed.is_set():
-            wait(pending)
-            break
-    for fut in futures:
-        fut.result()  # re-raise the first failure, typed as the stream raised it
+    run_decodes(
+        mdl,
+        slots,
+        groups,
+        lengths,
+        lambda slot, g: _decode_group(mdl, slot, seqs, g, out),
+        progress,
+    )
     return out
 
 
