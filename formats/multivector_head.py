@@ -25,7 +25,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from common.errors import ArtifactInvalid
+from common.errors import ArtifactInvalid, InvalidRequest
 from formats.digest import sha256_file
 from formats.safetensors_io import read_safetensors
 
@@ -159,3 +159,34 @@ def read_head(head: Path) -> tuple[MultiVectorSpec, list[tuple[np.ndarray, np.nd
             f"{path}: the layers give {width} dims, its spec says {spec.dim}"
         )
     return spec, layers
+
+
+# ---- scores: one definition for the host's rerank and the tests ----------------------------
+
+EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' MaxSim of a document with no vector
+
+
+def _check_pair(query: np.ndarray, document: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q, d = np.asarray(query, np.float32), np.asarray(document, np.float32)
+    if q.ndim != 2 or d.ndim != 2 or q.shape[1] != d.shape[1]:
+        raise InvalidRequest(f"MaxSim of {q.shape} and {d.shape} vectors")
+    return q, d
+
+
+def maxsim(query: np.ndarray, document: np.ndarray) -> float:
+    """sum over query vectors of max over document vectors of the dot product: the raw MaxSim
+    that rerank returns (not divided, no sigmoid). A document with no vector scores
+    `EMPTY_DOCUMENT_SCORE`, as sentence-transformers scores it; an empty query 0."""
+    q, d = _check_pair(query, document)
+    if d.shape[0] == 0:
+        return EMPTY_DOCUMENT_SCORE
+    if q.shape[0] == 0:
+        return 0.0
+    return float((q @ d.T).max(axis=1).astype(np.float64).sum())
+
+
+def mean_maxsim(query: np.ndarray, document: np.ndarray) -> float:
+    """MaxSim divided by the number of query vectors: sentence-transformers' `meanmaxsim` and
+    bge-m3's `colbert_score`. Not what rerank returns."""
+    q, _ = _check_pair(query, document)
+    return maxsim(query, document) / q.shape[0] if q.shape[0] else 0.0

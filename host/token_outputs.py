@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 
 from common.errors import InvalidRequest
+from formats.multivector_head import maxsim as maxsim  # re-exported for Module.rerank
 from host.batching import plan_chunks
 from workers.protocol import messages as m
 from workers.protocol import payloads
@@ -113,12 +114,3 @@ def _per_item(section: m.OutputSection, view) -> list:
             (idx[a:b].copy(), val[a:b].copy()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
         ]
     return [view[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def maxsim(query: np.ndarray, document: np.ndarray) -> float:
-    """Late interaction's raw score: for each query vector its best dot product with any
-    document vector, summed (ColBERT's MaxSim; bge-m3's `colbert_score` divides this by the
-    query's length, which a ranking of one query's documents does not change)."""
-    if len(query) == 0 or len(document) == 0:
-        return 0.0
-    return float((query.astype(np.float64) @ document.T.astype(np.float64)).max(axis=1).sum())

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.errors import InvalidRequest
 from formats.digest import sha256_file
 from formats.multivector_head import MultiVectorHeadInvalid, read_head
 from formats.torch_pt import TorchPtInvalid, read_torch_pt
@@ -537,8 +538,9 @@ def test_head_refusals(colbert, tmp_path):
         assert e.value.code == "invalid_request"
     with pytest.raises(EngineError):
         head.prepare_ids([101], "query")  # no room for [CLS] ... [SEP]
-    with pytest.raises(EngineError):
+    with pytest.raises(InvalidRequest) as bad:
         maxsim(np.zeros((2, DIM)), np.zeros((3, DIM + 1)))
+    assert bad.value.code == "invalid_request"
 
     # Files that disagree: a spec naming a wider layer than the weights hold, weights that are
     # not the ones its spec names, a missing file.

@@ -47,12 +47,13 @@ import numpy as np
 
 from common.errors import ArtifactInvalid
 from formats.multivector_head import SIDES, Layer, MultiVectorSpec, Side, read_head
+from formats.multivector_head import maxsim as maxsim  # the score, beside the head it scores
+from formats.multivector_head import mean_maxsim as mean_maxsim
 from workers.engine import EngineError
 
 # torch.nn.functional.normalize's default eps.
 _NORM_EPS = 1e-12
 # sentence-transformers' score for a document with no scoreable vector (below any real score).
-EMPTY_DOCUMENT_SCORE = -1e9
 
 
 def _activation(layer: Layer, x: np.ndarray) -> np.ndarray:
@@ -189,29 +190,3 @@ def load(head: Path) -> ColbertHead:
     except ArtifactInvalid as e:
         raise EngineError("artifact_invalid", e.message) from e
     return ColbertHead(spec=spec, layers=tuple(layers))
-
-
-def _check_pair(query: np.ndarray, document: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    q, d = np.asarray(query, np.float32), np.asarray(document, np.float32)
-    if q.ndim != 2 or d.ndim != 2 or q.shape[1] != d.shape[1]:
-        raise EngineError("invalid_request", f"MaxSim of {q.shape} and {d.shape} vectors")
-    return q, d
-
-
-def maxsim(query: np.ndarray, document: np.ndarray) -> float:
-    """sum over query vectors of max over document vectors of the dot product: the raw MaxSim
-    that rerank returns (not divided, no sigmoid). A document with no vector scores
-    `EMPTY_DOCUMENT_SCORE`, as sentence-transformers scores it; an empty query 0."""
-    q, d = _check_pair(query, document)
-    if d.shape[0] == 0:
-        return EMPTY_DOCUMENT_SCORE
-    if q.shape[0] == 0:
-        return 0.0
-    return float((q @ d.T).max(axis=1).astype(np.float64).sum())
-
-
-def mean_maxsim(query: np.ndarray, document: np.ndarray) -> float:
-    """MaxSim divided by the number of query vectors: sentence-transformers' `meanmaxsim` and
-    bge-m3's `colbert_score`. Not what rerank returns."""
-    q, _ = _check_pair(query, document)
-    return maxsim(query, document) / q.shape[0] if q.shape[0] else 0.0
