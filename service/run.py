@@ -19,6 +19,7 @@ import uvicorn
 
 from common.errors import SynapseError
 from host.eventloop import http_name, loop_name
+from host.malloc_arenas import limit_malloc_arenas
 from service.app import create_app
 from service.auth import exposure_warning
 from service.config import ServeConfig
@@ -51,6 +52,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(config: ServeConfig, log_level: str = "warning") -> int:
+    limit_malloc_arenas()  # before any thread starts: a server's RSS must not creep
     states: list[ServerState] = []
 
     def ready(state: ServerState) -> None:
