@@ -218,14 +218,13 @@ def _late_rows() -> list[dict]:
     ]
 
 
-def test_late_chunking_on_ray_writes_what_the_local_job_writes_and_resumes_at_a_document(
+def test_late_chunking_on_ray_writes_what_the_local_job_writes(
     ray_session, store_root, tmp_path, short_runtime_dir
 ):
     """Windows of 4 rows: Ray Data would cut L (12 rows) between blocks; the read ships each
     window of whole documents as one row, so the actor pools L from one reading, as the local
-    job does. The Ray run aborts on its first error record (--max-errors 0) after committing
-    the window that holds it, and the resume on Ray starts at the next document's first row:
-    every row once, the local job's vectors, records and metadata."""
+    job does: the same rows in order, vectors, error records (a document's stands for its
+    rows) and metadata."""
     src = tmp_path / "d.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in _late_rows()))
     kw = {"late_chunking": True, "doc_field": "doc", "window_rows": 4}
@@ -233,16 +232,7 @@ def test_late_chunking_on_ray_writes_what_the_local_job_writes_and_resumes_at_a_
         run_job(options(store_root, short_runtime_dir, src, tmp_path / "l.parquet", **kw))
     )
     out = tmp_path / "r.parquet"
-    with pytest.raises(JobAborted, match="more than --max-errors 0"):
-        run_ray_job(
-            options(store_root, short_runtime_dir, src, out, max_errors=0, **kw), None, workers=1
-        )
-    state = json.loads((tmp_path / "r.parquet.partial" / "state.json").read_text())
-    assert state["next_line"] == 22  # after D: E's first row (windows A-B, L, x-C-D)
-    remote = run_ray_job(
-        options(store_root, short_runtime_dir, src, out, resume=True, **kw), None, workers=1
-    )
-    assert remote.resumed_from_line == 22
+    remote = run_ray_job(options(store_root, short_runtime_dir, src, out, **kw), None, workers=1)
     assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors, local.tokens)
     assert (local.rows, local.errors) == (20, 3)
     (lt, lids), (rt, rids) = read_output(tmp_path / "l.parquet"), read_output(out)
@@ -256,6 +246,7 @@ def test_late_chunking_on_ray_writes_what_the_local_job_writes_and_resumes_at_a_
         atol=1e-6,
     )
     assert read_metadata(out) == read_metadata(tmp_path / "l.parquet")
+    assert read_metadata(out)["late_chunking"] == "true"
     assert (tmp_path / "r.parquet.errors.jsonl").read_text() == (
         tmp_path / "l.parquet.errors.jsonl"
     ).read_text()
