@@ -547,7 +547,12 @@ def _interrupts_abort(ckpt: Checkpoint):
 
 
 def _ray_failed(exc: BaseException, ckpt: Checkpoint) -> JobAborted:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    # An actor whose constructor raised (a model that cannot give what the job asks, say):
+    # Ray's first line names only the actor; the traceback's last line says why.
+    if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed and len(lines) > 1:
+        first = f"an actor could not start: {lines[-1]}"
     return JobAborted(f"the Ray job failed: {first}; {_resume_advice(ckpt)}")
 
 
