@@ -40,7 +40,7 @@ from batch.output import (
     publish_copy,
 )
 from batch.progress import JobProgress
-from batch.rows import InputSpec, count_records
+from batch.rows import InputSpec, Row, count_records
 from batch.windows import Window, error_record, late_windows, windows
 from certification.calibration import Calibrations, calibration_set
 from certification.modules import build_module
@@ -225,21 +225,27 @@ def _check_kinds(opts: JobOptions) -> None:
 def _check_model_kinds(opts: JobOptions, emb: LaneEmbedder) -> dict[str, str]:
     """Before anything is embedded: the model can give what the job asks. Returns the
     metadata keys saying what the file holds."""
-    manifest = emb.module.record(emb.model).manifest
     if opts.late_chunking:
-        pooling = manifest.pooling or "mean"
-        if pooling != "mean":
-            raise BatchUsageError(
-                f"--late-chunking pools a chunk's tokens by their mean; model {emb.model!r} "
-                f"pools by {pooling}"
-            )
-        return {"late_chunking": "true", "doc_field": opts.doc_field or ""}
+        return late_chunking_metadata(emb, opts.doc_field or "")
+    manifest = emb.module.record(emb.model).manifest
     if opts.task == "embed" and opts.dense and "dense" not in served_outputs(manifest):
         raise BatchUsageError(
             f"model {emb.model!r} has no pooled vector (it serves "
             f"{', '.join(served_outputs(manifest))}): pass --no-dense with what it serves"
         )
     return outputs_metadata(emb)
+
+
+def late_chunking_metadata(emb: LaneEmbedder, doc_field: str) -> dict[str, str]:
+    """The metadata keys of a late-chunking job; a model that does not pool by the mean is a
+    usage error (a chunk in a document's middle has no CLS or last token of its own)."""
+    pooling = emb.module.record(emb.model).manifest.pooling or "mean"
+    if pooling != "mean":
+        raise BatchUsageError(
+            f"--late-chunking pools a chunk's tokens by their mean; model {emb.model!r} "
+            f"pools by {pooling}"
+        )
+    return {"late_chunking": "true", "doc_field": doc_field}
 
 
 def outputs_metadata(emb: LaneEmbedder) -> dict[str, str]:
@@ -574,6 +580,32 @@ def _kind_dims(kind: str, schema) -> int:
 
 
 def _commit_late(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ranges) -> None:
+    done = late_results(state, opts.normalize)
+    table = make_table(
+        cast("list[str]", [r.id for r in done.rows]),  # embedded rows have ids
+        convert(done.vectors, opts.dtype, ranges),
+        done.n_tokens,
+        [False] * len(done.rows),
+        schema,
+    )
+    with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
+        ckpt.commit(table, done.errors, state.window.next_line, done.tokens)
+    progress.update(len(done.rows), done.tokens, len(done.errors))
+    _raise_if_over_max_errors(ckpt, opts)
+
+
+@dataclass
+class LateResults:
+    """A late-chunking window, embedded: what its commit writes."""
+
+    rows: list[Row]  # the embedded rows, input order
+    n_tokens: list[int]  # tokens each row's chunk owns
+    vectors: np.ndarray  # float32 (len(rows), dims), normalized if asked
+    errors: list[dict]  # its error records, by line
+    tokens: int  # tokens read (every forward window, overlaps included)
+
+
+def late_results(state: _Progress, normalize: bool) -> LateResults:
     """Each document's rows with its chunks' vectors; a document one of whose windows
     crashed the engine twice gets one error record instead."""
     w = state.window
@@ -583,7 +615,7 @@ def _commit_late(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ran
         name = w.docs[d].rows[0].doc
         crashed_docs.setdefault(d, msg.replace("this row", f"a window of document {name!r}", 1))
     errors = list(w.errors)
-    row_ids: list[str] = []
+    rows: list[Row] = []
     n_tokens: list[int] = []
     vectors: list[np.ndarray] = []
     tokens = 0
@@ -601,19 +633,13 @@ def _commit_late(state: _Progress, ckpt: Checkpoint, schema, progress, opts, ran
                 )
             )
             continue
-        row_ids += cast("list[str]", [r.id for r in doc.rows])
+        rows += doc.rows
         n_tokens += [int(c) for c in doc.counts]
-        vectors.append(pool.vectors(opts.normalize))
+        vectors.append(pool.vectors(normalize))
         tokens += doc.tokens_read
     errors.sort(key=lambda e: e["line"])
     stacked = np.concatenate(vectors) if vectors else np.zeros((0, state.dims), np.float32)
-    table = make_table(
-        row_ids, convert(stacked, opts.dtype, ranges), n_tokens, [False] * len(row_ids), schema
-    )
-    with _full_disk_aborts(ckpt.root, _resume_advice(ckpt)):
-        ckpt.commit(table, errors, w.next_line, tokens)
-    progress.update(len(row_ids), tokens, len(errors))
-    _raise_if_over_max_errors(ckpt, opts)
+    return LateResults(rows, n_tokens, stacked, errors, tokens)
 
 
 def _classify_metadata(emb: LaneEmbedder, raw_scores: bool) -> dict[str, str]:

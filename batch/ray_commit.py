@@ -6,7 +6,9 @@ order and a block may come back in pieces; a block is committed — one part fil
 records, `state.json` (batch/checkpoint.py) — once all its rows are in and every block
 before it is committed. So the checkpoint is always a prefix of the input, exactly as the
 local job leaves it, and `--resume` (on Ray or locally) continues at its `next_line`. Blocks
-that finished ahead of the one being waited for are held here, on the driver.
+that finished ahead of the one being waited for are held here, on the driver. A
+late-chunking block (one window of whole documents, batch/ray_late.py) also carries its
+error records whole, the tokens it read and the line the input continues at.
 """
 
 from __future__ import annotations
@@ -82,14 +84,18 @@ class BlockCommitter:
         self._check_provenance(table)
         bad = table.filter(pc.is_valid(table.column("error_code")))
         good = table.filter(pc.is_null(table.column("error_code")))
-        errors = [
-            {
-                "line": r["line"],
-                "id": r["id"],
-                "error": {"code": r["error_code"], "message": r["error_message"]},
-            }
-            for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()
-        ]
+        names = table.column_names
+        if "error_record" in names:  # late chunking: a document's record stands for its rows
+            errors = [json.loads(r) for r in bad.column("error_record").to_pylist()]
+        else:
+            errors = [
+                {
+                    "line": r["line"],
+                    "id": r["id"],
+                    "error": {"code": r["error_code"], "message": r["error_message"]},
+                }
+                for r in bad.select(["line", "id", "error_code", "error_message"]).to_pylist()
+            ]
         vectors = None
         if self.opts.dense:
             vectors = convert(float_vectors(good.column("embedding")), self.opts.dtype, self.ranges)
@@ -107,8 +113,14 @@ class BlockCommitter:
             self._schema,
             extra,
         )
-        tokens = sum(n_tokens)
-        next_line = table.column("line")[-1].as_py() + 1
+        # A late-chunking window says what it read (overlapping forward windows) and where
+        # the input goes on (past rows its records stand for); a row block, its rows do.
+        if "block_tokens" in names:
+            tokens = table.column("block_tokens")[0].as_py()
+            next_line = table.column("block_next_line")[0].as_py()
+        else:
+            tokens = sum(n_tokens)
+            next_line = table.column("line")[-1].as_py() + 1
         with _full_disk_aborts(self.ckpt.root, _resume_advice(self.ckpt)):
             self.ckpt.commit(part, errors, next_line, tokens)
         if self.on_commit is not None:

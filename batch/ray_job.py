@@ -13,7 +13,9 @@ it. Only the driver writes: the nodes need the input file, not the output direct
 
 Why a datasource of our own rather than `read_json`/`read_text`: Ray's readers neither number
 lines nor survive a line that is not JSON; ours yields exactly the local job's rows (line
-numbers, ids, the same error codes), so the two jobs agree row for row.
+numbers, ids, the same error codes), so the two jobs agree row for row. With late chunking
+a read block is one window of whole documents in one row, so no document is ever cut between
+two actor calls (batch/ray_late.py).
 
 Placement: an Apple-silicon node offers the custom resource `{"ane": 1}` (`node_resources`),
 and an ANE-lane actor asks for it, so Core ML engines land only where a Neural Engine is.
@@ -53,8 +55,10 @@ from batch.job import (
 )
 from batch.progress import JobProgress
 from batch.ray_commit import BlockCommitter
+from batch.ray_late import LATE_READ_SCHEMA, embed_late, read_late_blocks
 from batch.rows import InputSpec, Row, count_records, read_rows
 from certification.calibration import calibration_set
+from host.admission import Budgets
 from host.errors import ConfigInvalid
 from host.local_ray import check_token_auth, start_local_ray
 from host.module import ModuleConfig
@@ -102,9 +106,12 @@ class RowsDatasource(Datasource):
         stripes: int = 1,
         block_rows: int = _READ_BLOCK_ROWS,
         start_line: int = 1,
+        late_budgets: Budgets | None = None,
     ) -> None:
         self.spec, self.stripes, self.block_rows = spec, max(1, stripes), block_rows
         self.start_line = start_line
+        # Late chunking: blocks are windows of whole documents, one row each (batch/ray_late.py)
+        self.late_budgets = late_budgets
 
     def estimate_inmemory_data_size(self):
         return None
@@ -114,6 +121,16 @@ class RowsDatasource(Datasource):
         meta = BlockMetadata(
             num_rows=None, size_bytes=None, exec_stats=None, input_files=(spec.path,)
         )
+        budgets = self.late_budgets
+        if budgets is not None:
+            return [
+                ReadTask(
+                    lambda k=k: read_late_blocks(spec, k, n, rows, start, budgets),
+                    meta,
+                    schema=LATE_READ_SCHEMA,
+                )
+                for k in range(n)
+            ]
         return [
             ReadTask(lambda k=k: _read_blocks(spec, k, n, rows, start), meta, schema=_row_schema())
             for k in range(n)
@@ -171,11 +188,12 @@ class EmbedActor:
         runtime_config=None,
         prompt_name=None,
         outputs=(),
+        late_doc_field=None,
     ) -> None:
         import msgspec
 
         from batch.embedder import LaneEmbedder
-        from batch.job import outputs_metadata
+        from batch.job import late_chunking_metadata, outputs_metadata
         from batch.metadata import describe
         from certification.modules import build_module
         from host.module import ModuleConfig
@@ -188,12 +206,15 @@ class EmbedActor:
         config = msgspec.structs.replace(config, planned_workers=planned_workers)
         self.module = build_module(config)  # the lane choice `synapse serve` makes
         # `outputs`: token-level outputs (with "dense" for the embedding column), as the
-        # local job asks them (JobOptions.embedder_args)
+        # local job asks them (JobOptions.embedder_args); late chunking reads unnormalized
+        # token states and normalizes each chunk's pooled vector.
+        self.late_doc_field = late_doc_field
+        self.normalize = normalize
         self.embedder = LaneEmbedder(
             self.module,
             model,
             lane,
-            normalize,
+            normalize and late_doc_field is None,
             runtime_config,
             prompt_name=prompt_name,
             outputs=tuple(outputs),
@@ -201,7 +222,10 @@ class EmbedActor:
         self._run(self.embedder.start())
         self.truncate = truncate
         meta = describe([self.embedder], normalize)
-        meta.update(outputs_metadata(self.embedder))
+        if late_doc_field is not None:
+            meta.update(late_chunking_metadata(self.embedder, late_doc_field))
+        else:
+            meta.update(outputs_metadata(self.embedder))
         self.meta = json.dumps(meta, sort_keys=True)
 
     def _run(self, coro):
@@ -210,6 +234,9 @@ class EmbedActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         from batch.windows import tokenize_window
 
+        if self.late_doc_field is not None:
+            cfg = self.module.config
+            return embed_late(batch, self.embedder, cfg, self.normalize, self.meta, self._run)
         rows = [
             Row(*v) for v in zip(*(batch.column(c).to_pylist() for c in _ROW_COLUMNS), strict=True)
         ]
@@ -361,10 +388,6 @@ def run_ray_job(
     spec = validate(opts)
     if spec.path == "-":
         raise BatchUsageError("--ray reads a file every node can open, not stdin")
-    if opts.late_chunking:
-        # Its blocks are row ranges cut without regard to documents: a document's chunks
-        # could land on two actors. Late chunking runs on the local job (drop --ray).
-        raise BatchUsageError("--late-chunking runs on the local job, not yet with --ray")
     if "," in (opts.lane or ""):
         raise BatchUsageError(
             f"--lane {opts.lane}: two lanes in one job run locally (without --ray), where "
@@ -524,7 +547,12 @@ def _interrupts_abort(ckpt: Checkpoint):
 
 
 def _ray_failed(exc: BaseException, ckpt: Checkpoint) -> JobAborted:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    # An actor whose constructor raised (a model that cannot give what the job asks, say):
+    # Ray's first line names only the actor; the traceback's last line says why.
+    if isinstance(exc, ray.exceptions.RayActorError) and exc.actor_init_failed and len(lines) > 1:
+        first = f"an actor could not start: {lines[-1]}"
     return JobAborted(f"the Ray job failed: {first}; {_resume_advice(ckpt)}")
 
 
@@ -539,6 +567,7 @@ def _actor_kwargs(opts: JobOptions, workers: int, cores: int) -> dict:
         "runtime_config": opts.runtime_config,
         "prompt_name": opts.prompt_name,
         "outputs": tuple(opts.embedder_args().get("outputs", ())),
+        "late_doc_field": opts.doc_field if opts.late_chunking else None,
     }
 
 
@@ -585,16 +614,20 @@ def _results(spec, start_line: int, opts, workers: int, resources: dict, actor_k
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = False  # ordering would hold every block back
     rows = min(opts.window_rows, _ACTOR_BATCH_ROWS)
+    late = opts.late_chunking
+    # Late chunking reads one row per window of whole documents: a batch is one such row.
+    budgets = (opts.module or ModuleConfig()).budgets if late else None
+    per_batch = 1 if late else rows
     ds = ray.data.read_datasource(
-        RowsDatasource(spec, workers, rows, start_line),
+        RowsDatasource(spec, workers, rows, start_line, budgets),
         num_cpus=_IO_CPUS,
         override_num_blocks=workers,
     )
-    ds = _one_block_per_batch(ds, rows)
+    ds = _one_block_per_batch(ds, per_batch)
     ds = ds.map_batches(
         EmbedActor,
         batch_format="pyarrow",
-        batch_size=rows,
+        batch_size=per_batch,
         concurrency=workers,
         num_cpus=_ACTOR_CPUS,
         resources=resources or None,

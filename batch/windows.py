@@ -144,7 +144,7 @@ def windows(
 
 
 @dataclass
-class _OpenDocument:
+class OpenDocument:
     """A document's rows as they are read; once over a bound its rows are only counted."""
 
     first: Row
@@ -167,11 +167,58 @@ class _OpenDocument:
 
 
 @dataclass
-class _LateBuffer:
-    docs: list[Document] = field(default_factory=list)
-    errors: list[dict] = field(default_factory=list)
+class LateGroup:
+    """One late-chunking window's rows as read, before any tokenization: its documents in
+    input order and the rows that belong to none. Where a window is cut depends on the rows
+    alone, so a reader without the model (a Ray read task) cuts exactly the local job's
+    windows, and whoever holds the tokenizer plans them (`plan_late_window`)."""
+
+    docs: list[OpenDocument] = field(default_factory=list)
+    loose: list[Row] = field(default_factory=list)  # rows whose document field is unreadable
     n_rows: int = 0
-    last_line: int = 0
+    last_line: int = 0  # the window's last input line: it continues at the next one
+
+    def add_doc(self, doc: OpenDocument) -> None:
+        self.docs.append(doc)
+        self.n_rows += doc.n_rows
+        self.last_line = max(self.last_line, doc.last_line)
+
+    def add_loose(self, row: Row) -> None:
+        self.loose.append(row)
+        self.n_rows += 1
+        self.last_line = row.line
+
+
+def late_groups(
+    spec: InputSpec, start_line: int, window_rows: int, budgets: Budgets
+) -> Iterator[LateGroup]:
+    """Windows of whole documents (batch/late.py states the document rules): a window closes
+    at the first document boundary at or past `window_rows` rows, so a document longer than
+    a window keeps its rows together, and a resumed job starts at a document's first row."""
+    group = LateGroup()
+    cur: OpenDocument | None = None
+    for row in read_rows(spec, start_line):
+        if cur is not None and row.doc is not None and row.doc == cur.first.doc:
+            cur.add(row, budgets)
+            continue
+        if cur is not None:
+            group.add_doc(cur)
+            cur = None
+            if group.n_rows >= window_rows:
+                yield group
+                group = LateGroup()
+        if row.doc is None:  # its document field could not be read: a row error, no document
+            group.add_loose(row)
+            if group.n_rows >= window_rows:
+                yield group
+                group = LateGroup()
+        else:
+            cur = OpenDocument(row)
+            cur.add(row, budgets)
+    if cur is not None:
+        group.add_doc(cur)
+    if group.n_rows:
+        yield group
 
 
 def late_windows(
@@ -185,117 +232,100 @@ def late_windows(
     first_index: int = 0,
     prompt: str = "",
 ) -> Iterator[Window]:
-    """Windows of whole documents (batch/late.py states the document rules): a window closes
-    at the first document boundary at or past `window_rows` rows, so a document longer than
-    a window keeps its rows together, and a resumed job starts at a document's first row."""
-    index = first_index
-    buf = _LateBuffer()
-    cur: _OpenDocument | None = None
+    """`late_groups`' windows, each planned as it is read."""
+    for index, group in enumerate(late_groups(spec, start_line, window_rows, budgets), first_index):
+        yield plan_late_window(index, group, tokenizer, max_tokens, max_items, budgets, prompt)
 
-    def close(doc: _OpenDocument) -> None:
-        buf.n_rows += doc.n_rows
-        buf.last_line = max(buf.last_line, doc.last_line)
-        name = cast("str", doc.first.doc)
-        if doc.too_long is not None:
-            buf.errors.append(
-                document_record(
-                    doc.first,
-                    name,
-                    doc.last_line,
-                    doc.n_rows,
-                    DOCUMENT_TOO_LONG,
-                    f"document {name!r} has {doc.too_long}, over the bound of one "
-                    f"late-chunking request; its {doc.n_rows} rows were not embedded",
-                )
+
+def plan_late_window(
+    index: int,
+    group: LateGroup,
+    tokenizer: Tokenizer,
+    max_tokens: int,
+    max_items: int,
+    budgets: Budgets,
+    prompt: str = "",
+) -> Window:
+    """The window's documents planned (batch/late.py) and batched; a document that cannot be
+    embedded becomes its error record."""
+    docs: list[Document] = []
+    errors = [error_record(r) for r in group.loose]
+    for doc in group.docs:
+        planned = _plan(doc, tokenizer, budgets, prompt, errors)
+        if planned is not None:
+            docs.append(planned)
+    errors.sort(key=lambda e: e["line"])
+    rows = [r for d in docs for r in d.rows]
+    window = Window(
+        index,
+        group.last_line + 1,
+        rows,
+        [s for d in docs for s in d.seqs],
+        [False] * len(rows),
+        errors,
+        docs=docs,
+        seq_ref=[(i, w) for i, d in enumerate(docs) for w in range(len(d.seqs))],
+        row_tokens=[int(c) for d in docs for c in d.counts],
+    )
+    window.batches = plan_batches(window.n_tokens, max_tokens, max_items)
+    return window
+
+
+def _plan(
+    doc: OpenDocument, tokenizer: Tokenizer, budgets: Budgets, prompt: str, errors: list[dict]
+) -> Document | None:
+    """The document planned, or None with its error records appended to `errors`."""
+    name = cast("str", doc.first.doc)
+    if doc.too_long is not None:
+        errors.append(
+            document_record(
+                doc.first,
+                name,
+                doc.last_line,
+                doc.n_rows,
+                DOCUMENT_TOO_LONG,
+                f"document {name!r} has {doc.too_long}, over the bound of one "
+                f"late-chunking request; its {doc.n_rows} rows were not embedded",
             )
-            return
-        bad = [r for r in doc.rows if not r.ok]
-        good = [r for r in doc.rows if r.ok]
-        buf.errors += [error_record(r) for r in bad]
-        if bad:
-            if good:
-                lines = ", ".join(str(r.line) for r in bad[:10])
-                buf.errors.append(
-                    document_record(
-                        good[0],
-                        name,
-                        doc.last_line,
-                        len(good),
-                        DOCUMENT_INCOMPLETE,
-                        f"document {name!r} has bad rows (line {lines}); its other "
-                        f"{len(good)} rows were not embedded",
-                    )
-                )
-            return
-        try:
-            planned = plan_document(good, tokenizer, prompt)
-        except InvalidRequest as exc:
-            buf.errors.append(
-                document_record(good[0], name, doc.last_line, len(good), exc.code, exc.message)
-            )
-            return
-        if planned.tokens_read > budgets.max_inflight_tokens:
-            buf.errors.append(
+        )
+        return None
+    bad = [r for r in doc.rows if not r.ok]
+    good = [r for r in doc.rows if r.ok]
+    errors += [error_record(r) for r in bad]
+    if bad:
+        if good:
+            lines = ", ".join(str(r.line) for r in bad[:10])
+            errors.append(
                 document_record(
                     good[0],
                     name,
                     doc.last_line,
                     len(good),
-                    DOCUMENT_TOO_LONG,
-                    f"document {name!r} reads {planned.tokens_read} tokens, more than "
-                    f"{budgets.max_inflight_tokens} (one late-chunking request's bound); its "
+                    DOCUMENT_INCOMPLETE,
+                    f"document {name!r} has bad rows (line {lines}); its other "
                     f"{len(good)} rows were not embedded",
                 )
             )
-            return
-        buf.docs.append(planned)
-
-    def flush() -> Window:
-        nonlocal buf, index
-        window = _late_window(index, buf, max_tokens, max_items)
-        buf, index = _LateBuffer(), index + 1
-        return window
-
-    for row in read_rows(spec, start_line):
-        if cur is not None and row.doc is not None and row.doc == cur.first.doc:
-            cur.add(row, budgets)
-            continue
-        if cur is not None:
-            close(cur)
-            cur = None
-            if buf.n_rows >= window_rows:
-                yield flush()
-        if row.doc is None:  # its document field could not be read: a row error, no document
-            buf.errors.append(error_record(row))
-            buf.n_rows += 1
-            buf.last_line = row.line
-            if buf.n_rows >= window_rows:
-                yield flush()
-        else:
-            cur = _OpenDocument(row)
-            cur.add(row, budgets)
-    if cur is not None:
-        close(cur)
-    if buf.n_rows:
-        yield flush()
-
-
-def _late_window(index: int, buf: _LateBuffer, max_tokens: int, max_items: int) -> Window:
-    rows = [r for d in buf.docs for r in d.rows]
-    ids = [s for d in buf.docs for s in d.seqs]
-    seq_ref = [(i, w) for i, d in enumerate(buf.docs) for w in range(len(d.seqs))]
-    row_tokens = [int(c) for d in buf.docs for c in d.counts]
-    buf.errors.sort(key=lambda e: e["line"])
-    window = Window(
-        index,
-        buf.last_line + 1,
-        rows,
-        ids,
-        [False] * len(rows),
-        buf.errors,
-        docs=buf.docs,
-        seq_ref=seq_ref,
-        row_tokens=row_tokens,
-    )
-    window.batches = plan_batches(window.n_tokens, max_tokens, max_items)
-    return window
+        return None
+    try:
+        planned = plan_document(good, tokenizer, prompt)
+    except InvalidRequest as exc:
+        errors.append(
+            document_record(good[0], name, doc.last_line, len(good), exc.code, exc.message)
+        )
+        return None
+    if planned.tokens_read > budgets.max_inflight_tokens:
+        errors.append(
+            document_record(
+                good[0],
+                name,
+                doc.last_line,
+                len(good),
+                DOCUMENT_TOO_LONG,
+                f"document {name!r} reads {planned.tokens_read} tokens, more than "
+                f"{budgets.max_inflight_tokens} (one late-chunking request's bound); its "
+                f"{len(good)} rows were not embedded",
+            )
+        )
+        return None
+    return planned

@@ -20,7 +20,7 @@ from batch.output import read_metadata
 from batch.ray_job import run_ray_job
 from host.config import HostConfig
 from host.module import ModuleConfig
-from tests.batch_support import read_output, write_jsonl
+from tests.batch_support import WORDS, read_output, write_jsonl
 from tests.ray_support import wait_gone
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
@@ -169,7 +169,7 @@ def test_sigint_stops_the_ray_job_with_its_checkpoint_and_resume_finishes_it(
 
 def test_token_level_outputs_on_ray_are_the_local_jobs(ray_session, store_root, tmp_path):
     """`--tokens --no-dense` (the sparse and multi-vector columns take the same path): the
-    same columns, schema and metadata as the local job; late chunking stays local."""
+    same columns, schema and metadata as the local job."""
     runtime_dir = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     write_jsonl(tmp_path / "c.jsonl", 12, seed=3, extra=[json.dumps({"id": "e", "text": ""})])
     kw = {"window_rows": 8, "outputs": ("tokens",), "dense": False}
@@ -179,18 +179,6 @@ def test_token_level_outputs_on_ray_are_the_local_jobs(ray_session, store_root, 
         remote = run_ray_job(
             options(store_root, runtime_dir, src, tmp_path / "r.parquet", **kw), None, workers=1
         )
-        with pytest.raises(BatchUsageError, match="--late-chunking runs on the local job"):
-            run_ray_job(
-                options(
-                    store_root,
-                    runtime_dir,
-                    src,
-                    tmp_path / "x.parquet",
-                    late_chunking=True,
-                    doc_field="id",
-                ),
-                None,
-            )
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
     (lt, lids), (rt, rids) = (
@@ -206,3 +194,60 @@ def test_token_level_outputs_on_ray_are_the_local_jobs(ray_session, store_root, 
         a = lt.column("tokens")[i].values.flatten().to_numpy()
         b = rt.column("tokens")[i].values.flatten().to_numpy()
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def _late_rows() -> list[dict]:
+    """Documents of 3, 1 and 12 chunks (the last over a 4-row window and over the model's
+    context: read in overlapping windows), a row with no document, a document with a bad
+    row, then two more documents."""
+    rng = np.random.default_rng(11)
+    long = [" ".join(rng.choice(WORDS, 60)) + ". " for _ in range(12)]
+    docs = [
+        ("A", ["The cat sat on the mat. ", "It purred softly. ", "Then it slept."]),
+        ("B", ["A single chunk is a document of its own."]),
+        ("L", long),
+        (None, ["a row without its document field"]),  # missing_field
+        ("C", ["The first chunk of a document ", ""]),  # empty_text: document_incomplete
+        ("D", ["stock markets fell ", "sharply near the old river bank"]),
+        ("E", ["The last document, ", "in two chunks."]),
+    ]
+    return [
+        {"id": f"{doc or 'x'}{i}", "text": t, **({"doc": doc} if doc else {})}
+        for doc, texts in docs
+        for i, t in enumerate(texts)
+    ]
+
+
+def test_late_chunking_on_ray_writes_what_the_local_job_writes(
+    ray_session, store_root, tmp_path, short_runtime_dir
+):
+    """Windows of 4 rows: Ray Data would cut L (12 rows) between blocks; the read ships each
+    window of whole documents as one row, so the actor pools L from one reading, as the local
+    job does: the same rows in order, vectors, error records (a document's stands for its
+    rows) and metadata."""
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in _late_rows()))
+    kw = {"late_chunking": True, "doc_field": "doc", "window_rows": 4}
+    local = asyncio.run(
+        run_job(options(store_root, short_runtime_dir, src, tmp_path / "l.parquet", **kw))
+    )
+    out = tmp_path / "r.parquet"
+    remote = run_ray_job(options(store_root, short_runtime_dir, src, out, **kw), None, workers=1)
+    assert (remote.rows, remote.errors, remote.tokens) == (local.rows, local.errors, local.tokens)
+    assert (local.rows, local.errors) == (20, 3)
+    (lt, lids), (rt, rids) = read_output(tmp_path / "l.parquet"), read_output(out)
+    assert rids == lids and "L11" in rids and "C0" not in rids
+    assert rt.schema == lt.schema
+    assert rt.column("n_tokens").to_pylist() == lt.column("n_tokens").to_pylist()
+    np.testing.assert_allclose(
+        np.stack(rt.column("embedding").to_numpy(zero_copy_only=False)),
+        np.stack(lt.column("embedding").to_numpy(zero_copy_only=False)),
+        rtol=0,
+        atol=1e-6,
+    )
+    assert read_metadata(out) == read_metadata(tmp_path / "l.parquet")
+    assert read_metadata(out)["late_chunking"] == "true"
+    assert (tmp_path / "r.parquet.errors.jsonl").read_text() == (
+        tmp_path / "l.parquet.errors.jsonl"
+    ).read_text()
+    assert not wait_gone(short_runtime_dir, timeout_s=30), "an actor's worker outlived it"

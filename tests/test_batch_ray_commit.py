@@ -129,3 +129,27 @@ def test_the_committed_dtype_conversion_is_the_local_one(tmp_path):
         assert got.schema == output_schema(384, None, dtype), dtype
         assert got.schema.field("embedding").type == COLUMN[dtype]
         assert np.array_equal(_vectors(got), convert(v[1:], dtype, ranges)), dtype
+
+
+def test_a_late_chunking_block_commits_its_records_tokens_and_next_line_as_the_local_job(
+    tmp_path,
+):
+    """A late-chunking window (batch/ray_late.py): its checkpoint goes on after the rows its
+    last record stands for (a resume starts at the next document), counts the tokens it read
+    (overlapping forward windows, not the chunks' own), and keeps a document's record whole."""
+    from batch.job import LateResults
+    from batch.late import DOCUMENT_TOO_LONG, document_record
+    from batch.ray_late import _late_table
+    from batch.rows import Row
+    from batch.windows import Window
+
+    rows = [Row(1, "a1", "x", doc="A"), Row(2, "a2", "y", doc="A")]
+    record = document_record(Row(3, "t1", "z", doc="T"), "T", 8, 6, DOCUMENT_TOO_LONG, "long")
+    done = LateResults(rows, [3, 2], np.ones((2, DIMS), np.float32), [record], tokens=17)
+    window = Window(0, 9, rows, [], [False, False], [record])
+    opts, ckpt = open_job(tmp_path)
+    BlockCommitter(ckpt, opts).add(_late_table(done, window, 0, META, DIMS))
+    s = ckpt.state
+    assert (s["parts"], s["rows"], s["errors"], s["tokens"], s["next_line"]) == (1, 2, 1, 17, 9)
+    assert pq.read_table(ckpt.parts()[0]).column("id").to_pylist() == ["a1", "a2"]
+    assert [json.loads(x) for x in ckpt.errors_path.read_text().splitlines()] == [record]
