@@ -5,7 +5,7 @@ Memory stays bounded: a SPLADE head never holds T x V logits; it runs chunks of 
 through the vocabulary projection (about 32 MB of logits each: 256 tokens of BERT's 30522
 entries, 32 of XLM-RoBERTa's 250002), one per thread at a time, and keeps one running max (or
 sum) per vocabulary entry, so its peak is a few chunks whatever the sequence length
-(`SpladeHead.working_bytes` states the bound).
+(`working_bytes` states the bound).
 """
 
 from __future__ import annotations
@@ -80,6 +80,32 @@ def _activation(x: np.ndarray, name: str) -> np.ndarray:
     raise EngineError("artifact_invalid", f"hidden_act {name!r} is not computed")
 
 
+def working_bytes(vocab: int, hidden: int, tokens: int, threads: int, chunk_tokens: int) -> int:
+    """An upper bound of what `SpladeHead.apply_many` allocates beyond its inputs for `tokens`
+    tokens in all, on `threads` threads: per chunk in flight (`threads` of them, plus one being
+    folded in) its float32 logits, one float32 row per sequence it touches (at most one a
+    token) and its float64 transform (a few H-wide arrays a token); one running vector and
+    the yielded ones' sparse copies (V each)."""
+    step = max(1, min(tokens, chunk_tokens))
+    per_chunk = 2 * step * vocab * 4 + 6 * step * hidden * 8
+    return (max(1, threads) + 1) * per_chunk + 3 * vocab * 8
+
+
+def splade_request_bytes(vocab: int, hidden: int, tokens: int, threads: int) -> int:
+    """What a SPLADE request of `tokens` tokens adds to a worker that has already decoded its
+    longest input once (its contexts' buffers are then grown): the float32 token states the
+    decodes hand over (one copy) and the head's `working_bytes` at its default chunk."""
+    return tokens * hidden * 4 + working_bytes(
+        vocab, hidden, tokens, threads, default_chunk_tokens(vocab)
+    )
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's logits near CHUNK_BYTES (256 for BERT's
+    30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
+    return max(16, min(256, CHUNK_BYTES // (4 * vocab)))
+
+
 class SpladeHead:
     """sentence-transformers' `Transformer(fill-mask)` + `SpladePooling`, per sequence:
 
@@ -123,9 +149,8 @@ class SpladeHead:
         return self._activate(logits)
 
     def chunk_tokens(self) -> int:
-        """Tokens per chunk: as many as keep one chunk's logits near CHUNK_BYTES (256 for
-        BERT's 30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
-        return max(16, min(256, CHUNK_BYTES // (4 * self.spec.vocab_size)))
+        """Tokens per chunk (`default_chunk_tokens`)."""
+        return default_chunk_tokens(self.spec.vocab_size)
 
     def _chunk_parts(
         self, states: list[np.ndarray], ends: np.ndarray, start: int, stop: int
@@ -209,17 +234,6 @@ class SpladeHead:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-
-    def working_bytes(self, tokens: int, threads: int = 1, chunk_tokens: int | None = None) -> int:
-        """An upper bound of what `apply_many` allocates beyond its inputs for `tokens` tokens
-        in all: per chunk in flight (`threads` of them, plus one being folded in) its float32
-        logits, one float32 row per sequence it touches (at most one a token) and its float64
-        transform (a few H-wide arrays a token); one running vector and the yielded ones'
-        sparse copies (V each)."""
-        step = min(tokens, chunk_tokens or self.chunk_tokens())
-        vocab, hidden = self.spec.vocab_size, self.spec.hidden_size
-        per_chunk = 2 * step * vocab * 4 + 6 * step * hidden * 8
-        return (max(1, threads) + 1) * per_chunk + 3 * vocab * 8
 
     def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
         """One sequence's pooled (V,) vector before the top-k cut."""

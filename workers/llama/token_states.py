@@ -18,7 +18,7 @@ import llama_cpp
 import numpy as np
 
 from workers.engine import EngineError, Progress
-from workers.llama import native
+from workers.llama import native, output_buffer
 from workers.llama.decode_plan import plan_decodes
 from workers.llama.encode import run_decodes
 from workers.llama.native import LoadedModel, Slot
@@ -89,6 +89,8 @@ def _decode_group(
     states = np.ctypeslib.as_array(
         ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n, mdl.n_embd)
     ).copy()
+    if not mdl.causal:  # an encoder's logits region is never written (output_buffer.py)
+        output_buffer.release_logits(slot.ctx)
     start = 0
     for idx in group:
         k = len(seqs[idx])
