@@ -21,19 +21,20 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Callable
 
 import llama_cpp
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     fn = ctypes.CDLL(None, use_errno=True).madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
 _MADVISE = _madvise()
