@@ -2,7 +2,7 @@
 
 numpy has no erf, and the C library's through `np.frompyfunc` costs a Python call per value:
 a SPLADE head's transform spent more time there than in its H x H matmul. This is the
-Chebyshev expansion of erfc (Numerical Recipes, 3rd ed., §6.2.2: `Erf::erfccheb`), which is
+Chebyshev expansion of erfc (Numerical Recipes, 3rd ed., `Erf::erfccheb`), which is
 within 2e-13 relative of the C library's erfc wherever that is a normal float64 (a unit test
 sweeps it), evaluated with every step in place: 2.5x the C library's rate through numpy.
 """
