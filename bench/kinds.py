@@ -1,18 +1,28 @@
 """Learned sparse and one-pass hybrid outputs at real model shapes (random seeded weights).
 
-    python -m bench.kinds [--which splade|m3|both] [--texts 32] [--repeats 2] [--out FILE]
+    python -m bench.kinds [--which splade|m3|both] [--texts 32] [--repeats 2] [--threads N]
+                          [--out FILE]
 
 - splade: SPLADE at bert-base's shape (BertForMaskedLM: 12 layers, hidden 768, 12 heads,
   intermediate 3072, vocabulary 30522 under MiniLM's WordPiece; SpladePooling max), as a
   sentence-transformers SparseEncoder directory. The llama.cpp lane's `sparse` output against
   `SparseEncoder.encode_document` on torch CPU, the same texts. Target, reported not
   asserted: lane / SparseEncoder >= 1.5. Also the worker's peak resident memory while it
-  answers one request of 32 inputs of 512 tokens, sampled every 10 ms.
+  answers one request of 32 inputs of 512 tokens, sampled every 10 ms, checked against its
+  bound: the worker's resident size once it has decoded inputs that long (its contexts'
+  buffers grown) plus `workers.heads.sparse.splade_request_bytes` (the token states and the
+  head's chunks). The bench exits 1 when the peak is over the bound.
 - m3: bge-m3's three outputs at multilingual-e5-small's XLM-R shape (12 x 384, vocabulary
   250037) with `sparse_linear.pt` and `colbert_linear.pt` in FlagEmbedding's layout. One
   ENCODE of dense + sparse + multi-vector against (a) transformers on torch CPU with
   FlagEmbedding's head formulas for the same three outputs, and (b) three ENCODEs of our own
   lane, one output each. Targets: lane / transformers >= 1.5, lane / three passes >= 2.5.
+
+Both sides get the same cores: the lane's worker `--threads` llama.cpp threads (the Module
+plans cores / threads workers) and torch `--threads` threads (default: every core), gradients
+off. Their timed runs alternate (lane, reference, lane, ...) so a machine shared with other
+work slows both alike; each side's CPU seconds (the worker's and this process's for the lane)
+are reported beside the wall times, and so are both sides' kernels.
 
 Both directories are built once under `<synapse cache>/bench/real-sizes/` and ingested at this
 platform's embedding precision. One JSON object on stdout (and in --out); each figure is the
@@ -119,25 +129,75 @@ def build_m3(out: Path) -> Path:
     return out
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _module(store: ArtifactStore, runtime_dir: str):
+def _module(store: ArtifactStore, runtime_dir: str, threads: int):
+    """A Module whose llama.cpp worker runs `threads` threads (it plans cores / threads
+    workers, as bench.embed does)."""
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
 
     return Module(
         ModuleConfig(
-            store_root=str(store.root), host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
+            store_root=str(store.root),
+            host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0),
+            planned_workers=max(1, (os.cpu_count() or 1) // threads),
         )
     )
+
+
+class _Clock:
+    """Wall and CPU seconds of alternating timed runs: CPU is this process's (the host, or
+    the torch reference) plus, for the lane, its worker's."""
+
+    def __init__(self, worker_pid: int | None = None):
+        import psutil
+
+        self.worker = psutil.Process(worker_pid) if worker_pid else None
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    def _cpu(self, lane: bool) -> float:
+        own = time.process_time()
+        if lane and self.worker is not None:
+            t = self.worker.cpu_times()
+            own += t.user + t.system
+        return own
+
+    def start(self, lane: bool) -> tuple[float, float]:
+        return time.perf_counter(), self._cpu(lane)
+
+    def stop(self, name: str, lane: bool, started: tuple[float, float]) -> None:
+        self.wall.setdefault(name, []).append(time.perf_counter() - started[0])
+        self.cpu.setdefault(name, []).append(self._cpu(lane) - started[1])
+
+    def median(self, name: str) -> tuple[float, float]:
+        return statistics.median(self.wall[name]), statistics.median(self.cpu[name])
+
+
+def _lane_kernels(mod, name: str, threads: int) -> dict:
+    """What the lane computes with: llama.cpp's build flags (its BLAS among them), the
+    OpenBLAS kernels the worker picks, and its threads."""
+    from workers.llama.openblas_core import apply as openblas_pick
+
+    lane = mod.supervisor(name, "llama")
+    hello = lane.hello if lane is not None else None
+    return {
+        "llama_cpp_build_flags": hello.engine.build_flags if hello else None,
+        "openblas": openblas_pick(dict(os.environ)),
+        "n_threads": threads,
+        "head_threads": threads,
+    }
+
+
+def _torch_kernels() -> dict:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "mkl": torch.backends.mkl.is_available(),
+        "onednn": torch.backends.mkldnn.is_available(),
+        "grad": "off (inference_mode)",
+    }
 
 
 def _texts(n: int) -> list[str]:
@@ -159,43 +219,70 @@ def _peak_rss_mb(pid: int, stop: threading.Event, out: list[float]) -> None:
     out.append(peak / 2**20)
 
 
-def bench_splade(root: Path, n: int, repeats: int) -> dict:
+def bench_splade(root: Path, n: int, repeats: int, threads: int) -> dict:
+    import psutil
+    import torch
     from sentence_transformers import SparseEncoder
+
+    from workers.heads.sparse import splade_request_bytes
 
     hf = build_splade(root / "splade-bert-base-random")
     store = ArtifactStore(root / "kinds-models")
     record = ensure_model(store, hf, "splade-bert-base-random")
     texts = _texts(n)
     runtime = tempfile.mkdtemp(prefix="bk-", dir="/tmp")
+    torch.set_num_threads(threads)
+    ref_model = SparseEncoder(str(hf), device="cpu")
 
-    async def lane() -> tuple[float, float, list]:
-        async with _module(store, runtime) as mod:
+    def reference():  # SparseEncoder.encode runs under torch.inference_mode
+        return ref_model.encode_document(texts, batch_size=32)
+
+    async def lane() -> tuple[_Clock, dict, list]:
+        async with _module(store, runtime, threads) as mod:
             got: list = []
 
             async def once() -> None:
                 got[:] = (await mod.encode_outputs(texts, ["sparse"], record.name)).sparse or []
 
-            loop_time = []
-            await once()  # warm-up (loads the model, makes the token context)
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                await once()
-                loop_time.append(time.perf_counter() - t0)
-            # Peak worker memory: one request of 32 inputs of 512 tokens.
-            long = [" ".join(["lorem ipsum dolor sit amet"] * 200)] * 32
+            await once()  # warm-up (loads the model, makes the token contexts)
+            reference()
             pid = mod.supervisor(record.name, "llama").state().pid
+            clock = _Clock(pid)
+            for _ in range(repeats):
+                t = clock.start(True)
+                await once()
+                clock.stop("lane", True, t)
+                t = clock.start(False)
+                reference()
+                clock.stop("reference", False, t)
+            # Peak worker memory: one request of 32 inputs of 512 tokens, after inputs that
+            # long have gone through every stream once (their buffers grown: what a worker
+            # that has served such inputs holds), against the stated bound.
+            limit = record.manifest.max_tokens or 512
+            long = [" ".join(["lorem ipsum dolor sit amet"] * 200)] * 32
+            await mod.encode_outputs(long[: 2 * threads], ["sparse"], record.name)
+            base = psutil.Process(pid).memory_info().rss / 2**20
             stop, peak = threading.Event(), list[float]()
             sampler = threading.Thread(target=_peak_rss_mb, args=(pid, stop, peak))
             sampler.start()
             await mod.encode_outputs(long, ["sparse"], record.name)
             stop.set()
             sampler.join()
-            return statistics.median(loop_time), peak[0], got
+            cfg = SPLADE_CONFIG
+            extra = splade_request_bytes(
+                cfg["vocab_size"], cfg["hidden_size"], len(long) * limit, threads
+            )
+            memory = {"base": base, "peak": peak[0], "bound": base + extra / 2**20}
+            return (
+                clock,
+                {"memory": memory, "kernels": _lane_kernels(mod, record.name, threads)},
+                got,
+            )
 
-    lane_s, peak_mb, got = asyncio.run(lane())
-    ref_model = SparseEncoder(str(hf), device="cpu")
-    ref_s = _timed(lambda: ref_model.encode_document(texts, batch_size=32), repeats)
-    ref = ref_model.encode_document(texts, batch_size=32).to_dense().numpy()
+    clock, info, got = asyncio.run(lane())
+    lane_s, lane_cpu = clock.median("lane")
+    ref_s, ref_cpu = clock.median("reference")
+    ref = reference().to_dense().numpy()
     cos, same_set = [], 0
     for (idx, val), want in zip(got, ref, strict=True):
         dense = np.zeros_like(want)
@@ -207,18 +294,28 @@ def bench_splade(root: Path, n: int, repeats: int) -> dict:
             if norms == 0 and not dense.any() and not want.any()
             else float(dense @ want / max(norms, 1e-30))
         )
+    mem = info["memory"]
     return {
         "model": record.name,
         "dtype": record.manifest.dtype,
         "texts": n,
+        "threads": threads,
         "lane_s": round(lane_s, 3),
         "sparse_encoder_s": round(ref_s, 3),
         "lane_vs_sparse_encoder": round(ref_s / lane_s, 3),
         "target_lane_vs_sparse_encoder": 1.5,
+        "lane_cpu_s": round(lane_cpu, 3),
+        "sparse_encoder_cpu_s": round(ref_cpu, 3),
+        "lane_vs_sparse_encoder_cpu": round(ref_cpu / lane_cpu, 3),
         "min_sparse_cosine_vs_reference": round(min(cos), 6),
         "items_with_the_reference_active_set": f"{same_set}/{len(got)}",
         "mean_active_entries": round(float(np.mean([len(i) for i, _ in got])), 1),
-        "worker_peak_rss_mb_32x512": round(peak_mb, 1),
+        "worker_rss_mb_before_32x512": round(mem["base"], 1),
+        "worker_peak_rss_mb_32x512": round(mem["peak"], 1),
+        "worker_peak_bound_mb_32x512": round(mem["bound"], 1),
+        "worker_peak_within_bound": mem["peak"] <= mem["bound"],
+        "lane_kernels": info["kernels"],
+        "reference_kernels": _torch_kernels(),
     }
 
 
@@ -243,7 +340,7 @@ def _flag_outputs(model, tok, sparse_linear, colbert_linear, texts: list[str]) -
             F.normalize(colbert_linear(last[:, 1:]) * batch["attention_mask"][:, 1:, None], dim=-1)
 
 
-def bench_m3(root: Path, n: int, repeats: int) -> dict:
+def bench_m3(root: Path, n: int, repeats: int, threads: int) -> dict:
     import torch
     from transformers import AutoTokenizer, XLMRobertaModel
 
@@ -253,34 +350,44 @@ def bench_m3(root: Path, n: int, repeats: int) -> dict:
     texts = _texts(n)
     runtime = tempfile.mkdtemp(prefix="bk-", dir="/tmp")
     kinds = ["dense", "sparse", "multivector"]
-
-    async def lane() -> tuple[float, float]:
-        async with _module(store, runtime) as mod:
-            await mod.encode_outputs(texts, kinds, record.name)  # warm-up
-            one, three = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                await mod.encode_outputs(texts, kinds, record.name)
-                one.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for k in kinds:
-                    await mod.encode_outputs(texts, [k], record.name)
-                three.append(time.perf_counter() - t0)
-            return statistics.median(one), statistics.median(three)
-
-    one_s, three_s = asyncio.run(lane())
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(str(hf))
     model = XLMRobertaModel.from_pretrained(str(hf), add_pooling_layer=False).eval()
     hidden = model.config.hidden_size
     sparse_linear, colbert_linear = torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, hidden)
     sparse_linear.load_state_dict(torch.load(hf / "sparse_linear.pt"))
     colbert_linear.load_state_dict(torch.load(hf / "colbert_linear.pt"))
-    ref_s = _timed(lambda: _flag_outputs(model, tok, sparse_linear, colbert_linear, texts), repeats)
+
+    def reference() -> None:
+        _flag_outputs(model, tok, sparse_linear, colbert_linear, texts)
+
+    async def lane() -> tuple[_Clock, dict]:
+        async with _module(store, runtime, threads) as mod:
+            await mod.encode_outputs(texts, kinds, record.name)  # warm-up
+            reference()
+            clock = _Clock(mod.supervisor(record.name, "llama").state().pid)
+            for _ in range(repeats):
+                t = clock.start(True)
+                await mod.encode_outputs(texts, kinds, record.name)
+                clock.stop("one", True, t)
+                t = clock.start(False)
+                reference()
+                clock.stop("reference", False, t)
+                t = clock.start(True)
+                for k in kinds:
+                    await mod.encode_outputs(texts, [k], record.name)
+                clock.stop("three", True, t)
+            return clock, _lane_kernels(mod, record.name, threads)
+
+    clock, kernels = asyncio.run(lane())
+    one_s, one_cpu = clock.median("one")
+    three_s, _ = clock.median("three")
+    ref_s, ref_cpu = clock.median("reference")
     return {
         "model": record.name,
         "dtype": record.manifest.dtype,
         "texts": n,
+        "threads": threads,
         "lane_one_pass_s": round(one_s, 3),
         "lane_three_passes_s": round(three_s, 3),
         "transformers_flag_formulas_s": round(ref_s, 3),
@@ -288,6 +395,11 @@ def bench_m3(root: Path, n: int, repeats: int) -> dict:
         "target_lane_vs_transformers": 1.5,
         "one_pass_vs_three_passes": round(three_s / one_s, 3),
         "target_one_pass_vs_three_passes": 2.5,
+        "lane_one_pass_cpu_s": round(one_cpu, 3),
+        "transformers_flag_formulas_cpu_s": round(ref_cpu, 3),
+        "lane_vs_transformers_cpu": round(ref_cpu / one_cpu, 3),
+        "lane_kernels": kernels,
+        "reference_kernels": _torch_kernels(),
     }
 
 
@@ -296,19 +408,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--which", choices=["splade", "m3", "both"], default="both")
     p.add_argument("--texts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="the lane's llama.cpp threads and torch's (default: every core)",
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     result: dict = {"bench": "kinds", "cpu": _cpu()}
     if args.which in ("splade", "both"):
-        result["splade"] = bench_splade(root, args.texts, args.repeats)
+        result["splade"] = bench_splade(root, args.texts, args.repeats, args.threads)
     if args.which in ("m3", "both"):
-        result["m3"] = bench_m3(root, args.texts, args.repeats)
+        result["m3"] = bench_m3(root, args.texts, args.repeats, args.threads)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if not result.get("splade", {}).get("worker_peak_within_bound", True):
+        print("worker peak RSS over its stated bound", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import string
+import sys
 import zipfile
 from pathlib import Path
 
@@ -687,10 +688,15 @@ def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
     def tok(text: str) -> np.ndarray:
         return tokenizer.encode([text], truncate=True).ids[0]
 
+    from workers.llama import output_buffer
+
     engine = LlamaEngine()
     decodes = []
     decode = native.decode
     monkeypatch.setattr(native, "decode", lambda slot, b: (decodes.append(1), decode(slot, b)))
+    released = []  # the logits pages an encoder never writes go back after each decode
+    release = output_buffer.release_logits
+    monkeypatch.setattr(output_buffer, "release_logits", lambda c: released.append(release(c)))
     try:
         ref = _load(engine, record.artifact_path, "m3", kind="embed", pooling="cls", heads=heads)
         ids = [tok(t) for t in QUERIES + DOCUMENTS]
@@ -711,3 +717,5 @@ def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
     finally:
         engine.close()
     assert one >= 1 and apart == 3 * one
+    if sys.platform.startswith("linux"):
+        assert len(released) == 4 * one and min(released) > 0

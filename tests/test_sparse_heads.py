@@ -365,6 +365,9 @@ def test_the_chunked_head_equals_the_whole_matrix(dirs, ingested):
         seqs = [states[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         seq_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         got = list(head.pooled_many(seqs, chunk_tokens=7))
+        # Chunks on three threads fold in the same order: the same floats.
+        threaded = list(head.pooled_many(seqs, chunk_tokens=7, threads=3))
+        assert all(np.array_equal(a, b) for a, b in zip(got, threaded, strict=True))
         assert len(got) == len(seqs)
         for pooled, seq in zip(got, seqs, strict=True):
             whole = head.token_scores(seq)  # T x V at once, as SpladePooling without chunks

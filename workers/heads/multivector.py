@@ -40,6 +40,7 @@ vectors: sentence-transformers' `meanmaxsim` and bge-m3's `colbert_score`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +150,18 @@ class ColbertHead:
         `prepare_ids` returned, special tokens included). `owned_mask`: the caller's engine
         built the attention mask `needs_owned_mask` asks for; without it such a side is
         refused, never served approximately."""
+        return self.apply_many([states], [ids], side, owned_mask=owned_mask)[0]
+
+    def apply_many(
+        self,
+        states: Sequence[np.ndarray],
+        ids: Sequence[np.ndarray | list[int]],
+        side: str,
+        *,
+        owned_mask: bool = False,
+    ) -> list[np.ndarray]:
+        """`apply` of each sequence, their kept rows through the layers as one matrix (one
+        matmul a layer instead of one a sequence: short texts spent their time in the calls)."""
         s = self.spec
         which = self._side(side)
         if self.needs_owned_mask(which) and not owned_mask:
@@ -157,6 +170,24 @@ class ColbertHead:
                 "this model's query expansion hides the expansion tokens from every position, "
                 "themselves included; this engine's attention cannot express that mask",
             )
+        kept = [self._kept(h, i, which) for h, i in zip(states, ids, strict=True)]
+        if not kept:
+            return []
+        x = np.concatenate(kept) if len(kept) > 1 else kept[0]
+        for layer, (w, b) in zip(s.layers, self.layers, strict=True):
+            x = x @ w.T
+            if b is not None:
+                x = x + b
+            x = _activation(layer, x)
+        if s.normalize:
+            norms = np.linalg.norm(x, axis=1, keepdims=True)
+            x = x / np.maximum(norms, _NORM_EPS)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return np.split(x, np.cumsum([k.shape[0] for k in kept])[:-1])
+
+    def _kept(self, states: np.ndarray, ids: np.ndarray | list[int], which: str) -> np.ndarray:
+        """A sequence's states checked against its ids, the rows the head drops removed."""
+        s = self.spec
         h = np.asarray(states, dtype=np.float32)
         tok = np.asarray(ids).reshape(-1)
         if h.ndim != 2 or h.shape[1] != s.hidden or h.shape[0] != tok.size:
@@ -169,16 +200,7 @@ class ColbertHead:
             keep[:1] = False
         if s.skiplist_ids and which in s.skiplist_sides:
             keep &= ~np.isin(tok, np.asarray(s.skiplist_ids, dtype=tok.dtype))
-        x = h[keep]
-        for layer, (w, b) in zip(s.layers, self.layers, strict=True):
-            x = x @ w.T
-            if b is not None:
-                x = x + b
-            x = _activation(layer, x)
-        if s.normalize:
-            norms = np.linalg.norm(x, axis=1, keepdims=True)
-            x = x / np.maximum(norms, _NORM_EPS)
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return h[keep]
 
 
 def load(head: Path) -> ColbertHead:

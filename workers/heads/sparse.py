@@ -1,16 +1,19 @@
 """Sparse heads: one `SparseVector` per sequence from its final token states and ids,
 computed as the reference computes it (the formulas are stated on each class).
 
-Memory stays bounded: a SPLADE head never holds T x V logits; it runs a chunk of tokens
-through the vocabulary projection at a time (about 32 MB of logits: 256 tokens of BERT's
-30522 entries, 32 of XLM-RoBERTa's 250002) and keeps one running max (or sum) per vocabulary
-entry, so its peak is one chunk whatever the sequence length.
+Memory stays bounded: a SPLADE head never holds T x V logits; it runs chunks of tokens
+through the vocabulary projection (about 32 MB of logits each: 256 tokens of BERT's 30522
+entries, 32 of XLM-RoBERTa's 250002), one per thread at a time, and keeps one running max (or
+sum) per vocabulary entry, so its peak is a few chunks whatever the sequence length
+(`working_bytes` states the bound).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +21,11 @@ import numpy as np
 
 from formats.sparse_head import HeadSpec, SparseHeads, read_spec, read_tensors
 from workers.engine import EngineError
+from workers.heads import erf
 
 # One chunk's logits (tokens x vocabulary, f32) are kept near this size.
 CHUNK_BYTES = 32 << 20
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_ERF = np.frompyfunc(math.erf, 1, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +69,41 @@ def _check_ids(ids: np.ndarray, vocab: int, count: int | None = None) -> None:
 
 
 def _activation(x: np.ndarray, name: str) -> np.ndarray:
-    """transformers' ACT2FN[name] in float64: `gelu` is the erf form x * Phi(x) (numpy has no
-    erf: the C library's, element by element, over H values per token); the `gelu_new` family
-    is the tanh approximation."""
+    """transformers' ACT2FN[name] in float64: `gelu` is the erf form x * Phi(x) (erf.py); the
+    `gelu_new` family is the tanh approximation."""
     if name == "gelu":
-        return 0.5 * x * (1.0 + np.asarray(_ERF(x / math.sqrt(2.0)), np.float64))
+        return erf.gelu(x)
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     if name == "relu":
         return np.maximum(x, 0.0)
     raise EngineError("artifact_invalid", f"hidden_act {name!r} is not computed")
+
+
+def working_bytes(vocab: int, hidden: int, tokens: int, threads: int, chunk_tokens: int) -> int:
+    """An upper bound of what `SpladeHead.apply_many` allocates beyond its inputs for `tokens`
+    tokens in all, on `threads` threads: per chunk in flight (`threads` of them, plus one being
+    folded in) its float32 logits, one float32 row per sequence it touches (at most one a
+    token) and its float64 transform (a few H-wide arrays a token); one running vector and
+    the yielded ones' sparse copies (V each)."""
+    step = max(1, min(tokens, chunk_tokens))
+    per_chunk = 2 * step * vocab * 4 + 6 * step * hidden * 8
+    return (max(1, threads) + 1) * per_chunk + 3 * vocab * 8
+
+
+def splade_request_bytes(vocab: int, hidden: int, tokens: int, threads: int) -> int:
+    """What a SPLADE request of `tokens` tokens adds to a worker that has already decoded its
+    longest input once (its contexts' buffers are then grown): the float32 token states the
+    decodes hand over (one copy) and the head's `working_bytes` at its default chunk."""
+    return tokens * hidden * 4 + working_bytes(
+        vocab, hidden, tokens, threads, default_chunk_tokens(vocab)
+    )
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's logits near CHUNK_BYTES (256 for BERT's
+    30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
+    return max(16, min(256, CHUNK_BYTES // (4 * vocab)))
 
 
 class SpladeHead:
@@ -121,18 +149,49 @@ class SpladeHead:
         return self._activate(logits)
 
     def chunk_tokens(self) -> int:
-        """Tokens per chunk: as many as keep one chunk's logits near CHUNK_BYTES (256 for
-        BERT's 30522 entries, 32 for XLM-RoBERTa's 250002), at least 16."""
-        return max(16, min(256, CHUNK_BYTES // (4 * self.spec.vocab_size)))
+        """Tokens per chunk (`default_chunk_tokens`)."""
+        return default_chunk_tokens(self.spec.vocab_size)
+
+    def _chunk_parts(
+        self, states: list[np.ndarray], ends: np.ndarray, start: int, stop: int
+    ) -> list[tuple[int, np.ndarray, bool]]:
+        """Tokens [start, stop) of the sequences laid end to end, through the vocabulary
+        projection: for each sequence the chunk touches, (its index, the max (or sum) of its
+        rows here, whether it ends here). Only this chunk's rows are gathered: the sequences
+        are never copied whole."""
+        first = int(np.searchsorted(ends, start, side="right"))
+        pieces, spans = [], []
+        seq = first
+        while seq < len(states) and (ends[seq] - states[seq].shape[0]) < stop:
+            begin = int(ends[seq]) - states[seq].shape[0]
+            lo, hi = max(start, begin), min(stop, int(ends[seq]))
+            pieces.append(states[seq][lo - begin : hi - begin])
+            spans.append((seq, lo - start, hi - start, hi == int(ends[seq])))
+            seq += 1
+        rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        is_max = self.spec.pooling == "max"
+        if is_max:  # raw logits: the bias and activation come after the max (pooled_many)
+            scores = self.transform(rows) @ self._dec_w.T
+        else:
+            scores = self.token_scores(rows)
+        return [
+            (i, scores[a:b].max(axis=0) if is_max else scores[a:b].sum(axis=0), done)
+            for i, a, b, done in spans
+        ]
 
     def pooled_many(
-        self, states: list[np.ndarray], chunk_tokens: int | None = None
+        self, states: list[np.ndarray], chunk_tokens: int | None = None, threads: int = 1
     ) -> Iterator[np.ndarray]:
         """Each sequence's pooled (V,) vector before the top-k cut, in order. The sequences'
         tokens run through the vocabulary projection together, a chunk at a time across
         sequence boundaries: the (V, H) matrix is read once per chunk, not once per sequence
-        (short texts would otherwise spend their time streaming it), and at most one chunk's
-        logits and one running vector are alive.
+        (short texts would otherwise spend their time streaming it).
+
+        `threads` chunks run at once (numpy's matmul and ufuncs release the GIL; each chunk's
+        matmul is one BLAS call, so the worker's cores share the head without touching the
+        BLAS library's own thread count). Memory is bounded by `working_bytes`: at most
+        `threads` chunks in flight plus one being folded in, each its logits and one row per
+        sequence it touches (never more rows than its tokens), and one running vector.
 
         Max pooling takes the max of the raw logits and then adds the bias and applies
         log1p(relu(.)): those are non-decreasing in the logit, in float32 as in exact
@@ -145,27 +204,36 @@ class SpladeHead:
         step = chunk_tokens or self.chunk_tokens()
         is_max = self.spec.pooling == "max"
         reduce = np.maximum if is_max else np.add
-        flat = np.concatenate(states)
         ends = np.cumsum([s.shape[0] for s in states])
-        seq, running = 0, None
-        for start in range(0, flat.shape[0], step):
-            stop = min(start + step, flat.shape[0])
-            if is_max:
-                scores = self.transform(flat[start:stop]) @ self._dec_w.T
-            else:
-                scores = self.token_scores(flat[start:stop])
-            # The chunk's rows split where sequences end inside it. Part k continues (k = 0)
-            # or starts (k > 0) sequence `seq`; every part but the last ends its sequence, the
-            # last one only where the sequence ends with the chunk.
-            cuts = [start, *(int(e) for e in ends[seq:] if start < e < stop), stop]
-            for k in range(len(cuts) - 1):
-                part = scores[cuts[k] - start : cuts[k + 1] - start]
-                row = part.max(axis=0) if is_max else part.sum(axis=0)
-                running = row if running is None else reduce(running, row)
-                if k < len(cuts) - 2 or ends[seq] == stop:
-                    yield self._activate(running + self._dec_b) if is_max else running
-                    seq, running = seq + 1, None
-            del scores  # one chunk alive at a time
+        chunks = ((a, min(a + step, int(ends[-1]))) for a in range(0, int(ends[-1]), step))
+        running: np.ndarray | None = None
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        try:
+            pending: deque[Future[list[tuple[int, np.ndarray, bool]]]] = deque()
+
+            def submit() -> None:
+                chunk = next(chunks, None)
+                if chunk is not None and pool is not None:
+                    pending.append(pool.submit(self._chunk_parts, states, ends, *chunk))
+                elif chunk is not None:
+                    done: Future[list[tuple[int, np.ndarray, bool]]] = Future()
+                    done.set_result(self._chunk_parts(states, ends, *chunk))
+                    pending.append(done)
+
+            for _ in range(max(1, threads)):
+                submit()
+            while pending:
+                parts = pending.popleft().result()
+                submit()  # keeps `threads` chunks in flight while this one is folded in
+                for _, row, ends_here in parts:
+                    running = row if running is None else reduce(running, row, out=running)
+                    if ends_here:
+                        yield self._activate(running + self._dec_b) if is_max else running
+                        running = None
+                del parts
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def pooled(self, states: np.ndarray, chunk_tokens: int | None = None) -> np.ndarray:
         """One sequence's pooled (V,) vector before the top-k cut."""
@@ -177,15 +245,22 @@ class SpladeHead:
         return self.apply_many([states], [ids], chunk_tokens)[0]
 
     def apply_many(
-        self, states: list[np.ndarray], ids: list[np.ndarray], chunk_tokens: int | None = None
+        self,
+        states: list[np.ndarray],
+        ids: list[np.ndarray],
+        chunk_tokens: int | None = None,
+        threads: int = 1,
     ) -> list[SparseVector]:
-        """One vector per sequence (states (T_i, H) and ids (T_i,) each), computed together."""
+        """One vector per sequence (states (T_i, H) and ids (T_i,) each), computed together
+        on `threads` threads."""
         if len(states) != len(ids):
             raise EngineError("invalid_request", f"{len(states)} state sets for {len(ids)} ids")
         for h, i in zip(states, ids, strict=True):
             _check_states(h, i, self.spec.hidden_size, self.spec.vocab_size)
         every = np.arange(self.spec.vocab_size)
-        return [_sparse(every, v, self.top_k) for v in self.pooled_many(states, chunk_tokens)]
+        return [
+            _sparse(every, v, self.top_k) for v in self.pooled_many(states, chunk_tokens, threads)
+        ]
 
 
 class StaticSparseHead:

@@ -16,6 +16,12 @@ ENC_DECODE_TOKENS = 128
 # loses: MiniLM f32, 2 single-threaded streams, OpenBLAS, same sentences: 128 -> 64-69,
 # 256 -> 79.5, 384 -> 80.6, 512 -> 67-77 sentences/s (not measured on a Mac).
 ENC_DECODE_TOKENS_BLAS = 256
+# Token-state decodes (sparse, multi-vector, token outputs) run without flash attention, whose
+# CPU kernel skips the masked pairs of packed sequences: their attention is the whole decode
+# squared, so they pack smaller. 32 short texts, 2 single-threaded streams, OpenBLAS, CPU
+# seconds: bge-m3 at e5-small shape (384 wide) 128 -> 1.26-1.32, 256 -> 1.43-1.57, 512 -> 1.66;
+# bert-base (768 wide, attention a smaller share) 128 and 256 alike (2.28).
+TOKEN_STATES_DECODE_TOKENS = 128
 # A request that is one decode (a lone input, at concurrency 1) would leave every stream but one
 # idle, so it runs with all the threads when it is long enough to gain from them. Measured on
 # MiniLM f32, 2 cores, one decode in-process, 2 threads against 1: 8 tokens 1.77x the time,

@@ -382,7 +382,7 @@ class LlamaEngine(Engine):
                     sections.append(heads.sparse_outputs(mdl, states, seqs, req.side))
                 else:
                     mv = mdl.heads["multivector"]
-                    got = [mv.apply(s, q, req.side) for s, q in zip(states, seqs, strict=True)]
+                    got = mv.apply_many(states, seqs, req.side)
                     sections.append(ragged_section("multivector", got, mv.spec.dim))
         return sections
 

@@ -73,7 +73,8 @@ def sparse_outputs(
         vecs = [head.apply(ids) for ids in seqs]
     elif isinstance(head, sparse.SpladeHead):  # the vocabulary matrix read once a chunk
         assert states is not None
-        vecs = head.apply_many(states, seqs)
+        # The head runs after the decodes: the cores they used are free for its chunks.
+        vecs = head.apply_many(states, seqs, threads=max(mdl.all_threads))
     else:
         assert states is not None
         vecs = [head.apply(h, ids) for h, ids in zip(states, seqs, strict=True)]

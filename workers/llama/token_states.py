@@ -18,8 +18,8 @@ import llama_cpp
 import numpy as np
 
 from workers.engine import EngineError, Progress
-from workers.llama import native
-from workers.llama.decode_plan import plan_decodes
+from workers.llama import native, output_buffer
+from workers.llama.decode_plan import TOKEN_STATES_DECODE_TOKENS, plan_decodes
 from workers.llama.encode import run_decodes
 from workers.llama.native import LoadedModel, Slot
 
@@ -34,7 +34,8 @@ def token_states(
     slots = token_slots(mdl)
     lengths = [len(s) for s in seqs]
     budget = min(mdl.n_batch, mdl.n_ubatch)
-    groups = plan_decodes(lengths, budget, mdl.n_seq_max, decode_tokens, len(slots))
+    packed = min(decode_tokens, TOKEN_STATES_DECODE_TOKENS)  # no flash attention: see there
+    groups = plan_decodes(lengths, budget, mdl.n_seq_max, packed, len(slots))
     out: list[np.ndarray] = [np.zeros((0, mdl.n_embd), np.float32)] * len(seqs)
     run_decodes(
         mdl,
@@ -89,6 +90,8 @@ def _decode_group(
     states = np.ctypeslib.as_array(
         ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n, mdl.n_embd)
     ).copy()
+    if not mdl.causal:  # an encoder's logits region is never written (output_buffer.py)
+        output_buffer.release_logits(slot.ctx)
     start = 0
     for idx in group:
         k = len(seqs[idx])
