@@ -91,6 +91,19 @@ class ColbertHead:
         *,
         prompt_applied: bool = False,
     ) -> np.ndarray:
+        return self.prepare(ids, side, limit, prompt_applied=prompt_applied)[0]
+
+    def prepare(
+        self,
+        ids: np.ndarray | list[int],
+        side: str,
+        limit: int | None = None,
+        *,
+        prompt_applied: bool = False,
+    ) -> tuple[np.ndarray, int]:
+        """`prepare_ids`, and how many of its leading ids precede the query expansion (all of
+        them when nothing was appended): the positions an attention mask that hides the
+        expansion (`needs_owned_mask`) leaves visible."""
         """The ids the reference's transformer reads for a text whose tokenizer encoding (with
         its special tokens, without the prompt) is `ids`: the side's prefix inserted after the
         leading special token(s), cut to the side's length (and to `limit`, the model's own
@@ -131,10 +144,11 @@ class ColbertHead:
             if cap < lead + close:
                 raise EngineError("invalid_request", f"a length cap of {cap} tokens")
             out = np.concatenate([out[: cap - close], out[out.size - close :]])
+        attended = int(out.size)
         if exp is not None and out.size < exp.length:
             pad = np.full(exp.length - out.size, exp.token_id, np.int64)
             out = np.concatenate([out, pad])
-        return out.astype(np.int32)
+        return out.astype(np.int32), attended
 
     def apply(
         self,
@@ -150,6 +164,46 @@ class ColbertHead:
         built the attention mask `needs_owned_mask` asks for; without it such a side is
         refused, never served approximately."""
         s = self.spec
+        h = np.asarray(states, dtype=np.float32)
+        tok = np.asarray(ids).reshape(-1)
+        keep = self.kept(tok, side, owned_mask=owned_mask, rows=h, width=s.hidden)
+        x = h[keep]
+        for layer, (w, b) in zip(s.layers, self.layers, strict=True):
+            x = x @ w.T
+            if b is not None:
+                x = x + b
+            x = _activation(layer, x)
+        return self._normalized(x)
+
+    def select(
+        self,
+        projected: np.ndarray,
+        ids: np.ndarray | list[int],
+        side: str,
+        *,
+        owned_mask: bool = False,
+    ) -> np.ndarray:
+        """`apply` for an engine that ran the projection (and its normalization) itself on
+        every token, as the Core ML graph does: the same tokens kept, in token order, and
+        normalized again in float32 (an fp16 norm is 1 only to ~1e-3)."""
+        tok = np.asarray(ids).reshape(-1)
+        x = np.asarray(projected, dtype=np.float32)
+        keep = self.kept(tok, side, owned_mask=owned_mask, rows=x, width=self.spec.dim)
+        return self._normalized(x[keep])
+
+    def kept(
+        self,
+        tok: np.ndarray,
+        side: str,
+        *,
+        owned_mask: bool,
+        rows: np.ndarray,
+        width: int,
+    ) -> np.ndarray:
+        """Which of a sequence's tokens have a vector: every one but [CLS] for bge-m3, and not
+        the skiplist's on its sides; `rows` (T, width) are checked against the ids. A side
+        whose mask the engine did not build is refused here, never approximated."""
+        s = self.spec
         which = self._side(side)
         if self.needs_owned_mask(which) and not owned_mask:
             raise EngineError(
@@ -157,25 +211,20 @@ class ColbertHead:
                 "this model's query expansion hides the expansion tokens from every position, "
                 "themselves included; this engine's attention cannot express that mask",
             )
-        h = np.asarray(states, dtype=np.float32)
-        tok = np.asarray(ids).reshape(-1)
-        if h.ndim != 2 or h.shape[1] != s.hidden or h.shape[0] != tok.size:
+        if rows.ndim != 2 or rows.shape[1] != width or rows.shape[0] != tok.size:
             raise EngineError(
                 "invalid_request",
-                f"states {h.shape} for {tok.size} ids: expected ({tok.size}, {s.hidden})",
+                f"states {rows.shape} for {tok.size} ids: expected ({tok.size}, {width})",
             )
         keep = np.ones(tok.size, dtype=bool)
         if s.drop_first:
             keep[:1] = False
         if s.skiplist_ids and which in s.skiplist_sides:
             keep &= ~np.isin(tok, np.asarray(s.skiplist_ids, dtype=tok.dtype))
-        x = h[keep]
-        for layer, (w, b) in zip(s.layers, self.layers, strict=True):
-            x = x @ w.T
-            if b is not None:
-                x = x + b
-            x = _activation(layer, x)
-        if s.normalize:
+        return keep
+
+    def _normalized(self, x: np.ndarray) -> np.ndarray:
+        if self.spec.normalize:
             norms = np.linalg.norm(x, axis=1, keepdims=True)
             x = x / np.maximum(norms, _NORM_EPS)
         return np.ascontiguousarray(x, dtype=np.float32)
