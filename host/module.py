@@ -328,6 +328,9 @@ class Module:
                 if "build_options" in extra:
                     argv += ["--build-options", json.dumps(extra.pop("build_options"))]
                 runtime_config = {"model_ref": name, **_heads_config(record), **extra}
+                if record.kind == "embed" and record.manifest.pooling:
+                    # ENCODE names no pooling: the worker checks its dense output's by this.
+                    runtime_config.setdefault("pooling", record.manifest.pooling)
             else:
                 threads = max(1, usable_cpu_count() // max(1, self.config.planned_workers))
                 runtime_config = {

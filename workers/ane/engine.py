@@ -89,7 +89,7 @@ from workers.engine import (
     sparse_section,
 )
 from workers.heads import sparse
-from workers.heads.files import head_digest, load_heads
+from workers.heads.files import load_heads
 from workers.protocol import messages as m
 
 log = logging.getLogger("synapse.ane")
@@ -307,15 +307,7 @@ class AneEngine(Engine):
         model.heads = load_heads(files)
         model.head_limits = {k: f.limit for k, f in files.items() if f.limit is not None}
         if token_refusal(model.manifest) is None:
-            sparse_file = files.get("sparse")
-            digest = ""
-            if sparse_file is not None:
-                digest = sparse_file.digest.lower().removeprefix("sha256:") or head_digest(
-                    "sparse", Path(sparse_file.path)
-                )
-            model.graph_heads = GraphHeads.of(
-                model.heads, model.manifest.config.hidden_size, digest
-            )
+            model.graph_heads = GraphHeads.of(model.heads, model.manifest.config.hidden_size)
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
         self._require(req.model_ref)
@@ -532,6 +524,12 @@ class AneEngine(Engine):
         missing = [k for k in outputs if k in ("sparse", "multivector") and k not in model.heads]
         if missing:
             raise EngineError("unsupported", f"{model.ref} has no {missing[0]} head")
+        pooling = model.config.pooling
+        if "dense" in outputs and pooling is not None and pooling != model.manifest.head.pooling:
+            raise EngineError(
+                "unsupported",
+                f"pooling {pooling!r}: this graph pools {model.manifest.head.pooling!r}",
+            )
         cfg = model.manifest.config
         seqs = self._split(model, ids, [it.n_tokens for it in req.items])
         attended: list[int] | None = None

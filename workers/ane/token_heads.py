@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from formats.owned.manifest import Manifest
 from workers.ane.shapes import Shape
@@ -93,10 +94,10 @@ class GraphHeads:
     multivector: ColbertHead | None = None
     splade: SpladeHead | None = None
     token_weights: TokenWeightHead | None = None
-    sparse_digest: str = ""
+    key: dict[str, object] = field(default_factory=dict)  # hashed once: see `key_fields`
 
     @classmethod
-    def of(cls, heads: dict[str, Any], hidden: int, sparse_digest: str = "") -> GraphHeads:
+    def of(cls, heads: dict[str, Any], hidden: int) -> GraphHeads:
         mv: ColbertHead | None = heads.get("multivector")
         sp: LoadedSparseHeads | None = heads.get("sparse")
         if mv is not None and mv.spec.hidden != hidden:
@@ -121,7 +122,8 @@ class GraphHeads:
                     splade = h
                 elif isinstance(h, TokenWeightHead):
                     weights = h
-        return cls(mv, splade, weights, sparse_digest if (splade or weights) else "")
+        made = cls(mv, splade, weights)
+        return cls(mv, splade, weights, made.head_digests())
 
     def output_names(self) -> list[str]:
         names = [TOKEN_STATES]
@@ -134,20 +136,32 @@ class GraphHeads:
         return names
 
     def key_fields(self) -> dict[str, object]:
-        """What the compile-cache key adds: a digest per head built in (nothing without one).
-        The multi-vector head's is of what the graph reads (its layers' weights and
-        activations, whether it normalizes), so two checkpoints that differ only in how
-        their inputs are prepared (prefixes, expansion, skiplist) share compiled shapes."""
+        return dict(self.key)
+
+    def head_digests(self) -> dict[str, object]:
+        """What the compile-cache key adds: a digest per head built in (nothing without one),
+        of what the graph reads of it: weights, activations, pooling. Checkpoints that differ
+        only in what the worker does around the graph (prefixes, query expansion, skiplist,
+        top-k, an inference-free query side) share compiled shapes."""
         fields: dict[str, object] = {}
         if self.multivector is not None:
             spec = self.multivector.spec
             graph = [spec.weights_sha256, msgspec.to_builtins(spec.layers), spec.normalize]
-            fields["multivector_head"] = hashlib.sha256(
-                json.dumps(graph, sort_keys=True).encode()
-            ).hexdigest()
-        if self.sparse_digest:
-            fields["sparse_head"] = self.sparse_digest
+            fields["multivector_head"] = _digest(graph, {})
+        sparse_head = self.splade or self.token_weights
+        if sparse_head is not None:
+            spec = msgspec.structs.replace(sparse_head.spec, prefix="", dropped_ids=())
+            fields["sparse_head"] = _digest(msgspec.to_builtins(spec), sparse_head.tensors)
         return fields
+
+
+def _digest(meta: object, tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        h.update(f"{name}{list(arr.shape)}".encode())
+        h.update(arr.data.cast("B"))
+    return h.hexdigest()
 
 
 def output_names(manifest: Manifest, shape: Shape, heads: GraphHeads | None) -> list[str]:
