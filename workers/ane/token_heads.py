@@ -94,7 +94,7 @@ class GraphHeads:
     multivector: ColbertHead | None = None
     splade: SpladeHead | None = None
     token_weights: TokenWeightHead | None = None
-    key: dict[str, object] = field(default_factory=dict)  # hashed once: see `key_fields`
+    key: dict[str, str] = field(default_factory=dict)  # hashed once: see `head_digests`
 
     @classmethod
     def of(cls, heads: dict[str, Any], hidden: int) -> GraphHeads:
@@ -135,23 +135,23 @@ class GraphHeads:
             names.append(TOKEN_WEIGHTS)
         return names
 
-    def key_fields(self) -> dict[str, object]:
+    def key_fields(self) -> dict[str, str]:
         return dict(self.key)
 
-    def head_digests(self) -> dict[str, object]:
+    def head_digests(self) -> dict[str, str]:
         """What the compile-cache key adds: a digest per head built in (nothing without one),
         of what the graph reads of it: weights, activations, pooling. Checkpoints that differ
         only in what the worker does around the graph (prefixes, query expansion, skiplist,
         top-k, an inference-free query side) share compiled shapes."""
-        fields: dict[str, object] = {}
+        fields: dict[str, str] = {}
         if self.multivector is not None:
-            spec = self.multivector.spec
-            graph = [spec.weights_sha256, msgspec.to_builtins(spec.layers), spec.normalize]
+            mv = self.multivector.spec
+            graph = [mv.weights_sha256, msgspec.to_builtins(mv.layers), mv.normalize]
             fields["multivector_head"] = _digest(graph, {})
         sparse_head = self.splade or self.token_weights
         if sparse_head is not None:
-            spec = msgspec.structs.replace(sparse_head.spec, prefix="", dropped_ids=())
-            fields["sparse_head"] = _digest(msgspec.to_builtins(spec), sparse_head.tensors)
+            sp = msgspec.structs.replace(sparse_head.spec, prefix="", dropped_ids=())
+            fields["sparse_head"] = _digest(msgspec.to_builtins(sp), sparse_head.tensors)
         return fields
 
 
