@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 from formats.owned.manifest import Manifest
+from workers.ane.placement import MAX_ANE_DIM
 from workers.ane.shapes import Shape
 from workers.engine import EngineError
 from workers.heads.multivector import ColbertHead
@@ -56,12 +57,17 @@ VOCAB_CHUNK_ELEMENTS = 1 << 21
 VOCAB_CHUNK_ALIGN = 32
 
 
+# Nor is a chunk wider than the Neural Engine's largest tensor dimension: a wider one would
+# send the vocabulary projection, the head's costliest op, to the CPU on a small shape.
+VOCAB_CHUNK_MAX = MAX_ANE_DIM
+
+
 def vocab_chunk(shape: Shape, vocab: int) -> int:
     """Vocabulary entries per chunk of SPLADE's projection at `shape`: 2048 at 8 x 128 tokens,
-    512 at 8 x 512."""
+    512 at 8 x 512, at most 16384."""
     per = VOCAB_CHUNK_ELEMENTS // max(1, shape.rows * shape.seq_len)
     per = max(VOCAB_CHUNK_ALIGN, per // VOCAB_CHUNK_ALIGN * VOCAB_CHUNK_ALIGN)
-    return min(vocab, per)
+    return min(vocab, per, VOCAB_CHUNK_MAX)
 
 
 def has_token_outputs(manifest: Manifest, shape: Shape) -> bool:
