@@ -283,9 +283,9 @@ class AneEngine(Engine):
         model = _Model(
             ref, manifest, config, backend, cache, OrderedDict(), lane_device(compute_units)
         )
-        self._load_heads(model)
         self._model = model
         try:
+            self._load_heads(model)
             for shape in self._initial_shapes(model):
                 self._admit(model, shape, phases)
         except BaseException:
