@@ -497,6 +497,11 @@ def test_encode_gives_token_states_from_unpacked_rows_and_refuses_typed(
         with pytest.raises(EngineError, match=says) as e:
             _encode(engine, manifest, items, outputs)
         assert e.value.code == code
+    # A head whose files are not what ingest wrote is refused at LOAD, as llama.cpp's is.
+    missing = {"sparse": {"path": "/nonexistent/heads/sparse.json", "digest": "ab" * 32}}
+    with pytest.raises(EngineError, match="cannot read") as e:
+        h.new_engine(h.minilm(), [], heads=missing)
+    assert e.value.code == "artifact_invalid"
     packed_only = h.new_engine(h.minilm(), [h.EMBED_PACKED])  # compiled by embed_engine
     try:
         with pytest.raises(EngineError, match="unpacked shapes") as e:
