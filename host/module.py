@@ -213,12 +213,21 @@ def _kind_and_pooling(record: ModelRecord) -> dict:
     out: dict = {"kind": man.kind}
     if man.kind != "generate" and man.pooling:
         out["pooling"] = man.pooling
-    if man.heads:  # the worker loads each head beside the model (and checks its digest)
-        out["heads"] = {
+    return out | _heads_config(record)
+
+
+def _heads_config(record: ModelRecord) -> dict:
+    """LOAD's `heads`: the worker loads each head beside the model (and checks its digest);
+    the same for both lanes."""
+    man = record.manifest
+    if not man.heads:
+        return {}
+    return {
+        "heads": {
             kind: {"path": str(record.dir / h.file), "digest": h.digest, "limit": man.max_tokens}
             for kind, h in man.heads.items()
         }
-    return out
+    }
 
 
 def _check_served(record: ModelRecord, kinds: Sequence[str]) -> None:
@@ -318,7 +327,10 @@ class Module:
                 argv += ["--artifact", artifact]
                 if "build_options" in extra:
                     argv += ["--build-options", json.dumps(extra.pop("build_options"))]
-                runtime_config = {"model_ref": name, **extra}
+                runtime_config = {"model_ref": name, **_heads_config(record), **extra}
+                if record.kind == "embed" and record.manifest.pooling:
+                    # ENCODE names no pooling: the worker checks its dense output's by this.
+                    runtime_config.setdefault("pooling", record.manifest.pooling)
             else:
                 threads = max(1, usable_cpu_count() // max(1, self.config.planned_workers))
                 runtime_config = {

@@ -27,6 +27,7 @@ from formats.owned.manifest import ingest_owned
 from ingest.durable import free_bytes, mib, require_space
 from ingest.gguf_model import read_header
 from ingest.model_packages import MINILM_PACKAGE, minilm_dir
+from ingest.sparse_heads import encoder_dir
 from ingest.store import GGUF_OVERHEAD_BYTES, ArtifactStore, ModelRecord
 
 
@@ -70,7 +71,8 @@ def _ingest_args(record: ModelRecord) -> tuple[Path, dict]:
     """(source, keyword arguments of `ingest_owned`) for `record`."""
     src = hf_source(record)
     if src is not None:
-        return src, {}
+        # An inference-free SPLADE's encoder lives in its Router's document route.
+        return (encoder_dir(src) if "sparse" in record.manifest.heads else src), {}
     tok = record.tokenizer_path
     if tok is None or not tok.is_file():
         raise ArtifactInvalid(f"{record.name}: no tokenizer.json to build a Core ML model with")

@@ -126,9 +126,15 @@ def test_inputs_outputs_and_heads(programs) -> None:
         )
         for name, p in programs.items()
     }
+    # An embedder's unpacked graph also gives every token's final state, channels-first
+    # (workers.ane.token_heads); packed rows give pooled vectors only.
     assert io["embed"] == (
         ["input_ids", "token_type_ids", "attention_mask"],
-        {"embedding": (ROWS, hidden), "embedding_l2": (ROWS, hidden)},
+        {
+            "embedding": (ROWS, hidden),
+            "embedding_l2": (ROWS, hidden),
+            "token_states": (ROWS, hidden, SEQ),
+        },
     )
     assert io["embed_packed"] == (
         ["input_ids", "token_type_ids", "segment_ids", "position_ids"],

@@ -458,6 +458,59 @@ def test_request_validation(embed_engine: AneEngine, rerank_engine: AneEngine) -
     assert e.value.code == "invalid_request"
 
 
+def _encode(engine: AneEngine, manifest, seqs: list[np.ndarray], outputs: list) -> list:
+    req = m.ENCODE(
+        req_id=4,
+        model_ref=h.model_ref(manifest),
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(seqs)],
+        outputs=outputs,
+    )
+    return engine.encode(req, np.concatenate(seqs).astype(np.int32), NullProgress())
+
+
+def test_encode_gives_token_states_from_unpacked_rows_and_refuses_typed(
+    embed_engine: AneEngine, rerank_engine: AneEngine
+) -> None:
+    """ENCODE runs on the unpacked shapes only (packed rows give pooled vectors): its token
+    states pooled by the model's mean are its own dense output. What it cannot give is a
+    typed refusal, never a fallback."""
+    seqs = [h.encode("a short one"), h.encode("and a somewhat longer sentence here")]
+    tokens, dense = _encode(embed_engine, h.minilm(), seqs, ["tokens", "dense"])
+    assert tokens.counts == [len(s) for s in seqs] and tokens.dims == 384
+    rows = np.split(tokens.arrays[0], np.cumsum(tokens.counts)[:-1])
+    pooled = np.stack([r.mean(axis=0) for r in rows])
+    assert h.cosines(pooled, dense.arrays[0]).min() >= 0.9999
+    cases = [
+        (embed_engine, h.minilm(), seqs, ["tokens", "tokens"], "invalid_request", "once"),
+        (embed_engine, h.minilm(), seqs, ["sparse"], "unsupported", "no sparse head"),
+        (rerank_engine, h.cross_encoder(), seqs, ["tokens"], "unsupported", "no token outputs"),
+        (
+            embed_engine,
+            h.minilm(),
+            [np.arange(300, dtype=np.int32) + 1000],
+            ["tokens"],
+            "shape_unsupported",
+            "unpacked",
+        ),
+    ]
+    for engine, manifest, items, outputs, code, says in cases:
+        with pytest.raises(EngineError, match=says) as e:
+            _encode(engine, manifest, items, outputs)
+        assert e.value.code == code
+    # A head whose files are not what ingest wrote is refused at LOAD, as llama.cpp's is.
+    missing = {"sparse": {"path": "/nonexistent/heads/sparse.json", "digest": "ab" * 32}}
+    with pytest.raises(EngineError, match="cannot read") as e:
+        h.new_engine(h.minilm(), [], heads=missing)
+    assert e.value.code == "artifact_invalid"
+    packed_only = h.new_engine(h.minilm(), [h.EMBED_PACKED])  # compiled by embed_engine
+    try:
+        with pytest.raises(EngineError, match="unpacked shapes") as e:
+            _encode(packed_only, h.minilm(), seqs, ["tokens"])
+        assert e.value.code == "shape_unsupported"
+    finally:
+        packed_only.close()
+
+
 def test_compiled_packages_use_only_executor_ops(
     embed_engine: AneEngine, rerank_engine: AneEngine
 ) -> None:

@@ -202,6 +202,8 @@ def test_normalization_and_activation_ops() -> None:
             mb.gelu(x=x, mode="TANH_APPROXIMATION"),
             mb.tanh(x=x),
             mb.rsqrt(x=mb.add(x=mb.mul(x=x, y=x), y=1.0), epsilon=1e-6),
+            mb.log(x=mb.add(x=mb.relu(x=x), y=1.0)),  # SPLADE's log1p(relu(.))
+            mb.log(x=mb.mul(x=x, y=x), epsilon=0.5),  # MIL's log is log(x + epsilon)
         ],
     )
     mu, var = x.mean(1, keepdims=True), x.var(1, keepdims=True)
@@ -217,6 +219,8 @@ def test_normalization_and_activation_ops() -> None:
     assert np.allclose(outs[4], tanh_gelu, atol=1e-5)
     assert np.allclose(outs[5], np.tanh(x), atol=1e-6)
     assert np.allclose(outs[6], 1 / np.sqrt(x * x + 1 + 1e-6), atol=1e-5)
+    assert np.allclose(outs[7], np.log1p(np.maximum(x, 0)), atol=1e-6)
+    assert np.allclose(outs[8], np.log(x * x + 0.5), atol=1e-6)
 
 
 def test_elementwise_reduction_and_logic_ops() -> None:

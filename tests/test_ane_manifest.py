@@ -116,7 +116,7 @@ def _hf_variant(tmp_path: Path, **changes: object) -> Path:
         {"hidden_act": "relu"},
         {"type_vocab_size": 3},
         {"position_embedding_type": "relative_key"},
-        {"architectures": ["BertForMaskedLM"]},
+        {"architectures": ["BertForTokenClassification"]},
         {"model_type": "roberta"},
     ],
 )

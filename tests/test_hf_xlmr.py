@@ -307,3 +307,44 @@ async def test_certify_judges_the_xlm_r_reranker_with_the_cross_encoder(store, m
     rerank = next(c for c in cert.checks if c.name == "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and rerank.value <= 2e-2, rerank
     assert cert.status == "certified", cert.failing
+
+
+async def test_the_core_ml_lane_gives_token_states_and_late_chunks(
+    store, dirs, module_tmp, short_runtime_dir
+):
+    """On the Core ML lane (reference executor, fp16 after every op): every token's final
+    state and the pooled vector from one ENCODE, and late chunking through `Module` with
+    lane="ane", against transformers at the lane's fp16 bar (0.9995 cosine, the certified
+    Core ML embed bar; the llama lane's is 0.9999)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(dirs["st"]), device="cpu")
+    body, hf_tok = st[0].auto_model, st.tokenizer
+    extra = {
+        "backend": "reference",
+        "cache_root": str(module_tmp / "ane-cache"),
+        "shapes": [{"rows": 4, "seq_len": MAX_SEQ}],
+    }
+    long = [t + " " for t in TEXTS[:6]]
+    async with _module(store, short_runtime_dir) as mod:
+        await mod.load("xlmr", "ane", extra)
+        got = await mod.encode_outputs(TEXTS, ["tokens", "dense"], model="xlmr", lane="ane")
+        embedded = (await mod.embed(TEXTS, model="xlmr", lane="ane")).vectors
+        late = await mod.late_chunk(long, model="xlmr", lane="ane")
+    assert got.tokens is not None and got.dense is not None and late.lane == "ane"
+    worst = 1.0
+    for ids, states in zip(got.token_ids, got.tokens, strict=True):
+        with torch.no_grad():
+            ref = body(input_ids=torch.as_tensor(np.asarray(ids)[None], dtype=torch.long))
+        ref = ref.last_hidden_state[0]
+        assert states.shape == tuple(ref.shape)
+        worst = min(worst, float(_cos(states, ref.numpy()).min()))
+    late_cos = float(_cos(late.vectors, _late_reference(body, hf_tok, long, "", MAX_SEQ - 2)).min())
+    dense_cos = float(_cos(got.dense, embedded).min())
+    print(
+        f"Core ML lane: worst token-state cos {worst:.6f}, late chunking {late_cos:.6f}, "
+        f"dense vs embed {dense_cos:.7f}"
+    )
+    assert worst >= 0.9995 and late_cos >= 0.9995
+    assert dense_cos >= 0.99999  # the same graph's pooled output as EMBED_BATCH's

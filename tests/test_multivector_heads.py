@@ -356,6 +356,20 @@ def bge_m3(module_tmp) -> Path:
     XLMRobertaModel(config, add_pooling_layer=False).eval().save_pretrained(d)
     torch.save(torch.nn.Linear(HIDDEN, HIDDEN).state_dict(), d / "colbert_linear.pt")
     torch.save(torch.nn.Linear(HIDDEN, 1).state_dict(), d / "sparse_linear.pt")
+    # Its sentence-transformers files, as the published bge-m3 has them: CLS pooling, then
+    # L2 (what its dense vector is, on every lane).
+    prefix = "sentence_transformers.models."
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": prefix + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": prefix + "Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": prefix + "Normalize"},
+    ]
+    (d / "modules.json").write_text(json.dumps(modules))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
+    (d / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": True}
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (d / "2_Normalize").mkdir()
     return d
 
 
@@ -639,31 +653,40 @@ async def test_bge_m3_gives_dense_sparse_and_multi_vector_from_one_pass(
 ):
     """bge-m3 served: its CLS vector, lexical weights and colbert vectors as FlagEmbedding's
     formulas compute them on transformers, all three from one ENCODE."""
-    import torch
-    from transformers import AutoTokenizer, XLMRobertaModel
-
-    from tests.test_sparse_heads import _flag_embedding_lexical_weights
-
     texts = QUERIES + DOCUMENTS
     manifest = served_store.get("bge-m3").manifest
     assert set(manifest.heads) == {"sparse", "multivector"} and manifest.outputs == []
     async with _module(served_store, short_runtime_dir) as mod:
         got = await mod.encode_outputs(texts, ["dense", "sparse", "multivector"], "bge-m3")
+    dense, colbert_vecs, lexical = _bge_m3_references(bge_m3, texts)
+    assert got.dense is not None and _cos(got.dense, dense).min() >= 0.9999
+    for ours, ref in zip(got.multivector or [], colbert_vecs, strict=True):
+        assert ours.shape == ref.shape and _cos(ours, ref).min() >= 0.9999
+    for (idx, val), ref in zip(got.sparse or [], lexical, strict=True):
+        assert [str(i) for i in idx] == sorted(ref, key=int)
+        want = np.array([ref[str(i)] for i in idx], np.float32)
+        assert np.max(np.abs(val - want) / want) <= 0.10
+        assert _cos(val[None], want[None])[0] >= 0.9999
+
+
+def _bge_m3_references(bge_m3: Path, texts: list[str]):
+    """bge-m3's three outputs of `texts` as FlagEmbedding computes them on transformers: the
+    normalized CLS state, `colbert_vecs` and the lexical weights (by id string)."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaModel
+
+    from tests.test_sparse_heads import _flag_embedding_lexical_weights
+
     tok = AutoTokenizer.from_pretrained(str(bge_m3))
     model = XLMRobertaModel.from_pretrained(str(bge_m3), add_pooling_layer=False).eval()
     with torch.inference_mode():
         cls = [model(**tok(t, return_tensors="pt")).last_hidden_state[0, 0].numpy() for t in texts]
     dense = np.stack([v / np.linalg.norm(v) for v in cls])
-    assert got.dense is not None and _cos(got.dense, dense).min() >= 0.9999
-    for ours, ref in zip(got.multivector or [], _flag_colbert_vecs(bge_m3, texts), strict=True):
-        assert ours.shape == ref.shape and _cos(ours, ref).min() >= 0.9999
-    for (idx, val), ref in zip(
-        got.sparse or [], _flag_embedding_lexical_weights(bge_m3, texts, 256), strict=True
-    ):
-        assert [str(i) for i in idx] == sorted(ref, key=int)
-        want = np.array([ref[str(i)] for i in idx], np.float32)
-        assert np.max(np.abs(val - want) / want) <= 0.10
-        assert _cos(val[None], want[None])[0] >= 0.9999
+    return (
+        dense,
+        _flag_colbert_vecs(bge_m3, texts),
+        _flag_embedding_lexical_weights(bge_m3, texts, 256),
+    )
 
 
 def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
@@ -719,3 +742,160 @@ def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
     assert one >= 1 and apart == 3 * one
     if sys.platform.startswith("linux"):
         assert len(released) == 4 * one and min(released) > 0
+
+
+# ---- served: the Core ML lane -----------------------------------------------------------------
+
+# The lane's fp16 bar (certification.thresholds, ("ane", "fp16")): every vector's cosine.
+ANE_MIN_COS = 0.9995
+
+
+def _ane_extra(module_tmp: Path, seq_len: int = 64) -> dict:
+    """The Core ML lane on the reference executor, one unpacked shape, one compile cache for
+    the module (the ColBERT variants share the encoder and the projection: cache hits)."""
+    return {
+        "backend": "reference",
+        "cache_root": str(module_tmp / "ane-cache"),
+        "shapes": [{"rows": 4, "seq_len": seq_len}],
+    }
+
+
+async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
+    served_store, colbert, module_tmp, short_runtime_dir
+):
+    """The Core ML graph projects every token (the Dense layers as 1x1 convs, normalized per
+    token) and the worker keeps the reference's tokens with the llama lane's code. Its own
+    attention mask serves what llama.cpp refuses: a classic ColBERT's query expansion, hidden
+    from every position, itself included. At the lane's fp16 bar against
+    `MultiVectorEncoder`, and raw MaxSim as its `similarity` scores."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from host.errors import WorkerError
+
+    blind_dir = _body_variant(colbert, module_tmp / "ane-blind", attend=False)
+    served_store.ingest_hf_dir(blind_dir, "colbert-blind", dtype="f32")
+    async with _module(served_store, short_runtime_dir) as mod:
+        for name in ("colbert", "colbert-blind"):
+            await mod.load(name, "ane", _ane_extra(module_tmp))
+        docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], "colbert", lane="ane")
+        queries = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert", lane="ane", side="query"
+        )
+        blind = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert-blind", lane="ane", side="query"
+        )
+        with pytest.raises(WorkerError, match="cannot express that mask") as refused:
+            await mod.encode_outputs(
+                QUERIES, ["multivector"], "colbert-blind", lane="llama", side="query"
+            )
+        assert refused.value.code == "unsupported"
+    ref = MultiVectorEncoder(str(colbert), device="cpu")
+    ref_docs, ref_queries = ref.encode_document(DOCUMENTS), ref.encode_query(QUERIES)
+    ref_blind = MultiVectorEncoder(str(blind_dir), device="cpu").encode_query(QUERIES)
+    worst = 1.0
+    for got, want in [
+        *zip(docs.multivector or [], ref_docs, strict=True),
+        *zip(queries.multivector or [], ref_queries, strict=True),
+        *zip(blind.multivector or [], ref_blind, strict=True),
+    ]:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape  # the same tokens kept, expansion included
+        worst = min(worst, float(_cos(got, want).min()))
+    # Hiding the expansion is a different model: the attended queries are not its vectors.
+    assert _cos(blind.multivector[0], np.asarray(ref_queries[0])).min() < 0.99  # type: ignore[index]
+    ours = np.array([[maxsim(q, d) for d in docs.multivector] for q in queries.multivector])  # type: ignore[union-attr]
+    want_scores = np.asarray(ref.similarity(ref_queries, ref_docs), np.float64)
+    err = float(np.abs(ours - want_scores).max())
+    print(f"Core ML lane ColBERT: worst vector cos {worst:.6f}, MaxSim max |diff| {err:.2e}")
+    assert worst >= ANE_MIN_COS
+    # Each query vector's best dot product carries both unit vectors' fp16 error (~1e-3):
+    # the sum over Q_LEN of them is held to 2e-3 a query vector (measured 1.6e-2 over 16).
+    assert err <= 2e-3 * Q_LEN
+
+
+async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(
+    served_store, bge_m3, module_tmp, short_runtime_dir
+):
+    """bge-m3 on the Core ML lane: dense, lexical weights and colbert vectors of one ENCODE,
+    against FlagEmbedding's formulas at the lane's fp16 bar; the engine runs one prediction
+    per chunk of rows whichever outputs are asked."""
+    from ingest.owned import ensure_owned
+    from workers.ane.engine import AneEngine
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    texts = QUERIES + DOCUMENTS
+    async with _module(served_store, short_runtime_dir) as mod:
+        await mod.load("bge-m3", "ane", _ane_extra(module_tmp, 128))
+        got = await mod.encode_outputs(
+            texts, ["dense", "sparse", "multivector"], "bge-m3", lane="ane"
+        )
+        ids = (await mod.tokenizer("bge-m3")).encode(texts, truncate=True).ids
+    dense, colbert_vecs, lexical = _bge_m3_references(bge_m3, texts)
+    assert got.dense is not None
+    dense_cos = float(_cos(got.dense, dense).min())
+    mv_cos = min(
+        float(_cos(ours, ref).min())
+        for ours, ref in zip(got.multivector or [], colbert_vecs, strict=True)
+    )
+    for ours, ref in zip(got.multivector or [], colbert_vecs, strict=True):
+        assert ours.shape == ref.shape
+    worst_abs, worst_sparse_cos = 0.0, 1.0
+    for (idx, val), ref in zip(got.sparse or [], lexical, strict=True):
+        want = np.zeros(700, np.float32)
+        want[[int(k) for k in ref]] = list(ref.values())
+        mine = np.zeros(700, np.float32)
+        mine[idx] = val
+        # fp16 moves a weight by a few 1e-3: an id whose weight is that close to 0 may be
+        # active on one side only; every other id is active on both.
+        assert np.all(np.abs(mine - want)[(mine > 0) != (want > 0)] <= 1e-2)
+        worst_abs = max(worst_abs, float(np.abs(mine - want).max()))
+        worst_sparse_cos = min(worst_sparse_cos, float(_cos(mine[None], want[None])[0]))
+    print(
+        f"Core ML lane bge-m3: dense cos {dense_cos:.6f}, colbert cos {mv_cos:.6f}, "
+        f"lexical weights max |diff| {worst_abs:.2e}, sparse cos {worst_sparse_cos:.6f}"
+    )
+    assert dense_cos >= ANE_MIN_COS and mv_cos >= ANE_MIN_COS
+    assert worst_sparse_cos >= ANE_MIN_COS and worst_abs <= 1e-2
+
+    # One forward: the worker's engine in process, on the module's compiled shape (a cache
+    # hit), counting predictions.
+    record = served_store.get("bge-m3")
+    owned, digest = ensure_owned(served_store, record)
+    heads = {
+        kind: {"path": str(record.dir / h.file), "digest": h.digest}
+        for kind, h in record.manifest.heads.items()
+    }
+    engine = AneEngine(owned, backend="reference")
+    engine.load(
+        m.LOAD(
+            req_id=1,
+            artifact_path=str(owned),
+            artifact_digest=digest,
+            format="coreml-owned",
+            runtime_config={"model_ref": "m3", "heads": heads, **_ane_extra(module_tmp, 128)},
+        ),
+        NullProgress(),
+    )
+    try:
+        runs = []
+        compiled = next(iter(engine._model.shapes.values()))  # type: ignore[union-attr]
+        run = compiled.runner.run
+        compiled.runner.run = lambda feeds: (runs.append(1), run(feeds))[1]  # type: ignore[method-assign]
+
+        def encode(outputs) -> int:
+            runs.clear()
+            req = m.ENCODE(
+                req_id=2,
+                model_ref="m3",
+                items=[m.EmbedItem(id=i, n_tokens=len(x)) for i, x in enumerate(ids)],
+                outputs=outputs,
+            )
+            engine.encode(req, np.concatenate(ids), NullProgress())
+            return len(runs)
+
+        one = encode(["dense", "sparse", "multivector"])
+        apart = sum(encode([k]) for k in ("dense", "sparse", "multivector"))
+    finally:
+        engine.close()
+    assert one == 2 and apart == 3 * one  # 6 texts in rows of 4

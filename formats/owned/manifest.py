@@ -188,8 +188,10 @@ def _head_from_hf(src: Path, cfg: HfConfig, config: ModelConfig) -> Head:
     layout = source_layout(src)
     # What the graph computes after the encoder is one pooling of every token, prompt
     # included, then (optionally) L2: a Dense projection or a pooling that leaves the prompt
-    # out would be served silently wrong, so they are refused.
-    if layout.dense_dirs:
+    # out would be served silently wrong, so they are refused. Dense modules with no Pooling
+    # before them project every token: a multi-vector model's head, built into the graph
+    # from the heads/ files ingest wrote (the artifact is its encoder alone).
+    if layout.dense_dirs and layout.pooling_modes:
         raise UnsupportedModel(f"{len(layout.dense_dirs)} Dense module(s) after pooling: not built")
     if not layout.include_prompt:
         raise UnsupportedModel(

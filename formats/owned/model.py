@@ -28,6 +28,10 @@ FAMILY_BY_ARCHITECTURE = {
     "BertForSequenceClassification": "bert",
     "XLMRobertaModel": "xlm-roberta",
     "XLMRobertaForSequenceClassification": "xlm-roberta",
+    # A SPLADE checkpoint: the encoder is read, its MLM head is the sparse head beside it
+    # (heads/sparse.safetensors, built into the graph from there).
+    "BertForMaskedLM": "bert",
+    "XLMRobertaForMaskedLM": "xlm-roberta",
     # A decoder with its own graph (builder_qwen3) and its own ingest (manifest_qwen3).
     "Qwen3Model": "qwen3",
     "Qwen3ForCausalLM": "qwen3",

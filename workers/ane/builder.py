@@ -44,6 +44,7 @@ import numpy as np
 from formats.owned.manifest import Manifest
 from formats.owned.model import classifier_layers
 from workers.ane.build_options import BuildOptions
+from workers.ane.builder_tokens import token_outputs
 from workers.ane.ct_quiet import Function, Program, Var, ct, mb, quiet_numpy_warnings, types
 from workers.ane.identity import (  # noqa: F401  (re-exported for callers of the builder)
     DEPLOYMENT_TARGET,
@@ -51,6 +52,7 @@ from workers.ane.identity import (  # noqa: F401  (re-exported for callers of th
     PRECISION,
 )
 from workers.ane.shapes import Shape
+from workers.ane.token_heads import GraphHeads, has_token_outputs
 
 # KERNEL_REVISION (workers.ane.identity) names this graph: bump it whenever the graph changes.
 
@@ -73,6 +75,7 @@ def truncate_mantissa(arr: np.ndarray, bits: int) -> np.ndarray:
 
 
 def output_names(manifest: Manifest) -> list[str]:
+    """The pooled outputs (the token-level ones: `token_heads.output_names`)."""
     if manifest.head.type == "cross_encoder":
         return ["logits"]
     return ["embedding", "embedding_l2"]
@@ -274,8 +277,15 @@ class _Graph:
         return mb.slice_by_index(x=x, begin=[0, 0, 0, 0], end=[s.rows, self.cfg.hidden_size, 1, 1])
 
 
-def build_program(manifest: Manifest, shape: Shape, options: BuildOptions | None = None) -> Program:
-    """The MIL program of `manifest`'s encoder + head at `shape` (every dim static)."""
+def build_program(
+    manifest: Manifest,
+    shape: Shape,
+    options: BuildOptions | None = None,
+    heads: GraphHeads | None = None,
+) -> Program:
+    """The MIL program of `manifest`'s encoder + head at `shape` (every dim static). An
+    embedder's unpacked shape also outputs every token's final state and the `heads` built on
+    them (`workers.ane.token_heads`)."""
     options = options or BuildOptions()
     cfg = manifest.config
     if shape.seq_len > cfg.max_positions:
@@ -304,6 +314,8 @@ def build_program(manifest: Manifest, shape: Shape, options: BuildOptions | None
             outputs = g.classify(pooled)
         else:
             outputs = g.embed_outputs(pooled)
+        if has_token_outputs(manifest, shape):
+            outputs += token_outputs(x, inp["attention_mask"], heads or GraphHeads(), shape)
         func.set_outputs(outputs)
     prog = Program()
     prog.add_function("main", func)

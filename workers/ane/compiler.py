@@ -13,7 +13,9 @@ each stage for SHAPE_ADMITTED.
 
 The package key (what the compile cache files the package under) is (manifest_digest,
 kernel_revision, shape, precision, deployment target, coremltools version) plus `packed`, the
-head type and any non-default test-only `BuildOptions`: everything that changes the bytes of
+head type, the token heads built into an embedder's unpacked graph (`GraphHeads.key_fields`:
+a digest of what the graph reads of each) and any non-default test-only `BuildOptions`:
+everything that changes the bytes of
 the package, nothing that does not. The compiled key adds the backend, its kind and what the
 compiled form depends on (`Backend.compiled_key_fields`: the macOS build for `.mlmodelc`). One
 process builds a key at a time; others wait for it and reuse the result.
@@ -42,14 +44,18 @@ from workers.ane.identity import (
 )
 from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
+from workers.ane.token_heads import GraphHeads, has_token_outputs
 
 PACKAGE_NAME = "model.mlpackage"
 PACKAGE_KIND = "mlpackage"
 _RETRIES = 5
 
 
-def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
-    """The package's key (`options`: builder.BuildOptions)."""
+def cache_key(
+    manifest: Manifest, shape: Shape, options: Any, heads: GraphHeads | None = None
+) -> dict[str, Any]:
+    """The package's key (`options`: builder.BuildOptions; `heads`: the token heads built in,
+    named by their digests)."""
     return make_key(
         manifest_digest=manifest.digest,
         kernel_revision=kernel_revision(manifest.config.family, manifest.head.type),
@@ -61,6 +67,7 @@ def cache_key(manifest: Manifest, shape: Shape, options: Any) -> dict[str, Any]:
         head=manifest.head.type,
         kind=PACKAGE_KIND,
         **options.key_fields(),
+        **(heads.key_fields() if heads is not None and has_token_outputs(manifest, shape) else {}),
     )
 
 
@@ -111,6 +118,7 @@ def package_entry(
     options: Any,
     on_stage: Callable[[str], None],
     timings: AdmitTimings,
+    heads: GraphHeads | None = None,
 ) -> tuple[Entry, bool]:
     """The package's entry (built if absent) and whether it was a hit."""
     from workers.ane import builder, builder_nomic, builder_qwen3  # coremltools
@@ -123,14 +131,17 @@ def package_entry(
 
     def build(tmp: Path) -> None:
         start = time.perf_counter()
-        prog = graph.build_program(manifest, shape, options)
+        if graph is builder:
+            prog = builder.build_program(manifest, shape, options, heads)
+        else:
+            prog = graph.build_program(manifest, shape, options)
         on_stage("graph")
         out = builder.convert_and_save(prog, tmp)
         assert out.name == PACKAGE_NAME
         on_stage("converted")
         built.append((time.perf_counter() - start) * 1e3)
 
-    entry = cache.get_or_build(cache_key(manifest, shape, options), build)
+    entry = cache.get_or_build(cache_key(manifest, shape, options, heads), build)
     timings.build_ms = sum(built)
     return entry, not built
 
@@ -143,18 +154,19 @@ def admit(
     options: Any,
     on_stage: Callable[[str], None] | None = None,
     warmup_feeds: dict[str, np.ndarray] | None = None,
+    heads: GraphHeads | None = None,
 ) -> CompiledShape:
     """Open `shape`'s compiled form (compiling and publishing it first on a miss), leased.
     Raises compile_cache errors (BuildFailed wraps the builder's or compiler's exception) and
     whatever the backend raises on open."""
     stage = on_stage or (lambda _name: None)
-    key = compiled_key(cache_key(manifest, shape, options), backend)
+    key = compiled_key(cache_key(manifest, shape, options, heads), backend)
     timings = AdmitTimings()
     package_hit: list[bool] = []
 
     def compile_(tmp: Path) -> None:
         for _ in range(_RETRIES):
-            pkg, hit = package_entry(cache, manifest, shape, options, stage, timings)
+            pkg, hit = package_entry(cache, manifest, shape, options, stage, timings, heads)
             try:
                 held = pkg.lease().acquire()
             except EntryEvicted:

@@ -13,6 +13,13 @@ Unknown keys and wrong types are refused (`config_invalid`), never ignored: a ty
     max_shape_tokens   largest admissible rows * seq_len (default 8192)
     cache_root         compile-cache directory (default: compile_cache.default_root())
     cache_budget_bytes compile-cache byte budget for its LRU gc (default: the cache's default)
+    pooling            the pooling the host serves the model with (its record's): ENCODE's
+                       dense output is refused when the graph pools otherwise, as an
+                       EMBED_BATCH naming another pooling is
+    heads              the heads on the token states by output ("sparse", "multivector"),
+                       each {path, digest, limit} as the llama.cpp engine takes them
+                       (`workers.heads.files`): digests checked at LOAD, then built into an
+                       embedder's unpacked graphs (`workers.ane.token_heads`)
     compute_units      where Core ML may run the compiled model: "cpu_and_ne" (default),
                        "cpu_only", "cpu_and_gpu", "all". The environment variable
                        SYNAPSE_COREML_COMPUTE_UNITS overrides it (hosted macOS VMs have no
@@ -27,6 +34,8 @@ import os
 from typing import Annotated, Literal, get_args
 
 import msgspec
+
+from workers.heads.files import HeadFile
 
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Backend = Literal["reference", "coreml"]
@@ -78,6 +87,8 @@ class AneRuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, 
     cache_root: str | None = None
     cache_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
     compute_units: ComputeUnits | None = None
+    pooling: Literal["mean", "cls", "last", "rank"] | None = None
+    heads: dict[Literal["sparse", "multivector"], HeadFile] = {}
 
 
 def parse_runtime_config(raw: object) -> AneRuntimeConfig:

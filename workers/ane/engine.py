@@ -42,8 +42,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -69,7 +70,26 @@ from workers.ane.identity import KERNEL_REVISION, coremltools_version, kernel_re
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.program_ir import ProgramFormatError
 from workers.ane.shapes import Shape
-from workers.engine import Engine, EngineError, Progress
+from workers.ane.token_heads import (
+    MULTIVECTOR,
+    SPARSE_POOLED,
+    TOKEN_STATES,
+    TOKEN_WEIGHTS,
+    GraphHeads,
+    has_token_outputs,
+    token_refusal,
+)
+from workers.engine import (
+    Engine,
+    EngineError,
+    Progress,
+    Section,
+    dense_section,
+    ragged_section,
+    sparse_section,
+)
+from workers.heads import sparse
+from workers.heads.files import load_heads
 from workers.protocol import messages as m
 
 log = logging.getLogger("synapse.ane")
@@ -86,6 +106,9 @@ class _Model:
     cache: CompileCache
     shapes: OrderedDict[str, CompiledShape]  # least recently used first
     device: str = "ane"  # what LOADED names: "ane+gpu" when Core ML may use the GPU too
+    heads: dict[str, Any] = field(default_factory=dict)  # by output kind (workers.heads)
+    head_limits: dict[str, int] = field(default_factory=dict)  # a head's own token limit
+    graph_heads: GraphHeads | None = None  # what its unpacked graphs build on token states
 
 
 @dataclass
@@ -262,6 +285,7 @@ class AneEngine(Engine):
         )
         self._model = model
         try:
+            self._load_heads(model)
             for shape in self._initial_shapes(model):
                 self._admit(model, shape, phases)
         except BaseException:
@@ -274,6 +298,16 @@ class AneEngine(Engine):
             cold_load_ms=(time.perf_counter() - start) * 1e3,
             device=model.device,
         )
+
+    def _load_heads(self, model: _Model) -> None:
+        """The heads LOAD names (digests checked), and those the graph builds on token states:
+        a model whose graphs give no token states keeps its heads only for what needs no
+        forward (an inference-free query side); ENCODE says why the rest is refused."""
+        files = model.config.heads
+        model.heads = load_heads(files)
+        model.head_limits = {k: f.limit for k, f in files.items() if f.limit is not None}
+        if token_refusal(model.manifest) is None:
+            model.graph_heads = GraphHeads.of(model.heads, model.manifest.config.hidden_size)
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:
         self._require(req.model_ref)
@@ -370,6 +404,7 @@ class AneEngine(Engine):
                 self._options,
                 on_stage,
                 _warmup_feeds(shape, model.manifest) if model.backend.warms_up else None,
+                model.graph_heads,
             )
         except CompileCacheError as e:  # BuildFailed carries the converter's/compiler's error
             cause = e.__cause__
@@ -471,6 +506,133 @@ class AneEngine(Engine):
         seqs, types = self._composed(model, ids, req.sequences)
         return self._run(model, seqs, types, "logits", head.num_labels, progress)
 
+    def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
+        """Every requested output from ONE prediction per chunk of rows, on the unpacked
+        shapes (`token_heads` says what their graphs output): `dense` the pooled vector,
+        `tokens` the final states, `sparse` / `multivector` the heads' graph outputs finished
+        by the same worker-side code as the llama.cpp lane's (workers.heads). A multi-vector
+        query whose expansion tokens must be hidden from every position, themselves
+        included, is served exactly: their attention-mask entries are 0, which the graph's
+        key bias applies to every query row, their own included."""
+        model = self._require(req.model_ref)
+        outputs = list(req.outputs)
+        if not outputs or len(set(outputs)) != len(outputs):
+            raise EngineError("invalid_request", f"outputs {outputs}: name each once")
+        refusal = token_refusal(model.manifest)
+        if refusal is not None:
+            raise EngineError("unsupported", f"{model.ref}: {refusal}")
+        missing = [k for k in outputs if k in ("sparse", "multivector") and k not in model.heads]
+        if missing:
+            raise EngineError("unsupported", f"{model.ref} has no {missing[0]} head")
+        pooling = model.config.pooling
+        if "dense" in outputs and pooling is not None and pooling != model.manifest.head.pooling:
+            raise EngineError(
+                "unsupported",
+                f"pooling {pooling!r}: this graph pools {model.manifest.head.pooling!r}",
+            )
+        cfg = model.manifest.config
+        seqs = self._split(model, ids, [it.n_tokens for it in req.items])
+        attended: list[int] | None = None
+        mv = model.heads.get("multivector") if "multivector" in outputs else None
+        if mv is not None:
+            own = model.head_limits.get("multivector") or cfg.max_positions
+            limit = min(own, cfg.max_positions)
+            prepared = [mv.prepare(s, req.side, limit) for s in seqs]
+            same = all(np.array_equal(p, s) for (p, _), s in zip(prepared, seqs, strict=True))
+            if not same and outputs != ["multivector"]:
+                raise EngineError(
+                    "unsupported",
+                    f"{model.ref}'s multi-vector input is not its text's tokens (a prefix or "
+                    "query expansion): ask for the multi-vector output alone",
+                )
+            seqs = [p for p, _ in prepared]
+            if mv.needs_owned_mask(req.side):
+                attended = [n for _, n in prepared]
+        head = model.heads["sparse"].for_route(req.side) if "sparse" in outputs else None
+        names = [_GRAPH_OUTPUT[k] for k in outputs if k != "sparse"]
+        if isinstance(head, sparse.SpladeHead):
+            names.append(SPARSE_POOLED)
+        elif isinstance(head, sparse.TokenWeightHead):
+            names.append(TOKEN_WEIGHTS)
+        # An inference-free query side alone weighs its ids: no prediction at all.
+        got = self._run_tokens(model, seqs, attended, names, progress) if names else {}
+        sections: list[Section] = []
+        for kind in outputs:
+            if kind == "dense":
+                dense = np.stack(got["embedding"])
+                if req.normalize:  # in float32: the graph's fp16 norm is 1 only to ~1e-3
+                    norms = np.linalg.norm(dense.astype(np.float64), axis=1, keepdims=True)
+                    dense = (dense / np.maximum(norms, 1e-12)).astype(np.float32)
+                sections.append(dense_section(dense))
+            elif kind == "tokens":
+                sections.append(ragged_section("tokens", got[TOKEN_STATES], cfg.hidden_size))
+            elif kind == "multivector":
+                assert mv is not None
+                owned = attended is not None
+                vecs = [
+                    mv.select(v, s, req.side, owned_mask=owned)
+                    for v, s in zip(got[MULTIVECTOR], seqs, strict=True)
+                ]
+                sections.append(ragged_section("multivector", vecs, mv.spec.dim))
+            else:
+                sections.append(_sparse_section(head, got, seqs))
+        return sections
+
+    def _run_tokens(
+        self,
+        model: _Model,
+        seqs: list[np.ndarray],
+        attended: list[int] | None,
+        names: list[str],
+        progress: Progress,
+    ) -> dict[str, list[np.ndarray]]:
+        """Per graph output in `names`, per item: its pooled row, or its (n_tokens, C) columns
+        of a per-token output. Only unpacked shapes have token outputs; `attended[i]`: item
+        i's attention mask ends there (its query expansion is hidden)."""
+        if not model.shapes:
+            raise EngineError("shape_unsupported", "no shape is admitted (ADMIT_SHAPE first)")
+        shapes = [
+            c.shape for c in model.shapes.values() if has_token_outputs(model.manifest, c.shape)
+        ]
+        if not shapes:
+            raise EngineError(
+                "shape_unsupported",
+                "token-level outputs run on unpacked shapes, and only packed ones are "
+                "admitted (ADMIT_SHAPE one with packed=false)",
+            )
+        try:
+            chunks = plan([len(s) for s in seqs], shapes)
+        except NoShapeFits as e:
+            raise EngineError(
+                "shape_unsupported", f"{e} of the unpacked ones (token-level outputs)"
+            ) from None
+        types = [np.zeros(len(s), np.int32) for s in seqs]
+        result: dict[str, list[np.ndarray]] = {n: [np.empty(0)] * len(seqs) for n in names}
+        for chunk in chunks:
+            sid = chunk.shape.id
+            model.shapes.move_to_end(sid)
+            feeds = _feeds(model.manifest, chunk, seqs, types)
+            if attended is not None:
+                for r, (i,) in enumerate(chunk.rows):
+                    feeds["attention_mask"][r, attended[i] :] = 0
+            out = model.shapes[sid].runner.run(feeds)
+            absent = [n for n in names if n not in out]
+            if absent:
+                raise EngineError(
+                    "unsupported", f"shape {sid}'s compiled graph has no {absent[0]!r} output"
+                )
+            for r, (i,) in enumerate(chunk.rows):
+                k = len(seqs[i])
+                for n in names:
+                    v = out[n][r]
+                    if n in (TOKEN_STATES, MULTIVECTOR):
+                        v = v[:, :k].T  # (C, S) channels-first -> the item's (k, C)
+                    elif n == TOKEN_WEIGHTS:
+                        v = v[:k]
+                    result[n][i] = np.ascontiguousarray(v, dtype=np.float32)
+            progress.advance("inference")
+        return result
+
     def _composed(
         self,
         model: _Model,
@@ -543,6 +705,26 @@ class AneEngine(Engine):
         if model is None or model.ref != model_ref:
             raise EngineError("model_not_loaded", f"{model_ref!r} is not loaded")
         return model
+
+
+# The graph output each ENCODE kind but sparse reads (sparse: by the route's head).
+_GRAPH_OUTPUT = {"dense": "embedding", "tokens": TOKEN_STATES, "multivector": MULTIVECTOR}
+
+
+def _sparse_section(
+    head: sparse.Head | None, got: dict[str, list[np.ndarray]], seqs: list[np.ndarray]
+) -> Section:
+    """The route's sparse vectors: SPLADE's pooled scores or bge-m3's token weights from the
+    graph, finished as the llama.cpp lane finishes them; an inference-free query side from
+    its ids alone."""
+    if isinstance(head, sparse.SpladeHead):
+        vecs = [head.from_pooled(v) for v in got[SPARSE_POOLED]]
+    elif isinstance(head, sparse.TokenWeightHead):
+        vecs = [head.from_weights(w, s) for w, s in zip(got[TOKEN_WEIGHTS], seqs, strict=True)]
+    else:
+        assert isinstance(head, sparse.StaticSparseHead)
+        vecs = [head.apply(s) for s in seqs]
+    return sparse_section([(v.indices, v.values) for v in vecs], head.spec.vocab_size)
 
 
 def _warmup_feeds(shape: Shape, manifest: Manifest) -> dict[str, np.ndarray]:

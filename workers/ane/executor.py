@@ -197,6 +197,13 @@ def _make_cast(op, c: _Ctx):
     return lambda env: [env[x].astype(target)]
 
 
+def _make_log(op, c: _Ctx):
+    # MIL's log is log(x + epsilon); its default 1e-45 is 0 in fp16 and nothing next to any
+    # float32 it is added to but 0, where it keeps log(0) finite as MIL specifies.
+    x, eps = c.slot(op.x), np.float32(_val(op, "epsilon", 1e-45))
+    return lambda env: [np.log(env[x] + eps)]
+
+
 def _make_rsqrt(op, c: _Ctx):
     x, eps = c.slot(op.x), np.float32(_val(op, "epsilon", 1e-12))
     return lambda env: [1.0 / np.sqrt(env[x] + eps)]
@@ -502,6 +509,7 @@ _FACTORIES: dict[str, Callable[[object, _Ctx], Callable[[Env], list]]] = {
     **{name: _make_reduce(fn) for name, fn in _REDUCE.items()},
     "cast": _make_cast,
     "rsqrt": _make_rsqrt,
+    "log": _make_log,
     "select": _make_select,
     "gather": _make_gather,
     "reshape": _make_reshape,

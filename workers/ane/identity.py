@@ -13,7 +13,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: Names the builder's graph. Bump it whenever the emitted graph changes for the same inputs:
 #: it is part of every compile-cache key and of HELLO.
-KERNEL_REVISION = "ane-bert-1"
+#: ane-bert-2: an embedder's unpacked graph also outputs every token's final state and the
+#: token heads built on it (workers.ane.token_heads).
+KERNEL_REVISION = "ane-bert-2"
 
 #: Per model family (`ModelConfig.family`). XLM-RoBERTa's graph is BERT's with its own
 #: position offset and head names, so its revision extends BERT's: a change to the shared

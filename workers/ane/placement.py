@@ -81,6 +81,7 @@ _ANE_OPS = frozenset(
         "sigmoid",
         "silu",
         "exp",
+        "log",
         "sqrt",
         "rsqrt",
         "reshape",

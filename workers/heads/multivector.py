@@ -92,6 +92,19 @@ class ColbertHead:
         *,
         prompt_applied: bool = False,
     ) -> np.ndarray:
+        return self.prepare(ids, side, limit, prompt_applied=prompt_applied)[0]
+
+    def prepare(
+        self,
+        ids: np.ndarray | list[int],
+        side: str,
+        limit: int | None = None,
+        *,
+        prompt_applied: bool = False,
+    ) -> tuple[np.ndarray, int]:
+        """`prepare_ids`, and how many of its leading ids precede the query expansion (all of
+        them when nothing was appended): the positions an attention mask that hides the
+        expansion (`needs_owned_mask`) leaves visible."""
         """The ids the reference's transformer reads for a text whose tokenizer encoding (with
         its special tokens, without the prompt) is `ids`: the side's prefix inserted after the
         leading special token(s), cut to the side's length (and to `limit`, the model's own
@@ -132,10 +145,11 @@ class ColbertHead:
             if cap < lead + close:
                 raise EngineError("invalid_request", f"a length cap of {cap} tokens")
             out = np.concatenate([out[: cap - close], out[out.size - close :]])
+        attended = int(out.size)
         if exp is not None and out.size < exp.length:
             pad = np.full(exp.length - out.size, exp.token_id, np.int64)
             out = np.concatenate([out, pad])
-        return out.astype(np.int32)
+        return out.astype(np.int32), attended
 
     def apply(
         self,
@@ -163,14 +177,12 @@ class ColbertHead:
         """`apply` of each sequence, their kept rows through the layers as one matrix (one
         matmul a layer instead of one a sequence: short texts spent their time in the calls)."""
         s = self.spec
-        which = self._side(side)
-        if self.needs_owned_mask(which) and not owned_mask:
-            raise EngineError(
-                "unsupported",
-                "this model's query expansion hides the expansion tokens from every position, "
-                "themselves included; this engine's attention cannot express that mask",
-            )
-        kept = [self._kept(h, i, which) for h, i in zip(states, ids, strict=True)]
+        kept = []
+        for h, i in zip(states, ids, strict=True):
+            rows = np.asarray(h, dtype=np.float32)
+            tok = np.asarray(i).reshape(-1)
+            keep = self.kept(tok, side, owned_mask=owned_mask, rows=rows, width=s.hidden)
+            kept.append(rows[keep])
         if not kept:
             return []
         x = np.concatenate(kept) if len(kept) > 1 else kept[0]
@@ -179,28 +191,62 @@ class ColbertHead:
             if b is not None:
                 x = x + b
             x = _activation(layer, x)
-        if s.normalize:
-            norms = np.linalg.norm(x, axis=1, keepdims=True)
-            x = x / np.maximum(norms, _NORM_EPS)
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = self._normalized(x)
         return np.split(x, np.cumsum([k.shape[0] for k in kept])[:-1])
 
-    def _kept(self, states: np.ndarray, ids: np.ndarray | list[int], which: str) -> np.ndarray:
-        """A sequence's states checked against its ids, the rows the head drops removed."""
-        s = self.spec
-        h = np.asarray(states, dtype=np.float32)
+    def select(
+        self,
+        projected: np.ndarray,
+        ids: np.ndarray | list[int],
+        side: str,
+        *,
+        owned_mask: bool = False,
+    ) -> np.ndarray:
+        """`apply` for an engine that ran the projection (and its normalization) itself on
+        every token, as the Core ML graph does: the same tokens kept, in token order, and
+        normalized again in float32 (an fp16 norm is 1 only to ~1e-3)."""
         tok = np.asarray(ids).reshape(-1)
-        if h.ndim != 2 or h.shape[1] != s.hidden or h.shape[0] != tok.size:
+        x = np.asarray(projected, dtype=np.float32)
+        keep = self.kept(tok, side, owned_mask=owned_mask, rows=x, width=self.spec.dim)
+        return self._normalized(x[keep])
+
+    def kept(
+        self,
+        tok: np.ndarray,
+        side: str,
+        *,
+        owned_mask: bool,
+        rows: np.ndarray,
+        width: int,
+    ) -> np.ndarray:
+        """Which of a sequence's tokens have a vector: every one but [CLS] for bge-m3, and not
+        the skiplist's on its sides; `rows` (T, width) are checked against the ids. A side
+        whose mask the engine did not build is refused here, never approximated."""
+        s = self.spec
+        which = self._side(side)
+        if self.needs_owned_mask(which) and not owned_mask:
+            raise EngineError(
+                "unsupported",
+                "this model's query expansion hides the expansion tokens from every position, "
+                "themselves included; this engine's attention cannot express that mask",
+            )
+        if rows.ndim != 2 or rows.shape[1] != width or rows.shape[0] != tok.size:
             raise EngineError(
                 "invalid_request",
-                f"states {h.shape} for {tok.size} ids: expected ({tok.size}, {s.hidden})",
+                f"states {rows.shape} for {tok.size} ids: expected ({tok.size}, {width})",
             )
         keep = np.ones(tok.size, dtype=bool)
         if s.drop_first:
             keep[:1] = False
         if s.skiplist_ids and which in s.skiplist_sides:
             keep &= ~np.isin(tok, np.asarray(s.skiplist_ids, dtype=tok.dtype))
-        return h[keep]
+        return keep
+
+    def _normalized(self, x: np.ndarray) -> np.ndarray:
+        if self.spec.normalize:
+            norms = np.linalg.norm(x, axis=1, keepdims=True)
+            x = x / np.maximum(norms, _NORM_EPS)
+        return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def load(head: Path) -> ColbertHead:

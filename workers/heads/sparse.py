@@ -117,6 +117,7 @@ class SpladeHead:
 
     def __init__(self, spec: HeadSpec, tensors: dict[str, np.ndarray], top_k: int | None):
         self.spec, self.top_k = spec, top_k
+        self.tensors = tensors  # f32, as the file holds them (an engine's graph reads them)
         self._dense_w = np.asarray(tensors["dense.weight"], np.float64)
         self._dense_b = np.asarray(tensors["dense.bias"], np.float64)
         self._norm_w = np.asarray(tensors["norm.weight"], np.float64)
@@ -257,10 +258,12 @@ class SpladeHead:
             raise EngineError("invalid_request", f"{len(states)} state sets for {len(ids)} ids")
         for h, i in zip(states, ids, strict=True):
             _check_states(h, i, self.spec.hidden_size, self.spec.vocab_size)
-        every = np.arange(self.spec.vocab_size)
-        return [
-            _sparse(every, v, self.top_k) for v in self.pooled_many(states, chunk_tokens, threads)
-        ]
+        return [self.from_pooled(v) for v in self.pooled_many(states, chunk_tokens, threads)]
+
+    def from_pooled(self, pooled: np.ndarray) -> SparseVector:
+        """The vector of one sequence's pooled (V,) scores (this head's or an engine's that
+        pooled them itself, as the Core ML graph does): its non-zero entries, top-k cut."""
+        return _sparse(np.arange(self.spec.vocab_size), np.asarray(pooled), self.top_k)
 
 
 class StaticSparseHead:
@@ -294,6 +297,7 @@ class TokenWeightHead:
 
     def __init__(self, spec: HeadSpec, tensors: dict[str, np.ndarray], top_k: int | None):
         self.spec, self.top_k = spec, top_k
+        self.tensors = tensors  # f32, as the file holds them (an engine's graph reads them)
         self._w = np.asarray(tensors["weight"][0], np.float32)
         self._b = np.float32(tensors["bias"][0])
         self._dropped = np.asarray(spec.dropped_ids, np.int64)
@@ -304,7 +308,16 @@ class TokenWeightHead:
 
     def apply(self, states: np.ndarray, ids: np.ndarray) -> SparseVector:
         _check_states(states, ids, self.spec.hidden_size, self.spec.vocab_size)
-        weights = self.token_weights(states)
+        return self.from_weights(self.token_weights(states), ids)
+
+    def from_weights(self, weights: np.ndarray, ids: np.ndarray) -> SparseVector:
+        """The vector of one sequence's per-token weights `relu(w . h_t + b)` (this head's, or
+        an engine's that computed them itself, as the Core ML graph does) at its ids: the
+        largest per id, the dropped ids left out."""
+        weights = np.asarray(weights, np.float32)
+        if weights.shape != ids.shape:
+            raise EngineError("invalid_request", f"{weights.shape} weights for {ids.shape} ids")
+        _check_ids(ids, self.spec.vocab_size)
         keep = ~np.isin(ids, self._dropped)
         ids, weights = ids[keep].astype(np.int64), weights[keep]
         if ids.size == 0:

@@ -10,20 +10,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from workers.heads.files import HeadFile
 from workers.llama.device import ALL_LAYERS
 
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Kind = Literal["embed", "rerank", "generate"]
 PoolingName = Literal["none", "mean", "cls", "last", "rank"]
-
-
-class HeadFile(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """A head on the token states: its weights file and that file's sha256 ("" = unchecked)."""
-
-    path: str
-    digest: str = ""
-    # The model's token limit the head cuts its own inputs to (a prefix it inserts counts).
-    limit: int | None = None
 
 
 class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

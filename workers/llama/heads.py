@@ -1,60 +1,17 @@
-"""The heads a llama.cpp embedder carries on its token states, loaded with the model, and
-what each needs of the decode: the ids it reads (a multi-vector model's prefix and query
-expansion) and whether llama.cpp's attention can give it its states at all.
-
-A head's files are checked against the digest the host sends before they are read: a head
-that does not match what ingest wrote is refused as the model's artifact would be.
+"""The heads a llama.cpp embedder carries on its token states, loaded with the model
+(`workers.heads.files`, digests checked first), and what each needs of the decode: the ids it
+reads (a multi-vector model's prefix and query expansion) and whether llama.cpp's attention
+can give it its states at all.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 
-from formats.digest import sha256_file
-from formats.sparse_head import SPARSE_CONFIG, SPARSE_WEIGHTS
 from workers.engine import EngineError, Section, sparse_section
 from workers.heads import multivector, sparse
-from workers.llama.config import HeadFile
+from workers.heads.files import load_heads as load_heads  # loaded with the model
 from workers.llama.native import LoadedModel
-
-
-def load_heads(files: Mapping[Any, HeadFile]) -> dict[str, Any]:
-    """Every head named in the LOAD's runtime_config, by output kind."""
-    heads: dict[str, Any] = {}
-    for kind, head in files.items():
-        path = Path(head.path)
-        if head.digest:
-            try:
-                got = _digest(kind, path)
-            except OSError as e:
-                raise EngineError("artifact_invalid", f"cannot read {path}: {e}") from e
-            if got != head.digest.lower().removeprefix("sha256:"):
-                raise EngineError("artifact_invalid", f"{path}: sha256 {got} != {head.digest}")
-        if kind == "multivector":
-            heads[kind] = multivector.load(path)
-        elif kind == "sparse":
-            heads[kind] = sparse.load(path.parent)
-        else:
-            raise EngineError("config_invalid", f"no {kind} head on this engine")
-    return heads
-
-
-def _digest(kind: str, path: Path) -> str:
-    """What ingest recorded: a multi-vector head's spec file (it names its weights' digest);
-    a sparse head's spec then weights, as one stream."""
-    if kind != "sparse":
-        return sha256_file(str(path))
-    h = hashlib.sha256()
-    for name in (SPARSE_CONFIG, SPARSE_WEIGHTS):
-        with open(path.parent / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def sparse_needs_states(mdl: LoadedModel, side: str) -> bool:
