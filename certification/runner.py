@@ -25,16 +25,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from certification import gates
 from certification.agreement import measure_agreement, measure_curve
-from certification.certificate import Certificate, Check, CorpusInfo, Drift, Measurements
+from certification.certificate import (
+    Certificate,
+    Check,
+    CorpusInfo,
+    Drift,
+    Measurements,
+    OutputVerdict,
+)
 from certification.corpus import corpus, documents, probe_set, queries
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
+from certification.kind_gates import output_verdict
+from certification.kinds import judge_kinds
 from certification.lane_client import LaneClient
 from certification.lane_policy import certified_load_extra, machine_differences
 from certification.oracle import ST, Oracle, reference_dir_for, select_reference
@@ -46,6 +56,8 @@ from host.lane_policy import Agreement
 from host.module import Module
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
+from ingest.sparse_heads import encoder_dir
+from ingest.store import served_outputs
 from workers.ane import apple_device
 
 log = logging.getLogger("synapse.certification")
@@ -106,9 +118,10 @@ async def certify(
     # directory, no reference for its family) is refused without starting a worker.
     record = client.record
     ref_dir = options.reference_dir or str(reference_dir_for(record))
-    reference = options.reference or select_reference(ref_dir)
+    reference = options.reference or select_reference(encoder_dir(Path(ref_dir)))
     oracle = Oracle(
-        ref_dir,
+        # An inference-free sparse model keeps its transformer and tokenizer in a route.
+        encoder_dir(Path(ref_dir)),
         store.root / "reference-cache",
         pooling=record.manifest.pooling if record.kind == "embed" else "mean",
         reference=reference,
@@ -124,11 +137,35 @@ async def certify(
     measured = Measurements()
 
     checks = [_tokenizer_agreement(tok, oracle, thresholds, measured, progress)]
+    outputs: list[OutputVerdict] = []
     if record.kind == "embed":
-        judged = await _judge_embeddings(
-            client, tok, oracle, texts, options, thresholds, measured, progress
+        served = served_outputs(record.manifest)
+        if "dense" in served:
+            judged = await _judge_embeddings(
+                client, tok, oracle, texts, options, thresholds, measured, progress
+            )
+            checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+            outputs.append(output_verdict("dense", judged.checks))
+        else:
+            what = f"{'/'.join(k for k in served if k != 'tokens')} model without a pooled vector"
+            checks += gates.embedding_not_applicable(what)
+            checks.append(gates.rerank_not_applicable("embedding"))
+        kinds = await judge_kinds(
+            client,
+            ref_dir,
+            texts,
+            thresholds,
+            measured,
+            progress,
+            options.batch_size,
+            options.sample_stride,
+            judge=oracle.reference,
         )
-        checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+        checks += kinds.checks
+        outputs += kinds.outputs
+        if "dense" not in served:
+            probe = kinds.probe if kinds.probe is not None else np.zeros(0, np.float32)
+            judged = _Judged([], probe, thresholds.fingerprint_grid_embed)
     elif record.manifest.llm_rerank is not None:
         judged = await _judge_llm_rerank(client, oracle, texts, thresholds, measured, progress)
         checks += gates.embedding_not_applicable("LLM reranker") + judged.checks
@@ -215,6 +252,7 @@ async def certify(
         reference=oracle.reference_name,
         provenance=record.manifest.provenance,
         agreement=agreement,
+        outputs=outputs,
     )
     if options.save:
         store.save(cert)

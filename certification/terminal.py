@@ -92,6 +92,10 @@ def print_certificate(console: Console, cert: Certificate) -> None:
         for c in cert.checks:
             if c.detail:
                 console.print(f"  [dim]{c.name}:[/] {escape(c.detail)}")
+    for o in cert.outputs:
+        style = STYLE.get(o.status, "bold magenta")  # "not served": neither pass nor fail
+        detail = f" [dim]{escape(o.detail)}[/]" if o.detail else ""
+        console.print(f"  output [bold]{escape(o.output)}[/]: [{style}]{o.status}[/]{detail}")
     if cert.failing:
         console.print(f"[bold red]failing:[/] {', '.join(cert.failing)}")
     notes = [

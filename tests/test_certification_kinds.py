@@ -1,0 +1,247 @@
+"""`synapse certify` of the token-level kinds on the llama.cpp lane, against their references
+on the CPU (certification.reference.token_kinds): sparse (inference-free SPLADE: SPLADE
+documents and static queries; bge-m3's lexical weights), multi-vector (ColBERT, bge-m3) and
+late chunking (a mean-pooled XLM-RoBERTa), one certificate per model with one verdict per
+output. Faults fail the gates they touch: bge-m3 with perturbed head files (its dense output
+still passes), an embedder whose weights lost mantissa bits (late chunking fails); a ColBERT
+whose query expansion is not attended has its query side refused by the lane, which the
+certificate says, never passing it.
+
+The tiny seeded models are the head tests' own builders (tests.test_sparse_heads,
+tests.test_multivector_heads, tests.test_hf_xlmr), built once for the module; the runs judge
+every STRIDE-th corpus item."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from certification import report
+from certification.certificate import Certificate, decode, encode
+from certification.degrade import truncated_mantissa_copy
+from certification.runner import RunOptions, certify
+from certification.store import CertificateStore
+from tests.test_hf_xlmr import _config as xlmr_config
+from tests.test_hf_xlmr import _unigram_tokenizer
+from tests.test_multivector_heads import _body_variant, tiny_bge_m3, tiny_colbert
+from tests.test_sparse_heads import _bert, inference_free_splade
+
+pytestmark = pytest.mark.model
+
+STRIDE = 16  # 21 of the 335 corpus items
+
+
+def _perturbed_heads(src: Path, dst: Path) -> Path:
+    """bge-m3 with both head files perturbed (seeded noise of a tenth of each weight's
+    spread): what a careless head conversion does. Every other file is the original."""
+    import torch
+
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f)
+    gen = torch.Generator().manual_seed(7)
+    for name in ("sparse_linear.pt", "colbert_linear.pt"):
+        state = torch.load(src / name, map_location="cpu", weights_only=True)
+        w = state["weight"]
+        state["weight"] = w + 0.1 * w.std() * torch.randn(w.shape, generator=gen)
+        (dst / name).unlink()
+        torch.save(state, dst / name)
+    return dst
+
+
+def _xlmr_embedder(root: Path) -> Path:
+    """A mean-pooled, normalized XLM-RoBERTa sentence-transformers model (48 tokens)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import XLMRobertaModel
+
+    raw = root / "xlmr-raw"
+    n_vocab = _unigram_tokenizer(raw)
+    torch.manual_seed(0)
+    XLMRobertaModel(xlmr_config(n_vocab)).eval().save_pretrained(raw)
+    out = root / "xlmr"
+    body = Transformer(str(raw), max_seq_length=48)
+    dims = body.get_embedding_dimension()
+    SentenceTransformer(modules=[body, Pooling(dims, "mean"), Normalize()], device="cpu").save(
+        str(out)
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def dirs(module_tmp) -> dict[str, Path]:
+    colbert = tiny_colbert(module_tmp)
+    m3 = tiny_bge_m3(module_tmp / "m3")
+    xlmr = _xlmr_embedder(module_tmp)
+    return {
+        "ifree": inference_free_splade(module_tmp / "ifree", _bert(module_tmp / "mlm", 0)),
+        "m3": m3,
+        "m3-bad-heads": _perturbed_heads(m3, module_tmp / "m3-bad-heads"),
+        "colbert": colbert,
+        "colbert-unattended": _body_variant(colbert, module_tmp / "unattended", attend=False),
+        "xlmr": xlmr,
+        "xlmr-6bits": truncated_mantissa_copy(xlmr, module_tmp / "xlmr-6bits", 6),
+    }
+
+
+@pytest.fixture(scope="module")
+def certs(dirs, module_tmp) -> dict[str, Certificate]:
+    from host.config import HostConfig
+    from host.module import Module, ModuleConfig
+    from ingest.store import ArtifactStore
+
+    store = ArtifactStore(module_tmp / "models")
+    for name, d in dirs.items():
+        # bge-m3 pools its CLS vector (FlagEmbedding's dense output).
+        store.ingest_hf_dir(d, name, dtype="f32", pooling="cls" if "m3" in name else None)
+    certificates = CertificateStore(module_tmp / "certificates")
+    runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
+    config = ModuleConfig(
+        store_root=str(store.root), host=HostConfig(runtime_dir=runtime, ping_interval_s=0)
+    )
+    # A degraded artifact is judged against the checkpoint it was degraded from.
+    against = {"m3-bad-heads": dirs["m3"], "xlmr-6bits": dirs["xlmr"]}
+
+    async def run(name: str) -> Certificate:
+        async with Module(config) as mod:
+            options = RunOptions(
+                model=name,
+                sample_stride=STRIDE,
+                reference_dir=str(against[name]) if name in against else None,
+                agreement=False,
+            )
+            return await certify(mod, options, certificates)
+
+    try:
+        return {name: asyncio.run(run(name)) for name in dirs}
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _check(cert: Certificate, name: str):
+    return next(c for c in cert.checks if c.name == name)
+
+
+def _outputs(cert: Certificate) -> dict[str, str]:
+    return {o.output: o.status for o in cert.outputs}
+
+
+def test_inference_free_splade_certifies_both_routes(certs):
+    cert = certs["ifree"]
+    assert cert.status == "certified", cert.failing
+    assert _outputs(cert) == {"sparse": "pass"}  # no pooled vector: no dense, no late chunking
+    assert _check(cert, "quality.min_cosine").status == "n/a"
+    m = cert.measurements.kinds["sparse"]
+    assert m.n_items == 2 * cert.corpus.n_items  # the document route and the query route
+    assert "query route (static weights" in _check(cert, "sparse.active_set").detail
+    print(
+        f"\nifree SPLADE: worst sparse cos {_check(cert, 'sparse.min_cosine').value:.7f}, "
+        f"worst value error {_check(cert, 'sparse.max_value_rel_error').value:.4f}"
+    )
+
+
+def test_bge_m3_is_certified_on_each_output(certs):
+    cert = certs["m3"]
+    assert cert.status == "certified", cert.failing
+    assert _outputs(cert) == {
+        "dense": "pass",
+        "sparse": "pass",
+        "multivector": "pass",
+        "late_chunking": "n/a",  # a CLS-pooled model: no chunk has a first token of its own
+    }
+    mv = _check(cert, "multivector.maxsim_max_abs_error")
+    assert len(cert.measurements.kinds["multivector"].maxsim_errors) == (
+        cert.corpus.n_queries * cert.corpus.n_items
+    )
+    print(
+        f"\nbge-m3: dense min cos {_check(cert, 'quality.min_cosine').value:.7f}; sparse cos "
+        f"{_check(cert, 'sparse.min_cosine').value:.7f}, value error "
+        f"{_check(cert, 'sparse.max_value_rel_error').value:.2e}; multi-vector cos "
+        f"{_check(cert, 'multivector.min_cosine').value:.7f}, MaxSim error {mv.value:.2e}"
+    )
+
+
+def test_colbert_is_certified_against_multivectorencoder(certs):
+    cert = certs["colbert"]
+    assert cert.status == "certified", cert.failing
+    assert _outputs(cert) == {"multivector": "pass"}
+    detail = _check(cert, "multivector.token_count").detail
+    assert "MultiVectorEncoder" in detail and "special token" in detail  # "[SEP]" is text
+    print(
+        f"\nColBERT: worst vector cos {_check(cert, 'multivector.min_cosine').value:.7f}, "
+        f"MaxSim error {_check(cert, 'multivector.maxsim_max_abs_error').value:.2e}"
+    )
+
+
+def test_late_chunking_is_certified_within_and_beyond_the_context(certs):
+    cert = certs["xlmr"]
+    assert cert.status == "certified", cert.failing
+    assert _outputs(cert) == {"dense": "pass", "late_chunking": "pass"}
+    late = _check(cert, "late_chunking.min_cosine")
+    assert "longer than the 48-token context" in late.detail
+    assert not late.detail.startswith("0 documents")
+    print(f"\nlate chunking: worst chunk cos {late.value:.7f} ({late.detail})")
+
+
+def test_faults_fail_the_gates_they_touch(certs):
+    bad = certs["m3-bad-heads"]
+    assert bad.status == "failed"
+    # The transformer is intact: its dense output still passes; both heads fail, by name.
+    assert _outputs(bad) == {
+        "dense": "pass",
+        "sparse": "fail",
+        "multivector": "fail",
+        "late_chunking": "n/a",
+    }
+    for name in ("sparse.min_cosine", "multivector.min_cosine"):
+        assert name in bad.failing, bad.failing
+    failing = {o.output: o.detail for o in bad.outputs}
+    assert "sparse.min_cosine" in failing["sparse"]
+    late = certs["xlmr-6bits"]
+    assert late.status == "failed" and "late_chunking.min_cosine" in late.failing
+    assert _outputs(late)["late_chunking"] == "fail"
+    print(
+        f"\nfaults: perturbed heads sparse cos {_check(bad, 'sparse.min_cosine').value:.5f}, "
+        f"vector cos {_check(bad, 'multivector.min_cosine').value:.5f}; 6-bit weights late "
+        f"chunking cos {_check(late, 'late_chunking.min_cosine').value:.5f}"
+    )
+
+
+def test_an_output_the_lane_refuses_is_not_served_never_passed(certs):
+    """llama.cpp cannot hide the unattended expansion tokens from themselves, so the lane
+    refuses such queries: the certificate says so with the lane's reason, and the document
+    side it does serve is still judged."""
+    cert = certs["colbert-unattended"]
+    verdict = next(o for o in cert.outputs if o.output == "multivector")
+    assert verdict.status == "not served"
+    assert verdict.detail.startswith("not served on this lane: query side:"), verdict.detail
+    maxsim = _check(cert, "multivector.maxsim_max_abs_error")
+    assert maxsim.status == "n/a" and "not served on this lane" in maxsim.detail
+    assert _check(cert, "multivector.min_cosine").status == "pass"  # the documents
+    assert cert.failing == []
+
+
+def test_the_certificate_reads_back_and_the_report_gives_each_output(certs, tmp_path):
+    cert = certs["m3-bad-heads"]
+    assert decode(encode(cert)) == cert
+    html = report.write(cert, tmp_path / "r.html").read_text()
+    for o in cert.outputs:
+        assert f'data-output="{o.output}"' in html
+        assert f'data-status="{o.status}"' in html
+    # A certificate written before the token-level kinds (no outputs, no kinds, no kind
+    # thresholds) still reads.
+    old = msgspec.json.decode(encode(certs["xlmr"]))
+    del old["outputs"], old["measurements"]["kinds"]
+    for name in [k for k in old["thresholds"] if k.startswith(("sparse", "multivector", "late"))]:
+        del old["thresholds"][name]
+    del old["thresholds"]["maxsim_max_abs"]
+    back = decode(msgspec.json.encode(old))
+    assert back.outputs == [] and back.measurements.kinds == {}
+    assert np.isclose(back.thresholds.sparse_value_rel, 0.10)
