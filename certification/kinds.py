@@ -49,7 +49,7 @@ MULTIVECTOR_CHECKS = [
     "multivector.maxsim_max_abs_error",
 ]
 LATE_CHECKS = ["late_chunking.min_cosine"]
-LONG_DOCUMENT_REPEATS = 64  # at most this many passes over the base sentences
+LONG_DOCUMENT_SENTENCES = 4096  # at most this many: past 2 x 32k tokens
 
 
 class _Progress:  # certification.runner.Progress, which imports this module
@@ -159,9 +159,8 @@ async def _judge_sparse(
             want = await asyncio.to_thread(ref.m3_lexical_weights, ids)
         else:
             want = await asyncio.to_thread(ref.splade, ids, side)
-        items += [
-            kg.compare_sparse(a, b, t.sparse_value_rel) for a, b in zip(lane, want, strict=True)
-        ]
+        rel, floor = t.sparse_value_rel, t.sparse_value_floor
+        items += [kg.compare_sparse(a, b, rel, floor) for a, b in zip(lane, want, strict=True)]
         progress.advance("sparse", len(texts))
         what = "static weights of the bare ids" if side == "query" else "with a forward pass"
         said.append(f"{side} route ({what})")
@@ -240,13 +239,14 @@ async def _judge_multivector(
             else:
                 worst.append(float(kg.vector_cosines(a, b).min()) if len(a) else 1.0)
             k += 1
-    errors = np.zeros(0)
+    errors, lengths = np.zeros(0), np.zeros(0)
     if "query" in sides and "document" in sides:
         docs = [(x, a, b) for x, a, b in zip(*sides["document"], strict=True) if x not in skip]
         qrs = [(x, a, b) for x, a, b in zip(*sides["query"], strict=True) if x not in skip]
         lane_scores = np.array([[maxsim(q[1], d[1]) for d in docs] for q in qrs], np.float64)
         ref_scores = await asyncio.to_thread(ref.maxsim, [q[2] for q in qrs], [d[2] for d in docs])
         errors = np.abs(lane_scores - ref_scores).reshape(-1)
+        lengths = np.repeat([len(q[2]) for q in qrs], len(docs))
     judge = "MultiVectorEncoder" if colbert else "FlagEmbedding's colbert_vecs"
     detail = f"corpus items as documents, retrieval queries as queries; against {judge}"
     if skip:
@@ -261,7 +261,7 @@ async def _judge_multivector(
         n_items=len(worst),
         skipped=len(skip),
     )
-    checks = kg.multivector_checks(differ, len(worst), worst_arr, errors, t, detail)
+    checks = kg.multivector_checks(differ, len(worst), worst_arr, errors, lengths, t, detail)
     if refused is not None:
         checks[-1] = kg.not_served([checks[-1].name], refused)[0]
     return checks, kg.output_verdict("multivector", checks, refused), probe
@@ -311,12 +311,12 @@ async def _judge_late(
 
 
 def _long_document(tok, context: int) -> list[str]:
-    """The base sentences in order, repeated until the document spans more than two of the
-    model's context windows: late chunking must read it in overlapping windows."""
-    base = [s + " " for s in SENTENCES]
+    """The base sentences in order (again from the first when they run out), one chunk each,
+    until the document spans more than two of the model's contexts: late chunking must read
+    it in overlapping windows."""
     doc: list[str] = []
-    for _ in range(LONG_DOCUMENT_REPEATS):
-        doc += base
+    for k in range(LONG_DOCUMENT_SENTENCES):
+        doc.append(SENTENCES[k % len(SENTENCES)] + " ")
         if len(tok.tokenize(["".join(doc)], add_special_tokens=False)[0].ids) > 2 * context:
             break
     return doc

@@ -46,8 +46,8 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 <p>Each output the model serves, judged on its own checks against its reference.</p>
 <table id="outputs"><tr><th>output</th><th>verdict</th><th>checks</th><th>detail</th></tr>
 {% for o in c.outputs %}<tr data-output="{{ o.output }}" data-status="{{ o.status }}">
-<td>{{ o.output }}</td>
-<td><span class="status {{ o.status|replace('/', '')|replace(' ', '-') }}">{{ o.status }}</span></td>
+<td>{{ o.output }}</td><td><span
+ class="status {{ o.status|replace('/', '')|replace(' ', '-') }}">{{ o.status }}</span></td>
 <td>{{ o.checks|join(", ") }}</td><td>{{ o.detail }}</td></tr>
 {% endfor %}</table>{% endif %}
 

@@ -40,9 +40,12 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # ~4 % against the erf GELU of the reference, so values get 10 % relative, the vector as a
     # whole a sparse cosine of 0.9999.
     sparse_value_rel: float = 0.10
+    # ...of the value, or of this fraction of the vector's largest |value| where that is more:
+    # relu near 0 keeps the logit's absolute error, which no relative bar holds.
+    sparse_value_floor: float = 0.01
     sparse_min_cosine: float = 0.9999
     # Multi-vector: every token's vector at the embedders' cosine bar; MaxSim, a sum of one
-    # best dot product per query vector, within 1e-3 absolute.
+    # best dot product per query vector, within 1e-3 per query vector.
     multivector_min_cosine: float = 0.9999
     maxsim_max_abs: float = 1e-3
     late_chunk_min_cosine: float = 0.9999  # every chunk's vector, as an embedder's
@@ -128,7 +131,7 @@ TABLE: dict[tuple[str, str], Thresholds] = {
         fingerprint_grid_rerank=1 / 16,  # margin 7.8e-3 > the 5e-3 tolerance
         # Token-level kinds, the fp16 lane's own bars: the embedders' cosine bar (5e-4 of
         # 1 - cos) for every vector, sparse vector and chunk; values at the llama rows' 10 %;
-        # MaxSim 10x the llama bar (each query vector's best dot product moves by up to its
+        # MaxSim per query vector 10x the llama bar (each best dot product moves by its
         # vectors' fp16 error). Not yet measured on the lane's own token outputs.
         sparse_min_cosine=0.9995,
         multivector_min_cosine=0.9995,

@@ -2,10 +2,10 @@
 on the CPU (certification.reference.token_kinds): sparse (inference-free SPLADE: SPLADE
 documents and static queries; bge-m3's lexical weights), multi-vector (ColBERT, bge-m3) and
 late chunking (a mean-pooled XLM-RoBERTa), one certificate per model with one verdict per
-output. Faults fail the gates they touch: bge-m3 with perturbed head files (its dense output
-still passes), an embedder whose weights lost mantissa bits (late chunking fails); a ColBERT
-whose query expansion is not attended has its query side refused by the lane, which the
-certificate says, never passing it.
+output. Faults fail the gates they touch: a served lane judged against a checkpoint whose
+head files were perturbed (bge-m3) or whose weights lost mantissa bits (late chunking); a
+ColBERT whose query expansion is not attended has its query side refused by the lane, which
+the certificate says, never passing it.
 
 The tiny seeded models are the head tests' own builders (tests.test_sparse_heads,
 tests.test_multivector_heads, tests.test_hf_xlmr), built once for the module; the runs judge
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -23,10 +24,14 @@ import numpy as np
 import pytest
 
 from certification import report
-from certification.certificate import Certificate, decode, encode
+from certification.certificate import Certificate, Measurements, decode, encode
+from certification.corpus import corpus
 from certification.degrade import truncated_mantissa_copy
-from certification.runner import RunOptions, certify
+from certification.kinds import KindsJudged, judge_kinds
+from certification.lane_client import LaneClient
+from certification.runner import NullProgress, RunOptions, certify
 from certification.store import CertificateStore
+from certification.thresholds import thresholds_for
 from tests.test_hf_xlmr import _config as xlmr_config
 from tests.test_hf_xlmr import _unigram_tokenizer
 from tests.test_multivector_heads import _body_variant, tiny_bge_m3, tiny_colbert
@@ -34,7 +39,7 @@ from tests.test_sparse_heads import _bert, inference_free_splade
 
 pytestmark = pytest.mark.model
 
-STRIDE = 16  # 21 of the 335 corpus items
+STRIDE = 32  # 11 of the 335 corpus items
 
 
 def _perturbed_heads(src: Path, dst: Path) -> Path:
@@ -78,21 +83,23 @@ def _xlmr_embedder(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def dirs(module_tmp) -> dict[str, Path]:
     colbert = tiny_colbert(module_tmp)
-    m3 = tiny_bge_m3(module_tmp / "m3")
-    xlmr = _xlmr_embedder(module_tmp)
     return {
         "ifree": inference_free_splade(module_tmp / "ifree", _bert(module_tmp / "mlm", 0)),
-        "m3": m3,
-        "m3-bad-heads": _perturbed_heads(m3, module_tmp / "m3-bad-heads"),
+        "m3": tiny_bge_m3(module_tmp / "m3"),
         "colbert": colbert,
         "colbert-unattended": _body_variant(colbert, module_tmp / "unattended", attend=False),
-        "xlmr": xlmr,
-        "xlmr-6bits": truncated_mantissa_copy(xlmr, module_tmp / "xlmr-6bits", 6),
+        "xlmr": _xlmr_embedder(module_tmp),
     }
 
 
+@dataclass
+class Runs:
+    certs: dict[str, Certificate]
+    faults: dict[str, KindsJudged]  # a served lane judged against a faulty checkpoint
+
+
 @pytest.fixture(scope="module")
-def certs(dirs, module_tmp) -> dict[str, Certificate]:
+def runs(dirs, module_tmp) -> Runs:
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
     from ingest.store import ArtifactStore
@@ -100,29 +107,43 @@ def certs(dirs, module_tmp) -> dict[str, Certificate]:
     store = ArtifactStore(module_tmp / "models")
     for name, d in dirs.items():
         # bge-m3 pools its CLS vector (FlagEmbedding's dense output).
-        store.ingest_hf_dir(d, name, dtype="f32", pooling="cls" if "m3" in name else None)
+        store.ingest_hf_dir(d, name, dtype="f32", pooling="cls" if name == "m3" else None)
+    # Faults: the checkpoint a served lane is judged against differs from what it serves by
+    # perturbed head files (bge-m3), or by weights cut to 6 mantissa bits (late chunking).
+    faulty = {
+        "m3": _perturbed_heads(dirs["m3"], module_tmp / "m3-bad-heads"),
+        "xlmr": truncated_mantissa_copy(dirs["xlmr"], module_tmp / "xlmr-6bits", 6),
+    }
     certificates = CertificateStore(module_tmp / "certificates")
     runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
     config = ModuleConfig(
         store_root=str(store.root), host=HostConfig(runtime_dir=runtime, ping_interval_s=0)
     )
-    # A degraded artifact is judged against the checkpoint it was degraded from.
-    against = {"m3-bad-heads": dirs["m3"], "xlmr-6bits": dirs["xlmr"]}
+    out = Runs({}, {})
 
-    async def run(name: str) -> Certificate:
+    async def run(name: str) -> None:
         async with Module(config) as mod:
-            options = RunOptions(
-                model=name,
-                sample_stride=STRIDE,
-                reference_dir=str(against[name]) if name in against else None,
-                agreement=False,
-            )
-            return await certify(mod, options, certificates)
+            options = RunOptions(model=name, sample_stride=STRIDE, agreement=False)
+            out.certs[name] = await certify(mod, options, certificates)
+            if name in faulty:
+                client = LaneClient(mod, name)
+                texts = list(corpus())[::STRIDE]
+                t = thresholds_for("llama", "f32")
+                out.faults[name] = await judge_kinds(
+                    client, faulty[name], texts, t, Measurements(), NullProgress(), 8, STRIDE
+                )
 
     try:
-        return {name: asyncio.run(run(name)) for name in dirs}
+        for name in dirs:
+            asyncio.run(run(name))
+        return out
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def certs(runs) -> dict[str, Certificate]:
+    return runs.certs
 
 
 def _check(cert: Certificate, name: str):
@@ -172,8 +193,7 @@ def test_colbert_is_certified_against_multivectorencoder(certs):
     cert = certs["colbert"]
     assert cert.status == "certified", cert.failing
     assert _outputs(cert) == {"multivector": "pass"}
-    detail = _check(cert, "multivector.token_count").detail
-    assert "MultiVectorEncoder" in detail and "special token" in detail  # "[SEP]" is text
+    assert "MultiVectorEncoder" in _check(cert, "multivector.token_count").detail
     print(
         f"\nColBERT: worst vector cos {_check(cert, 'multivector.min_cosine').value:.7f}, "
         f"MaxSim error {_check(cert, 'multivector.maxsim_max_abs_error').value:.2e}"
@@ -190,27 +210,26 @@ def test_late_chunking_is_certified_within_and_beyond_the_context(certs):
     print(f"\nlate chunking: worst chunk cos {late.value:.7f} ({late.detail})")
 
 
-def test_faults_fail_the_gates_they_touch(certs):
-    bad = certs["m3-bad-heads"]
-    assert bad.status == "failed"
-    # The transformer is intact: its dense output still passes; both heads fail, by name.
-    assert _outputs(bad) == {
-        "dense": "pass",
-        "sparse": "fail",
-        "multivector": "fail",
-        "late_chunking": "n/a",
-    }
-    for name in ("sparse.min_cosine", "multivector.min_cosine"):
-        assert name in bad.failing, bad.failing
-    failing = {o.output: o.detail for o in bad.outputs}
-    assert "sparse.min_cosine" in failing["sparse"]
-    late = certs["xlmr-6bits"]
-    assert late.status == "failed" and "late_chunking.min_cosine" in late.failing
-    assert _outputs(late)["late_chunking"] == "fail"
+def test_faults_fail_the_gates_they_touch(runs):
+    bad = runs.faults["m3"]
+    # Both heads fail, each by the check that names the fault; the sparse vectors' ids and
+    # the vectors' count stay right (the transformer and the token ids are intact).
+    status = {o.output: o.status for o in bad.outputs}
+    assert status == {"sparse": "fail", "multivector": "fail", "late_chunking": "n/a"}
+    failing = {c.name for c in bad.checks if c.status == "fail"}
+    assert {"sparse.min_cosine", "multivector.min_cosine"} <= failing, failing
+    assert "multivector.token_count" not in failing
+    detail = {o.output: o.detail for o in bad.outputs}
+    assert "sparse.min_cosine" in detail["sparse"] and "multivector" in detail["multivector"]
+    late = runs.faults["xlmr"]
+    assert [o.status for o in late.outputs] == ["fail"]
+    (check,) = late.checks
+    assert check.name == "late_chunking.min_cosine" and check.status == "fail"
+    by_name = {c.name: c for c in bad.checks}
     print(
-        f"\nfaults: perturbed heads sparse cos {_check(bad, 'sparse.min_cosine').value:.5f}, "
-        f"vector cos {_check(bad, 'multivector.min_cosine').value:.5f}; 6-bit weights late "
-        f"chunking cos {_check(late, 'late_chunking.min_cosine').value:.5f}"
+        f"\nfaults: perturbed heads sparse cos {by_name['sparse.min_cosine'].value:.5f}, "
+        f"vector cos {by_name['multivector.min_cosine'].value:.5f}; 6-bit weights late "
+        f"chunking cos {check.value:.5f}"
     )
 
 
@@ -229,7 +248,7 @@ def test_an_output_the_lane_refuses_is_not_served_never_passed(certs):
 
 
 def test_the_certificate_reads_back_and_the_report_gives_each_output(certs, tmp_path):
-    cert = certs["m3-bad-heads"]
+    cert = certs["m3"]
     assert decode(encode(cert)) == cert
     html = report.write(cert, tmp_path / "r.html").read_text()
     for o in cert.outputs:
