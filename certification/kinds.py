@@ -96,17 +96,18 @@ async def judge_kinds(
     from certification.reference.token_kinds import KindsReference
 
     ref = KindsReference(ref_dir)
+    need_probe = "dense" not in served  # else the dense vectors are the fingerprint
     probes: list[np.ndarray] = []
     if "sparse" in served:
         checks, verdict, probe = await _judge_sparse(
-            client, ref, Path(ref_dir), texts, t, measured, progress, batch_size
+            client, ref, Path(ref_dir), texts, t, measured, progress, batch_size, need_probe
         )
         out.checks += checks
         out.outputs.append(verdict)
         probes.append(probe)
     if "multivector" in served:
         checks, verdict, probe = await _judge_multivector(
-            client, ref, Path(ref_dir), texts, t, measured, progress, batch_size
+            client, ref, Path(ref_dir), texts, t, measured, progress, batch_size, need_probe
         )
         out.checks += checks
         out.outputs.append(verdict)
@@ -139,6 +140,7 @@ async def _judge_sparse(
     measured: Measurements,
     progress: _Progress,
     batch_size: int,
+    need_probe: bool,
 ) -> tuple[list[Check], OutputVerdict, np.ndarray]:
     source = sparse_source(ref_dir)
     head = client.record.manifest.heads["sparse"]
@@ -150,7 +152,7 @@ async def _judge_sparse(
     for side in routes:
         try:
             lane, ids = await _encode_all(client, texts, "sparse", side, batch_size)
-            if side == "document":
+            if side == "document" and need_probe:
                 probe = _dense_probe(await _encode_all(client, probe_set(), "sparse", side, 64))
         except NotServed as exc:
             checks = kg.not_served(SPARSE_CHECKS, f"{side} side: {exc}")
@@ -196,6 +198,7 @@ async def _judge_multivector(
     measured: Measurements,
     progress: _Progress,
     batch_size: int,
+    need_probe: bool,
 ) -> tuple[list[Check], OutputVerdict, np.ndarray]:
     colbert = multivector_kind(ref_dir) == "colbert"
     qs = queries()
@@ -211,7 +214,7 @@ async def _judge_multivector(
         lane_side = side if colbert else "document"  # bge-m3 reads both alike
         try:
             lane, ids = await _encode_all(client, items, "multivector", lane_side, batch_size)
-            if side == "document":
+            if side == "document" and need_probe:
                 pv, _ = await _encode_all(client, probe_set(), "multivector", lane_side, 64)
                 probe = np.concatenate(pv) if pv else probe
         except NotServed as exc:
