@@ -93,6 +93,9 @@ class RunOptions:
     runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
     save: bool = True
     agreement: bool = True  # measure agreement with the other lane when it is certified here
+    # Measure the lane's latency curve (what routing reads; a certificate without one has it
+    # measured at load). Off only for smoke runs and tests that judge quality alone.
+    curve: bool = True
 
 
 @dataclass
@@ -211,7 +214,7 @@ async def certify(
     progress.advance("placement")
     # The curve is what routing between two lanes reads; only embedding and rerank calls are
     # routed, so a classifier (labels, no relevance score to rank by) has none.
-    if not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
+    if options.curve and not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
         progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
         measured.latency_curve = await measure_curve(module, options.model, options.lane)
         progress.advance("curve")
