@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -52,7 +53,7 @@ LATE_CHECKS = ["late_chunking.min_cosine"]
 LONG_DOCUMENT_SENTENCES = 4096  # at most this many: past 2 x 32k tokens
 
 
-class _Progress:  # certification.runner.Progress, which imports this module
+class _Progress(Protocol):  # certification.runner.Progress, which imports this module
     def start(self, key: str, description: str, total: int) -> None: ...
     def advance(self, key: str, n: int = 1) -> None: ...
 
@@ -283,7 +284,7 @@ async def _judge_late(
 ) -> tuple[list[Check], OutputVerdict]:
     context = client.record.manifest.max_tokens
     tok = await client.tokenizer()
-    docs = list(late_chunking_documents())[::sample_stride]
+    docs = [list(d) for d in late_chunking_documents()[::sample_stride]]
     docs.append(_long_document(tok, context))
     progress.start("late", "late chunking: lane and reference", len(docs))
     worst, windows = [], []
