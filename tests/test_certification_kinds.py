@@ -123,8 +123,11 @@ def runs(dirs, module_tmp) -> Runs:
 
     async def run(name: str) -> None:
         async with Module(config) as mod:
-            # Quality alone: no other lane to agree with, no latency curve to route by.
-            options = RunOptions(model=name, sample_stride=STRIDE, agreement=False, curve=False)
+            # No other lane to agree with; one latency curve (a model without a pooled
+            # vector times its own output), the others judge quality alone.
+            options = RunOptions(
+                model=name, sample_stride=STRIDE, agreement=False, curve=name == "ifree"
+            )
             out.certs[name] = await certify(mod, options, certificates)
             if name in faulty:
                 client = LaneClient(mod, name)
@@ -163,6 +166,8 @@ def test_inference_free_splade_certifies_both_routes(certs):
     m = cert.measurements.kinds["sparse"]
     assert m.n_items == 2 * cert.corpus.n_items  # the document route and the query route
     assert "query route (static weights" in _check(cert, "sparse.active_set").detail
+    curve = cert.measurements.latency_curve
+    assert curve is not None and len(curve.seconds) == len(curve.items) and min(curve.seconds) > 0
     print(
         f"\nifree SPLADE: worst sparse cos {_check(cert, 'sparse.min_cosine').value:.7f}, "
         f"worst value error {_check(cert, 'sparse.max_value_rel_error').value:.4f}"
