@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,7 @@ def runs(dirs, module_tmp) -> Runs:
     from host.module import Module, ModuleConfig
     from ingest.store import ArtifactStore
 
+    started = time.perf_counter()
     store = ArtifactStore(module_tmp / "models")
     for name, d in dirs.items():
         # bge-m3 pools its CLS vector (FlagEmbedding's dense output).
@@ -138,8 +140,13 @@ def runs(dirs, module_tmp) -> Runs:
                 )
 
     try:
+        ingested = time.perf_counter()
         for name in dirs:
             asyncio.run(run(name))
+        print(
+            f"\nkinds: ingest {ingested - started:.1f} s, certify "
+            f"{time.perf_counter() - ingested:.1f} s ({len(dirs)} runs)"
+        )
         return out
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
