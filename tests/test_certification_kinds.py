@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from rich.console import Console
 
 from certification import report
 from certification.certificate import Certificate, Measurements, decode, encode
@@ -32,6 +33,7 @@ from certification.kinds import KindsJudged, judge_kinds
 from certification.lane_client import LaneClient
 from certification.runner import NullProgress, RunOptions, certify
 from certification.store import CertificateStore
+from certification.terminal import print_certificate
 from certification.thresholds import thresholds_for
 from tests.test_hf_xlmr import _config as xlmr_config
 from tests.test_hf_xlmr import _unigram_tokenizer
@@ -258,6 +260,12 @@ def test_an_output_the_lane_refuses_is_not_served_never_passed(certs):
     assert maxsim.status == "n/a" and "not served on this lane" in maxsim.detail
     assert _check(cert, "multivector.min_cosine").status == "pass"  # the documents
     assert cert.failing == []
+    # `certify show` says it beside the checks.
+    console = Console(record=True, width=160)
+    print_certificate(console, cert)
+    assert "output multivector: not served not served on this lane: query side:" in (
+        " ".join(console.export_text().split())
+    )
 
 
 def test_the_certificate_reads_back_and_the_report_gives_each_output(certs, tmp_path):
