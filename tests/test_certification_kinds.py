@@ -263,7 +263,7 @@ def test_an_output_the_lane_refuses_is_not_served_never_passed(certs):
     # `certify show` says it beside the checks.
     console = Console(record=True, width=160)
     print_certificate(console, cert)
-    assert "output multivector: not served not served on this lane: query side:" in (
+    assert "output multivector: not served on this lane: query side:" in (
         " ".join(console.export_text().split())
     )
 
