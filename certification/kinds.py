@@ -237,9 +237,9 @@ async def _judge_multivector(
         for text, a, b in zip(items, lane, want, strict=True):
             if text in skip:
                 continue
-            if a.shape != b.shape:
+            if a.shape != b.shape:  # judged by the count; no vector pairs to compare
                 differ.append(k)
-                worst.append(float("nan") if a.shape[1:] != b.shape[1:] else -1.0)
+                worst.append(float("nan"))
             else:
                 worst.append(float(kg.vector_cosines(a, b).min()) if len(a) else 1.0)
             k += 1
@@ -258,7 +258,8 @@ async def _judge_multivector(
             f"; {len(skip)} items holding a special token's text left out (the host reads "
             "it as text, the reference as the token)"
         )
-    worst_arr = np.array(worst, np.float64)
+    compared = [c for j, c in enumerate(worst) if j not in set(differ)]
+    worst_arr = np.array(compared, np.float64)
     measured.kinds["multivector"] = KindMeasurements(
         cosines=[_num(c) for c in worst],
         maxsim_errors=[_num(e) for e in errors],
