@@ -150,7 +150,7 @@ async def certify(
             checks += judged.checks + [gates.rerank_not_applicable("embedding")]
             outputs.append(output_verdict("dense", judged.checks))
         else:
-            what = f"{'/'.join(k for k in served if k != 'tokens')} model without a pooled vector"
+            what = f"{'/'.join(k for k in served if k != 'tokens')} (no pooled vector)"
             checks += gates.embedding_not_applicable(what)
             checks.append(gates.rerank_not_applicable("embedding"))
         kinds = await judge_kinds(

@@ -14,6 +14,7 @@ every STRIDE-th corpus item."""
 from __future__ import annotations
 
 import asyncio
+import io
 import shutil
 import tempfile
 import time
@@ -261,7 +262,7 @@ def test_an_output_the_lane_refuses_is_not_served_never_passed(certs):
     assert _check(cert, "multivector.min_cosine").status == "pass"  # the documents
     assert cert.failing == []
     # `certify show` says it beside the checks.
-    console = Console(record=True, width=160)
+    console = Console(record=True, width=160, file=io.StringIO())
     print_certificate(console, cert)
     assert "output multivector: not served on this lane: query side:" in (
         " ".join(console.export_text().split())
