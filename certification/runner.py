@@ -41,13 +41,14 @@ from certification.certificate import (
     OutputVerdict,
 )
 from certification.corpus import corpus, documents, probe_set, queries
+from certification.errors import ReferenceUnavailable
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
 from certification.kind_gates import output_verdict
 from certification.kinds import judge_kinds
 from certification.lane_client import LaneClient
 from certification.lane_policy import certified_load_extra, machine_differences
-from certification.oracle import ST, Oracle, reference_dir_for, select_reference
+from certification.oracle import ST, ST_INSTALL, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
 from common.errors import SynapseError
@@ -150,6 +151,11 @@ async def certify(
             checks += judged.checks + [gates.rerank_not_applicable("embedding")]
             outputs.append(output_verdict("dense", judged.checks))
         else:
+            if oracle.reference != ST:  # its outputs are all the numpy forward cannot judge
+                raise ReferenceUnavailable(
+                    f"{options.model!r} has no pooled vector: its outputs are judged by "
+                    f"sentence-transformers only. Install the reference: {ST_INSTALL}"
+                )
             what = f"{'/'.join(k for k in served if k != 'tokens')} (no pooled vector)"
             checks += gates.embedding_not_applicable(what)
             checks.append(gates.rerank_not_applicable("embedding"))
