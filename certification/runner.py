@@ -130,6 +130,12 @@ async def certify(
         pooling=record.manifest.pooling if record.kind == "embed" else "mean",
         reference=reference,
     )
+    if record.kind == "embed" and "dense" not in served_outputs(record.manifest):
+        if oracle.reference != ST:  # its outputs are all the numpy forward cannot judge
+            raise ReferenceUnavailable(
+                f"{options.model!r} has no pooled vector: its outputs are judged by "
+                f"sentence-transformers only. Install the reference: {ST_INSTALL}"
+            )
     progress.start("load", f"load {options.model} on the {options.lane} lane", 1)
     await client.load(options.shapes, options.runtime_config_extra)
     progress.advance("load")
@@ -151,11 +157,6 @@ async def certify(
             checks += judged.checks + [gates.rerank_not_applicable("embedding")]
             outputs.append(output_verdict("dense", judged.checks))
         else:
-            if oracle.reference != ST:  # its outputs are all the numpy forward cannot judge
-                raise ReferenceUnavailable(
-                    f"{options.model!r} has no pooled vector: its outputs are judged by "
-                    f"sentence-transformers only. Install the reference: {ST_INSTALL}"
-                )
             what = f"{'/'.join(k for k in served if k != 'tokens')} (no pooled vector)"
             checks += gates.embedding_not_applicable(what)
             checks.append(gates.rerank_not_applicable("embedding"))
