@@ -30,6 +30,7 @@ from certification import report
 from certification.certificate import Certificate, Measurements, decode, encode
 from certification.corpus import corpus
 from certification.degrade import truncated_mantissa_copy
+from certification.errors import ReferenceUnavailable
 from certification.kinds import KindsJudged, judge_kinds
 from certification.lane_client import LaneClient
 from certification.runner import NullProgress, RunOptions, certify
@@ -100,6 +101,7 @@ def dirs(module_tmp) -> dict[str, Path]:
 class Runs:
     certs: dict[str, Certificate]
     faults: dict[str, KindsJudged]  # a served lane judged against a faulty checkpoint
+    numpy_refusal: str | None
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +126,16 @@ def runs(dirs, module_tmp) -> Runs:
     config = ModuleConfig(
         store_root=str(store.root), host=HostConfig(runtime_dir=runtime, ping_interval_s=0)
     )
-    out = Runs({}, {})
+    out = Runs({}, {}, None)
 
     async def run(name: str) -> None:
         async with Module(config) as mod:
+            if name == "ifree":  # the numpy forward judges none of its outputs
+                numpy = RunOptions(model=name, reference="numpy", save=False)
+                with pytest.raises(ReferenceUnavailable) as refused:
+                    await certify(mod, numpy, certificates)
+                out.numpy_refusal = refused.value.message
+                assert mod.supervisor(name, "llama") is None  # refused before any worker
             # No other lane to agree with; one latency curve (a model without a pooled
             # vector times its own output), the others judge quality alone.
             options = RunOptions(
@@ -168,7 +176,7 @@ def _outputs(cert: Certificate) -> dict[str, str]:
     return {o.output: o.status for o in cert.outputs}
 
 
-def test_inference_free_splade_certifies_both_routes(certs):
+def test_inference_free_splade_certifies_both_routes(certs, runs):
     cert = certs["ifree"]
     assert cert.status == "certified", cert.failing
     assert _outputs(cert) == {"sparse": "pass"}  # no pooled vector: no dense, no late chunking
@@ -176,6 +184,7 @@ def test_inference_free_splade_certifies_both_routes(certs):
     m = cert.measurements.kinds["sparse"]
     assert m.n_items == 2 * cert.corpus.n_items  # the document route and the query route
     assert "query route (static weights" in _check(cert, "sparse.active_set").detail
+    assert "has no pooled vector" in str(runs.numpy_refusal)
     curve = cert.measurements.latency_curve
     assert curve is not None and len(curve.seconds) == len(curve.items) and min(curve.seconds) > 0
     print(
