@@ -188,7 +188,7 @@ def test_inference_free_splade_certifies_both_routes(certs, runs):
     curve = cert.measurements.latency_curve
     assert curve is not None and len(curve.seconds) == len(curve.items) and min(curve.seconds) > 0
     print(
-        f"\nifree SPLADE: worst sparse cos {_check(cert, 'sparse.min_cosine').value:.7f}, "
+        f"\nifree SPLADE: worst sparse cos {_check(cert, 'sparse.min_cosine').value:.9f}, "
         f"worst value error {_check(cert, 'sparse.max_value_rel_error').value:.4f}"
     )
 
@@ -210,7 +210,8 @@ def test_bge_m3_is_certified_on_each_output(certs):
         f"\nbge-m3: dense min cos {_check(cert, 'quality.min_cosine').value:.7f}; sparse cos "
         f"{_check(cert, 'sparse.min_cosine').value:.7f}, value error "
         f"{_check(cert, 'sparse.max_value_rel_error').value:.2e}; multi-vector cos "
-        f"{_check(cert, 'multivector.min_cosine').value:.7f}, MaxSim error {mv.value:.2e}"
+        f"{_check(cert, 'multivector.min_cosine').value:.7f}, MaxSim error {mv.value:.2e} per "
+        f"query vector ({mv.detail.rsplit(';', 1)[-1].strip()})"
     )
 
 
@@ -221,7 +222,8 @@ def test_colbert_is_certified_against_multivectorencoder(certs):
     assert "MultiVectorEncoder" in _check(cert, "multivector.token_count").detail
     print(
         f"\nColBERT: worst vector cos {_check(cert, 'multivector.min_cosine').value:.7f}, "
-        f"MaxSim error {_check(cert, 'multivector.maxsim_max_abs_error').value:.2e}"
+        f"MaxSim error {_check(cert, 'multivector.maxsim_max_abs_error').value:.2e} per query "
+        f"vector ({_check(cert, 'multivector.maxsim_max_abs_error').detail.rsplit(';', 1)[-1]})"
     )
 
 
