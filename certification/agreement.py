@@ -23,6 +23,7 @@ import numpy as np
 from certification.corpus import corpus, queries
 from host.lane_policy import Agreement
 from host.lane_router import CURVE_ITEMS, LatencyCurve
+from ingest.store import served_outputs
 
 if TYPE_CHECKING:
     from host.module import Module
@@ -102,15 +103,19 @@ async def measure_curve(module: Module, model: str, lane: str) -> LatencyCurve:
     encoded = tok.encode(texts, truncate=True)
     order = sorted(range(len(texts)), key=lambda i: int(encoded.n_tokens[i]))
     mid = order[len(order) // 2]
-    rerank = module.record(model).kind == "rerank"
+    record = module.record(model)
+    rerank = record.kind == "rerank"
+    served = served_outputs(record.manifest)
     query = queries()[0]
 
     async def one(k: int) -> float:
         start = time.perf_counter()
         if rerank:
             await module.rerank(query, [texts[mid]] * k, model=model, lane=lane)
-        else:
+        elif "dense" in served:
             await module.embed_token_ids([encoded.ids[mid]] * k, model, lane=lane)
+        else:  # a sparse or multi-vector model: its own output is what its calls cost
+            await module.encode_token_ids([encoded.ids[mid]] * k, served[:1], model, lane=lane)
         return time.perf_counter() - start
 
     seconds = []

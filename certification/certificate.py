@@ -23,6 +23,10 @@ Schema v1, one JSON object per certificate:
     agreement     None, or how closely this lane agreed with the model's other certified lane
                   on the corpus (min cosine; rerank: same order), naming both certificates:
                   what lets the two serve one model together (host.lane_policy.Agreement)
+    outputs       an embedder's verdict per output it serves (dense, sparse, multivector,
+                  late_chunking): pass | fail | not served (the lane refused it, with the
+                  lane's reason) | n/a, naming the checks it was judged on; empty for rerankers
+                  and classifiers, and in certificates written before it was recorded
     created_at, duration_s, synapse_version
     reference_dir the HF directory of the reference
     provenance    where the model's files came from (ingest.provenance: the Hub repository and
@@ -86,6 +90,30 @@ class CorpusInfo(msgspec.Struct, frozen=True, kw_only=True):
     n_probe: int
 
 
+OutputStatus = Literal["pass", "fail", "not served", "n/a"]
+
+
+class OutputVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """One output of an embedder, judged on its own checks (certification.kind_gates)."""
+
+    output: str  # "dense", "sparse", "multivector", "late_chunking"
+    status: OutputStatus
+    checks: list[str] = []
+    detail: str = ""
+
+
+class KindMeasurements(msgspec.Struct, kw_only=True):
+    """Per judged item of one token-level output (NaN written as null, as for `cosines`)."""
+
+    # sparse: the sparse cosine per item and route; multivector: the worst vector's cosine per
+    # item; late_chunking: the worst chunk's cosine per document
+    cosines: list[float | None] = []
+    value_errors: list[float | None] = []  # sparse: worst |lane - ref| / |ref| per item
+    maxsim_errors: list[float | None] = []  # multivector: |lane - ref| per query x document
+    n_items: int = 0
+    skipped: int = 0  # items left out of the comparison (the detail of the checks says why)
+
+
 class Measurements(msgspec.Struct, kw_only=True):
     # Per-item values may be NaN (a lane that returns NaN vectors): JSON has no NaN, so it is
     # written as null and reads back as None, which is why these lists admit None.
@@ -105,6 +133,7 @@ class Measurements(msgspec.Struct, kw_only=True):
     placement_source: str | None = None
     placement_ops: dict[str, dict[str, float]] | None = None  # op -> {device: cost}, if known
     latency_curve: LatencyCurve | None = None  # this lane on this machine, for routing
+    kinds: dict[str, KindMeasurements] = {}  # token-level outputs by name; empty in older ones
 
 
 class Certificate(msgspec.Struct, kw_only=True):
@@ -129,6 +158,7 @@ class Certificate(msgspec.Struct, kw_only=True):
     reference: str = NUMPY_REFERENCE
     provenance: Provenance | None = None
     agreement: Agreement | None = None  # with the model's other lane, when it was certified
+    outputs: list[OutputVerdict] = []  # an embedder's verdict per output; empty in older ones
 
 
 def encode(cert: Certificate) -> bytes:

@@ -7,6 +7,9 @@
     synapse certify ls [--json]
     synapse certify show ID [--json] [--report PATH.html]
 
+An embedder is judged on every output it serves (dense; sparse, multi-vector, late chunking
+against their own references), one verdict per output; a refused output is "not served".
+
 Exit status of a run: 0 certified, 4 provisional, 1 failed; typed errors 2 (caller's fault)
 or 3 (engine/host fault), as the other commands.
 """

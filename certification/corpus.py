@@ -150,6 +150,20 @@ def corpus() -> tuple[str, ...]:
     return tuple(items)
 
 
+@cache
+def late_chunking_documents() -> tuple[tuple[str, ...], ...]:
+    """Multi-chunk documents for late chunking: each long paragraph of the corpus as its
+    sentences, in order (a chunk keeps the space after it, so the chunks joined are the
+    paragraph, character for character)."""
+    n = len(SENTENCES)
+    docs = []
+    for i in range(60):  # the corpus's long paragraphs, as `corpus` builds them
+        start, count = i * 3, 6 + (i % 25)
+        sentences = [SENTENCES[(start + k * 7) % n] for k in range(count)]
+        docs.append(tuple(s + " " for s in sentences[:-1]) + (sentences[-1],))
+    return tuple(docs)
+
+
 def queries() -> list[str]:
     """Short retrieval queries: each paraphrases one base sentence."""
     return [f"Tell me about: {s}" for s in SENTENCES[::2]]

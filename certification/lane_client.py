@@ -25,13 +25,23 @@ import numpy as np
 
 from certification.errors import LaneUnavailable
 from certification.identity import LaneIdentity, canonical_json
+from host.errors import WorkerError
 from host.lane_policy import LoadedLanes
 from host.module import Module
+from host.token_outputs import TokenOutputs
 from host.tokenization import Tokenizer
 from ingest.owned import owned_dir
 from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
+# A worker's ERR codes that mean "this lane does not compute that" (an output it has no head
+# for, a query it cannot mask as the model does): the output is not served on the lane, which
+# a certificate says with the lane's reason rather than failing or passing it.
+REFUSAL_CODES = ("unsupported",)
+
+
+class NotServed(Exception):
+    """The lane refused an output; the message is its reason."""
 
 
 class LaneClient:
@@ -112,6 +122,42 @@ class LaneClient:
         for index, score in result.results:
             scores[index] = score
         return scores, ms
+
+    async def encode(
+        self, texts: list[str], outputs: list[str], side: str = "document"
+    ) -> tuple[TokenOutputs, float]:
+        """Token-level outputs through Module.encode_outputs (no model prompt, as `embed`),
+        and the request's latency in ms; `NotServed` when the lane refuses them."""
+        start = time.perf_counter()
+        try:
+            result = await self.module.encode_outputs(
+                texts,
+                outputs,
+                model=self.model,
+                normalize=True,
+                truncate=True,
+                prompt="",
+                side=cast(Any, side),
+                **self._kw,
+            )
+        except WorkerError as exc:
+            if exc.code in REFUSAL_CODES:
+                raise NotServed(exc.message) from None
+            raise
+        return result, (time.perf_counter() - start) * 1e3
+
+    async def late_chunk(self, chunks: list[str]) -> np.ndarray:
+        """One normalized vector per chunk of one document through Module.late_chunk (no
+        model prompt); `NotServed` when the lane refuses the token states it pools."""
+        try:
+            result = await self.module.late_chunk(
+                chunks, model=self.model, normalize=True, prompt="", **self._kw
+            )
+        except WorkerError as exc:
+            if exc.code in REFUSAL_CODES:
+                raise NotServed(exc.message) from None
+            raise
+        return result.vectors
 
     async def classify(self, texts: list[str]) -> tuple[np.ndarray, float]:
         """Every label's score (the model's activation) through Module.classify, in label-id

@@ -41,6 +41,7 @@ from formats.owned.rank_head import says_reranker
 from formats.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsInvalid, weight_files
 from host.tokenization import model_limits
 from ingest.owned import hf_source_dir
+from ingest.sparse_heads import encoder_dir
 from ingest.store import ModelRecord
 
 ST = "sentence-transformers"
@@ -65,9 +66,10 @@ def reference_dir_for(record: ModelRecord) -> Path:
         )
     try:
         path = hf_source_dir(record)
+        # An inference-free sparse model keeps its transformer in its document route.
+        _check_reference_dir(encoder_dir(path))
     except ArtifactInvalid as exc:
         raise ValueError(f"{exc.message}; pass --reference-dir") from None
-    _check_reference_dir(path)
     return path
 
 

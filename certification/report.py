@@ -24,6 +24,7 @@ table { border-collapse: collapse; margin: .5em 0 1.5em } td, th { padding: 3px 
 .status { font-weight: bold; padding: 2px 8px; border-radius: 4px; color: #fff }
 .certified, .pass { background: #2e7d32 } .provisional { background: #ef6c00 }
 .failed, .fail, .drift { background: #c62828 } .na, .info { background: #757575 }
+.not-served { background: #6a1b9a }
 code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
 </style></head><body>
 <h1>{{ c.key.model }} on the {{ c.key.lane }} lane:
@@ -40,6 +41,15 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
  <code>{{ c.provenance.repo }}</code>{% if c.provenance.revision %} at
  <code>{{ c.provenance.revision }}</code>{% endif %}{% if c.provenance.endpoint %} from
  {{ c.provenance.endpoint }}{% endif %}.</p>{% endif %}
+
+{% if c.outputs %}<h2>Outputs</h2>
+<p>Each output the model serves, judged on its own checks against its reference.</p>
+<table id="outputs"><tr><th>output</th><th>verdict</th><th>checks</th><th>detail</th></tr>
+{% for o in c.outputs %}<tr data-output="{{ o.output }}" data-status="{{ o.status }}">
+<td>{{ o.output }}</td><td><span
+ class="status {{ o.status|replace('/', '')|replace(' ', '-') }}">{{ o.status }}</span></td>
+<td>{{ o.checks|join(", ") }}</td><td>{{ o.detail }}</td></tr>
+{% endfor %}</table>{% endif %}
 
 <h2>Checks</h2>
 <table id="checks"><tr><th>check</th><th>gate</th><th>status</th><th>value</th>
@@ -58,7 +68,8 @@ code { font-size: 12px } .plots svg { display: block; margin: 0 0 1.5em }
  ({{ "%.4g"|format(score_bar) }}); points outside it are red. On the right, each pair's
  difference (lane - reference) against the reference score, on a scale where that band is
  visible.</p>{% endif %}
-{{ placement_plot|safe }}
+{% for plot in kind_plots %}{{ plot|safe }}
+{% endfor %}{{ placement_plot|safe }}
 {% if placement_note %}<p>{{ placement_note }}</p>{% endif %}
 {{ latency_plot|safe }}
 </div>
@@ -92,6 +103,7 @@ def render(cert: Certificate) -> str:
         cosine_plot=_cosine_plot(cert),
         score_plot=score_plot,
         score_bar=score_bar,
+        kind_plots=_kind_plots(cert),
         placement_plot=placement_plot,
         placement_note=note,
         latency_plot=svg.histogram(
@@ -129,6 +141,8 @@ def _cosine_plot(cert: Certificate) -> str:
             marker_label=f"min cosine {cert.thresholds.min_cosine:g}",
             y_label="items",
         )
+    if not m.rerank_errors:
+        return ""  # a model without a pooled vector: its outputs have their own plots
     rerank, bad = _finite(m.rerank_errors)
     errors = [math.log10(max(e, 1e-12)) for e in rerank]
     limit = math.log10(max(cert.thresholds.rerank_max_abs, 1e-12))
@@ -141,6 +155,42 @@ def _cosine_plot(cert: Certificate) -> str:
         marker_label=f"max {cert.thresholds.rerank_max_abs:g}",
         y_label="pairs",
     )
+
+
+_KIND_BAR = {
+    "sparse": "sparse_min_cosine",
+    "multivector": "multivector_min_cosine",
+    "late_chunking": "late_chunk_min_cosine",
+}
+_KIND_WHAT = {
+    "sparse": ("sparse cosine per item and route", "items"),
+    "multivector": ("worst vector's cosine per item", "items"),
+    "late_chunking": ("worst chunk's cosine per document", "documents"),
+}
+
+
+def _kind_plots(cert: Certificate) -> list[str]:
+    """Per token-level output, the distribution of its per-item cosines (1 - cosine on a log
+    scale), with the bar it was judged at."""
+    plots = []
+    for kind, m in cert.measurements.kinds.items():
+        if not m.cosines or kind not in _KIND_BAR:
+            continue
+        cosines, bad = _finite(m.cosines)
+        bar = float(getattr(cert.thresholds, _KIND_BAR[kind]))
+        what, unit = _KIND_WHAT[kind]
+        plots.append(
+            svg.histogram(
+                f"kind-{kind}",
+                [math.log10(max(1.0 - c, 1e-12)) for c in cosines],
+                f"{kind}: {what} vs the reference ({len(cosines)} {unit}{bad})",
+                "log10(1 - cosine)   (left is better)",
+                marker=math.log10(max(1.0 - bar, 1e-12)),
+                marker_label=f"min cosine {bar:g}",
+                y_label=unit,
+            )
+        )
+    return plots
 
 
 def _score_plot(cert: Certificate) -> tuple[str, float]:

@@ -25,19 +25,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from certification import gates
 from certification.agreement import measure_agreement, measure_curve
-from certification.certificate import Certificate, Check, CorpusInfo, Drift, Measurements
+from certification.certificate import (
+    Certificate,
+    Check,
+    CorpusInfo,
+    Drift,
+    Measurements,
+    OutputVerdict,
+)
 from certification.corpus import corpus, documents, probe_set, queries
+from certification.errors import ReferenceUnavailable
 from certification.fingerprint import Fingerprint, digest_under, fingerprint
 from certification.identity import CertificateKey, key_for
+from certification.kind_gates import output_verdict
+from certification.kinds import judge_kinds
 from certification.lane_client import LaneClient
 from certification.lane_policy import certified_load_extra, machine_differences
-from certification.oracle import ST, Oracle, reference_dir_for, select_reference
+from certification.oracle import ST, ST_INSTALL, Oracle, reference_dir_for, select_reference
 from certification.store import CertificateStore
 from certification.thresholds import Thresholds, thresholds_for
 from common.errors import SynapseError
@@ -46,6 +57,8 @@ from host.lane_policy import Agreement
 from host.module import Module
 from host.sanitize import sanitize
 from host.tokenization import Tokenizer
+from ingest.sparse_heads import encoder_dir
+from ingest.store import served_outputs
 from workers.ane import apple_device
 
 log = logging.getLogger("synapse.certification")
@@ -81,6 +94,9 @@ class RunOptions:
     runtime_config_extra: dict | None = None  # e.g. test-only build_options (Core ML)
     save: bool = True
     agreement: bool = True  # measure agreement with the other lane when it is certified here
+    # Measure the lane's latency curve (what routing reads; a certificate without one has it
+    # measured at load). Off only for smoke runs and tests that judge quality alone.
+    curve: bool = True
 
 
 @dataclass
@@ -106,13 +122,20 @@ async def certify(
     # directory, no reference for its family) is refused without starting a worker.
     record = client.record
     ref_dir = options.reference_dir or str(reference_dir_for(record))
-    reference = options.reference or select_reference(ref_dir)
+    reference = options.reference or select_reference(encoder_dir(Path(ref_dir)))
     oracle = Oracle(
-        ref_dir,
+        # An inference-free sparse model keeps its transformer and tokenizer in a route.
+        encoder_dir(Path(ref_dir)),
         store.root / "reference-cache",
         pooling=record.manifest.pooling if record.kind == "embed" else "mean",
         reference=reference,
     )
+    if record.kind == "embed" and "dense" not in served_outputs(record.manifest):
+        if oracle.reference != ST:  # its outputs are all the numpy forward cannot judge
+            raise ReferenceUnavailable(
+                f"{options.model!r} has no pooled vector: its outputs are judged by "
+                f"sentence-transformers only. Install the reference: {ST_INSTALL}"
+            )
     progress.start("load", f"load {options.model} on the {options.lane} lane", 1)
     await client.load(options.shapes, options.runtime_config_extra)
     progress.advance("load")
@@ -124,11 +147,35 @@ async def certify(
     measured = Measurements()
 
     checks = [_tokenizer_agreement(tok, oracle, thresholds, measured, progress)]
+    outputs: list[OutputVerdict] = []
     if record.kind == "embed":
-        judged = await _judge_embeddings(
-            client, tok, oracle, texts, options, thresholds, measured, progress
+        served = served_outputs(record.manifest)
+        if "dense" in served:
+            judged = await _judge_embeddings(
+                client, tok, oracle, texts, options, thresholds, measured, progress
+            )
+            checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+            outputs.append(output_verdict("dense", judged.checks))
+        else:
+            what = f"{'/'.join(k for k in served if k != 'tokens')} (no pooled vector)"
+            checks += gates.embedding_not_applicable(what)
+            checks.append(gates.rerank_not_applicable("embedding"))
+        kinds = await judge_kinds(
+            client,
+            ref_dir,
+            texts,
+            thresholds,
+            measured,
+            progress,
+            options.batch_size,
+            options.sample_stride,
+            judge=oracle.reference,
         )
-        checks += judged.checks + [gates.rerank_not_applicable("embedding")]
+        checks += kinds.checks
+        outputs += kinds.outputs
+        if "dense" not in served:
+            probe = kinds.probe if kinds.probe is not None else np.zeros(0, np.float32)
+            judged = _Judged([], probe, thresholds.fingerprint_grid_embed)
     elif record.manifest.llm_rerank is not None:
         judged = await _judge_llm_rerank(client, oracle, texts, thresholds, measured, progress)
         checks += gates.embedding_not_applicable("LLM reranker") + judged.checks
@@ -174,7 +221,7 @@ async def certify(
     progress.advance("placement")
     # The curve is what routing between two lanes reads; only embedding and rerank calls are
     # routed, so a classifier (labels, no relevance score to rank by) has none.
-    if not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
+    if options.curve and not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
         progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
         measured.latency_curve = await measure_curve(module, options.model, options.lane)
         progress.advance("curve")
@@ -215,6 +262,7 @@ async def certify(
         reference=oracle.reference_name,
         provenance=record.manifest.provenance,
         agreement=agreement,
+        outputs=outputs,
     )
     if options.save:
         store.save(cert)

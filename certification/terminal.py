@@ -92,6 +92,13 @@ def print_certificate(console: Console, cert: Certificate) -> None:
         for c in cert.checks:
             if c.detail:
                 console.print(f"  [dim]{c.name}:[/] {escape(c.detail)}")
+    for o in cert.outputs:
+        if o.status == "not served":  # neither pass nor fail; its detail says why
+            said = f"[bold magenta]{escape(o.detail or o.status)}[/]"
+        else:
+            detail = f" [dim]{escape(o.detail)}[/]" if o.detail else ""
+            said = f"[{STYLE[o.status]}]{o.status}[/]{detail}"
+        console.print(f"  output [bold]{escape(o.output)}[/]: {said}")
     if cert.failing:
         console.print(f"[bold red]failing:[/] {', '.join(cert.failing)}")
     notes = [

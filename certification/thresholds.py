@@ -34,6 +34,23 @@ class Thresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # changes the digest; chosen >= 2x the lane's own run-to-run noise.
     fingerprint_grid_embed: float
     fingerprint_grid_rerank: float
+    # The token-level kinds (certification.kind_gates). Defaults are the llama.cpp rows';
+    # certificates written before these existed read them back without having applied them.
+    # Sparse: llama.cpp's tanh GELU (through an f16 table) alone moves SPLADE values by up to
+    # ~4 % against the erf GELU of the reference, so values get 10 % relative, the vector as a
+    # whole a sparse cosine of 0.9999.
+    sparse_value_rel: float = 0.10
+    # ...of the value, or of this fraction of the vector's largest |value| where that is more:
+    # relu near 0 keeps the logit's absolute error (about 2e-3 of the peak on llama.cpp), which
+    # no relative bar holds: on the tiny bge-m3 a weight at 1.8 % of its vector's peak is
+    # 10.2 % off at sparse cosine 0.999999.
+    sparse_value_floor: float = 0.05
+    sparse_min_cosine: float = 0.9999
+    # Multi-vector: every token's vector at the embedders' cosine bar; MaxSim, a sum of one
+    # best dot product per query vector, within 1e-3 per query vector.
+    multivector_min_cosine: float = 0.9999
+    maxsim_max_abs: float = 1e-3
+    late_chunk_min_cosine: float = 0.9999  # every chunk's vector, as an embedder's
 
     def with_overrides(self, overrides: dict[str, float] | None) -> Thresholds:
         if not overrides:
@@ -114,6 +131,14 @@ TABLE: dict[tuple[str, str], Thresholds] = {
         placement_share=0.9,  # a lane mostly on the CPU is not the Neural Engine lane it claims
         fingerprint_grid_embed=1 / 64,  # cell 1.6e-2, margin 2e-3: fp16 noise is larger
         fingerprint_grid_rerank=1 / 16,  # margin 7.8e-3 > the 5e-3 tolerance
+        # Token-level kinds, the fp16 lane's own bars: the embedders' cosine bar (5e-4 of
+        # 1 - cos) for every vector, sparse vector and chunk; values at the llama rows' 10 %;
+        # MaxSim per query vector 10x the llama bar (each best dot product moves by its
+        # vectors' fp16 error). Not yet measured on the lane's own token outputs.
+        sparse_min_cosine=0.9995,
+        multivector_min_cosine=0.9995,
+        maxsim_max_abs=1e-2,
+        late_chunk_min_cosine=0.9995,
     ),
 }
 

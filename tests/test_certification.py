@@ -383,7 +383,10 @@ def test_html_report_renders_plots_with_data(llama_cert, tmp_path):
     path = report.write(llama_cert, tmp_path / "cert.html")
     html = path.read_text()
     plots = parse_report(html)
-    assert set(plots) == {"cosine", "placement", "latency"}
+    # An embedder's late chunking has its own plot (one value per judged document).
+    assert set(plots) == {"cosine", "placement", "latency", "kind-late_chunking"}
+    late = llama_cert.measurements.kinds["late_chunking"]
+    assert sum(int(b["data-count"]) for b in plots["kind-late_chunking"]) == late.n_items
     cosine = plots["cosine"]
     assert sum(int(b["data-count"]) for b in cosine) == llama_cert.corpus.n_items
     latency = plots["latency"]

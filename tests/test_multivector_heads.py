@@ -89,6 +89,12 @@ def _copy_tokenizer(dst: Path) -> None:
 
 @pytest.fixture(scope="module")
 def colbert(module_tmp) -> Path:
+    return tiny_colbert(module_tmp)
+
+
+def tiny_colbert(module_tmp: Path) -> Path:
+    """The tiny seeded ColBERT `MultiVectorEncoder`, saved under `module_tmp / "colbert"`
+    (its raw BERT beside it, in `module_tmp / "bert"`)."""
     import torch
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.base.modules import Normalize, Transformer
@@ -335,12 +341,17 @@ def test_unattended_expansion_needs_an_owned_mask(colbert, bert, module_tmp):
 
 @pytest.fixture(scope="module")
 def bge_m3(module_tmp) -> Path:
+    return tiny_bge_m3(module_tmp / "bge-m3")
+
+
+def tiny_bge_m3(d: Path) -> Path:
+    """A tiny seeded bge-m3 in FlagEmbedding's layout: XLM-RoBERTa with `colbert_linear.pt`
+    and `sparse_linear.pt` beside it, in `d`."""
     import torch
     from transformers import XLMRobertaConfig, XLMRobertaModel
 
     from bench.real_sizes import xlmr_tokenizer
 
-    d = module_tmp / "bge-m3"
     d.mkdir()
     n_vocab = xlmr_tokenizer(d, 256, vocab_size=700)
     torch.manual_seed(1)

@@ -124,12 +124,33 @@ def _xlmr_config(n_vocab: int, **extra):
     )
 
 
-@pytest.fixture(scope="module")
-def dirs(module_tmp) -> dict[str, Path]:
+def inference_free_splade(dst: Path, mlm_dir: Path) -> Path:
+    """An inference-free SPLADE saved in `dst`: a Router whose query route is seeded static
+    weights (some zero, some negative) and whose document route is SPLADE (max pooling) on
+    the masked LM in `mlm_dir`, with a model-level top-k of 12."""
     import torch
     from sentence_transformers import SparseEncoder
     from sentence_transformers.base.modules import Router, Transformer
     from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+
+    body = Transformer(str(mlm_dir), transformer_task="fill-mask", max_seq_length=MAX_SEQ)
+    torch.manual_seed(2)
+    weight = torch.rand(30522) * 3 - 0.5
+    weight[torch.rand(30522) < 0.2] = 0.0
+    router = Router.for_query_document(
+        query_modules=[SparseStaticEmbedding(tokenizer=body.tokenizer, weight=weight, frozen=True)],
+        document_modules=[body, SpladePooling("max")],
+    )
+    SparseEncoder(modules=[router], device="cpu", max_active_dims=12).save(str(dst))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def dirs(module_tmp) -> dict[str, Path]:
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
     from transformers import XLMRobertaForMaskedLM, XLMRobertaModel
 
     out: dict[str, Path] = {}
@@ -149,16 +170,7 @@ def dirs(module_tmp) -> dict[str, Path]:
     pool = SpladePooling("sum", activation_function="log1p_relu")
     SparseEncoder(modules=[mlm(untied), pool], device="cpu").save(str(out["splade-sum"]))
     # Inference-free SPLADE: static query weights (some zero, some negative), SPLADE documents.
-    out["ifree"] = module_tmp / "ifree"
-    body = mlm(tied)
-    torch.manual_seed(2)
-    weight = torch.rand(30522) * 3 - 0.5
-    weight[torch.rand(30522) < 0.2] = 0.0
-    router = Router.for_query_document(
-        query_modules=[SparseStaticEmbedding(tokenizer=body.tokenizer, weight=weight, frozen=True)],
-        document_modules=[body, SpladePooling("max")],
-    )
-    SparseEncoder(modules=[router], device="cpu", max_active_dims=12).save(str(out["ifree"]))
+    out["ifree"] = inference_free_splade(module_tmp / "ifree", tied)
     # DistilBERT's head (OpenSearch's document encoders).
     out["splade-distil"] = module_tmp / "splade-distil"
     distil = mlm(_distilbert(module_tmp / "distil"))
