@@ -38,6 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -267,12 +269,10 @@ _plan: dict = {}
 
 
 def _decode_plan(engine, ids: list[np.ndarray]) -> dict:
-    try:
-        from workers.llama import last_token
-    except ImportError:  # a checkout before it (the bench's before figures)
-        last_token = None
+    # A checkout before last_token.py (the before figures) shares no prefix.
+    found = importlib.util.find_spec("workers.llama.last_token") is not None
+    shared = importlib.import_module("workers.llama.last_token").shared_prefix if found else None
     mdl = engine._models[NAME]
-    shared = getattr(last_token, "shared_prefix", None)
     return {
         "n_ctx": mdl.n_ctx,
         "n_batch": mdl.n_batch,
