@@ -379,3 +379,70 @@ async def test_certify_judges_the_llm_reranker_with_cross_encoder(store, module_
     assert err.status == "pass" and err.value is not None and err.value <= 2e-2, err
     assert "instruction" in (err.detail or "")
     assert cert.status == "certified", cert.failing
+
+
+def test_the_lane_computes_no_lm_head_and_decodes_the_shared_prefix_once(store, monkeypatch):
+    """In process, one context: scoring 12 pairs decodes their common prefix (template,
+    instruction, query) once and then only each pair's own tokens, with one output per pair;
+    no graph node after the final norm runs (the full-vocabulary LM head is never computed),
+    and the scores are those of each pair decoded whole, alone."""
+    from host.chat_pairs import ChatPairs
+    from workers.engine import NullProgress
+    from workers.llama import last_states, last_token, native
+    from workers.llama.engine import LlamaEngine
+
+    rec = store.get("llmr")
+    engine = LlamaEngine()
+    engine.load(
+        m.LOAD(
+            req_id=0,
+            artifact_path=str(rec.artifact_path),
+            artifact_digest=rec.digest,
+            format="gguf",
+            runtime_config={"model_ref": "llmr", "encode_streams": 1, "n_threads": 1},
+        ),
+        NullProgress(),
+    )
+    spec, tok = rec.manifest.llm_rerank, rec.tokenizer_path
+    assert spec is not None and tok is not None
+    pairs = ChatPairs(spec, tok.read_text(encoding="utf-8"))
+    ids = [np.asarray(pairs.ids(QUERIES[2], d, None), np.int32) for d in (DOCS + TEXTS[11:15])]
+    decoded, outputs, after_norm = [], [], []
+    decode = native.decode
+
+    def watched(slot, batch):
+        decoded.append(batch.n_tokens)
+        outputs.append(int(slot.out[: batch.n_tokens].sum()))
+        decode(slot, batch)
+
+    spy = last_states.LastStates._eval
+
+    def eval_spy(self, tensor, ask, user):
+        if ask and self._rows:
+            after_norm.append(last_states._lib.ggml_get_name(tensor))
+        return spy(self, tensor, ask, user)
+
+    monkeypatch.setattr(native, "decode", watched)
+    monkeypatch.setattr(last_states.LastStates, "_eval", eval_spy)
+
+    def score(seqs: list[np.ndarray]) -> np.ndarray:
+        req = m.RERANK_SEQUENCES(
+            req_id=0,
+            model_ref="llmr",
+            sequences=[m.RerankSequence(n_tokens=len(s), n_first=len(s)) for s in seqs],
+        )
+        return engine.rerank_sequences(req, np.concatenate(seqs), NullProgress())
+
+    try:
+        together = score(ids)
+        p = last_token.shared_prefix(ids)
+        assert p >= last_token.MIN_SHARED_PREFIX
+        assert sum(decoded) == p + sum(len(s) - p for s in ids)
+        assert outputs[0] == 0 and sum(outputs) == len(ids)
+        assert after_norm == []
+        decoded.clear()
+        alone = np.array([score([s])[0] for s in ids])
+        assert decoded == [len(s) for s in ids]  # a lone pair shares nothing
+    finally:
+        engine.close()
+    assert np.abs(alone - together).max() <= 1e-5

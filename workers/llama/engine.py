@@ -46,6 +46,7 @@ from workers.llama import (
     encode,
     generate,
     heads,
+    last_token,
     llm_head,
     model_kind,
     native,
@@ -60,6 +61,7 @@ from workers.llama.device import (
     offload_device,
     resolve_gpu_layers,
 )
+from workers.llama.last_states import LastStates
 from workers.llama.model_kind import POOLING_NAMES
 from workers.llama.typed_pairs import TypedPairs, pair_types
 from workers.protocol import messages as m
@@ -292,7 +294,7 @@ class LlamaEngine(Engine):
         seqs = _split(ids, lengths)
         if mdl.decoder_head is not None:  # a decoder: its rows on the last non-pad token's state
             seqs = [mdl.decoder_head.strip_pads(s) for s in seqs]
-            hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
+            hidden = last_token.encode_last(mdl, seqs, progress, self._decode_tokens)
             return np.ascontiguousarray(mdl.decoder_head.apply(hidden))
         types = None
         if mdl.typed is not None:
@@ -306,7 +308,8 @@ class LlamaEngine(Engine):
         """Score pairs the host composed: an LLM reranker's (query, document) rendered through
         the checkpoint's chat template, the assistant suffix last, or a one-label decoder
         sequence classifier's pair. Each sequence is decoded on its own sequence id (packed
-        sequences never attend to each other) with LAST pooling, so the scored state is each
+        sequences never attend to each other; a prefix all of them share is decoded once and
+        borrowed through the KV cache, see last_token.py), so the scored state is each
         sequence's own last (non-pad) token whatever else shares the decode; the score is the
         raw `logit[true] - logit[false]` there, or the classifier's one logit (llm_head.py).
         `n_first` is the Core ML cross-encoders' token-type boundary; a causal decoder has no
@@ -333,7 +336,7 @@ class LlamaEngine(Engine):
                         f"sequence {i} has {n} tokens; allowed 1..{mdl.item_limit}",
                     )
         seqs = [mdl.decoder_head.strip_pads(s) for s in _split(ids, lengths)]
-        hidden = encode.encode(mdl, seqs, progress, self._decode_tokens)
+        hidden = last_token.encode_last(mdl, seqs, progress, self._decode_tokens)
         return np.ascontiguousarray(mdl.decoder_head.apply(hidden)[:, 0])
 
     def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
@@ -479,8 +482,10 @@ class LlamaEngine(Engine):
                 raise EngineError("artifact_invalid", f"{path}: token-type tensors: {e}") from e
         slots: list[native.Slot] = []
         try:
+            n_embd = int(llama_cpp.llama_model_n_embd(model))
             for _ in range(plan.streams):
-                slots.append(native.make_slot(model, cparams))
+                last = LastStates(n_embd) if head is not None else None
+                slots.append(native.make_slot(model, cparams, last))
                 if typed is not None:
                     slots[-1].typed = native.EmbdBatch.create(slots[-1].capacity, typed.n_embd)
             ctx = slots[0].ctx

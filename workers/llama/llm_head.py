@@ -1,5 +1,6 @@
 """Heads on a causal decoder's last-token state, applied in numpy to the final hidden state
-llama.cpp pools at each sequence's last token (LAST pooling, after the output norm).
+(after the output norm) at each sequence's last token, which last_states.py reads from
+llama.cpp's graph (last_token.py decodes for it).
 
 Two kinds of checkpoint give one:
 

@@ -23,6 +23,7 @@ from workers.llama import cpu_quirks
 from workers.llama.config import Kind
 from workers.llama.context_plan import ContextPlan
 from workers.llama.device import context_param_fields, model_param_fields
+from workers.llama.last_states import LastStates
 from workers.llama.llm_head import DecoderHead
 from workers.llama.model_kind import POOLING_TYPES
 from workers.llama.typed_pairs import TypedPairs
@@ -161,6 +162,9 @@ class Slot:
 
     # Input-embedding batch for typed BERT pairs (see workers/llama/typed_pairs.py).
     typed: EmbdBatch | None = None
+    # The final states of a decode's output tokens, for a head on each sequence's last
+    # token (see workers/llama/last_states.py); None when llama.cpp pools.
+    last: LastStates | None = None
 
     def free(self) -> None:
         if self.typed is not None:
@@ -169,7 +173,26 @@ class Slot:
         llama_cpp.llama_free(self.ctx)
 
 
-def make_slot(model: ctypes.c_void_p, cparams: llama_cpp.llama_context_params) -> Slot:
+def make_slot(
+    model: ctypes.c_void_p,
+    cparams: llama_cpp.llama_context_params,
+    last: LastStates | None = None,
+) -> Slot:
+    """A context and its batch; with `last`, a context that outputs each sequence's last
+    token only, its final state read through `last` (see last_states.py)."""
+    if last is not None:
+        cparams = llama_cpp.llama_context_params.from_buffer_copy(cparams)
+        # Embedding mode would make every token an output (and run the LM head on each).
+        cparams.embeddings = False
+        # At most one output per sequence: llama.cpp reserves its graph and output buffer
+        # for this many outputs rather than n_batch of full-vocabulary rows.
+        cparams.n_outputs_max = cparams.n_seq_max
+        # K and V in f32, as the reference computes attention: with f16 cells, ggml rounds Q
+        # to f16 for the KQ product on its own kernels (under 32 rows) but not through BLAS
+        # (32 and up), so a pair's score would move with how many tokens share its decode
+        # (last_token.py decodes a shared prefix apart from the pairs' own tokens).
+        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+        cparams.cb_eval = last.callback
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise EngineError("oom", "llama.cpp could not create a context (memory?) — see log")
@@ -180,7 +203,7 @@ def make_slot(model: ctypes.c_void_p, cparams: llama_cpp.llama_context_params) -
     batch = llama_cpp.llama_batch_init(capacity, 0, 1)
     pos, nsid, out = batch_views(batch, capacity)
     tok = _view(batch.token, ctypes.c_int32, capacity)
-    return Slot(ctx, batch, capacity, tok, pos, nsid, out)
+    return Slot(ctx, batch, capacity, tok, pos, nsid, out, last=last)
 
 
 @dataclass
