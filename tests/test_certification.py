@@ -152,6 +152,8 @@ async def test_degraded_llama_artifact_fails_quality(cert_store_root, cert_store
     assert "quality.min_cosine" in cert.failing
     assert check(cert, "quality.min_cosine").value < 0.9999
     assert check(cert, "quality.tokenizer_agreement").status == "pass"
+    # A failed lane never serves routed: no curve measured for it.
+    assert cert.measurements.latency_curve is None
 
 
 async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
@@ -217,7 +219,7 @@ async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_stor
     assert json.loads(cert.key.settings) == {"backend": "reference", "compute_units": units}
 
 
-async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
+async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store, llama_cert):
     cert = await run(
         cert_store_root,
         cert_store,
@@ -232,6 +234,10 @@ async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
     assert cert.status == "failed"
     assert "quality.min_cosine" in cert.failing and "quality.mean_cosine" in cert.failing
     assert "ln_eps_override" in cert.key.build_options  # never shares a healthy certificate
+    # Routing reads the curve and the agreement of certified lanes only: a failed run measures
+    # neither, though the certified llama lane (this module's first run) is there to agree with.
+    assert cert_store.get(llama_cert.id).quality == "pass"
+    assert cert.measurements.latency_curve is None and cert.agreement is None
 
 
 def test_placement_below_threshold_fails_even_when_quality_passes(cert_cache, tmp_path):
@@ -268,6 +274,7 @@ def test_placement_below_threshold_fails_even_when_quality_passes(cert_cache, tm
     cert = json.loads(proc.stdout)
     assert cert["failing"] == ["placement.share"] and cert["quality"] == "pass"
     assert cert["status"] == "failed" and cert["overrides"] == {"placement_share": 1.0}
+    assert cert["measurements"]["latency_curve"] is None  # failed: never routed, not measured
     plots = parse_report(out_html.read_text())
     devices = {bar["data-device"] for bar in plots["placement"]}
     ops = {bar["data-label"].split()[0] for bar in plots["placement"]}
