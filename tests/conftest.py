@@ -120,6 +120,42 @@ def prompted_model(store_root, tmp_path_factory) -> str:
     return PROMPTED_MODEL
 
 
+# Certifications of the default model that several modules judge, each run once per test run
+# (tests/session_certs.py): every 8th corpus item (42 items, every category); the Core ML lane
+# on the reference executor (provisional: its placement is the estimate on every OS) in one
+# packed shape (compiles once). A Core ML run's latency curve alone is ~255 requests on the
+# reference executor.
+CERT_MODEL = "minilm-l6-v2"
+CERT_STRIDE = 8
+ANE_CERT_SHAPES = [{"rows": 4, "seq_len": 256, "packed": True}]
+
+
+@pytest.fixture(scope="session")
+def minilm_llama_certificate(synapse_cache_dir, tmp_path_factory):
+    """The default model's llama.cpp lane, certified (sentence-transformers' reference)."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    options = RunOptions(model=CERT_MODEL, sample_stride=CERT_STRIDE)
+    return certify_once(tmp_path_factory, "minilm-llama-cert", synapse_cache_dir, options)
+
+
+@pytest.fixture(scope="session")
+def minilm_ane_certificate(synapse_cache_dir, tmp_path_factory):
+    """The default model's Core ML lane on the reference executor, provisionally certified."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    options = RunOptions(
+        model=CERT_MODEL,
+        lane="ane",
+        shapes=ANE_CERT_SHAPES,
+        sample_stride=CERT_STRIDE,
+        runtime_config_extra={"backend": "reference"},
+    )
+    return certify_once(tmp_path_factory, "minilm-ane-cert", synapse_cache_dir, options)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """ONE local Ray (2 CPUs, private temp dir) for every Ray test of the session."""
@@ -145,6 +181,8 @@ MODEL_FIXTURES = {
     "test_cross_encoder_dir",
     "prompted_model",
     "own_certificates_cache",
+    "minilm_llama_certificate",
+    "minilm_ane_certificate",
 }
 
 

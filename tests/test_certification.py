@@ -9,7 +9,6 @@ runs wrote, and no other module ever reads them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from host.module import Module, ModuleConfig
 from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
 from ingest.store import ArtifactStore
+from tests.session_certs import adopt
 from workers.ane.config import ENV_COMPUTE_UNITS
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
@@ -86,11 +86,11 @@ async def run(store_root: str, store: CertificateStore, options: RunOptions, **k
 
 
 @pytest.fixture(scope="module")
-def llama_cert(cert_store_root, cert_store, cert_cache):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SYNAPSE_CACHE_DIR", str(cert_cache))
-        options = RunOptions(model="minilm-l6-v2", sample_stride=STRIDE)
-        return asyncio.run(run(cert_store_root, cert_store, options))
+def llama_cert(minilm_llama_certificate, cert_store):
+    """The llama lane of the default model certified at this module's stride: the session's
+    one run of it (tests/conftest.py), adopted into this module's store as its first."""
+    assert minilm_llama_certificate.corpus.sample_stride == STRIDE
+    return adopt(minilm_llama_certificate, cert_store)
 
 
 def check(cert, name):
@@ -193,20 +193,13 @@ async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_s
 # ---- Core ML lane ----------------------------------------------------------------------------
 
 
-async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_store):
+def test_ane_lane_is_provisional_on_an_estimate(minilm_ane_certificate, cert_store):
     # The gate logic on the reference executor (its placement is the static estimate on
-    # every OS); the coreml backend's compute-plan placement is tested on macOS.
-    cert = await run(
-        cert_store_root,
-        cert_store,
-        RunOptions(
-            model="minilm-l6-v2",
-            lane="ane",
-            shapes=PACKED,
-            sample_stride=STRIDE,
-            runtime_config_extra={"backend": "reference"},
-        ),
-    )
+    # every OS); the coreml backend's compute-plan placement is tested on macOS. The run is
+    # the session's one (tests/conftest.py), at this module's stride.
+    cert = adopt(minilm_ane_certificate, cert_store)
+    assert cert.key.model == "minilm-l6-v2" and cert.key.lane == "ane"
+    assert cert.corpus.sample_stride == STRIDE and cert.drift is None  # a first certificate
     assert cert.quality == "pass" and cert.failing == [], cert.checks
     assert check(cert, "quality.min_cosine").value >= 0.9995
     placement = check(cert, "placement.share")
