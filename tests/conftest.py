@@ -128,6 +128,7 @@ def prompted_model(store_root, tmp_path_factory) -> str:
 CERT_MODEL = "minilm-l6-v2"
 CERT_STRIDE = 8
 ANE_CERT_SHAPES = [{"rows": 4, "seq_len": 256, "packed": True}]
+XENC_CERT_MODEL = "cert-xenc-f16"
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +158,20 @@ def minilm_ane_certificate(synapse_cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def xenc_llama_certificate(synapse_cache_dir, test_cross_encoder_dir, tmp_path_factory):
+    """The TEST cross-encoder (f16, as `XENC_CERT_MODEL`) on the llama lane, certified: judged
+    by the cross-encoder itself, on its own token types."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    def ingest(store) -> None:
+        store.ingest_hf_dir(test_cross_encoder_dir, name=XENC_CERT_MODEL, dtype="f16")
+
+    options = RunOptions(model=XENC_CERT_MODEL, sample_stride=CERT_STRIDE)
+    return certify_once(tmp_path_factory, "xenc-llama-cert", synapse_cache_dir, options, ingest)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """ONE local Ray (2 CPUs, private temp dir) for every Ray test of the session."""
     from tests.ray_support import start_ray, stop_ray
@@ -183,6 +198,7 @@ MODEL_FIXTURES = {
     "own_certificates_cache",
     "minilm_llama_certificate",
     "minilm_ane_certificate",
+    "xenc_llama_certificate",
 }
 
 

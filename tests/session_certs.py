@@ -14,6 +14,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
 from host.module import Module, ModuleConfig
+from ingest.store import ArtifactStore
 from tests.session_share import build_once
 
 REFERENCE_CACHE = "reference-cache"  # beside the certificates: certification.runner's layout
@@ -30,12 +32,19 @@ _RUN_DIRS: dict[str, Path] = {}  # certificate id -> the store its run wrote
 
 
 def certify_once(
-    tmp_path_factory: pytest.TempPathFactory, name: str, cache_dir: Path, options: RunOptions
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    cache_dir: Path,
+    options: RunOptions,
+    prepare: Callable[[ArtifactStore], object] | None = None,
 ) -> Certificate:
     """The certificate of `options` run through a Module on `cache_dir` (a SYNAPSE_CACHE_DIR:
-    its models, its Core ML compile cache), run once per test run."""
+    its models, its Core ML compile cache), run once per test run; `prepare` first puts the
+    model in that store (in the process that runs it: the other only reads the certificate)."""
 
     def build(out: Path) -> None:
+        if prepare is not None:
+            prepare(ArtifactStore(cache_dir / "models"))
         runtime = tempfile.mkdtemp(prefix="syn-", dir="/tmp")  # short: socket paths
         config = ModuleConfig(
             store_root=str(cache_dir / "models"),

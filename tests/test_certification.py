@@ -27,7 +27,6 @@ from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
 from certification.modules import build_module
 from certification.policy import check_certificate
-from certification.reference.cross_encoder import build_test_cross_encoder
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
@@ -170,12 +169,11 @@ async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
     assert check(cert, "quality.min_cosine").value >= 0.9999
 
 
-async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_store, tmp_path):
-    xenc = build_test_cross_encoder(tmp_path / "xenc", seed=0)
-    ArtifactStore(cert_store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")
-    cert = await run(
-        cert_store_root, cert_store, RunOptions(model="cert-xenc-f16", sample_stride=STRIDE)
-    )
+def test_llama_cross_encoder_rerank_error_is_gated(xenc_llama_certificate, cert_store):
+    # The test cross-encoder (f16) at this module's stride: the session's one run of it
+    # (tests/conftest.py), adopted into this module's store.
+    cert = adopt(xenc_llama_certificate, cert_store)
+    assert cert.key.model == "cert-xenc-f16" and cert.corpus.sample_stride == STRIDE
     rerank = check(cert, "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and rerank.value <= 2e-3, rerank
     assert "own token types" in rerank.detail  # judged as trained: 1 on the document half
