@@ -54,8 +54,14 @@ def synapse_cache_dir(tmp_path_factory):
     """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
     from ingest.defaults import ensure_defaults
     from ingest.store import MANIFEST_FILE
+    from tests.encoding_support import private_store
+    from tests.session_share import build_once
 
     cache = tmp_path_factory.mktemp("synapse-cache")
+    # Converted once per test run (across xdist's processes); each process's store hard-links
+    # the files and owns its manifests, as a private store does. The defaults check finds them.
+    built = build_once(tmp_path_factory, "default-models", lambda d: ensure_defaults(str(d)))
+    private_store(built, cache / "models", sorted(p.name for p in built.iterdir() if p.is_dir()))
     ensure_defaults(str(cache / "models"))
     # Every module reads these models as ingest wrote them: a test that changes one (records a
     # calibration, say) must do it in a store of its own (tests/encoding_support.private_store),
