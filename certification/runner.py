@@ -6,10 +6,10 @@ Steps: LOAD the lane (Core ML: admitting the requested shapes); tokenizer agreem
 whole corpus; the corpus pass through the lane in serving-sized requests while the fp32
 reference runs in a thread beside it (2 cores: one each); retrieval agreement on the
 queries/documents split; the probe-set fingerprint; placement (Core ML, after admission);
-the lane's latency curve (what routing between two lanes reads); the agreement with the
+both gates and drift against the previous certificate; unless the verdict is `failed`, the
+lane's latency curve (what routing between two lanes reads) and the agreement with the
 model's other lane when that lane holds a certificate that passed quality on this machine
-(loaded as it was certified, the same corpus items through both); then both gates, drift
-against the previous certificate, and the record.
+(loaded as it was certified, the same corpus items through both); then the record.
 
 `sample_stride` > 1 judges every k-th corpus item only (tests, smoke runs); it is recorded in
 the certificate. Retrieval, tokenizer agreement and the fingerprint always use their full
@@ -219,20 +219,22 @@ async def certify(
         )
     )
     progress.advance("placement")
-    # The curve is what routing between two lanes reads; only embedding and rerank calls are
-    # routed, so a classifier (labels, no relevance score to rank by) has none.
-    if options.curve and not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1):
-        progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
-        measured.latency_curve = await measure_curve(module, options.model, options.lane)
-        progress.advance("curve")
-    agreement = None
-    if options.agreement:
-        agreement = await _agreement(module, store, options, key.id, progress)
-
     fp = fingerprint(judged.probe_values, judged.grid)
     drift = _drift(store, key, judged.probe_values)
     checks.append(_drift_check(fp, drift))
     status, quality, placement, failing = gates.verdict(checks)
+    # The curve and the agreement are what routing between two lanes reads, and a lane whose
+    # certificate failed never serves routed: a failed run measures neither (the curve's 255
+    # requests are most of a Core ML run on the reference executor). Only embedding and rerank
+    # calls are routed, so a classifier (labels, no relevance score to rank by) has no curve.
+    routed = not (record.kind == "rerank" and (record.manifest.n_labels or 1) > 1)
+    if status != "failed" and options.curve and routed:
+        progress.start("curve", "latency curve (1, 4, 16, 64 items)", 1)
+        measured.latency_curve = await measure_curve(module, options.model, options.lane)
+        progress.advance("curve")
+    agreement = None
+    if status != "failed" and options.agreement:
+        agreement = await _agreement(module, store, options, key.id, progress)
     cert = Certificate(
         id=key.id,
         key=key,

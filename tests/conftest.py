@@ -54,8 +54,14 @@ def synapse_cache_dir(tmp_path_factory):
     """A private SYNAPSE_CACHE_DIR with the default models ingested once per session."""
     from ingest.defaults import ensure_defaults
     from ingest.store import MANIFEST_FILE
+    from tests.encoding_support import private_store
+    from tests.session_share import build_once
 
     cache = tmp_path_factory.mktemp("synapse-cache")
+    # Converted once per test run (across xdist's processes); each process's store hard-links
+    # the files and owns its manifests, as a private store does. The defaults check finds them.
+    built = build_once(tmp_path_factory, "default-models", lambda d: ensure_defaults(str(d)))
+    private_store(built, cache / "models", sorted(p.name for p in built.iterdir() if p.is_dir()))
     ensure_defaults(str(cache / "models"))
     # Every module reads these models as ingest wrote them: a test that changes one (records a
     # calibration, say) must do it in a store of its own (tests/encoding_support.private_store),
@@ -120,6 +126,57 @@ def prompted_model(store_root, tmp_path_factory) -> str:
     return PROMPTED_MODEL
 
 
+# Certifications of the default model that several modules judge, each run once per test run
+# (tests/session_certs.py): every 8th corpus item (42 items, every category); the Core ML lane
+# on the reference executor (provisional: its placement is the estimate on every OS) in one
+# packed shape (compiles once). A Core ML run's latency curve alone is ~255 requests on the
+# reference executor.
+CERT_MODEL = "minilm-l6-v2"
+CERT_STRIDE = 8
+ANE_CERT_SHAPES = [{"rows": 4, "seq_len": 256, "packed": True}]
+XENC_CERT_MODEL = "cert-xenc-f16"
+
+
+@pytest.fixture(scope="session")
+def minilm_llama_certificate(synapse_cache_dir, tmp_path_factory):
+    """The default model's llama.cpp lane, certified (sentence-transformers' reference)."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    options = RunOptions(model=CERT_MODEL, sample_stride=CERT_STRIDE)
+    return certify_once(tmp_path_factory, "minilm-llama-cert", synapse_cache_dir, options)
+
+
+@pytest.fixture(scope="session")
+def minilm_ane_certificate(synapse_cache_dir, tmp_path_factory):
+    """The default model's Core ML lane on the reference executor, provisionally certified."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    options = RunOptions(
+        model=CERT_MODEL,
+        lane="ane",
+        shapes=ANE_CERT_SHAPES,
+        sample_stride=CERT_STRIDE,
+        runtime_config_extra={"backend": "reference"},
+    )
+    return certify_once(tmp_path_factory, "minilm-ane-cert", synapse_cache_dir, options)
+
+
+@pytest.fixture(scope="session")
+def xenc_llama_certificate(synapse_cache_dir, test_cross_encoder_dir, tmp_path_factory):
+    """The TEST cross-encoder (f16, as `XENC_CERT_MODEL`) on the llama lane, certified: judged
+    by the cross-encoder itself, on its own token types."""
+    from certification.runner import RunOptions
+    from tests.session_certs import certify_once
+
+    def ingest(store) -> None:
+        store.ingest_hf_dir(test_cross_encoder_dir, name=XENC_CERT_MODEL, dtype="f16")
+
+    options = RunOptions(model=XENC_CERT_MODEL, sample_stride=CERT_STRIDE)
+    return certify_once(tmp_path_factory, "xenc-llama-cert", synapse_cache_dir, options, ingest)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """ONE local Ray (2 CPUs, private temp dir) for every Ray test of the session."""
@@ -145,6 +202,9 @@ MODEL_FIXTURES = {
     "test_cross_encoder_dir",
     "prompted_model",
     "own_certificates_cache",
+    "minilm_llama_certificate",
+    "minilm_ane_certificate",
+    "xenc_llama_certificate",
 }
 
 

@@ -9,7 +9,6 @@ runs wrote, and no other module ever reads them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -28,7 +27,6 @@ from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
 from certification.modules import build_module
 from certification.policy import check_certificate
-from certification.reference.cross_encoder import build_test_cross_encoder
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
@@ -37,6 +35,7 @@ from host.module import Module, ModuleConfig
 from ingest.model_packages import minilm_dir
 from ingest.precision import embed_precision
 from ingest.store import ArtifactStore
+from tests.session_certs import adopt
 from workers.ane.config import ENV_COMPUTE_UNITS
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
@@ -86,11 +85,11 @@ async def run(store_root: str, store: CertificateStore, options: RunOptions, **k
 
 
 @pytest.fixture(scope="module")
-def llama_cert(cert_store_root, cert_store, cert_cache):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SYNAPSE_CACHE_DIR", str(cert_cache))
-        options = RunOptions(model="minilm-l6-v2", sample_stride=STRIDE)
-        return asyncio.run(run(cert_store_root, cert_store, options))
+def llama_cert(minilm_llama_certificate, cert_store):
+    """The llama lane of the default model certified at this module's stride: the session's
+    one run of it (tests/conftest.py), adopted into this module's store as its first."""
+    assert minilm_llama_certificate.corpus.sample_stride == STRIDE
+    return adopt(minilm_llama_certificate, cert_store)
 
 
 def check(cert, name):
@@ -152,6 +151,8 @@ async def test_degraded_llama_artifact_fails_quality(cert_store_root, cert_store
     assert "quality.min_cosine" in cert.failing
     assert check(cert, "quality.min_cosine").value < 0.9999
     assert check(cert, "quality.tokenizer_agreement").status == "pass"
+    # A failed lane never serves routed: no curve measured for it.
+    assert cert.measurements.latency_curve is None
 
 
 async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
@@ -168,12 +169,11 @@ async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
     assert check(cert, "quality.min_cosine").value >= 0.9999
 
 
-async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_store, tmp_path):
-    xenc = build_test_cross_encoder(tmp_path / "xenc", seed=0)
-    ArtifactStore(cert_store_root).ingest_hf_dir(xenc, name="cert-xenc-f16", dtype="f16")
-    cert = await run(
-        cert_store_root, cert_store, RunOptions(model="cert-xenc-f16", sample_stride=STRIDE)
-    )
+def test_llama_cross_encoder_rerank_error_is_gated(xenc_llama_certificate, cert_store):
+    # The test cross-encoder (f16) at this module's stride: the session's one run of it
+    # (tests/conftest.py), adopted into this module's store.
+    cert = adopt(xenc_llama_certificate, cert_store)
+    assert cert.key.model == "cert-xenc-f16" and cert.corpus.sample_stride == STRIDE
     rerank = check(cert, "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and rerank.value <= 2e-3, rerank
     assert "own token types" in rerank.detail  # judged as trained: 1 on the document half
@@ -191,20 +191,13 @@ async def test_llama_cross_encoder_rerank_error_is_gated(cert_store_root, cert_s
 # ---- Core ML lane ----------------------------------------------------------------------------
 
 
-async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_store):
+def test_ane_lane_is_provisional_on_an_estimate(minilm_ane_certificate, cert_store):
     # The gate logic on the reference executor (its placement is the static estimate on
-    # every OS); the coreml backend's compute-plan placement is tested on macOS.
-    cert = await run(
-        cert_store_root,
-        cert_store,
-        RunOptions(
-            model="minilm-l6-v2",
-            lane="ane",
-            shapes=PACKED,
-            sample_stride=STRIDE,
-            runtime_config_extra={"backend": "reference"},
-        ),
-    )
+    # every OS); the coreml backend's compute-plan placement is tested on macOS. The run is
+    # the session's one (tests/conftest.py), at this module's stride.
+    cert = adopt(minilm_ane_certificate, cert_store)
+    assert cert.key.model == "minilm-l6-v2" and cert.key.lane == "ane"
+    assert cert.corpus.sample_stride == STRIDE and cert.drift is None  # a first certificate
     assert cert.quality == "pass" and cert.failing == [], cert.checks
     assert check(cert, "quality.min_cosine").value >= 0.9995
     placement = check(cert, "placement.share")
@@ -217,7 +210,7 @@ async def test_ane_lane_is_provisional_on_an_estimate(cert_store_root, cert_stor
     assert json.loads(cert.key.settings) == {"backend": "reference", "compute_units": units}
 
 
-async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
+async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store, llama_cert):
     cert = await run(
         cert_store_root,
         cert_store,
@@ -232,6 +225,10 @@ async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store):
     assert cert.status == "failed"
     assert "quality.min_cosine" in cert.failing and "quality.mean_cosine" in cert.failing
     assert "ln_eps_override" in cert.key.build_options  # never shares a healthy certificate
+    # Routing reads the curve and the agreement of certified lanes only: a failed run measures
+    # neither, though the certified llama lane (this module's first run) is there to agree with.
+    assert cert_store.get(llama_cert.id).quality == "pass"
+    assert cert.measurements.latency_curve is None and cert.agreement is None
 
 
 def test_placement_below_threshold_fails_even_when_quality_passes(cert_cache, tmp_path):
@@ -268,6 +265,7 @@ def test_placement_below_threshold_fails_even_when_quality_passes(cert_cache, tm
     cert = json.loads(proc.stdout)
     assert cert["failing"] == ["placement.share"] and cert["quality"] == "pass"
     assert cert["status"] == "failed" and cert["overrides"] == {"placement_share": 1.0}
+    assert cert["measurements"]["latency_curve"] is None  # failed: never routed, not measured
     plots = parse_report(out_html.read_text())
     devices = {bar["data-device"] for bar in plots["placement"]}
     ops = {bar["data-label"].split()[0] for bar in plots["placement"]}

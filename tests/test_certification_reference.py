@@ -28,7 +28,8 @@ from certification.runner import RunOptions, _pair_composer
 from certification.store import CertificateStore
 from host.tokenization import Tokenizer
 from ingest.model_packages import minilm_dir
-from ingest.store import ArtifactStore, Manifest, ModelRecord
+from ingest.store import Manifest, ModelRecord
+from tests.session_certs import adopt
 from tests.test_certification import STRIDE, check, run
 
 pytestmark = pytest.mark.model
@@ -221,13 +222,11 @@ def test_a_model_ingested_from_a_gguf_file_needs_a_reference_dir(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def embed_cert(store_root, cert_store, synapse_cache_dir):
-    import asyncio
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SYNAPSE_CACHE_DIR", str(synapse_cache_dir))
-        options = RunOptions(model="minilm-l6-v2", sample_stride=STRIDE)
-        return asyncio.run(run(store_root, cert_store, options))
+def embed_cert(minilm_llama_certificate, cert_store):
+    """The default model's llama lane certified with the default judge: the session's one run
+    of it (tests/conftest.py), adopted into this module's store."""
+    assert minilm_llama_certificate.corpus.sample_stride == STRIDE
+    return adopt(minilm_llama_certificate, cert_store)
 
 
 def test_an_embedder_run_records_its_reference_and_passes(embed_cert, cert_store, tmp_path):
@@ -265,14 +264,11 @@ async def test_a_wrong_reference_fails_the_run(store_root, cert_store, tmp_path,
 
 
 @needs_st
-async def test_a_cross_encoder_run_is_judged_by_the_cross_encoder(
-    store_root, cert_store, test_cross_encoder_dir, cache_env
-):
-    store = ArtifactStore(store_root)
-    name = "ref-xenc-f16"
-    if name not in {r.name for r in store.ls()}:
-        store.ingest_hf_dir(test_cross_encoder_dir, name=name, dtype="f16")
-    cert = await run(store_root, cert_store, RunOptions(model=name, sample_stride=40))
+def test_a_cross_encoder_run_is_judged_by_the_cross_encoder(xenc_llama_certificate, cert_store):
+    # The test cross-encoder (f16) on the llama lane: the session's one run of it
+    # (tests/conftest.py), adopted into this module's store.
+    cert = adopt(xenc_llama_certificate, cert_store)
+    assert cert_store.get(cert.id) == cert
     rerank = check(cert, "quality.rerank_max_abs_error")
     assert rerank.status == "pass" and "own token types" in rerank.detail, rerank
     assert cert.status == "certified" and cert.reference.startswith("sentence-transformers ")

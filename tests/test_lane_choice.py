@@ -9,7 +9,6 @@ certificate's identity, quality checks and fingerprint stay the ones measured he
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import shutil
@@ -30,7 +29,6 @@ from certification.certificate import Certificate
 from certification.identity import os_name
 from certification.lane_policy import CertificateLanePolicy, machine_differences
 from certification.modules import build_module
-from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from cli.main import main as cli_main
 from common.errors import InvalidRequest
@@ -43,7 +41,6 @@ from tests.test_serve_support import ServerProcess, server_config
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
 
 MODEL = "minilm-l6-v2"
-PACKED = [{"rows": 4, "seq_len": 256, "packed": True}]
 TEXTS = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stocks fell."]
 
 
@@ -67,28 +64,12 @@ def _cache_env(synapse_cache_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def provisional(store_root, synapse_cache_dir, tmp_path_factory) -> Certificate:
+def provisional(minilm_ane_certificate) -> Certificate:
     """A real certification of the Core ML lane on this machine, on the reference executor
-    (provisional: its placement is the estimate on every OS)."""
-    store = CertificateStore(tmp_path_factory.mktemp("certs-run"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SYNAPSE_CACHE_DIR", str(synapse_cache_dir))
-
-        async def go():
-            async with module(store_root) as mod:
-                return await certify(
-                    mod,
-                    RunOptions(
-                        model=MODEL,
-                        lane="ane",
-                        shapes=PACKED,
-                        sample_stride=40,
-                        runtime_config_extra={"backend": "reference"},
-                    ),
-                    store,
-                )
-
-        cert = asyncio.run(go())
+    (provisional: its placement is the estimate on every OS): the session's one run of it
+    (tests/conftest.py: the packed 4x256 shape, every 8th corpus item)."""
+    cert = minilm_ane_certificate
+    assert (cert.key.model, cert.key.lane, cert.key.shapes) == (MODEL, "ane", ("4x256p/16",))
     assert cert.status == "provisional" and cert.quality == "pass", cert.failing
     return cert
 

@@ -39,7 +39,8 @@ from host.module import Module, ModuleConfig
 from service.app import create_app
 from service.config import ServeConfig
 from tests.batch_support import texts, write_jsonl
-from tests.test_lane_choice import PACKED, as_compute_plan_run
+from tests.session_certs import adopt
+from tests.test_lane_choice import as_compute_plan_run
 from tests.test_serve_support import metric
 
 pytestmark = pytest.mark.model  # builds or loads a real model, or starts a model worker
@@ -69,12 +70,16 @@ def _cache_env(own_certificates_cache, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def certs(own_certificates_cache) -> tuple[Certificate, Certificate]:
-    """Real certifications on this machine, Core ML lane first, then llama.cpp (which finds
+def certs(own_certificates_cache, minilm_ane_certificate) -> tuple[Certificate, Certificate]:
+    """Real certifications on this machine, Core ML lane first (the session's one run of it,
+    tests/conftest.py, saved here as its run would have saved it), then llama.cpp (which finds
     the first and records the agreement); the Core ML one then as a Mac would certify it.
     Saved where a Module built on `own_certificates_cache` reads them."""
     store = CertificateStore(own_certificates_cache / "certificates")
     models = str(own_certificates_cache / "models")
+    ane = minilm_ane_certificate
+    assert (ane.key.model, ane.key.lane, ane.quality) == (MODEL, "ane", "pass")
+    adopt(ane, store)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SYNAPSE_CACHE_DIR", str(own_certificates_cache))
 
@@ -84,7 +89,6 @@ def certs(own_certificates_cache) -> tuple[Certificate, Certificate]:
                     mod, RunOptions(model=MODEL, lane=lane, sample_stride=STRIDE, **options), store
                 )
 
-        ane = asyncio.run(run("ane", shapes=PACKED, runtime_config_extra={"backend": "reference"}))
         llama = asyncio.run(run("llama"))
     certified = as_compute_plan_run(ane)
     store.save(certified)
