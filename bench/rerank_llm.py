@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -59,6 +60,7 @@ from bench import kernels  # first
 # isort: split
 
 import numpy as np
+import psutil
 
 from bench.real_sizes import (
     QWEN2_SPLIT,
@@ -149,31 +151,15 @@ def ensure_dir(root: Path, config: dict | None = None) -> Path:
     return out
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def _tree_cpu_s() -> float:
     """CPU seconds (user + system) of this process and its live descendants (the lane's
     worker): on a shared, overloaded machine the work a contender does is steadier than its
     wall time, which counts the other jobs' turns on the cores too."""
     total = time.process_time()
-    todo, seen = [os.getpid()], set()
-    while todo:
-        pid = todo.pop()
-        try:
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue
-        for kid in map(int, kids):
-            if kid in seen:
-                continue
-            seen.add(kid)
-            todo.append(kid)
-            try:
-                fields = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    for kid in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a child that exits while it is read
+            t = kid.cpu_times()
+            total += t.user + t.system
     return total
 
 

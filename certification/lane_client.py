@@ -35,9 +35,10 @@ from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
 # A worker's ERR codes that mean "this lane does not compute that" (an output it has no head
-# for, a query it cannot mask as the model does): the output is not served on the lane, which
-# a certificate says with the lane's reason rather than failing or passing it.
-REFUSAL_CODES = ("unsupported",)
+# for, a query it cannot mask as the model does, token outputs on a Core ML lane whose admitted
+# shapes are all packed): the output is not served on the lane as it is set up, which a
+# certificate says with the lane's reason rather than failing or passing it.
+REFUSAL_CODES = ("unsupported", "shape_unsupported")
 
 
 class NotServed(Exception):

@@ -37,6 +37,7 @@ OPTIONAL_MODULES = {
     "host.local_ray": "ray",
     "service.ray_deployment": "ray",
     "certification.reference.st_model": "reference",
+    "certification.reference.token_kinds": "reference",
 }
 # Lives in the lock's "unsafe" section: installed first by the Makefile, build per platform.
 LOCK_EXCLUDED = {"torch", "setuptools", "pip"}
