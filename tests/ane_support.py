@@ -30,3 +30,24 @@ async def serve_on_ane(
         identity = mod.lane_identity(name, "ane")
         share, source = await mod.placement(name, lane="ane")
     return np.asarray(vectors), identity, share, source
+
+
+def load_reference_engine(manifest, runtime_config: dict):
+    """An in-process Core ML engine on the reference executor with `manifest`'s owned
+    artifact LOADed under `runtime_config` (cache root, shapes, heads...)."""
+    from workers.ane.engine import AneEngine
+    from workers.engine import NullProgress
+    from workers.protocol import messages as m
+
+    engine = AneEngine(manifest.dir, backend="reference")
+    engine.load(
+        m.LOAD(
+            req_id=1,
+            artifact_path=manifest.dir,
+            artifact_digest=manifest.digest,
+            format="coreml-owned",
+            runtime_config=runtime_config,
+        ),
+        NullProgress(),
+    )
+    return engine

@@ -31,6 +31,7 @@ from host.sanitize import sanitize
 from ingest.hf_dir import convert_hf_dir
 from ingest.owned import ensure_owned, hf_source
 from ingest.store import ArtifactStore
+from tests.ane_support import load_reference_engine
 from tests.gguf_edit import rewrite_gguf
 from tests.test_ane_qwen3 import _qwen3
 from tests.test_ane_xlmr import _config as _xlmr_config
@@ -194,20 +195,8 @@ def engines(from_gguf, module_tmp):
     def get(name: str) -> AneEngine:
         if name not in made:
             man = from_gguf[name]
-            engine = AneEngine(man.dir, backend="reference")
-            engine.load(
-                m.LOAD(
-                    req_id=1,
-                    artifact_path=man.dir,
-                    artifact_digest=man.digest,
-                    format="coreml-owned",
-                    runtime_config={
-                        "cache_root": str(module_tmp / "cache"),
-                        "model_ref": name,
-                        "shapes": [SHAPE],
-                    },
-                ),
-                NullProgress(),
+            engine = load_reference_engine(
+                man, {"cache_root": str(module_tmp / "cache"), "model_ref": name, "shapes": [SHAPE]}
             )
             made[name] = engine
         return made[name]

@@ -736,7 +736,7 @@ def test_the_core_ml_graph_sums_log1p_relu_splade(dirs, module_tmp):
     from transformers import AutoTokenizer
 
     from formats.owned.manifest import ingest_owned
-    from workers.ane.engine import AneEngine
+    from tests.ane_support import load_reference_engine
     from workers.engine import NullProgress
     from workers.protocol import messages as m
 
@@ -754,20 +754,13 @@ def test_the_core_ml_graph_sums_log1p_relu_splade(dirs, module_tmp):
     }
     tok = AutoTokenizer.from_pretrained(str(src))
     seqs = [np.asarray(tok(t, truncation=True, max_length=MAX_SEQ)["input_ids"]) for t in TEXTS]
-    engine = AneEngine(man.dir, backend="reference")
-    engine.load(
-        m.LOAD(
-            req_id=1,
-            artifact_path=man.dir,
-            artifact_digest=man.digest,
-            format="coreml-owned",
-            runtime_config={
-                "cache_root": str(module_tmp / "ane-cache"),
-                "shapes": [{"rows": 4, "seq_len": MAX_SEQ}],
-                "heads": heads,
-            },
-        ),
-        NullProgress(),
+    engine = load_reference_engine(
+        man,
+        {
+            "cache_root": str(module_tmp / "ane-cache"),
+            "shapes": [{"rows": 4, "seq_len": MAX_SEQ}],
+            "heads": heads,
+        },
     )
     try:
         req = m.ENCODE(
