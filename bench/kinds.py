@@ -22,7 +22,8 @@ Both sides get the same cores: the lane's worker `--threads` llama.cpp threads (
 plans cores / threads workers) and torch `--threads` threads (default: every core), gradients
 off. Their timed runs alternate (lane, reference, lane, ...) so a machine shared with other
 work slows both alike; each side's CPU seconds (the worker's and this process's for the lane)
-are reported beside the wall times, and so are both sides' kernels.
+are reported beside the wall times (m3: the worker's share too, `lane_one_pass_worker_cpu_s`),
+and so are both sides' kernels.
 
 Both directories are built once under `<synapse cache>/bench/real-sizes/` and ingested at this
 platform's embedding precision. One JSON object on stdout (and in --out); each figure is the
