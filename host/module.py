@@ -62,7 +62,7 @@ from host.lane_policy import (
     ane_reason,
     llama_reason,
 )
-from host.lane_router import LatencyCurve
+from host.lane_router import Ask, LatencyCurve
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
 from host.results import EmbedResult as EmbedResult
@@ -71,7 +71,7 @@ from host.results import RerankResult as RerankResult
 from host.results import Usage as Usage
 from host.routed_lanes import RoutedLanes, predict
 from host.served import Served
-from host.token_calls import TokenCalls
+from host.token_calls import MAXSIM_ASK, TokenCalls, late_interaction
 from host.token_outputs import TokenOutputs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
@@ -323,6 +323,7 @@ class Module:
                 digest,
                 device,
                 load_extra=dict(runtime_config_extra or {}),
+                refuses=tuple(loaded.refuses),
             )
             await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
@@ -399,11 +400,18 @@ class Module:
         device = self._served[served_key(name, lane)].device
         return LaneChoice(lane, device, f"{lane}/{device}: configured (lanes = [{lane!r}])")
 
-    def pick_lane(self, name: str, items: int) -> str | None:
-        """The lane a call of `items` inputs without `lane=` would go to now (None: not
-        chosen yet); a caller that names it gets the routed lane and knows which it is."""
+    def pick_lane(self, name: str, items: int, ask: Ask | None = None) -> str | None:
+        """The lane a call of `items` inputs without `lane=` (asking `ask` of it: token-level
+        outputs) would go to now (None: not chosen yet); a caller that names it gets the
+        routed lane and knows which it is."""
         choice = self._choices.get(name)
-        return None if choice is None else self.routing.lane_for(name, choice, items)
+        return None if choice is None else self.routing.lane_for(name, choice, items, ask)
+
+    def refusals(self, name: str, lane: str) -> tuple[m.Refusal, ...]:
+        """The ENCODE outputs the loaded `lane` of `name` refuses whatever the items, as its
+        worker's LOADED declared them (none when the lane is not loaded)."""
+        served = self._served.get(served_key(name, _check_lane(lane)))
+        return served.refuses if served else ()
 
     def latency_curves(self, name: str) -> dict[str, LatencyCurve]:
         """A routed model's latency curve per lane (empty for a model on one lane)."""
@@ -554,13 +562,15 @@ class Module:
         kind: str | None = None,
         lane: str | None = None,
         items: int = 1,
+        ask: Ask | None = None,
     ) -> Served:
         """The loaded lane a call of `items` inputs reaches (`name` or `default`, on `lane`
-        or the default lane: for a routed model, the one expected to finish first), loading
-        it first when it is not; refused when the model is not of `kind`."""
+        or the default lane: for a routed model, the one expected to finish first of those
+        that serve what it asks, `ask`), loading it first when it is not; refused when the
+        model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = self.routing.lane_for(name, await self.load_default_lane(name), items)
+            lane = self.routing.lane_for(name, await self.load_default_lane(name), items, ask)
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -833,8 +843,12 @@ class Module:
             self.admission.check_inputs([instruction], "instruction")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
-        _refuse_classifier(self.record(model or DEFAULT_EMBED))
-        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane, items=len(docs))
+        record = self.record(model or DEFAULT_EMBED)
+        _refuse_classifier(record)
+        ask = MAXSIM_ASK if late_interaction(record) else None  # both sides on one lane
+        served = await self._load_for_call(
+            model, DEFAULT_EMBED, lane=lane, items=len(docs), ask=ask
+        )
         cut = (truncate, truncation_direction, max_doc_tokens)
         llm = served.record.manifest.llm_rerank
         if instruction is not None and llm is None:
@@ -860,7 +874,7 @@ class Module:
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
-        elif "multivector" in served.record.manifest.heads:
+        elif late_interaction(served.record):
             scores, encoded, tokens = await self.token_calls.late_interaction(
                 served, query, docs, cut, deadline_s
             )

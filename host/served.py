@@ -9,6 +9,7 @@ from host.chat_pairs import ChatPairs
 from host.lane import Lane
 from host.tokenization import Tokenizer
 from ingest.store import ModelRecord
+from workers.protocol import messages as m
 
 
 @dataclass
@@ -22,3 +23,5 @@ class Served:
     device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
     chat_pairs: ChatPairs | None = None  # an LLM reranker's pair composer, built on first use
     load_extra: dict | None = None  # the runtime_config_extra LOAD was given (its identity)
+    # The ENCODE outputs its worker refuses whatever the items (LOADED's declaration).
+    refuses: tuple[m.Refusal, ...] = ()

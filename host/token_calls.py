@@ -18,6 +18,7 @@ import numpy as np
 from common.errors import InvalidRequest
 from host.admission import Admission
 from host.call_args import check_prompt_args, check_served, renamed, resolve_prompt
+from host.lane_router import Ask
 from host.late_chunking import chunk_bounds, pick_windows, pool_chunks
 from host.late_chunking import token_states as late_token_states
 from host.results import EmbedResult, Usage
@@ -30,7 +31,7 @@ from host.token_outputs import (
     request_outputs,
 )
 from host.tokenization import Encoded
-from ingest.store import DEFAULT_EMBED
+from ingest.store import DEFAULT_EMBED, ModelRecord
 from workers.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -38,6 +39,16 @@ if TYPE_CHECKING:
     from host.served import Served
 
 Side = Literal["query", "document"]
+
+# What late chunking and a multi-vector rerank ask of a lane (host.lane_router.Ask): a routed
+# model sends them only to a lane that serves them.
+LATE_ASK = Ask(("tokens",), ("document",))
+MAXSIM_ASK = Ask(("multivector",), ("query", "document"))  # both sides on one lane
+
+
+def late_interaction(record: ModelRecord) -> bool:
+    """Whether `record`'s model reranks by MaxSim of its multi-vectors."""
+    return "multivector" in record.manifest.heads
 
 
 class TokenHost(Protocol):
@@ -53,6 +64,7 @@ class TokenHost(Protocol):
         kind: str | None = None,
         lane: str | None = None,
         items: int = 1,
+        ask: Ask | None = None,
     ) -> Served: ...
 
 
@@ -82,7 +94,10 @@ class TokenCalls:
         check_prompt_args(prompt_name, prompt)
         admission = self.host.admission
         admission.check_inputs(batch)
-        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
+        ask = Ask(tuple(kinds), (side,))
+        served = await self.host._load_for_call(
+            model, DEFAULT_EMBED, "embed", lane, len(batch), ask
+        )
         check_served(served.record, kinds)  # before tokenizing
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         sparse_head = served.record.manifest.heads.get("sparse")
@@ -129,7 +144,8 @@ class TokenCalls:
     ) -> dict[str, list]:
         """Module.encode_token_ids."""
         kinds = check_outputs(outputs)
-        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        ask = Ask(tuple(kinds), (side,))
+        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids), ask)
         return await self.request(served, ids, kinds, side, normalize, deadline_s)
 
     async def late_chunk(
@@ -148,7 +164,7 @@ class TokenCalls:
         check_prompt_args(prompt_name, prompt)
         admission = self.host.admission
         admission.check_inputs(list(chunks))
-        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, 1)
+        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, 1, LATE_ASK)
         pooling = served.record.manifest.pooling or "mean"
         if pooling != "mean":
             raise InvalidRequest(
