@@ -131,8 +131,8 @@ class CLASSIFY(_Msg, tag="CLASSIFY", frozen=True):
 
 # What ENCODE may ask for: one pooled vector an item ("dense"), the final state of every token
 # ("tokens"), a learned sparse vector ("sparse") and a head's per-token vectors ("multivector").
-OUTPUT_KINDS = ("dense", "tokens", "sparse", "multivector")
 OutputKind = Literal["dense", "tokens", "sparse", "multivector"]
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("dense", "tokens", "sparse", "multivector")
 Side = Literal["query", "document"]
 SIDES: tuple[Side, ...] = ("query", "document")
 
