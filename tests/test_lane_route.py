@@ -333,3 +333,18 @@ async def test_a_bulk_job_runs_both_lanes_and_records_both(
     async with module(str(own_certificates_cache / "models"), None) as mod:
         alone = await mod.embed(texts(48), lane="llama")
     assert np.sum(vectors * alone.vectors, axis=1).min() >= 0.9998  # either lane: one vector
+    # Token states in bulk: only the lanes that serve them take windows (a Core ML lane of
+    # packed shapes declares it gives none), so no window is refused.
+    tokens = await run_job(
+        JobOptions(
+            input=str(tmp_path / "in.jsonl"),
+            output=str(tmp_path / "tokens.parquet"),
+            module=config,
+            lane="ane,llama",
+            workers=1,
+            outputs=("tokens",),
+        )
+    )
+    assert tokens.rows == 48 and tokens.errors == 0
+    used = read_metadata(tmp_path / "tokens.parquet")["lane"].split(",")
+    assert set(tokens.lane_rows) == set(used) and sum(tokens.lane_rows.values()) == 48
