@@ -57,7 +57,9 @@ async def measure_agreement(
             certificates=certs,
             source=source,
         )
-    output = served_outputs(module.record(model).manifest)[0]
+    outs = served_outputs(module.record(model).manifest)
+    # The pooled vector, else the model's own head's output (what an index would hold).
+    output = "dense" if "dense" in outs else next((o for o in outs if o != "tokens"), outs[0])
     if output == "dense":
         vectors = [await _embed_all(module, model, lane, texts) for lane in lanes]
         first = vectors[0].astype(np.float64)
