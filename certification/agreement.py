@@ -69,7 +69,7 @@ async def measure_agreement(
     else:
         outs = [await _own_output_all(module, model, lane, texts, output) for lane in lanes]
         least = min(
-            _least_cosine(a, b, output)
+            least_cosine(a, b, output)
             for other in outs[1:]
             for a, b in zip(outs[0], other, strict=True)
         )
@@ -107,7 +107,7 @@ async def _own_output_all(
     return out
 
 
-def _least_cosine(a, b, output: str) -> float:
+def least_cosine(a, b, output: str) -> float:
     """The least cosine between two lanes' `output` of one item: every multi-vector against
     the same vector of the other lane (a different count never agrees), or the two sparse
     vectors (an id kept on one lane only counts against them)."""

@@ -14,6 +14,7 @@ import pytest
 from batch.errors import BatchUsageError
 from batch.job import JobOptions, job_lanes
 from certification import gates
+from certification.agreement import least_cosine
 from certification.certificate import decode, encode
 from certification.lane_policy import reference_fit
 from host.errors import ConfigInvalid
@@ -248,3 +249,23 @@ def test_certificates_without_curve_or_agreement_still_load():
     )
     again = decode(encode(with_both))
     assert again.agreement == with_both.agreement and again.measurements.latency_curve == GPU
+
+
+def _sparse(ids, values):
+    return np.array(ids, np.int32), np.array(values, np.float32)
+
+
+@pytest.mark.parametrize(
+    "a, b, output, want",
+    [
+        (_sparse([2, 7], [1.0, 2.0]), _sparse([2, 7], [1.0, 2.0]), "sparse", 1.0),
+        (_sparse([], []), _sparse([], []), "sparse", 1.0),  # two empty vectors agree
+        (_sparse([2, 7], [1.0, 1.0]), _sparse([2], [1.0]), "sparse", 1 / math.sqrt(2)),
+        (np.eye(2), np.eye(2), "multivector", 1.0),
+        (np.eye(2), np.array([[1.0, 0.0], [1.0, 1.0]]), "multivector", 1 / math.sqrt(2)),
+        (np.eye(2), np.eye(3)[:2, :2][:1], "multivector", -1.0),  # another count: never agree
+    ],
+)
+def test_two_lanes_own_outputs_agree_by_their_least_cosine(a, b, output, want):
+    """A model without a pooled vector: the agreement gate reads its own output."""
+    assert least_cosine(a, b, output) == pytest.approx(want)
