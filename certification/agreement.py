@@ -67,11 +67,11 @@ async def measure_agreement(
             float(np.min(np.sum(first * v.astype(np.float64), axis=1))) for v in vectors[1:]
         )
     else:
-        outs = [await _own_output_all(module, model, lane, texts, output) for lane in lanes]
+        got = [await _own_output_all(module, model, lane, texts, output) for lane in lanes]
         least = min(
             least_cosine(a, b, output)
-            for other in outs[1:]
-            for a, b in zip(outs[0], other, strict=True)
+            for other in got[1:]
+            for a, b in zip(got[0], other, strict=True)
         )
     return Agreement(
         lanes=list(lanes),
