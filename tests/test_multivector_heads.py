@@ -888,6 +888,7 @@ async def test_a_colbert_on_two_lanes_sends_the_queries_llama_cpp_cannot_mask_to
         choice = mod.chosen_lanes()[name]
         assert choice.lanes == ("ane", "llama"), choice.reason
         assert "measured at load" in choice.reason
+        print(f"two-lane ColBERT: {choice.reason}")
         assert mod.refusals(name, "llama")[0].side == "query"
         assert docs.lane == "llama"  # the size rule: nothing refused
         queries = await mod.encode_outputs(QUERIES, ["multivector"], name, side="query")
