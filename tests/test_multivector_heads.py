@@ -771,8 +771,16 @@ def _ane_extra(module_tmp: Path, seq_len: int = 64) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def blind_dir(served_store, colbert, module_tmp) -> Path:
+    """A classic ColBERT: its query expansion is not attended, served as `colbert-blind`."""
+    d = _body_variant(colbert, module_tmp / "ane-blind", attend=False)
+    served_store.ingest_hf_dir(d, "colbert-blind", dtype="f32")
+    return d
+
+
 async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
-    served_store, colbert, module_tmp, short_runtime_dir
+    served_store, colbert, blind_dir, module_tmp, short_runtime_dir
 ):
     """The Core ML graph projects every token (the Dense layers as 1x1 convs, normalized per
     token) and the worker keeps the reference's tokens with the llama lane's code. Its own
@@ -783,8 +791,6 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
 
     from host.errors import WorkerError
 
-    blind_dir = _body_variant(colbert, module_tmp / "ane-blind", attend=False)
-    served_store.ingest_hf_dir(blind_dir, "colbert-blind", dtype="f32")
     async with _module(served_store, short_runtime_dir) as mod:
         for name in ("colbert", "colbert-blind"):
             await mod.load(name, "ane", _ane_extra(module_tmp))
@@ -800,6 +806,13 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
                 QUERIES, ["multivector"], "colbert-blind", lane="llama", side="query"
             )
         assert refused.value.code == "unsupported"
+        # Each worker declared at LOAD what it refuses whatever the items: the llama.cpp
+        # lane this query side, with the reason its ERR gave; the Core ML lane nothing.
+        (declared,) = mod.refusals("colbert-blind", "llama")
+        assert (declared.output, declared.side) == ("multivector", "query")
+        assert declared.reason in refused.value.message
+        assert mod.refusals("colbert-blind", "ane") == ()
+        assert mod.refusals("colbert", "llama") == ()  # its expansion is attended
     ref = MultiVectorEncoder(str(colbert), device="cpu")
     ref_docs, ref_queries = ref.encode_document(DOCUMENTS), ref.encode_query(QUERIES)
     ref_blind = MultiVectorEncoder(str(blind_dir), device="cpu").encode_query(QUERIES)
@@ -822,6 +835,80 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
     # Each query vector's best dot product carries both unit vectors' fp16 error (~1e-3):
     # the sum over Q_LEN of them is held to 2e-3 a query vector (measured 1.6e-2 over 16).
     assert err <= 2e-3 * Q_LEN
+
+
+def _listed_lanes_policy(root: Path, ane_extra: dict, curves: dict):
+    """The serve config's `lanes = ["ane", "llama"]` for a model with no certificate (the
+    certificate policy's answer: agreement measured at load), with this module's Core ML
+    shapes (on the reference executor its default shapes take minutes to compile) and latency
+    curves whose answer is known."""
+    import dataclasses
+
+    from certification.lane_policy import CertificateLanePolicy
+    from certification.store import CertificateStore
+    from host.lane_policy import LaneSet
+
+    class Listed(CertificateLanePolicy):
+        def lane_set(self, model: str, lanes: list[str] | None) -> LaneSet | str:
+            got = super().lane_set(model, lanes)
+            assert isinstance(got, LaneSet) and got.agreement is None, got
+            return dataclasses.replace(got, runtime_config_extra={"ane": ane_extra}, curves=curves)
+
+    return Listed(CertificateStore(root), agreement_stride=40)  # 9 corpus items
+
+
+async def test_a_colbert_on_two_lanes_sends_the_queries_llama_cpp_cannot_mask_to_core_ml(
+    served_store, blind_dir, module_tmp, short_runtime_dir
+):
+    """A classic ColBERT served by both lanes: they agree on documents (measured at load: every
+    multi-vector's cosine), the llama.cpp worker declared at load that it refuses the query
+    side. With llama.cpp the faster lane at every size, documents go to it by the size rule,
+    and queries (and a MaxSim rerank, which reads both sides on one lane) to the Core ML lane,
+    which serves them as `MultiVectorEncoder` computes them."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from host.config import HostConfig
+    from host.lane_router import Ask, LatencyCurve
+    from host.module import Module, ModuleConfig
+
+    items = [1, 4, 16, 64]
+    curves = {
+        "ane": LatencyCurve(items=items, seconds=[0.02, 0.08, 0.32, 1.28]),
+        "llama": LatencyCurve(items=items, seconds=[0.01, 0.011, 0.014, 0.03]),
+    }
+    name = "colbert-blind"
+    policy = _listed_lanes_policy(module_tmp / "no-certs", _ane_extra(module_tmp), curves)
+    config = ModuleConfig(
+        store_root=str(served_store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+        model_lanes={name: ["ane", "llama"]},
+    )
+    async with Module(config, policy) as mod:
+        docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], name)
+        choice = mod.chosen_lanes()[name]
+        assert choice.lanes == ("ane", "llama"), choice.reason
+        assert "measured at load" in choice.reason
+        print(f"two-lane ColBERT: {choice.reason}")
+        assert mod.refusals(name, "llama")[0].side == "query"
+        assert docs.lane == "llama"  # the size rule: nothing refused
+        queries = await mod.encode_outputs(QUERIES, ["multivector"], name, side="query")
+        assert queries.lane == "ane"  # the only lane that serves it
+        assert mod.pick_lane(name, 64, Ask(("multivector",), ("query",))) == "ane"
+        assert mod.pick_lane(name, 1, Ask(("multivector",), ("document",))) == "llama"
+        ranked = await mod.rerank(QUERIES[0], DOCUMENTS, name)
+        assert ranked.lane == "ane" and ranked.method == "multi-vector-maxsim"
+    ref = MultiVectorEncoder(str(blind_dir), device="cpu")
+    ref_docs, ref_queries = ref.encode_document(DOCUMENTS), ref.encode_query(QUERIES)
+    for got, want in [
+        *zip(docs.multivector or [], ref_docs, strict=True),
+        *zip(queries.multivector or [], ref_queries, strict=True),
+    ]:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape and _cos(got, want).min() >= ANE_MIN_COS
+    want_scores = np.asarray(ref.similarity(ref_queries[:1], ref_docs), np.float64)[0]
+    got_scores = dict(ranked.results)
+    err = max(abs(got_scores[i] - want_scores[i]) for i in range(len(DOCUMENTS)))
+    assert err <= 2e-3 * Q_LEN  # the Core ML lane's fp16 bar, as above
 
 
 async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(

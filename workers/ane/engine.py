@@ -69,6 +69,7 @@ from workers.ane.executor import PackageError, UnsupportedOp
 from workers.ane.identity import KERNEL_REVISION, coremltools_version, kernel_revision
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.program_ir import ProgramFormatError
+from workers.ane.refusals import refusals as declared_refusals
 from workers.ane.shapes import Shape
 from workers.ane.token_heads import (
     MULTIVECTOR,
@@ -264,6 +265,7 @@ class AneEngine(Engine):
                     dims=_dims(manifest),
                     cold_load_ms=0.0,
                     device=self._model.device,
+                    refuses=_refusals(self._model),
                 )
             raise EngineError(
                 "invalid_request", f"one model per Core ML worker: unload {self._model.ref!r} first"
@@ -297,6 +299,7 @@ class AneEngine(Engine):
             dims=_dims(manifest),
             cold_load_ms=(time.perf_counter() - start) * 1e3,
             device=model.device,
+            refuses=_refusals(model),
         )
 
     def _load_heads(self, model: _Model) -> None:
@@ -709,6 +712,12 @@ class AneEngine(Engine):
 
 # The graph output each ENCODE kind but sparse reads (sparse: by the route's head).
 _GRAPH_OUTPUT = {"dense": "embedding", "tokens": TOKEN_STATES, "multivector": MULTIVECTOR}
+
+
+def _refusals(model: _Model) -> list[m.Refusal]:
+    """What LOADED declares this worker refuses of `model` (workers.ane.refusals)."""
+    shapes = [c.shape for c in model.shapes.values()]
+    return declared_refusals(model.manifest, shapes, model.heads)
 
 
 def _sparse_section(
