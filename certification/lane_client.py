@@ -190,13 +190,21 @@ class LaneClient:
             return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()}
         from certification.placement_ops import per_op_estimate
 
-        shapes = self._shapes or default_ane_shapes(self.record)
+        record = self.record
+        shapes = self._shapes or default_ane_shapes(record)
+        # The head files LOAD named (the host's `heads`, path and digest): the worker builds
+        # them into the graph, and its packages are keyed by them.
+        heads = {
+            kind: {"path": str(record.dir / h.file), "digest": h.digest}
+            for kind, h in (record.manifest.heads or {}).items()
+        }
         return await asyncio.to_thread(
             per_op_estimate,
-            owned_dir(self.module.store, self.record),
+            owned_dir(self.module.store, record),
             shapes,
             self._build_options,
             self._cache_root,
+            heads,
         )
 
 
