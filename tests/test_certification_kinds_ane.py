@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import resource
 import shutil
 import tempfile
@@ -300,6 +301,7 @@ def test_perturbed_heads_fail_the_gates_they_touch(runs):
 
 
 def test_the_certificate_names_lane_shapes_revision_and_verdicts(runs, tmp_path):
+    from ingest.store import ArtifactStore
     from workers.ane.identity import kernel_revision
 
     m3 = runs.certs["m3"]
@@ -307,6 +309,10 @@ def test_the_certificate_names_lane_shapes_revision_and_verdicts(runs, tmp_path)
     assert key.lane == "ane" and key.precision == "fp16" and key.engine == "coreml-ane"
     assert key.shapes == ("2x256", "8x64")  # what was admitted (sorted): unpacked, no `p`
     assert key.kernel_revision == kernel_revision("xlm-roberta", "embed_cls")
+    # Its head files are not in the artifact's digest: their own digests are in the key.
+    heads = ArtifactStore(runs.cache / "models").get("m3").manifest.heads
+    assert json.loads(key.heads) == {k: h.digest for k, h in heads.items()}
+    assert set(heads) == {"sparse", "multivector"}
     assert m3.thresholds == FP16  # judged at the lane's own bars
     assert [o.output for o in m3.outputs] == ["dense", "sparse", "multivector", "late_chunking"]
     for o in m3.outputs:  # each verdict names the checks it stands on
