@@ -8,8 +8,9 @@ ColBERT whose query expansion is not attended has its query side refused by the 
 the certificate says, never passing it.
 
 The tiny seeded models are the head tests' own builders (tests.test_sparse_heads,
-tests.test_multivector_heads, tests.test_hf_xlmr), built once for the module; the runs judge
-every STRIDE-th corpus item."""
+tests.test_multivector_heads, tests.test_hf_xlmr), built and ingested once per test run for
+this module and the Core ML lane's (tests.kinds_support); the runs judge every STRIDE-th
+corpus item."""
 
 from __future__ import annotations
 
