@@ -903,15 +903,24 @@ async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(
         packed = await mod.encode_outputs(
             texts, ["dense", "sparse", "multivector"], "bge-m3", lane="ane"
         )
-    assert packed.dense is not None and _cos(packed.dense, dense).min() >= ANE_MIN_COS
+    assert packed.dense is not None
+    p_dense = float(_cos(packed.dense, dense).min())
+    p_mv = 1.0
     for ours, ref in zip(packed.multivector or [], colbert_vecs, strict=True):
-        assert ours.shape == ref.shape and _cos(ours, ref).min() >= ANE_MIN_COS
+        assert ours.shape == ref.shape
+        p_mv = min(p_mv, float(_cos(ours, ref).min()))
+    p_abs = 0.0
     for (idx, val), (u_idx, u_val) in zip(packed.sparse or [], got.sparse or [], strict=True):
         # Packed and unpacked rows give the same weights to within fp16 (a weight within
         # fp16 noise of 0 may be active on one side only).
         mine, theirs = np.zeros(700, np.float32), np.zeros(700, np.float32)
         mine[idx], theirs[u_idx] = val, u_val
-        assert np.abs(mine - theirs).max() <= 1e-2
+        p_abs = max(p_abs, float(np.abs(mine - theirs).max()))
+    print(
+        f"packed rows: dense cos {p_dense:.6f}, colbert cos {p_mv:.6f}, lexical weights vs "
+        f"unpacked max |diff| {p_abs:.2e}"
+    )
+    assert p_dense >= ANE_MIN_COS and p_mv >= ANE_MIN_COS and p_abs <= 1e-2
 
     # One forward: the worker's engine in process, on the module's compiled shape (a cache
     # hit), counting predictions.

@@ -680,6 +680,7 @@ async def test_the_core_ml_lane_serves_splade_like_sparse_encoder(
     from sentence_transformers import SparseEncoder
 
     from host.config import HostConfig
+    from host.errors import WorkerError
     from host.module import Module, ModuleConfig
     from workers.ane.shapes import Shape
     from workers.ane.token_heads import vocab_chunk
@@ -722,7 +723,13 @@ async def test_the_core_ml_lane_serves_splade_like_sparse_encoder(
     # text alone in its row gets what it gets packed with the others.
     packed = {"rows": 2, "seq_len": MAX_SEQ, "packed": True, "max_segments": 4}
     assert vocab_chunk(Shape(2, MAX_SEQ, True, 4), 30522, max_pooling=True) == 4096
+    # A shape where even one vocabulary entry per chunk would break the bound is refused.
+    huge = {"rows": 1024, "seq_len": MAX_SEQ, "packed": True, "max_segments": 64}
+    limits = {"max_rows": 1024, "max_shape_tokens": 1 << 16}
     async with Module(cfg) as mod:
+        with pytest.raises(WorkerError, match="per-segment max") as refused:
+            await mod.load("splade", "ane", {**extra, **limits, "shapes": [huge]})
+        assert refused.value.code == "shape_unsupported"
         await mod.load("splade", "ane", {**extra, "shapes": [packed]})
         p_docs = await mod.encode_outputs(TEXTS, ["sparse"], "splade", lane="ane")
         alone = await mod.encode_outputs(TEXTS[-1:], ["sparse"], "splade", lane="ane")

@@ -75,6 +75,7 @@ from workers.ane.token_heads import (
     SPARSE_POOLED,
     TOKEN_STATES,
     TOKEN_WEIGHTS,
+    VOCAB_CHUNK_ELEMENTS,
     GraphHeads,
     has_token_outputs,
     token_refusal,
@@ -363,6 +364,15 @@ class AneEngine(Engine):
             )
         if packed and max_segments is not None and max_segments > seq_len:
             over.append(f"max_segments {max_segments} > seq_len {seq_len}")
+        splade = model.graph_heads.splade if model.graph_heads is not None else None
+        compared = rows * seq_len * (max_segments or 1)
+        if packed and splade is not None and splade.spec.pooling == "max":
+            if compared > VOCAB_CHUNK_ELEMENTS:
+                # Even one vocabulary entry per chunk would compare more than the bound.
+                over.append(
+                    f"rows*seq_len*max_segments {compared} > {VOCAB_CHUNK_ELEMENTS} "
+                    "(SPLADE's per-segment max)"
+                )
         if over:
             raise EngineError("shape_unsupported", "; ".join(over))
         return Shape(rows, seq_len, packed, max_segments if packed else 1)  # type: ignore[arg-type]

@@ -74,7 +74,7 @@ def vocab_chunk(shape: Shape, vocab: int, max_pooling: bool = False) -> int:
     """Vocabulary entries per chunk of SPLADE's projection at `shape`: 2048 at 8 x 128 tokens,
     512 at 8 x 512, at most 16384; with `max_pooling` on a packed shape, `max_segments` times
     fewer (256 at 8 x 128 with 8 segments). A multiple of 32 entries when 32 fit the bound,
-    else as many as fit (at least one): the bound holds for every admissible shape."""
+    else as many as fit (at least one; the engine refuses a shape where one does not)."""
     per_entry = shape.rows * shape.seq_len
     if max_pooling and shape.packed:
         per_entry *= shape.max_segments
