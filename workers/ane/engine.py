@@ -519,13 +519,12 @@ class AneEngine(Engine):
     def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
         """Every requested output from ONE prediction per chunk of rows, on the admitted
         shapes, packed or not (`token_heads` says what their graphs output): `dense` the
-        pooled vector,
-        `tokens` the final states, `sparse` / `multivector` the heads' graph outputs finished
-        by the same worker-side code as the llama.cpp lane's (workers.heads). A multi-vector
-        query whose expansion tokens must be hidden from every position, themselves
-        included, is served exactly: their attention-mask entries are 0, which the graph's
-        key bias applies to every query row, their own included (on a packed row, within the
-        item's segment, which no other segment sees anyway)."""
+        pooled vector, `tokens` the final states, `sparse` / `multivector` the heads' graph
+        outputs finished by the same worker-side code as the llama.cpp lane's
+        (workers.heads). A multi-vector query whose expansion tokens must be hidden from every
+        position, themselves included, is served exactly: their attention-mask entries are 0,
+        which the graph's key bias applies to every query row, their own included (on a packed
+        row, within the item's segment, which no other segment sees anyway)."""
         model = self._require(req.model_ref)
         outputs = list(req.outputs)
         if not outputs or len(set(outputs)) != len(outputs):
