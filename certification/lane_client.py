@@ -35,8 +35,8 @@ from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
 # A worker's ERR codes that mean "this lane does not compute that" (an output it has no head
-# for, a query it cannot mask as the model does, token outputs on a Core ML lane whose admitted
-# shapes are all packed): the output is not served on the lane as it is set up, which a
+# for, a query it cannot mask as the model does, an item longer than every shape a Core ML lane
+# admitted): the output is not served on the lane as it is set up, which a
 # certificate says with the lane's reason rather than failing or passing it.
 REFUSAL_CODES = ("unsupported", "shape_unsupported")
 

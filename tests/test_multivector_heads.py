@@ -761,14 +761,14 @@ def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
 ANE_MIN_COS = 0.9995
 
 
-def _ane_extra(module_tmp: Path, seq_len: int = 64) -> dict:
-    """The Core ML lane on the reference executor, one unpacked shape, one compile cache for
-    the module (the ColBERT variants share the encoder and the projection: cache hits)."""
-    return {
-        "backend": "reference",
-        "cache_root": str(module_tmp / "ane-cache"),
-        "shapes": [{"rows": 4, "seq_len": seq_len}],
-    }
+def _ane_extra(module_tmp: Path, seq_len: int = 64, packed: bool = False) -> dict:
+    """The Core ML lane on the reference executor, one unpacked shape (or one packed shape of
+    two rows, four segments a row), one compile cache for the module (the ColBERT variants
+    share the encoder and the projection: cache hits)."""
+    shape: dict = {"rows": 4, "seq_len": seq_len}
+    if packed:
+        shape = {"rows": 2, "seq_len": seq_len, "packed": True, "max_segments": 4}
+    return {"backend": "reference", "cache_root": str(module_tmp / "ane-cache"), "shapes": [shape]}
 
 
 @pytest.fixture(scope="module")
@@ -835,6 +835,35 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
     # Each query vector's best dot product carries both unit vectors' fp16 error (~1e-3):
     # the sum over Q_LEN of them is held to 2e-3 a query vector (measured 1.6e-2 over 16).
     assert err <= 2e-3 * Q_LEN
+
+    # Packed rows (the lane admitted with a packed shape only): several items to a row, each
+    # its own segment. The hidden expansion stays hidden (the key mask within the segment),
+    # and a query alone in its row gives what it gives packed with the others.
+    async with _module(served_store, short_runtime_dir) as mod:
+        for name in ("colbert", "colbert-blind"):
+            await mod.load(name, "ane", _ane_extra(module_tmp, packed=True))
+        p_docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], "colbert", lane="ane")
+        p_queries = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert", lane="ane", side="query"
+        )
+        p_blind = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert-blind", lane="ane", side="query"
+        )
+        alone = await mod.encode_outputs(
+            QUERIES[:1], ["multivector"], "colbert-blind", lane="ane", side="query"
+        )
+    packed_worst = 1.0
+    for got, want in [
+        *zip(p_docs.multivector or [], ref_docs, strict=True),
+        *zip(p_queries.multivector or [], ref_queries, strict=True),
+        *zip(p_blind.multivector or [], ref_blind, strict=True),
+    ]:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape
+        packed_worst = min(packed_worst, float(_cos(got, want).min()))
+    own = float(_cos(alone.multivector[0], p_blind.multivector[0]).min())  # type: ignore[index]
+    print(f"packed rows: worst vector cos {packed_worst:.6f}; a query alone vs packed {own:.7f}")
+    assert packed_worst >= ANE_MIN_COS and own >= 0.99999
 
 
 def _listed_lanes_policy(root: Path, ane_extra: dict, curves: dict):
@@ -955,6 +984,30 @@ async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(
     )
     assert dense_cos >= ANE_MIN_COS and mv_cos >= ANE_MIN_COS
     assert worst_sparse_cos >= ANE_MIN_COS and worst_abs <= 1e-2
+    # The same from packed rows: the lexical weights and colbert vectors sliced per segment.
+    async with _module(served_store, short_runtime_dir) as mod:
+        await mod.load("bge-m3", "ane", _ane_extra(module_tmp, 128, packed=True))
+        packed = await mod.encode_outputs(
+            texts, ["dense", "sparse", "multivector"], "bge-m3", lane="ane"
+        )
+    assert packed.dense is not None
+    p_dense = float(_cos(packed.dense, dense).min())
+    p_mv = 1.0
+    for ours, ref in zip(packed.multivector or [], colbert_vecs, strict=True):
+        assert ours.shape == ref.shape
+        p_mv = min(p_mv, float(_cos(ours, ref).min()))
+    p_abs = 0.0
+    for (idx, val), (u_idx, u_val) in zip(packed.sparse or [], got.sparse or [], strict=True):
+        # Packed and unpacked rows give the same weights to within fp16 (a weight within
+        # fp16 noise of 0 may be active on one side only).
+        mine, theirs = np.zeros(700, np.float32), np.zeros(700, np.float32)
+        mine[idx], theirs[u_idx] = val, u_val
+        p_abs = max(p_abs, float(np.abs(mine - theirs).max()))
+    print(
+        f"packed rows: dense cos {p_dense:.6f}, colbert cos {p_mv:.6f}, lexical weights vs "
+        f"unpacked max |diff| {p_abs:.2e}"
+    )
+    assert p_dense >= ANE_MIN_COS and p_mv >= ANE_MIN_COS and p_abs <= 1e-2
 
     # One forward: the worker's engine in process, on the module's compiled shape (a cache
     # hit), counting predictions.
