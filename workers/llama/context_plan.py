@@ -161,7 +161,8 @@ def flash_attention(
     kernel skips fully masked tiles. At Qwen3-Reranker-0.6B's shape (16 pairs of ~285 tokens,
     2 single-threaded contexts, in process) it cut the CPU seconds by a fifth (88.3 -> 71.7)
     for a max raw-score change of 4.6e-4 against sentence-transformers (scores 0.5..1.5;
-    the certification bar is 2e-2).
+    the certification bar is 2e-2); 64 pairs of ~324 tokens through the module (bench.rerank_llm)
+    363 -> 313 CPU seconds, where sentence-transformers' CrossEncoder took 527.
     """
     if setting is not None:
         return setting
