@@ -237,9 +237,13 @@ def test_the_defaults_are_never_refused(
         assert plan.n_ctx == min(GEN_CTX, n_ctx_train)
 
 
-def test_a_reranker_on_the_cpu_decodes_without_flash_attention():
+def test_an_encoder_reranker_on_the_cpu_decodes_without_flash_attention():
     # Its raw logit would carry llama.cpp's f16 K/V cast (measured in RuntimeConfig's docs).
     assert flash_attention(None, "rerank", offloaded=False) is False
+    # A decoder reranker's pairs attend to a shared prefix in the KV cache: flash attention
+    # skips the masked cells the plain path multiplies (measured in flash_attention's docs).
+    assert flash_attention(None, "rerank", offloaded=False, last_token=True) is True
+    assert flash_attention(False, "rerank", offloaded=False, last_token=True) is False
     assert flash_attention(None, "rerank", offloaded=True) is True
     assert flash_attention(None, "embed", offloaded=False) is True
     assert flash_attention(None, "generate", offloaded=False) is True

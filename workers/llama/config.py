@@ -32,13 +32,15 @@ class RuntimeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     n_threads     compute threads (the host passes cores / workers); n_threads_batch likewise
     embedding     force embedding mode on/off (a decoder can be served as an embedder)
     pooling       pooling override for embedders (must agree with the model for rerank)
-    flash_attn    default: on, except for a reranker on the CPU. Packing many sequences per
-                  decode is slower without it, but llama.cpp's CPU flash attention casts an
-                  encoder's K and V to f16 (it keeps no KV cache), which tripled a cross-
-                  encoder's raw logit error (tiny bge-reranker-v2-m3-style model, logits
-                  -11..17: max 0.053 with it, 0.017 without, 0.017 for llama-cpp-python in
-                  process without it); an embedder's normalized vector is within its bar either
-                  way. True/False force it.
+    flash_attn    default: on, except for an encoder reranker (a cross-encoder) on the CPU.
+                  Packing many sequences per decode is slower without it, but llama.cpp's CPU
+                  flash attention casts an encoder's K and V to f16 (it keeps no KV cache),
+                  which tripled a cross-encoder's raw logit error (tiny bge-reranker-v2-m3-style
+                  model, logits -11..17: max 0.053 with it, 0.017 without, 0.017 for
+                  llama-cpp-python in process without it); an embedder's normalized vector is
+                  within its bar either way. A decoder reranker (LLM reranker, decoder
+                  classifier) keeps it: its plain attention multiplies every cache cell in use,
+                  padded to 256 (see context_plan.flash_attention). True/False force it.
     heads         embed: heads on the token states by output ("sparse", "multivector"), each
                   {path, digest}: loaded with the model (workers.heads), digest checked first
     encode_streams  embed/rerank: llama_contexts decoding one request's packed decodes in

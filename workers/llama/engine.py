@@ -462,16 +462,18 @@ class LlamaEngine(Engine):
             max_parallel_sequences=llama_cpp.llama_max_parallel_sequences(),
             cpu_count=usable_cpu_count(),
         )
+        # An LLM reranker or decoder classifier: one output per sequence (last_token.py).
+        one_output = kind == "rerank" and model_kind.has_decoder_head(hdr)
         cparams = native.planned_context_params(
             plan,
             offloaded=offloaded,
             encoder=encoder,
             pooling=pooling,
-            flash_attn=flash_attention(cfg.flash_attn, kind, offloaded),
+            flash_attn=flash_attention(cfg.flash_attn, kind, offloaded, last_token=one_output),
         )
         typed = None
         head = None
-        if kind == "rerank" and model_kind.has_decoder_head(hdr):
+        if one_output:
             try:
                 head = llm_head.load_head(path, hdr)
             except (OSError, ValueError, NotImplementedError) as e:
