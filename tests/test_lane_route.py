@@ -34,7 +34,6 @@ from certification.lane_policy import CertificateLanePolicy
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
-from host.errors import WorkerError
 from host.lane_router import CURVE_ITEMS, Ask, LatencyCurve, refusal
 from host.module import Module, ModuleConfig
 from service.app import create_app
@@ -166,19 +165,13 @@ async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp
         assert mod.pick_lane(MODEL, 16) == "llama"  # the backlog is gone
         ranked = await mod.rerank("a cat on a mat", TEXTS)  # 3 documents: the ANE
         assert ranked.lane == "ane"
-        # Token-level outputs go only to a lane that serves them. The Core ML lane was
-        # certified with packed shapes: its worker declared at load whatever their graphs
-        # cannot give, and declared exactly what it refuses when asked directly.
-        declared = refusal(mod.refusals(MODEL, "ane"), Ask(("tokens",)))
-        try:
-            await mod.encode_outputs(TEXTS[:1], ["tokens"], MODEL, lane="ane")
-        except WorkerError as exc:
-            assert exc.code == "shape_unsupported" and declared is not None
-            assert declared.split(": ", 1)[1] in exc.message
-            serving = "llama"  # the size rule would pick the ANE for one input
-        else:
-            assert declared is None
-            serving = "ane"
+        # Token-level outputs on a Core ML lane certified with packed shapes only: its packed
+        # graphs give them, so its worker declares nothing refused and the size rule sends one
+        # input there. (A lane that refuses an output is passed over: test_multivector_heads.)
+        assert refusal(mod.refusals(MODEL, "ane"), Ask(("tokens",))) is None
+        served = await mod.encode_outputs(TEXTS[:1], ["tokens"], MODEL, lane="ane")
+        assert served.lane == "ane"
+        serving = "ane"
         states = await mod.encode_outputs(TEXTS[:1], ["tokens"], MODEL)
         late = await mod.late_chunk(["The cat sits ", "on the mat."], MODEL)
         assert (states.lane, late.lane) == (serving, serving)
@@ -333,8 +326,8 @@ async def test_a_bulk_job_runs_both_lanes_and_records_both(
     async with module(str(own_certificates_cache / "models"), None) as mod:
         alone = await mod.embed(texts(48), lane="llama")
     assert np.sum(vectors * alone.vectors, axis=1).min() >= 0.9998  # either lane: one vector
-    # Token states in bulk: only the lanes that serve them take windows (a Core ML lane of
-    # packed shapes declares it gives none), so no window is refused.
+    # Token states in bulk: only the lanes that serve them take windows (both do here), so no
+    # window is refused.
     tokens = await run_job(
         JobOptions(
             input=str(tmp_path / "in.jsonl"),

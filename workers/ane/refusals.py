@@ -4,9 +4,9 @@ other lane instead of to an ERR.
 
 The rule, the same `AneEngine.encode` applies to each ENCODE:
 - a graph with no token outputs at all (a family or head without them): every output;
-- no admitted shape whose graph gives token outputs (`has_token_outputs`; LOAD's shapes are
-  all it admits): every output that needs a prediction, which is all of them but an
-  inference-free sparse query side (it weighs its ids alone).
+- no admitted shape whose graph gives token outputs (`has_token_outputs`, packed or not; a
+  LOAD with no shapes admits none): every output that needs a prediction, which is all of
+  them but an inference-free sparse query side (it weighs its ids alone).
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from workers.ane.token_heads import has_token_outputs, token_refusal
 from workers.heads import sparse
 from workers.protocol import messages as m
 
-NO_TOKEN_SHAPE = (
-    "token-level outputs run on unpacked shapes, and only packed ones are admitted "
-    "(ADMIT_SHAPE one with packed=false)"
-)
+NO_TOKEN_SHAPE = "no admitted shape gives token-level outputs (ADMIT_SHAPE one first)"
 
 
 def refusals(manifest: Manifest, shapes: Iterable[Shape], heads: dict[str, Any]) -> list[m.Refusal]:
