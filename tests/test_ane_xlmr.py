@@ -435,6 +435,7 @@ def test_certify_on_the_ane_lane_is_provisional_off_a_mac(cache_dir):
                     shapes=[PACKED],
                     sample_stride=8,
                     runtime_config_extra={"backend": "reference"},
+                    token_outputs=False,
                 ),
                 certs,
             )
