@@ -47,6 +47,7 @@ from certification.modules import build_module
 from common.errors import StorageFull, SynapseError
 from host.classify import activate, activation_for
 from host.errors import ConfigInvalid
+from host.lane_router import Ask, refusal
 from host.module import ModuleConfig, check_lane_list
 from ingest.durable import full_disk_as
 from ingest.store import DEFAULT_EMBED, served_outputs
@@ -307,6 +308,7 @@ async def run_job(opts: JobOptions, on_ready=None) -> JobSummary:
         await asyncio.gather(*(e.start() for e in embedders))
         kinds_meta = _check_model_kinds(opts, embedders[0])
         embedders += await _second_lanes(embedders, lanes, opts)
+        embedders = _serving(embedders)
         meta = describe(embedders, opts.normalize)
         meta.update(kinds_meta)
         if opts.task == "classify":
@@ -379,6 +381,17 @@ async def _second_lanes(
                 )
     await asyncio.gather(*(e.start() for e in more))
     return more
+
+
+def _serving(embedders: list[LaneEmbedder]) -> list[LaneEmbedder]:
+    """Of a job's lanes, those that serve the token-level outputs it asks, on the document
+    side (each worker declared at load what it refuses, host.lane_router); all of them when
+    none does, and each window is then refused with its lane's reason."""
+    if not embedders[0].outputs:
+        return embedders
+    ask = Ask(embedders[0].outputs)
+    serving = [e for e in embedders if refusal(e.module.refusals(e.model, e.lane), ask) is None]
+    return serving or embedders
 
 
 def _publish(opts: JobOptions, ckpt: Checkpoint, output: Path, meta: dict) -> str | None:

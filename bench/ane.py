@@ -45,6 +45,8 @@ busy the machine was: read ratios, not absolute figures.
   a forward that computes the model.
 - packed_gain: sentences/s of 16-token inputs on the packed shape over the unpacked shape:
   the same compiled row length, `segments` sequences per packed row. Target >= 2.0.
+  `packed_gain_tokens` is the same for ENCODE's token states (each item's columns sliced out
+  of its row), null for a graph without token outputs.
 - executor_s_per_prediction: seconds of one prediction (one run of a whole compiled shape,
   feeds and gathering included) of each shape, from the packed-gain runs.
 - admit_speedup: ADMIT_SHAPE of the unpacked shape on an empty compile cache (build the MIL
@@ -100,6 +102,7 @@ from formats.owned.model import EMBED_HEADS
 from ingest.model_packages import minilm_dir
 from workers.ane.engine import AneEngine
 from workers.ane.packing import plan
+from workers.ane.token_heads import token_refusal
 from workers.engine import NullProgress
 from workers.protocol import messages as m
 
@@ -227,6 +230,18 @@ def _runner(engine: AneEngine, manifest: Manifest, inputs: Inputs) -> Callable[[
         ],
     )
     return lambda: engine.rerank_sequences(rr, ids, NullProgress())
+
+
+def _token_runner(engine: AneEngine, inputs: Inputs) -> Callable[[], object]:
+    """ENCODE of every input's token states (an embedder's token outputs)."""
+    ids = np.concatenate(inputs.seqs).astype(np.int32)
+    req = m.ENCODE(
+        req_id=4,
+        model_ref=REF,
+        items=[m.EmbedItem(id=i, n_tokens=len(s)) for i, s in enumerate(inputs.seqs)],
+        outputs=["tokens"],
+    )
+    return lambda: engine.encode(req, ids, NullProgress())
 
 
 def _chunks(engine: AneEngine, seqs: list[np.ndarray]) -> list:
@@ -519,6 +534,13 @@ def run_model(
         "unpacked": len(_chunks(unpacked, short.seqs)),
     }
     got_p, got_u = run_p(), run_u()
+    token_gain = None
+    if token_refusal(manifest) is None:
+        token_times = _times(
+            {"packed": _token_runner(packed, short), "unpacked": _token_runner(unpacked, short)},
+            trials,
+        )
+        token_gain = token_times["unpacked"] / token_times["packed"]
     unpacked_slots, real_tokens = (_slots(unpacked, seqs.seqs), sum(len(s) for s in seqs.seqs))
     for engine in (unpacked, both, packed):
         engine.close()
@@ -542,6 +564,7 @@ def run_model(
         "sentences": len(seqs),
         "mean_tokens": float(np.mean([len(s) for s in seqs.seqs])),
         "packed_gain": pack_rates["packed"] / pack_rates["unpacked"],
+        "packed_gain_tokens": token_gain,
         "packed_sentences_per_s": pack_rates["packed"],
         "unpacked_sentences_per_s": pack_rates["unpacked"],
         "packed_vs_unpacked_max_abs_diff": float(np.abs(got_p - got_u).max()),

@@ -2,7 +2,9 @@
 and what each costs for a request of n items.
 
 - `measure_agreement`: the certification corpus through every lane; embedding models: the
-  least cosine between the lanes' vectors of one item; cross-encoders: whether every query
+  least cosine between the lanes' vectors of one item (a model without a pooled vector: its
+  own output, read as a document: every multi-vector's cosine with the same vector of the
+  other lane, or the cosine of the two sparse vectors); cross-encoders: whether every query
   ranks its documents in the same order on every lane. Two lanes serve one model only when
   it passes (host.lane_policy.AGREEMENT_MIN_COS): an index must not mix two models.
 - `measure_curve`: seconds for 1, 4, 16 and 64 items at the corpus's typical (median)
@@ -55,9 +57,22 @@ async def measure_agreement(
             certificates=certs,
             source=source,
         )
-    vectors = [await _embed_all(module, model, lane, texts) for lane in lanes]
-    first = vectors[0].astype(np.float64)
-    least = min(float(np.min(np.sum(first * v.astype(np.float64), axis=1))) for v in vectors[1:])
+    outs = served_outputs(module.record(model).manifest)
+    # The pooled vector, else the model's own head's output (what an index would hold).
+    output = "dense" if "dense" in outs else next((o for o in outs if o != "tokens"), outs[0])
+    if output == "dense":
+        vectors = [await _embed_all(module, model, lane, texts) for lane in lanes]
+        first = vectors[0].astype(np.float64)
+        least = min(
+            float(np.min(np.sum(first * v.astype(np.float64), axis=1))) for v in vectors[1:]
+        )
+    else:
+        got = [await _own_output_all(module, model, lane, texts, output) for lane in lanes]
+        least = min(
+            least_cosine(a, b, output)
+            for other in got[1:]
+            for a, b in zip(got[0], other, strict=True)
+        )
     return Agreement(
         lanes=list(lanes),
         n_items=len(texts),
@@ -76,6 +91,40 @@ async def _embed_all(module: Module, model: str, lane: str, texts: list[str]) ->
         )
         out.append(result.vectors)
     return np.concatenate(out)
+
+
+async def _own_output_all(
+    module: Module, model: str, lane: str, texts: list[str], output: str
+) -> list:
+    """A model's own output of every text (no pooled vector: sparse or multi-vector), as a
+    document, no prompt."""
+    out: list = []
+    for start in range(0, len(texts), _CHUNK):
+        result = await module.encode_outputs(
+            texts[start : start + _CHUNK], [output], model, prompt="", lane=lane
+        )
+        out += getattr(result, output)
+    return out
+
+
+def least_cosine(a, b, output: str) -> float:
+    """The least cosine between two lanes' `output` of one item: every multi-vector against
+    the same vector of the other lane (a different count never agrees), or the two sparse
+    vectors (an id kept on one lane only counts against them)."""
+    if output == "sparse":
+        (ia, va), (ib, vb) = a, b
+        width = 1 + max(int(ia.max(initial=0)), int(ib.max(initial=0)))
+        x, y = np.zeros(width), np.zeros(width)
+        x[ia], y[ib] = va, vb
+        a, b = x[None], y[None]
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return -1.0
+    if a.size == 0:
+        return 1.0
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    cos = np.sum(a * b, axis=1) / np.maximum(na * nb, 1e-30)
+    return float(np.min(np.where((na == 0) & (nb == 0), 1.0, cos)))  # two zeros agree
 
 
 async def _same_order(module: Module, model: str, lanes: Sequence[str], texts: list[str]) -> bool:

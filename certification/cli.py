@@ -2,7 +2,7 @@
 
     synapse certify --model NAME --lane llama|ane [--shapes 8x128,4x256p] [--json]
                     [--report PATH.html] [--threshold NAME=VALUE ...]
-                    [--placement-threshold X] [--sample K] [--reference-dir DIR]
+                    [--placement-threshold X] [--sample K] [--no-curve] [--reference-dir DIR]
                     [--reference sentence-transformers|numpy]
     synapse certify ls [--json]
     synapse certify show ID [--json] [--report PATH.html]
@@ -66,6 +66,12 @@ def add_certify_parser(sub: argparse._SubParsersAction) -> None:
         help="judge every K-th corpus item only (smoke runs; recorded)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="items per lane request")
+    p.add_argument(
+        "--no-curve",
+        action="store_true",
+        help="skip the latency curve (smoke runs: routing measures a certificate's missing "
+        "curve when it loads the lane)",
+    )
     p.add_argument(
         "--reference-dir",
         help="HF directory of the fp32 reference "
@@ -142,6 +148,7 @@ def _run(store, args: argparse.Namespace, console: Console, err: Console) -> int
         shapes=parse_shapes(args.shapes),
         sample_stride=args.sample,
         batch_size=args.batch_size,
+        curve=not args.no_curve,
         reference_dir=args.reference_dir,
         reference=args.reference,
         overrides=parse_overrides(args.threshold, args.placement_threshold),

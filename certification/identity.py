@@ -1,7 +1,8 @@
 """What a certificate is about: the lane's identity, and the key certificates are stored under.
 
 A certificate vouches for numbers, and numbers change with any of: the artifact bytes, the
-owned-graph manifest and kernel revision (Core ML), the compiled shapes, the engine build and
+owned-graph manifest and kernel revision (Core ML), the heads on the token states loaded
+beside the artifact (their own files and digests), the compiled shapes, the engine build and
 version, the device it runs on (CPU, Metal...), the runtime settings LOAD was given (Core
 ML compute units, llama.cpp options such as flash_attn), the host tokenizer library, and the
 OS (Core ML's ANE compiler ships with macOS). Equivalent spellings key the same: shapes are
@@ -44,6 +45,10 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
     device: str = ""
     # LOAD's runtime settings beyond shapes/build_options, as canonical JSON (see lane_client).
     settings: str = ""
+    # The heads on the token states (sparse, multi-vector) the lane loads beside the artifact,
+    # {kind: digest} as canonical JSON: their files are not in the artifact's digest, and a
+    # re-ingested head changes the numbers of its output.
+    heads: str = ""
 
     @classmethod
     def from_mapping(cls, model: str, lane: str, d: dict[str, Any]) -> LaneIdentity:
@@ -71,6 +76,7 @@ class LaneIdentity(msgspec.Struct, frozen=True, kw_only=True):
             build_options=canonical_json(d.get("build_options")),
             device=str(d.get("device") or ""),
             settings=canonical_json(d.get("settings")),
+            heads=canonical_json(d.get("heads")),
         )
 
 
@@ -90,11 +96,16 @@ class CertificateKey(msgspec.Struct, frozen=True, kw_only=True):
     os: str
     device: str = ""  # after the defaults-free fields; "" in certificates older than it
     settings: str = ""  # LOAD's runtime settings (canonical JSON); "" in older certificates
+    heads: str = ""  # the token heads' digests (canonical JSON); "" without heads
 
     @property
     def id(self) -> str:
-        """16 hex digits of sha256 over the canonical JSON of every field."""
-        blob = msgspec.json.encode(msgspec.to_builtins(self, order="sorted"))
+        """16 hex digits of sha256 over the canonical JSON of every field; `heads` only when
+        there are heads, so a model without them keeps the id it had before the field."""
+        fields = msgspec.to_builtins(self, order="sorted")
+        if not self.heads:
+            del fields["heads"]
+        blob = msgspec.json.encode(fields)
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def differences(self, other: CertificateKey) -> list[str]:
@@ -124,6 +135,7 @@ def key_for(identity: LaneIdentity) -> CertificateKey:
         os=os_name(),
         device=identity.device,
         settings=identity.settings,
+        heads=identity.heads,
     )
 
 

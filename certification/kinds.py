@@ -18,10 +18,11 @@ What each output is judged on (the gates: certification.kind_gates):
   paragraphs cut at their sentences, and one document read in several context windows).
 
 A lane that refuses an output (a worker ERR `unsupported`: no head for it, a query it cannot
-mask as the model does; `shape_unsupported`: a Core ML lane admitted with packed shapes only)
-leaves that output `not served` with the lane's reason, never passed. A run told to leave the
-token-level outputs out (`RunOptions.token_outputs`) records each one beside a pooled vector
-`n/a`, not judged.
+mask as the model does; `shape_unsupported`: a Core ML lane none of whose admitted shapes holds
+an item) leaves that output `not served` with the lane's reason, never passed. A Core ML lane
+admitted with packed shapes only serves every token-level output, and is judged on them. A run
+told to leave the token-level outputs out (`RunOptions.token_outputs`) records each one beside
+a pooled vector `n/a`, not judged.
 A model without a pooled vector is fingerprinted on its own output over the probe set.
 """
 

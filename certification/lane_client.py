@@ -35,8 +35,8 @@ from ingest.store import ModelRecord
 
 LANES = ("llama", "ane")
 # A worker's ERR codes that mean "this lane does not compute that" (an output it has no head
-# for, a query it cannot mask as the model does, token outputs on a Core ML lane whose admitted
-# shapes are all packed): the output is not served on the lane as it is set up, which a
+# for, a query it cannot mask as the model does, an item longer than every shape a Core ML lane
+# admitted): the output is not served on the lane as it is set up, which a
 # certificate says with the lane's reason rather than failing or passing it.
 REFUSAL_CODES = ("unsupported", "shape_unsupported")
 
@@ -190,13 +190,21 @@ class LaneClient:
             return {str(k): {str(d): float(c) for d, c in v.items()} for k, v in ops.items()}
         from certification.placement_ops import per_op_estimate
 
-        shapes = self._shapes or default_ane_shapes(self.record)
+        record = self.record
+        shapes = self._shapes or default_ane_shapes(record)
+        # The head files LOAD named (the host's `heads`, path and digest): the worker builds
+        # them into the graph, and its packages are keyed by them.
+        heads = {
+            kind: {"path": str(record.dir / h.file), "digest": h.digest}
+            for kind, h in record.manifest.heads.items()
+        }
         return await asyncio.to_thread(
             per_op_estimate,
-            owned_dir(self.module.store, self.record),
+            owned_dir(self.module.store, record),
             shapes,
             self._build_options,
             self._cache_root,
+            heads,
         )
 
 
@@ -219,7 +227,13 @@ def lane_identity(
     if build_options and not raw.get("build_options"):
         raw["build_options"] = build_options
     raw["settings"] = settings
+    raw["heads"] = head_digests(module.record(model))
     return LaneIdentity.from_mapping(model, lane, raw)
+
+
+def head_digests(record: ModelRecord) -> dict[str, str]:
+    """{kind: digest} of the heads LOAD hands the worker beside the artifact (both lanes)."""
+    return {kind: h.digest for kind, h in record.manifest.heads.items()}
 
 
 # Keys of a LOAD's runtime_config that are in the identity by other fields, or that cannot
@@ -262,6 +276,7 @@ def llama_identity(module: LoadedLanes, model: str, settings: dict | None = None
         build_flags=raw["build_flags"],
         device=str(raw.get("device") or ""),
         settings=canonical_json(settings),
+        heads=canonical_json(head_digests(record)),
     )
 
 

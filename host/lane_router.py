@@ -7,6 +7,14 @@ each lane's latency curve — seconds for 1, 4, 16 and 64 items at the model's t
 measured on this machine (at certification, or at load) — says what a request of n items
 costs there, and the items already queued or running on the lane say how long it is busy.
 
+Lanes also differ in what they serve: llama.cpp refuses a ColBERT query side whose expansion
+tokens must be hidden even from themselves (its attention cannot express that mask), and a
+Core ML lane admitted with no shape whose graph gives token outputs refuses every token-level
+output. Each worker declares what it refuses when it loads (`LOADED.refuses`); a request for
+token-level outputs (`Ask`) goes only to the lanes that serve it (`refusal`), the size rule
+choosing among those; when no lane serves it, the size rule chooses among them all and the
+lane refuses it with its reason.
+
 `route` is a pure function of those numbers (no clock, no I/O), so its rule is proved by
 table tests; host.routed_lanes keeps the per-lane counts and calls it.
 
@@ -18,8 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
+
+from workers.protocol import messages as m
 
 # The batch sizes a latency curve is measured at.
 CURVE_ITEMS: tuple[int, ...] = (1, 4, 16, 64)
@@ -67,18 +78,48 @@ def expected_finish(curve: LatencyCurve, queued: int, items: int) -> float:
     return expected_seconds(curve, queued) + expected_seconds(curve, items)
 
 
-def route(curves: Mapping[str, LatencyCurve], queued: Mapping[str, int], items: int) -> str:
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks of a lane beyond what every lane serves: ENCODE's outputs, read on
+    each of `sides` (a multi-vector rerank reads the query side and the document side)."""
+
+    outputs: tuple[str, ...]
+    sides: tuple[str, ...] = ("document",)
+
+
+def refusal(refuses: Sequence[m.Refusal], ask: Ask | None) -> str | None:
+    """Why a lane that declared `refuses` would refuse `ask`, None when it serves it (and
+    always None for a request that asks nothing of the kind: `ask` None). A refusal with no
+    side covers every side."""
+    if ask is None:
+        return None
+    for r in refuses:
+        if r.output in ask.outputs and (r.side is None or r.side in ask.sides):
+            where = f" ({r.side} side)" if r.side else ""
+            return f"{r.output}{where}: {r.reason}"
+    return None
+
+
+def route(
+    curves: Mapping[str, LatencyCurve],
+    queued: Mapping[str, int],
+    items: int,
+    refused: Mapping[str, str] | None = None,
+) -> str:
     """The lane of `curves` expected to finish a request of `items` inputs first, given the
-    items each lane has queued or in flight (`queued`; absent: none). A tie goes to the lane
-    listed first, so the caller's order is its preference."""
+    items each lane has queued or in flight (`queued`; absent: none), among the lanes that
+    serve it: a lane in `refused` (lane -> why) is passed over unless every lane is, and
+    then the rule chooses among them all (the lane refuses the request with its reason). A
+    tie goes to the lane listed first, so the caller's order is its preference."""
     if not curves:
         raise ValueError("route: no lanes to choose from")
+    serving = {lane: c for lane, c in curves.items() if lane not in (refused or {})}
     best, best_t = "", math.inf
-    for lane, curve in curves.items():
+    for lane, curve in (serving or curves).items():
         t = expected_finish(curve, max(0, queued.get(lane, 0)), items)
         if t < best_t:
             best, best_t = lane, t
-    return best or next(iter(curves))
+    return best or next(iter(serving or curves))
 
 
 class ReferenceFit(msgspec.Struct, frozen=True, kw_only=True):

@@ -44,6 +44,8 @@ import numpy as np
 from common.errors import InvalidRequest, ModelNotFound, StorageFull, SynapseError
 from host.admission import Admission, Budgets
 from host.batching import plan_chunks
+from host.call_args import check_prompt_args, check_served, renamed
+from host.call_args import resolve_prompt as resolve_prompt  # re-exported: bench.embed
 from host.chat_pairs import ChatPairs
 from host.classify import ClassifyInput, ClassifyResult, activation_for, split_inputs
 from host.config import HostConfig, LaneConfig
@@ -60,20 +62,17 @@ from host.lane_policy import (
     ane_reason,
     llama_reason,
 )
-from host.lane_router import LatencyCurve
-from host.late_chunking import chunk_bounds, pick_windows, pool_chunks
-from host.late_chunking import token_states as late_token_states
+from host.lane_router import Ask, LatencyCurve
 from host.permits import DevicePermits
 from host.residency import Residency, ResidencyConfig, uses_model
+from host.results import EmbedResult as EmbedResult
+from host.results import GenerateResult as GenerateResult
+from host.results import RerankResult as RerankResult
+from host.results import Usage as Usage
 from host.routed_lanes import RoutedLanes, predict
-from host.sanitize import sanitize
-from host.token_outputs import (
-    TokenOutputs,
-    check_outputs,
-    maxsim,
-    reply_width,
-    request_outputs,
-)
+from host.served import Served
+from host.token_calls import MAXSIM_ASK, TokenCalls, late_interaction
+from host.token_outputs import TokenOutputs
 from host.tokenization import Encoded, EncodedPairs, Tokenizer
 from ingest.owned import ensure_owned
 from ingest.store import (
@@ -81,7 +80,6 @@ from ingest.store import (
     DEFAULT_GENERATE,
     ArtifactStore,
     ModelRecord,
-    served_outputs,
 )
 from workers.cpus import usable_cpu_count
 from workers.protocol import messages as m
@@ -127,57 +125,6 @@ class ModuleConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigInvalid(f"module.{name} must be >= 1")
         for model, lanes in self.model_lanes.items():
             check_lane_list(model, lanes)
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    total_tokens: int
-
-
-@dataclass(frozen=True)
-class EmbedResult:
-    vectors: np.ndarray  # float32 (n, dims)
-    usage: Usage
-    model: str
-    truncated: list[bool]
-    prompt: str = ""  # the text prepended to every input (the model's default, if it has one)
-    n_tokens: Sequence[int] = ()  # per input, what was embedded (the prompt's tokens included)
-    lane: str = ""  # the lane that computed the vectors ("ane", "llama")
-
-
-@dataclass(frozen=True)
-class RerankResult:
-    results: list[tuple[int, float]]  # (document index, score), best first
-    usage: Usage
-    model: str
-    method: Literal["cross-encoder", "bi-encoder-cosine", "multi-vector-maxsim"]
-    # Per document, in the order given: the tokens scored (the pair's, for a cross-encoder)
-    # and whether the document (or the query, in its pair) was cut to fit.
-    n_tokens: Sequence[int] = ()
-    truncated: Sequence[bool] = ()
-    lane: str = ""  # the lane that scored the documents
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    text: str
-    n_prompt: int
-    n_gen: int
-    finish_reason: str
-    model: str
-
-
-@dataclass
-class _Served:
-    record: ModelRecord
-    tokenizer: Tokenizer
-    lane: Lane
-    dims: int
-    lane_kind: str = "llama"
-    artifact_digest: str = ""  # what LOAD verified: the GGUF sha256 or the manifest digest
-    device: str = "cpu"  # what the worker's LOADED said it runs on ("cpu", "metal", "ane"...)
-    chat_pairs: ChatPairs | None = None  # an LLM reranker's pair composer, built on first use
-    load_extra: dict | None = None  # the runtime_config_extra LOAD was given (its identity)
 
 
 @dataclass(frozen=True)
@@ -230,19 +177,6 @@ def _heads_config(record: ModelRecord) -> dict:
     }
 
 
-def _check_served(record: ModelRecord, kinds: Sequence[str]) -> None:
-    """An output the model does not give is refused, naming what it does give."""
-    served = served_outputs(record.manifest)
-    for kind in kinds:
-        if kind not in served:
-            what = f"no {kind} head" if kind in ("sparse", "multivector") else f"no {kind} output"
-            raise InvalidRequest(
-                f"model {record.name!r} has {what}; it serves {', '.join(served)}",
-                param="outputs",
-                model=record.name,
-            )
-
-
 def hello_device(build_flags: str | None) -> str | None:
     """The `device=` a llama.cpp worker's HELLO names (what gpu_layers "auto" uses there)."""
     for part in (build_flags or "").split("|"):
@@ -264,7 +198,7 @@ class Module:
         self.admission = Admission(self.config.budgets)
         self.lane_policy: LanePolicy = lane_policy or NoLanePolicy()
         self.permits = DevicePermits(self.config.host.permits())
-        self._served: dict[str, _Served] = {}
+        self._served: dict[str, Served] = {}
         self._loading = KeyedLocks()  # by served_key: one load of a lane at a time
         self._choices: dict[str, LaneChoice] = {}
         self._choosing = KeyedLocks()  # by model: one lane choice at a time
@@ -276,6 +210,8 @@ class Module:
         self.retired_restarts: Counter[str] = Counter()
         self.retired_quarantines: Counter[str] = Counter()
         self.residency = Residency(self, residency)
+        budgets = (c := self.config).max_worker_batch_tokens, c.max_batch_items, c.host.max_frame
+        self.token_calls = TokenCalls(self, budgets)  # encode_outputs, late_chunk, MaxSim
 
     async def __aenter__(self) -> Module:
         return self
@@ -378,7 +314,7 @@ class Module:
                     hello_device(lane_obj.hello.engine.build_flags if lane_obj.hello else None)
                     or self.llama_device
                 )
-            self._served[key] = _Served(
+            self._served[key] = Served(
                 record,
                 tokenizer,
                 lane_obj,
@@ -387,6 +323,7 @@ class Module:
                 digest,
                 device,
                 load_extra=dict(runtime_config_extra or {}),
+                refuses=tuple(loaded.refuses),
             )
             await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
@@ -463,11 +400,18 @@ class Module:
         device = self._served[served_key(name, lane)].device
         return LaneChoice(lane, device, f"{lane}/{device}: configured (lanes = [{lane!r}])")
 
-    def pick_lane(self, name: str, items: int) -> str | None:
-        """The lane a call of `items` inputs without `lane=` would go to now (None: not
-        chosen yet); a caller that names it gets the routed lane and knows which it is."""
+    def pick_lane(self, name: str, items: int, ask: Ask | None = None) -> str | None:
+        """The lane a call of `items` inputs without `lane=` (asking `ask` of it: token-level
+        outputs) would go to now (None: not chosen yet); a caller that names it gets the
+        routed lane and knows which it is."""
         choice = self._choices.get(name)
-        return None if choice is None else self.routing.lane_for(name, choice, items)
+        return None if choice is None else self.routing.lane_for(name, choice, items, ask)
+
+    def refusals(self, name: str, lane: str) -> tuple[m.Refusal, ...]:
+        """The ENCODE outputs the loaded `lane` of `name` refuses whatever the items, as its
+        worker's LOADED declared them (none when the lane is not loaded)."""
+        served = self._served.get(served_key(name, _check_lane(lane)))
+        return served.refuses if served else ()
 
     def latency_curves(self, name: str) -> dict[str, LatencyCurve]:
         """A routed model's latency curve per lane (empty for a model on one lane)."""
@@ -600,9 +544,9 @@ class Module:
         self.routing.clear()
         await asyncio.gather(*(lane.stop() for lane in lanes), return_exceptions=True)
 
-    def residents(self) -> dict[str, dict[str, _Served]]:
+    def residents(self) -> dict[str, dict[str, Served]]:
         """Loaded models by name, each with its lanes by kind (what host.residency sizes)."""
-        out: dict[str, dict[str, _Served]] = {}
+        out: dict[str, dict[str, Served]] = {}
         for s in self._served.values():
             out.setdefault(s.record.name, {})[s.lane_kind] = s
         return out
@@ -618,13 +562,15 @@ class Module:
         kind: str | None = None,
         lane: str | None = None,
         items: int = 1,
-    ) -> _Served:
+        ask: Ask | None = None,
+    ) -> Served:
         """The loaded lane a call of `items` inputs reaches (`name` or `default`, on `lane`
-        or the default lane: for a routed model, the one expected to finish first), loading
-        it first when it is not; refused when the model is not of `kind`."""
+        or the default lane: for a routed model, the one expected to finish first of those
+        that serve what it asks, `ask`), loading it first when it is not; refused when the
+        model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = self.routing.lane_for(name, await self.load_default_lane(name), items)
+            lane = self.routing.lane_for(name, await self.load_default_lane(name), items, ask)
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -657,10 +603,10 @@ class Module:
         tokens count against the limit and in `usage`. An input over the limit is cut at the
         `truncation_direction` end ("right" or "left"; see host.tokenization)."""
         batch = [texts] if isinstance(texts, str | bytes) else list(texts)
-        _check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
+        check_prompt_args(prompt_name, prompt)  # before a worker starts for a bad call
         self.admission.check_inputs(batch)
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
-        _check_served(served.record, ["dense"])
+        check_served(served.record, ["dense"])
         text_prompt = resolve_prompt(served.record, prompt_name, prompt)
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
@@ -697,45 +643,18 @@ class Module:
         """Several outputs of `texts` from one forward pass (host.token_outputs): the pooled
         vector (`dense`, what `embed` returns), every token's final state (`tokens`), and a
         model's `sparse` / `multivector` heads. Prompts, truncation and usage as `embed`."""
-        kinds = check_outputs(outputs)
-        batch = [texts] if isinstance(texts, str | bytes) else list(texts)
-        _check_prompt_args(prompt_name, prompt)
-        self.admission.check_inputs(batch)
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(batch))
-        _check_served(served.record, kinds)  # before tokenizing
-        text_prompt = resolve_prompt(served.record, prompt_name, prompt)
-        sparse_head = served.record.manifest.heads.get("sparse")
-        bare = side == "query" and sparse_head is not None and sparse_head.bare_query
-        if bare and kinds != ["sparse"]:
-            raise InvalidRequest(
-                f"model {served.record.name!r} weighs queries by their ids alone (no forward "
-                "pass): its query side gives the sparse output only",
-                param="outputs",
-            )
-        encoded = served.tokenizer.encode(
-            batch,
-            truncate=truncate,
-            prompt=text_prompt,
-            direction=truncation_direction,
-            special_tokens=not bare,
-        )
-        with self.admission.reserve(encoded.total_tokens):
-            got = await self._request_outputs(
-                served, encoded.ids, kinds, side, normalize, deadline_s
-            )
-        usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
-        return TokenOutputs(
-            model=served.record.name,
-            usage=usage,
-            n_tokens=encoded.n_tokens,
-            truncated=encoded.truncated,
-            prompt=text_prompt,
-            lane=served.lane_kind,
-            dense=np.stack(got["dense"]) if "dense" in got else None,
-            tokens=got.get("tokens"),
-            sparse=got.get("sparse"),
-            multivector=got.get("multivector"),
-            token_ids=list(encoded.ids),
+        return await self.token_calls.encode_outputs(
+            texts,
+            outputs,
+            model,
+            normalize,
+            truncate,
+            deadline_s,
+            lane,
+            side,
+            prompt_name,
+            prompt,
+            truncation_direction,
         )
 
     @uses_model(DEFAULT_EMBED, entry=False)  # admitted work: a drain waits for it
@@ -752,41 +671,9 @@ class Module:
         """`encode_outputs` of already-tokenized inputs (bulk jobs): per kind asked, per
         input, a dense row, a (k, dims) array or a sparse (indices, values). No admission
         here: the caller admitted them."""
-        kinds = check_outputs(outputs)
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
-        return await self._request_outputs(served, ids, kinds, side, normalize, deadline_s)
-
-    async def _request_outputs(
-        self,
-        served: _Served,
-        ids: list[np.ndarray],
-        kinds: list[m.OutputKind],
-        side: Literal["query", "document"],
-        normalize: bool,
-        deadline_s: float | None,
-    ) -> dict[str, list]:
-        _check_served(served.record, kinds)
-        heads = served.record.manifest.heads
-        head_dims = {k: h.dims for k, h in heads.items()}
-        longest = max((len(x) for x in ids), default=1)
-        width = reply_width(kinds, served.dims, longest, head_dims)
-        budgets = (
-            self.config.max_worker_batch_tokens,
-            self.config.max_batch_items,
-            self.config.host.max_frame,
+        return await self.token_calls.encode_token_ids(
+            ids, outputs, model, normalize, deadline_s, lane, side
         )
-        with self.routing.in_flight(served.lane, len(ids)):  # what the router sees
-            return await request_outputs(
-                served.lane,
-                served.record.name,
-                ids,
-                kinds,
-                side,
-                normalize,
-                budgets,
-                width,
-                deadline_s,
-            )
 
     @uses_model(DEFAULT_EMBED)
     async def late_chunk(
@@ -803,39 +690,8 @@ class Module:
         """One vector per chunk of ONE document, from states that read the whole document
         (host.late_chunking states the rule). `n_tokens` is each chunk's own tokens; usage
         counts every token read, window overlaps included."""
-        if not chunks:
-            raise InvalidRequest("late chunking needs the document's chunks", param="input")
-        _check_prompt_args(prompt_name, prompt)
-        self.admission.check_inputs(list(chunks))
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, 1)
-        pooling = served.record.manifest.pooling or "mean"
-        if pooling != "mean":
-            raise InvalidRequest(
-                f"late chunking pools a chunk's tokens by their mean; model "
-                f"{served.record.name!r} pools by {pooling}",
-                param="late_chunking",
-            )
-        clean = [sanitize(c) for c in chunks]
-        head = sanitize(resolve_prompt(served.record, prompt_name, prompt))
-        tok = served.tokenizer
-        window = tok.max_tokens - tok.n_special_single
-        offsets, windows = tok.document_windows("".join(clean), head, window, max(1, window // 2))
-        picked = pick_windows(len(offsets), windows)
-        total = sum(len(ids) for ids in picked.ids)
-        with self.admission.reserve(total):
-            got = await self._request_outputs(
-                served, picked.ids, ["tokens"], "document", False, deadline_s
-            )
-        states = late_token_states(picked, got["tokens"])
-        vectors, counts = pool_chunks(states, offsets, chunk_bounds(clean, len(head)), normalize)
-        return EmbedResult(
-            vectors,
-            Usage(prompt_tokens=total, total_tokens=total),
-            served.record.name,
-            [False] * len(clean),
-            head,
-            counts,
-            served.lane_kind,
+        return await self.token_calls.late_chunk(
+            chunks, model, normalize, deadline_s, lane, prompt_name, prompt
         )
 
     def prompt(
@@ -843,7 +699,7 @@ class Module:
     ) -> str:
         """The text `embed` prepends for these arguments (for callers that tokenize
         themselves, such as bulk jobs); reads the manifest, never starts a worker."""
-        _check_prompt_args(prompt_name, prompt)
+        check_prompt_args(prompt_name, prompt)
         return resolve_prompt(self.record(model or DEFAULT_EMBED), prompt_name, prompt)
 
     def record(self, name: str) -> ModelRecord:
@@ -871,7 +727,7 @@ class Module:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
         served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
-        _check_served(served.record, ["dense"])
+        check_served(served.record, ["dense"])
         return await self._embed_ids(served, ids, normalize, deadline_s)
 
     def dims(self, model: str, lane: str | None = None) -> int:
@@ -910,7 +766,7 @@ class Module:
 
     async def _embed_ids(
         self,
-        served: _Served,
+        served: Served,
         ids: list[np.ndarray],
         normalize: bool,
         deadline_s: float | None,
@@ -932,7 +788,7 @@ class Module:
 
     async def _request_in_chunks(
         self,
-        served: _Served,
+        served: Served,
         lengths: Sequence[int],
         width: int,
         out: np.ndarray,
@@ -987,8 +843,12 @@ class Module:
             self.admission.check_inputs([instruction], "instruction")
         if max_doc_tokens is not None and max_doc_tokens < 1:
             raise InvalidRequest("max_tokens_per_doc must be >= 1", param="max_tokens_per_doc")
-        _refuse_classifier(self.record(model or DEFAULT_EMBED))
-        served = await self._load_for_call(model, DEFAULT_EMBED, lane=lane, items=len(docs))
+        record = self.record(model or DEFAULT_EMBED)
+        _refuse_classifier(record)
+        ask = MAXSIM_ASK if late_interaction(record) else None  # both sides on one lane
+        served = await self._load_for_call(
+            model, DEFAULT_EMBED, lane=lane, items=len(docs), ask=ask
+        )
         cut = (truncate, truncation_direction, max_doc_tokens)
         llm = served.record.manifest.llm_rerank
         if instruction is not None and llm is None:
@@ -1014,8 +874,8 @@ class Module:
             scores, encoded = await self._cross_encode(served, query, docs, cut, deadline_s)
             tokens = encoded.total_tokens
             method = "cross-encoder"
-        elif "multivector" in served.record.manifest.heads:
-            scores, encoded, tokens = await self._late_interaction(
+        elif late_interaction(served.record):
+            scores, encoded, tokens = await self.token_calls.late_interaction(
                 served, query, docs, cut, deadline_s
             )
             method = "multi-vector-maxsim"
@@ -1042,7 +902,7 @@ class Module:
         )
 
     async def _bi_encode(
-        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+        self, served: Served, query, docs, cut: tuple, deadline_s: float | None
     ) -> tuple[np.ndarray, Encoded, int]:
         """The cosine of the query's and each document's embedding (each with the model's
         default prompt, as `embed` applies it); (scores, the documents' encoding, tokens)."""
@@ -1052,11 +912,11 @@ class Module:
         try:
             q = tok.encode([query], truncate, prompt=prompt, direction=direction)
         except InvalidRequest as exc:
-            raise _renamed(exc, "input 0", "the query", "query") from None
+            raise renamed(exc, "input 0", "the query", "query") from None
         try:
             d = tok.encode(docs, truncate, prompt=prompt, direction=direction)
         except InvalidRequest as exc:
-            raise _renamed(exc, "input ", "document ", "documents") from None
+            raise renamed(exc, "input ", "document ", "documents") from None
         if max_doc_tokens is not None:
             cap = max(tok.n_special_pair + 2, max_doc_tokens + tok.n_special_single)
             if cap < tok.max_tokens and cap < max(d.n_tokens, default=0):
@@ -1071,35 +931,7 @@ class Module:
             vectors = await self._embed_ids(served, [*q.ids, *d.ids], True, deadline_s)
         return vectors[1:] @ vectors[0], d, q.total_tokens + d.total_tokens
 
-    async def _late_interaction(
-        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
-    ) -> tuple[np.ndarray, Encoded, int]:
-        """A multi-vector model's score: raw MaxSim, the sum over the query's vectors of
-        their best dot product with the document's (not a sigmoid, not divided by the query's
-        length), the query through the model's query side and each document its document
-        side. (scores, the documents' encoding, tokens)."""
-        truncate, direction, _ = cut
-        tok = served.tokenizer
-        try:
-            q = tok.encode([query], truncate, direction=direction)
-        except InvalidRequest as exc:
-            raise _renamed(exc, "input 0", "the query", "query") from None
-        try:
-            d = tok.encode(docs, truncate, direction=direction)
-        except InvalidRequest as exc:
-            raise _renamed(exc, "input ", "document ", "documents") from None
-        tokens = q.total_tokens + d.total_tokens
-        with self.admission.reserve(tokens):
-            qv = await self._request_outputs(
-                served, q.ids, ["multivector"], "query", True, deadline_s
-            )
-            dv = await self._request_outputs(
-                served, d.ids, ["multivector"], "document", True, deadline_s
-            )
-        scores = np.array([maxsim(qv["multivector"][0], v) for v in dv["multivector"]])
-        return scores.astype(np.float32), d, tokens
-
-    def _chat_pairs(self, served: _Served) -> ChatPairs:
+    def _chat_pairs(self, served: Served) -> ChatPairs:
         if served.chat_pairs is None:
             spec = served.record.manifest.llm_rerank
             path = served.record.tokenizer_path
@@ -1109,7 +941,7 @@ class Module:
         return served.chat_pairs
 
     async def _llm_rerank(
-        self, served: _Served, query, docs, instruction, cut: tuple, deadline_s: float | None
+        self, served: Served, query, docs, instruction, cut: tuple, deadline_s: float | None
     ):
         """An LLM reranker: each pair rendered through the model's chat template here
         (host.chat_pairs), sent composed (RERANK_SEQUENCES); the worker reads the two-row
@@ -1131,7 +963,7 @@ class Module:
         return await self._send_sequences(served, pairs, len(docs), deadline_s), pairs
 
     async def _send_sequences(
-        self, served: _Served, pairs: EncodedPairs, n: int, deadline_s: float | None
+        self, served: Served, pairs: EncodedPairs, n: int, deadline_s: float | None
     ) -> np.ndarray:
         def request(chunk: range) -> tuple[m.Request, np.ndarray]:
             req = m.RERANK_SEQUENCES(
@@ -1150,7 +982,7 @@ class Module:
             )
 
     async def _cross_encode_owned(
-        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+        self, served: Served, query, docs, cut: tuple, deadline_s: float | None
     ):
         """Pairs composed here by the model's tokenizer (RERANK_SEQUENCES): the owned graphs'
         (with real token types), and a decoder sequence classifier's (pooling "last": its
@@ -1163,7 +995,7 @@ class Module:
         return await self._send_sequences(served, pairs, len(docs), deadline_s), pairs
 
     async def _cross_encode(
-        self, served: _Served, query, docs, cut: tuple, deadline_s: float | None
+        self, served: Served, query, docs, cut: tuple, deadline_s: float | None
     ):
         truncate, direction, max_doc_tokens = cut
         seg = served.tokenizer.rerank_segments(
@@ -1243,7 +1075,7 @@ class Module:
             try:
                 enc = tok.encode_pairs(text, [text_pair], truncate, direction=truncation_direction)
             except InvalidRequest as exc:
-                raise _renamed(exc, "pair 0", f"input {len(ids)}", "inputs") from None
+                raise renamed(exc, "pair 0", f"input {len(ids)}", "inputs") from None
             ids.append(enc.ids[0])
             n_first.append(enc.n_first[0])
             cut.append(enc.truncated[0])
@@ -1276,7 +1108,7 @@ class Module:
 
     async def _classify_ids(
         self,
-        served: _Served,
+        served: Served,
         ids: list[np.ndarray],
         n_first: Sequence[int],
         deadline_s: float | None,
@@ -1298,7 +1130,7 @@ class Module:
         return await self._request_in_chunks(served, lengths, n_labels, out, request, deadline_s)
 
     def _classified(
-        self, served: _Served, logits: np.ndarray, lengths: list[int], cut: list[bool]
+        self, served: Served, logits: np.ndarray, lengths: list[int], cut: list[bool]
     ) -> ClassifyResult:
         labels = self.labels(served.record.name)
         return ClassifyResult(
@@ -1354,14 +1186,6 @@ class Module:
         )
 
 
-def _renamed(exc: InvalidRequest, old: str, new: str, param: str) -> InvalidRequest:
-    """An over-the-limit error of `Tokenizer.encode` worded for the rerank field it is about."""
-    if "n_tokens" not in exc.details:
-        return exc
-    details = {**exc.details, "param": param}
-    return InvalidRequest(exc.message.replace(old, new, 1), **details)
-
-
 def _refuse_classifier(record: ModelRecord) -> None:
     """Rerank ranks by one relevance logit; a head of several labels has none to rank by."""
     n = record.manifest.n_labels or 1
@@ -1374,39 +1198,6 @@ def _refuse_classifier(record: ModelRecord) -> None:
             param="model",
             model=record.name,
         )
-
-
-def _check_prompt_args(prompt_name: str | None, prompt: str | None) -> None:
-    if prompt_name is not None and prompt is not None:
-        raise InvalidRequest("pass prompt_name or prompt, not both", param="prompt")
-    if prompt_name is not None and not isinstance(prompt_name, str):
-        raise InvalidRequest(
-            f"prompt_name must be a string, got {type(prompt_name).__name__}", param="prompt_name"
-        )
-    if prompt is not None and not isinstance(prompt, str):
-        raise InvalidRequest(
-            f"prompt must be a string, got {type(prompt).__name__}", param="prompt"
-        )
-
-
-def resolve_prompt(record: ModelRecord, prompt_name: str | None, prompt: str | None) -> str:
-    """The text prepended to every input: `prompt`, else the model's prompt `prompt_name`,
-    else its default prompt, else ""."""
-    if prompt is not None:
-        return prompt
-    man = record.manifest
-    name = man.default_prompt_name if prompt_name is None else prompt_name
-    if name is None:
-        return ""
-    if name not in man.prompts:
-        known = ", ".join(repr(n) for n in sorted(man.prompts)) or "none"
-        raise InvalidRequest(
-            f"model {record.name!r} has no prompt named {name!r}; its prompts: {known}",
-            param="prompt_name",
-            model=record.name,
-            prompts=sorted(man.prompts),
-        )
-    return man.prompts[name]
 
 
 def _check_lane(lane: str) -> str:

@@ -16,7 +16,9 @@ and the lane each call goes to.
   `synapse doctor` and `/v1/models` show before a model is used).
 - `lane_for`: per call, the loaded, unquarantined lane expected to finish it first
   (host.lane_router.route), from the lanes' latency curves and the inputs each has in flight,
-  which `in_flight` counts around every request a lane's worker is sent.
+  which `in_flight` counts around every request a lane's worker is sent; a call for
+  token-level outputs only among the lanes that serve them (what each worker's LOADED
+  declared it refuses).
 
 The Module owns one `RoutedLanes` and gives it itself (`PairHost`); this module imports
 nothing of host.module.
@@ -31,7 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from common.errors import SynapseError
 from host.lane_policy import Agreement, LaneChoice, LanePolicy, LaneSet, LoadedLanes
-from host.lane_router import LatencyCurve, better_certified, route
+from host.lane_router import Ask, LatencyCurve, better_certified, refusal, route
+from workers.protocol import messages as m
 
 if TYPE_CHECKING:
     from host.lane import Lane
@@ -52,6 +55,8 @@ class PairHost(LoadedLanes, Protocol):
     async def unload(self, name: str, lane: str | None = None) -> None: ...
 
     def supervisor(self, name: str, lane: str | None = None) -> Lane | None: ...
+
+    def refusals(self, name: str, lane: str) -> tuple[m.Refusal, ...]: ...
 
 
 class RoutedLanes:
@@ -162,21 +167,27 @@ class RoutedLanes:
 
     # ---- each call --------------------------------------------------------------------------
 
-    def lane_for(self, name: str, choice: LaneChoice, items: int) -> str:
+    def lane_for(self, name: str, choice: LaneChoice, items: int, ask: Ask | None = None) -> str:
         """The lane a call of `items` inputs without `lane=` goes to: the chosen lane, or for
-        a routed model the loaded, unquarantined lane expected to finish it first."""
+        a routed model the loaded, unquarantined lane expected to finish it first among
+        those that serve what it asks (`ask`: token-level outputs and their sides; each
+        lane's worker declared what it refuses when it loaded)."""
         curves = self._curves.get(name)
         if not choice.lanes or not curves:
             return choice.lane
         ready = {}
         in_flight = {}
+        refused = {}
         for lane in choice.lanes:
             supervisor = self.host.supervisor(name, lane)
             if supervisor is None or supervisor.state().quarantined or lane not in curves:
                 continue
             ready[lane] = curves[lane]
             in_flight[lane] = self._busy.get(supervisor, 0)
-        return route(ready, in_flight, items) if ready else choice.lane
+            why = refusal(self.host.refusals(name, lane), ask)
+            if why is not None:
+                refused[lane] = why
+        return route(ready, in_flight, items, refused) if ready else choice.lane
 
     @contextmanager
     def in_flight(self, supervisor: Lane, items: int) -> Iterator[None]:

@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from common.errors import InvalidRequest
 from host.token_outputs import TokenOutputs
+from service.metrics import LANE_HEADER
 from service.state import ServerState
 from service.truncation import Direction, direction, name_field
 
@@ -117,9 +118,11 @@ async def _run(
         )
 
     try:
-        return await state.scheduler.unbatched("encode", call)
+        result = await state.scheduler.unbatched("encode", call)
     except InvalidRequest as exc:
         raise name_field(exc, "inputs") from None
+    state.metrics.observe_lane(result.model, result.lane, len(texts))  # a routed model's lane
+    return result
 
 
 def _headers(result: TokenOutputs) -> dict[str, str]:
@@ -127,7 +130,7 @@ def _headers(result: TokenOutputs) -> dict[str, str]:
         "X-Synapse-Model": result.model,
         "X-Synapse-Tokens": str(sum(result.n_tokens)),
         "X-Synapse-Truncated": ",".join(str(i) for i, cut in enumerate(result.truncated) if cut),
-    }
+    } | ({LANE_HEADER: result.lane} if result.lane else {})
 
 
 def _json(body: object, result: TokenOutputs) -> Response:

@@ -90,10 +90,10 @@ def test_attention_runs_per_head_without_relayouts(programs) -> None:
         assert len(splits) == 3 * cfg.num_layers
         assert all(op.num_splits.val == cfg.num_heads for op in splits)
         assert all(op.axis.val == 1 for op in _ops(prog, "softmax"))  # keys on channels
-        # One transpose per layer (K), one at the embedding, one per packed output ((B, C, K)
-        # -> (B, K, C) at the very end).
-        outputs = len(prog.functions["main"].outputs)
-        packed_out = outputs if name.endswith("packed") else 0
+        # One transpose per layer (K), one at the embedding, one per pooled packed output
+        # ((B, C, K) -> (B, K, C) at the very end; token states stay (B, C, S)).
+        pooled = [v for v in prog.functions["main"].outputs if v.name != "token_states"]
+        packed_out = len(pooled) if name.endswith("packed") else 0
         assert len(_ops(prog, "transpose")) == cfg.num_layers + 1 + packed_out
         # Reshapes only outside the layers: masks, token types, outputs.
         assert len(_ops(prog, "reshape")) <= 5
@@ -126,8 +126,8 @@ def test_inputs_outputs_and_heads(programs) -> None:
         )
         for name, p in programs.items()
     }
-    # An embedder's unpacked graph also gives every token's final state, channels-first
-    # (workers.ane.token_heads); packed rows give pooled vectors only.
+    # An embedder's graph also gives every token's final state, channels-first
+    # (workers.ane.token_heads), packed or not; a packed one also takes a key mask.
     assert io["embed"] == (
         ["input_ids", "token_type_ids", "attention_mask"],
         {
@@ -137,9 +137,15 @@ def test_inputs_outputs_and_heads(programs) -> None:
         },
     )
     assert io["embed_packed"] == (
-        ["input_ids", "token_type_ids", "segment_ids", "position_ids"],
-        {"embedding": (ROWS, SEGS, hidden), "embedding_l2": (ROWS, SEGS, hidden)},
+        ["input_ids", "token_type_ids", "segment_ids", "position_ids", "attention_mask"],
+        {
+            "embedding": (ROWS, SEGS, hidden),
+            "embedding_l2": (ROWS, SEGS, hidden),
+            "token_states": (ROWS, hidden, SEQ),
+        },
     )
+    # A cross-encoder has no token outputs, so no key mask either.
+    assert io["cross_packed"][0] == ["input_ids", "token_type_ids", "segment_ids", "position_ids"]
     assert io["cross"][1] == {"logits": (ROWS, 1)}
     assert io["cross_packed"][1] == {"logits": (ROWS, SEGS, 1)}
     for name in ("cross", "cross_packed"):

@@ -23,6 +23,7 @@ from workers.ane.config import ENV_COMPUTE_UNITS, parse_runtime_config, resolve_
 from workers.ane.ct_quiet import Function, Program, ct, mb, types
 from workers.ane.engine import AneEngine
 from workers.ane.executor import SUPPORTED_OPS
+from workers.ane.packing import plan
 from workers.ane.shapes import Shape
 from workers.engine import EngineError, NullProgress
 from workers.protocol import messages as m
@@ -468,12 +469,11 @@ def _encode(engine: AneEngine, manifest, seqs: list[np.ndarray], outputs: list) 
     return engine.encode(req, np.concatenate(seqs).astype(np.int32), NullProgress())
 
 
-def test_encode_gives_token_states_from_unpacked_rows_and_refuses_typed(
+def test_encode_gives_token_states_and_refuses_typed(
     embed_engine: AneEngine, rerank_engine: AneEngine
 ) -> None:
-    """ENCODE runs on the unpacked shapes only (packed rows give pooled vectors): its token
-    states pooled by the model's mean are its own dense output. What it cannot give is a
-    typed refusal, never a fallback."""
+    """ENCODE's token states pooled by the model's mean are its own dense output. What it
+    cannot give is a typed refusal, never a fallback."""
     seqs = [h.encode("a short one"), h.encode("and a somewhat longer sentence here")]
     tokens, dense = _encode(embed_engine, h.minilm(), seqs, ["tokens", "dense"])
     assert tokens.counts == [len(s) for s in seqs] and tokens.dims == 384
@@ -490,7 +490,7 @@ def test_encode_gives_token_states_from_unpacked_rows_and_refuses_typed(
             [np.arange(300, dtype=np.int32) + 1000],
             ["tokens"],
             "shape_unsupported",
-            "unpacked",
+            "longest admitted shape takes 256",
         ),
     ]
     for engine, manifest, items, outputs, code, says in cases:
@@ -502,13 +502,38 @@ def test_encode_gives_token_states_from_unpacked_rows_and_refuses_typed(
     with pytest.raises(EngineError, match="cannot read") as e:
         h.new_engine(h.minilm(), [], heads=missing)
     assert e.value.code == "artifact_invalid"
-    packed_only = h.new_engine(h.minilm(), [h.EMBED_PACKED])  # compiled by embed_engine
-    try:
-        with pytest.raises(EngineError, match="unpacked shapes") as e:
-            _encode(packed_only, h.minilm(), seqs, ["tokens"])
-        assert e.value.code == "shape_unsupported"
-    finally:
-        packed_only.close()
+
+
+def _token_rows(section) -> list[np.ndarray]:
+    return np.split(section.arrays[0], np.cumsum(section.counts)[:-1])
+
+
+def test_packed_rows_give_each_item_its_own_token_states(embed_engine: AneEngine) -> None:
+    """Short items go to the packed shape, and their token states come from it: each item's
+    columns sliced out of its row, equal to the fp32 reference's last hidden states at the
+    lane's fp16 bar, and the same whether the item is alone in its row or packed with others
+    (the block-diagonal mask: its neighbours are never seen)."""
+    seqs = [h.encode(t) for t in h.embed_corpus()[:12]]
+    shapes = [c.shape for c in embed_engine._model.shapes.values()]  # type: ignore[union-attr]
+    chunks = plan([len(s) for s in seqs], shapes)
+    assert len(chunks) == 1 and chunks[0].shape.packed
+    assert len(next(r for r in chunks[0].rows if 0 in r)) > 1  # item 0 shares its row
+    together, dense = _encode(embed_engine, h.minilm(), seqs, ["tokens", "dense"])
+    alone = _token_rows(_encode(embed_engine, h.minilm(), seqs[:1], ["tokens"])[0])[0]
+    ref = h.minilm_reference()
+    got = _token_rows(together)
+    pairs = zip(got, seqs, strict=True)
+    worst = min(float(h.cosines(g, ref.hidden_states(s)).min()) for g, s in pairs)
+    # Alone and packed differ by the order in which the masked keys' zeros are summed: a
+    # few fp16 ulps (|values| reach ~8, an ulp there is 2^-8); a neighbour seen would move
+    # every state.
+    moved = float(h.cosines(alone, got[0]).min())
+    print(f"\npacked token states: worst cos {worst:.6f} vs fp32; alone vs packed cos {moved:.7f}")
+    assert [len(g) for g in got] == [len(s) for s in seqs]
+    assert worst >= 0.9995
+    assert moved >= 0.99999
+    pooled = np.stack([g.mean(axis=0) for g in got])  # the segment's own dense output
+    assert h.cosines(pooled, dense.arrays[0]).min() >= 0.9999
 
 
 def test_compiled_packages_use_only_executor_ops(

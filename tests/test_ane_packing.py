@@ -83,3 +83,29 @@ def test_unpacked_feeds_mask_padding() -> None:
     assert f["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert f["token_type_ids"][0].tolist() == [1, 1, 1, 1]
     assert set(f) == {"input_ids", "token_type_ids", "attention_mask"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 64),
+    st.integers(1, 1024),
+    st.integers(1, 64),
+    st.booleans(),
+    st.sampled_from([30522, 250002, 700]),
+)
+def test_splade_vocab_chunks_keep_the_memory_bound(
+    rows: int, seq_len: int, segments: int, max_pooling: bool, vocab: int
+) -> None:
+    """A SPLADE vocabulary chunk's largest tensor, its logits or (max pooling, packed) those
+    logits once per segment, never exceeds VOCAB_CHUNK_ELEMENTS: the chunk narrows below the
+    32-entry alignment when it must, and the engine refuses a packed shape where even one
+    entry would not fit (rows x seq_len x max_segments over the bound)."""
+    from workers.ane.token_heads import VOCAB_CHUNK_ELEMENTS, vocab_chunk
+
+    packed = segments > 1 and segments <= seq_len
+    shape = Shape(rows, seq_len, packed, segments if packed else 1)
+    chunk = vocab_chunk(shape, vocab, max_pooling)
+    alive = rows * seq_len * chunk * (shape.max_segments if max_pooling else 1)
+    assert 1 <= chunk <= vocab
+    assert alive <= VOCAB_CHUNK_ELEMENTS or chunk == 1
+    assert vocab_chunk(Shape(8, 128, True, 8), 30522, True) == 256

@@ -50,6 +50,7 @@ KEYS = {
     "sentences",
     "mean_tokens",
     "packed_gain",
+    "packed_gain_tokens",
     "packed_sentences_per_s",
     "unpacked_sentences_per_s",
     "packed_vs_unpacked_max_abs_diff",

@@ -54,6 +54,27 @@ def test_runtime_settings_that_change_numbers_are_in_the_key(monkeypatch):
     assert load_settings("llama", None) == {}
 
 
+def test_the_heads_are_in_the_key_and_a_model_without_keeps_its_id():
+    """A head file is not in the artifact's digest: its digest keys the certificate. A key
+    without heads hashes as before the field existed, so no certificate already written is
+    orphaned."""
+    import hashlib
+
+    import msgspec
+
+    def key(heads):
+        raw = {"artifact_digest": "a" * 64, "shapes": [{"rows": 8, "seq_len": 64}]}
+        return key_for(LaneIdentity.from_mapping("m", "ane", raw | {"heads": heads}))
+
+    bare = key(None)
+    older = msgspec.to_builtins(bare, order="sorted")
+    del older["heads"]  # what a certificate written before the field was stored under
+    assert bare.id == hashlib.sha256(msgspec.json.encode(older)).hexdigest()[:16]
+    sparse = key({"sparse": "1" * 64})
+    assert sparse.id != bare.id and key({"sparse": "2" * 64}).id != sparse.id
+    assert sparse.differences(bare) == [f"heads:  -> {sparse.heads[:37]}..."]
+
+
 def test_a_nan_threshold_is_refused_and_counts_as_loosened():
     table = thresholds_for("ane", "fp16")
     for name in ("placement_share", "min_cosine"):

@@ -8,8 +8,9 @@ ColBERT whose query expansion is not attended has its query side refused by the 
 the certificate says, never passing it.
 
 The tiny seeded models are the head tests' own builders (tests.test_sparse_heads,
-tests.test_multivector_heads, tests.test_hf_xlmr), built once for the module; the runs judge
-every STRIDE-th corpus item."""
+tests.test_multivector_heads, tests.test_hf_xlmr), built and ingested once per test run for
+this module and the Core ML lane's (tests.kinds_support); the runs judge every STRIDE-th
+corpus item."""
 
 from __future__ import annotations
 
@@ -37,64 +38,16 @@ from certification.runner import NullProgress, RunOptions, certify
 from certification.store import CertificateStore
 from certification.terminal import print_certificate
 from certification.thresholds import thresholds_for
-from tests.test_hf_xlmr import _config as xlmr_config
-from tests.test_hf_xlmr import _unigram_tokenizer
-from tests.test_multivector_heads import _body_variant, tiny_bge_m3, tiny_colbert
-from tests.test_sparse_heads import _bert, inference_free_splade
+from tests.kinds_support import BAD_HEADS, KIND_MODELS, kinds_dirs, kinds_store
 
 pytestmark = pytest.mark.model
 
 STRIDE = 32  # 11 of the 335 corpus items
 
 
-def _perturbed_heads(src: Path, dst: Path) -> Path:
-    """bge-m3 with both head files perturbed (seeded noise of a tenth of each weight's
-    spread): what a careless head conversion does. Every other file is the original."""
-    import torch
-
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    gen = torch.Generator().manual_seed(7)
-    for name in ("sparse_linear.pt", "colbert_linear.pt"):
-        state = torch.load(src / name, map_location="cpu", weights_only=True)
-        w = state["weight"]
-        state["weight"] = w + 0.1 * w.std() * torch.randn(w.shape, generator=gen)
-        (dst / name).unlink()
-        torch.save(state, dst / name)
-    return dst
-
-
-def _xlmr_embedder(root: Path) -> Path:
-    """A mean-pooled, normalized XLM-RoBERTa sentence-transformers model (48 tokens)."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import XLMRobertaModel
-
-    raw = root / "xlmr-raw"
-    n_vocab = _unigram_tokenizer(raw)
-    torch.manual_seed(0)
-    XLMRobertaModel(xlmr_config(n_vocab)).eval().save_pretrained(raw)
-    out = root / "xlmr"
-    body = Transformer(str(raw), max_seq_length=48)
-    dims = body.get_embedding_dimension()
-    SentenceTransformer(modules=[body, Pooling(dims, "mean"), Normalize()], device="cpu").save(
-        str(out)
-    )
-    return out
-
-
 @pytest.fixture(scope="module")
-def dirs(module_tmp) -> dict[str, Path]:
-    colbert = tiny_colbert(module_tmp)
-    return {
-        "ifree": inference_free_splade(module_tmp / "ifree", _bert(module_tmp / "mlm", 0)),
-        "m3": tiny_bge_m3(module_tmp / "m3"),
-        "colbert": colbert,
-        "colbert-unattended": _body_variant(colbert, module_tmp / "unattended", attend=False),
-        "xlmr": _xlmr_embedder(module_tmp),
-    }
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return kinds_dirs(tmp_path_factory)
 
 
 @dataclass
@@ -105,20 +58,16 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(dirs, module_tmp) -> Runs:
+def runs(dirs, module_tmp, tmp_path_factory) -> Runs:
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
-    from ingest.store import ArtifactStore
 
     started = time.perf_counter()
-    store = ArtifactStore(module_tmp / "models")
-    for name, d in dirs.items():
-        # bge-m3 pools its CLS vector (FlagEmbedding's dense output).
-        store.ingest_hf_dir(d, name, dtype="f32", pooling="cls" if name == "m3" else None)
+    store = kinds_store(tmp_path_factory, module_tmp / "models")
     # Faults: the checkpoint a served lane is judged against differs from what it serves by
     # perturbed head files (bge-m3), or by weights cut to 4 mantissa bits (late chunking).
     faulty = {
-        "m3": _perturbed_heads(dirs["m3"], module_tmp / "m3-bad-heads"),
+        "m3": dirs[BAD_HEADS],
         "xlmr": truncated_mantissa_copy(dirs["xlmr"], module_tmp / "xlmr-4bits", 4),
     }
     certificates = CertificateStore(module_tmp / "certificates")
@@ -152,11 +101,11 @@ def runs(dirs, module_tmp) -> Runs:
 
     try:
         ingested = time.perf_counter()
-        for name in dirs:
+        for name in KIND_MODELS:
             asyncio.run(run(name))
         print(
             f"\nkinds: ingest {ingested - started:.1f} s, certify "
-            f"{time.perf_counter() - ingested:.1f} s ({len(dirs)} runs)"
+            f"{time.perf_counter() - ingested:.1f} s ({len(KIND_MODELS)} runs)"
         )
         return out
     finally:

@@ -34,7 +34,8 @@ from certification.lane_policy import CertificateLanePolicy
 from certification.runner import RunOptions, certify
 from certification.store import CertificateStore
 from host.config import HostConfig
-from host.lane_router import CURVE_ITEMS, LatencyCurve
+from host.errors import WorkerError
+from host.lane_router import CURVE_ITEMS, Ask, LatencyCurve, refusal
 from host.module import Module, ModuleConfig
 from service.app import create_app
 from service.config import ServeConfig
@@ -169,6 +170,23 @@ async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp
         assert mod.pick_lane(MODEL, 16) == "llama"  # the backlog is gone
         ranked = await mod.rerank("a cat on a mat", TEXTS)  # 3 documents: the ANE
         assert ranked.lane == "ane"
+        # Token-level outputs go only to a lane that serves them. The Core ML lane was
+        # certified with packed shapes: its worker declared at load whatever their graphs
+        # cannot give, and declared exactly what it refuses when asked directly.
+        declared = refusal(mod.refusals(MODEL, "ane"), Ask(("tokens",)))
+        try:
+            await mod.encode_outputs(TEXTS[:1], ["tokens"], MODEL, lane="ane")
+        except WorkerError as exc:
+            assert exc.code == "shape_unsupported" and declared is not None
+            assert declared.split(": ", 1)[1] in exc.message
+            serving = "llama"  # the size rule would pick the ANE for one input
+        else:
+            assert declared is None
+            serving = "ane"
+        states = await mod.encode_outputs(TEXTS[:1], ["tokens"], MODEL)
+        late = await mod.late_chunk(["The cat sits ", "on the mat."], MODEL)
+        assert (states.lane, late.lane) == (serving, serving)
+        assert mod.refusals(MODEL, "llama") == ()
     cos = np.sum(one.vectors[0] * many.vectors[0])
     assert cos >= 0.9998  # one text, two lanes: the same vector
 
@@ -279,11 +297,15 @@ def test_the_http_answer_names_its_lane_and_metrics_count_it(own_certificates_ca
             "/v1/rerank", json={"model": MODEL, "query": "cat", "documents": TEXTS}
         )
         assert ranked.json()["usage"]["lane"] == ranked.headers["x-synapse-lane"]
+        states = client.post("/embed_all", json={"model": MODEL, "inputs": TEXTS[1]})
+        assert states.status_code == 200, states.text
+        token_lane = states.headers["x-synapse-lane"]  # a lane that serves token states
         models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert models[MODEL]["lane_reason"].startswith("routed ane+llama: vectors agree")
         text = client.get("/metrics").text
         assert metric(text, "synapse_lane_requests_total", model=MODEL, lane=lane) >= 1
         assert metric(text, "synapse_lane_items_total", model=MODEL, lane=lane) >= 1
+        assert metric(text, "synapse_lane_requests_total", model=MODEL, lane=token_lane) >= 1
     shutil.rmtree(config.module.host.runtime_dir, ignore_errors=True)
 
 
@@ -315,3 +337,18 @@ async def test_a_bulk_job_runs_both_lanes_and_records_both(
     async with module(str(own_certificates_cache / "models"), None) as mod:
         alone = await mod.embed(texts(48), lane="llama")
     assert np.sum(vectors * alone.vectors, axis=1).min() >= 0.9998  # either lane: one vector
+    # Token states in bulk: only the lanes that serve them take windows (a Core ML lane of
+    # packed shapes declares it gives none), so no window is refused.
+    tokens = await run_job(
+        JobOptions(
+            input=str(tmp_path / "in.jsonl"),
+            output=str(tmp_path / "tokens.parquet"),
+            module=config,
+            lane="ane,llama",
+            workers=1,
+            outputs=("tokens",),
+        )
+    )
+    assert tokens.rows == 48 and tokens.errors == 0
+    used = read_metadata(tmp_path / "tokens.parquet")["lane"].split(",")
+    assert set(tokens.lane_rows) == set(used) and sum(tokens.lane_rows.values()) == 48

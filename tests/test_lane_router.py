@@ -14,20 +14,24 @@ import pytest
 from batch.errors import BatchUsageError
 from batch.job import JobOptions, job_lanes
 from certification import gates
+from certification.agreement import least_cosine
 from certification.certificate import decode, encode
 from certification.lane_policy import reference_fit
 from host.errors import ConfigInvalid
 from host.lane_policy import AGREEMENT_MIN_COS, Agreement
 from host.lane_router import (
+    Ask,
     LatencyCurve,
     ReferenceFit,
     better_certified,
     expected_finish,
     expected_seconds,
+    refusal,
     route,
 )
 from service.config import load_config
 from tests.test_certification_store import make_cert
+from workers.protocol import messages as m
 
 # A Neural-Engine-like lane: quick alone, each item costs about the same. A GPU-like lane:
 # a fixed dispatch cost, then cheap items in wide batches.
@@ -80,6 +84,50 @@ def test_a_tie_goes_to_the_lane_listed_first():
     assert route({"llama": GPU}, {"ane": 0}, 1) == "llama"  # one lane: always it
     with pytest.raises(ValueError, match="no lanes"):
         route({}, {}, 1)
+
+
+# What each lane's LOADED declared: llama.cpp cannot mask a ColBERT query's expansion from
+# itself; a Core ML lane admitted with packed shapes only gives no token outputs.
+UNMASKED_QUERY = (m.Refusal(output="multivector", side="query", reason="no owned mask"),)
+PACKED_ONLY = tuple(m.Refusal(output=k, reason="packed only") for k in m.OUTPUT_KINDS)
+IFREE_PACKED = (m.Refusal(output="sparse", side="document", reason="packed only"),)
+
+
+@pytest.mark.parametrize(
+    "refuses, ask, why",
+    [
+        (UNMASKED_QUERY, None, None),  # embed, rerank: nothing token-level asked
+        (UNMASKED_QUERY, Ask(("multivector",), ("document",)), None),
+        (UNMASKED_QUERY, Ask(("multivector",), ("query",)), "multivector (query side): no "),
+        (UNMASKED_QUERY, Ask(("multivector",), ("query", "document")), "multivector (query"),
+        (UNMASKED_QUERY, Ask(("tokens",), ("query",)), None),  # another output
+        (PACKED_ONLY, Ask(("tokens",)), "tokens: packed only"),
+        (PACKED_ONLY, Ask(("dense", "sparse"), ("query",)), "dense: packed only"),
+        (PACKED_ONLY, None, None),
+        (IFREE_PACKED, Ask(("sparse",), ("query",)), None),  # its ids alone: no prediction
+        (IFREE_PACKED, Ask(("sparse",), ("document",)), "sparse (document side): packed"),
+        ((), Ask(("tokens", "multivector"), ("query", "document")), None),
+    ],
+)
+def test_what_a_lane_refuses_of_a_request(refuses, ask, why):
+    got = refusal(refuses, ask)
+    assert (got is None) if why is None else (got is not None and got.startswith(why))
+
+
+@pytest.mark.parametrize(
+    "items, queued, refused, lane",
+    [
+        (1, {}, {}, "ane"),  # the size rule alone
+        (1, {}, {"ane": "packed only"}, "llama"),  # the lane that serves it, even when slower
+        (64, {}, {"llama": "no owned mask"}, "ane"),  # bulk queries go to the lane that masks
+        (1, {"ane": 1000}, {"llama": "no owned mask"}, "ane"),  # busy, but the only one
+        (64, {}, {"ane": "x", "llama": "y"}, "llama"),  # none serves it: the size rule, and
+        (1, {}, {"ane": "x", "llama": "y"}, "ane"),  # the lane refuses it with its reason
+        (16, {}, {"gpu": "a lane not routed here"}, "llama"),
+    ],
+)
+def test_route_chooses_among_the_lanes_that_serve_the_request(items, queued, refused, lane):
+    assert route(LANES, queued, items, refused) == lane
 
 
 def fit(error: float) -> ReferenceFit:
@@ -201,3 +249,23 @@ def test_certificates_without_curve_or_agreement_still_load():
     )
     again = decode(encode(with_both))
     assert again.agreement == with_both.agreement and again.measurements.latency_curve == GPU
+
+
+def _sparse(ids, values):
+    return np.array(ids, np.int32), np.array(values, np.float32)
+
+
+@pytest.mark.parametrize(
+    "a, b, output, want",
+    [
+        (_sparse([2, 7], [1.0, 2.0]), _sparse([2, 7], [1.0, 2.0]), "sparse", 1.0),
+        (_sparse([], []), _sparse([], []), "sparse", 1.0),  # two empty vectors agree
+        (_sparse([2, 7], [1.0, 1.0]), _sparse([2], [1.0]), "sparse", 1 / math.sqrt(2)),
+        (np.eye(2), np.eye(2), "multivector", 1.0),
+        (np.eye(2), np.array([[1.0, 0.0], [1.0, 1.0]]), "multivector", 1 / math.sqrt(2)),
+        (np.eye(2), np.eye(3)[:2, :2][:1], "multivector", -1.0),  # another count: never agree
+    ],
+)
+def test_two_lanes_own_outputs_agree_by_their_least_cosine(a, b, output, want):
+    """A model without a pooled vector: the agreement gate reads its own output."""
+    assert least_cosine(a, b, output) == pytest.approx(want)

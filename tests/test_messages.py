@@ -46,6 +46,12 @@ TO_HOST = [
         packed=True,
     ),
     m.LOADED(req_id=1, model_ref="m", dims=384, cold_load_ms=12.5),
+    m.LOADED(
+        req_id=1,
+        model_ref="m",
+        dims=384,
+        refuses=[m.Refusal(output="multivector", side="query", reason="no mask")],
+    ),
     m.VECTORS(req_id=2, dims=384, n=1),
     m.SCORES(req_id=3),
     m.LABEL_SCORES(req_id=10, n=1, n_labels=3),

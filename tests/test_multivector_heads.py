@@ -761,18 +761,26 @@ def test_one_encode_is_one_forward_pass(served_store, monkeypatch):
 ANE_MIN_COS = 0.9995
 
 
-def _ane_extra(module_tmp: Path, seq_len: int = 64) -> dict:
-    """The Core ML lane on the reference executor, one unpacked shape, one compile cache for
-    the module (the ColBERT variants share the encoder and the projection: cache hits)."""
-    return {
-        "backend": "reference",
-        "cache_root": str(module_tmp / "ane-cache"),
-        "shapes": [{"rows": 4, "seq_len": seq_len}],
-    }
+def _ane_extra(module_tmp: Path, seq_len: int = 64, packed: bool = False) -> dict:
+    """The Core ML lane on the reference executor, one unpacked shape (or one packed shape of
+    two rows, four segments a row), one compile cache for the module (the ColBERT variants
+    share the encoder and the projection: cache hits)."""
+    shape: dict = {"rows": 4, "seq_len": seq_len}
+    if packed:
+        shape = {"rows": 2, "seq_len": seq_len, "packed": True, "max_segments": 4}
+    return {"backend": "reference", "cache_root": str(module_tmp / "ane-cache"), "shapes": [shape]}
+
+
+@pytest.fixture(scope="module")
+def blind_dir(served_store, colbert, module_tmp) -> Path:
+    """A classic ColBERT: its query expansion is not attended, served as `colbert-blind`."""
+    d = _body_variant(colbert, module_tmp / "ane-blind", attend=False)
+    served_store.ingest_hf_dir(d, "colbert-blind", dtype="f32")
+    return d
 
 
 async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
-    served_store, colbert, module_tmp, short_runtime_dir
+    served_store, colbert, blind_dir, module_tmp, short_runtime_dir
 ):
     """The Core ML graph projects every token (the Dense layers as 1x1 convs, normalized per
     token) and the worker keeps the reference's tokens with the llama lane's code. Its own
@@ -783,8 +791,6 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
 
     from host.errors import WorkerError
 
-    blind_dir = _body_variant(colbert, module_tmp / "ane-blind", attend=False)
-    served_store.ingest_hf_dir(blind_dir, "colbert-blind", dtype="f32")
     async with _module(served_store, short_runtime_dir) as mod:
         for name in ("colbert", "colbert-blind"):
             await mod.load(name, "ane", _ane_extra(module_tmp))
@@ -800,6 +806,13 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
                 QUERIES, ["multivector"], "colbert-blind", lane="llama", side="query"
             )
         assert refused.value.code == "unsupported"
+        # Each worker declared at LOAD what it refuses whatever the items: the llama.cpp
+        # lane this query side, with the reason its ERR gave; the Core ML lane nothing.
+        (declared,) = mod.refusals("colbert-blind", "llama")
+        assert (declared.output, declared.side) == ("multivector", "query")
+        assert declared.reason in refused.value.message
+        assert mod.refusals("colbert-blind", "ane") == ()
+        assert mod.refusals("colbert", "llama") == ()  # its expansion is attended
     ref = MultiVectorEncoder(str(colbert), device="cpu")
     ref_docs, ref_queries = ref.encode_document(DOCUMENTS), ref.encode_query(QUERIES)
     ref_blind = MultiVectorEncoder(str(blind_dir), device="cpu").encode_query(QUERIES)
@@ -822,6 +835,109 @@ async def test_the_core_ml_lane_serves_colbert_and_the_queries_llama_cpp_cannot(
     # Each query vector's best dot product carries both unit vectors' fp16 error (~1e-3):
     # the sum over Q_LEN of them is held to 2e-3 a query vector (measured 1.6e-2 over 16).
     assert err <= 2e-3 * Q_LEN
+
+    # Packed rows (the lane admitted with a packed shape only): several items to a row, each
+    # its own segment. The hidden expansion stays hidden (the key mask within the segment),
+    # and a query alone in its row gives what it gives packed with the others.
+    async with _module(served_store, short_runtime_dir) as mod:
+        for name in ("colbert", "colbert-blind"):
+            await mod.load(name, "ane", _ane_extra(module_tmp, packed=True))
+        p_docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], "colbert", lane="ane")
+        p_queries = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert", lane="ane", side="query"
+        )
+        p_blind = await mod.encode_outputs(
+            QUERIES, ["multivector"], "colbert-blind", lane="ane", side="query"
+        )
+        alone = await mod.encode_outputs(
+            QUERIES[:1], ["multivector"], "colbert-blind", lane="ane", side="query"
+        )
+    packed_worst = 1.0
+    for got, want in [
+        *zip(p_docs.multivector or [], ref_docs, strict=True),
+        *zip(p_queries.multivector or [], ref_queries, strict=True),
+        *zip(p_blind.multivector or [], ref_blind, strict=True),
+    ]:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape
+        packed_worst = min(packed_worst, float(_cos(got, want).min()))
+    own = float(_cos(alone.multivector[0], p_blind.multivector[0]).min())  # type: ignore[index]
+    print(f"packed rows: worst vector cos {packed_worst:.6f}; a query alone vs packed {own:.7f}")
+    assert packed_worst >= ANE_MIN_COS and own >= 0.99999
+
+
+def _listed_lanes_policy(root: Path, ane_extra: dict, curves: dict):
+    """The serve config's `lanes = ["ane", "llama"]` for a model with no certificate (the
+    certificate policy's answer: agreement measured at load), with this module's Core ML
+    shapes (on the reference executor its default shapes take minutes to compile) and latency
+    curves whose answer is known."""
+    import dataclasses
+
+    from certification.lane_policy import CertificateLanePolicy
+    from certification.store import CertificateStore
+    from host.lane_policy import LaneSet
+
+    class Listed(CertificateLanePolicy):
+        def lane_set(self, model: str, lanes: list[str] | None) -> LaneSet | str:
+            got = super().lane_set(model, lanes)
+            assert isinstance(got, LaneSet) and got.agreement is None, got
+            return dataclasses.replace(got, runtime_config_extra={"ane": ane_extra}, curves=curves)
+
+    return Listed(CertificateStore(root), agreement_stride=40)  # 9 corpus items
+
+
+async def test_a_colbert_on_two_lanes_sends_the_queries_llama_cpp_cannot_mask_to_core_ml(
+    served_store, blind_dir, module_tmp, short_runtime_dir
+):
+    """A classic ColBERT served by both lanes: they agree on documents (measured at load: every
+    multi-vector's cosine), the llama.cpp worker declared at load that it refuses the query
+    side. With llama.cpp the faster lane at every size, documents go to it by the size rule,
+    and queries (and a MaxSim rerank, which reads both sides on one lane) to the Core ML lane,
+    which serves them as `MultiVectorEncoder` computes them."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from host.config import HostConfig
+    from host.lane_router import Ask, LatencyCurve
+    from host.module import Module, ModuleConfig
+
+    items = [1, 4, 16, 64]
+    curves = {
+        "ane": LatencyCurve(items=items, seconds=[0.02, 0.08, 0.32, 1.28]),
+        "llama": LatencyCurve(items=items, seconds=[0.01, 0.011, 0.014, 0.03]),
+    }
+    name = "colbert-blind"
+    policy = _listed_lanes_policy(module_tmp / "no-certs", _ane_extra(module_tmp), curves)
+    config = ModuleConfig(
+        store_root=str(served_store.root),
+        host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
+        model_lanes={name: ["ane", "llama"]},
+    )
+    async with Module(config, policy) as mod:
+        docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], name)
+        choice = mod.chosen_lanes()[name]
+        assert choice.lanes == ("ane", "llama"), choice.reason
+        assert "measured at load" in choice.reason
+        print(f"two-lane ColBERT: {choice.reason}")
+        assert mod.refusals(name, "llama")[0].side == "query"
+        assert docs.lane == "llama"  # the size rule: nothing refused
+        queries = await mod.encode_outputs(QUERIES, ["multivector"], name, side="query")
+        assert queries.lane == "ane"  # the only lane that serves it
+        assert mod.pick_lane(name, 64, Ask(("multivector",), ("query",))) == "ane"
+        assert mod.pick_lane(name, 1, Ask(("multivector",), ("document",))) == "llama"
+        ranked = await mod.rerank(QUERIES[0], DOCUMENTS, name)
+        assert ranked.lane == "ane" and ranked.method == "multi-vector-maxsim"
+    ref = MultiVectorEncoder(str(blind_dir), device="cpu")
+    ref_docs, ref_queries = ref.encode_document(DOCUMENTS), ref.encode_query(QUERIES)
+    for got, want in [
+        *zip(docs.multivector or [], ref_docs, strict=True),
+        *zip(queries.multivector or [], ref_queries, strict=True),
+    ]:
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape and _cos(got, want).min() >= ANE_MIN_COS
+    want_scores = np.asarray(ref.similarity(ref_queries[:1], ref_docs), np.float64)[0]
+    got_scores = dict(ranked.results)
+    err = max(abs(got_scores[i] - want_scores[i]) for i in range(len(DOCUMENTS)))
+    assert err <= 2e-3 * Q_LEN  # the Core ML lane's fp16 bar, as above
 
 
 async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(
@@ -868,6 +984,30 @@ async def test_the_core_ml_lane_gives_bge_m3s_three_outputs_from_one_pass(
     )
     assert dense_cos >= ANE_MIN_COS and mv_cos >= ANE_MIN_COS
     assert worst_sparse_cos >= ANE_MIN_COS and worst_abs <= 1e-2
+    # The same from packed rows: the lexical weights and colbert vectors sliced per segment.
+    async with _module(served_store, short_runtime_dir) as mod:
+        await mod.load("bge-m3", "ane", _ane_extra(module_tmp, 128, packed=True))
+        packed = await mod.encode_outputs(
+            texts, ["dense", "sparse", "multivector"], "bge-m3", lane="ane"
+        )
+    assert packed.dense is not None
+    p_dense = float(_cos(packed.dense, dense).min())
+    p_mv = 1.0
+    for ours, ref in zip(packed.multivector or [], colbert_vecs, strict=True):
+        assert ours.shape == ref.shape
+        p_mv = min(p_mv, float(_cos(ours, ref).min()))
+    p_abs = 0.0
+    for (idx, val), (u_idx, u_val) in zip(packed.sparse or [], got.sparse or [], strict=True):
+        # Packed and unpacked rows give the same weights to within fp16 (a weight within
+        # fp16 noise of 0 may be active on one side only).
+        mine, theirs = np.zeros(700, np.float32), np.zeros(700, np.float32)
+        mine[idx], theirs[u_idx] = val, u_val
+        p_abs = max(p_abs, float(np.abs(mine - theirs).max()))
+    print(
+        f"packed rows: dense cos {p_dense:.6f}, colbert cos {p_mv:.6f}, lexical weights vs "
+        f"unpacked max |diff| {p_abs:.2e}"
+    )
+    assert p_dense >= ANE_MIN_COS and p_mv >= ANE_MIN_COS and p_abs <= 1e-2
 
     # One forward: the worker's engine in process, on the module's compiled shape (a cache
     # hit), counting predictions.

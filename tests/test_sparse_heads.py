@@ -680,6 +680,7 @@ async def test_the_core_ml_lane_serves_splade_like_sparse_encoder(
     from sentence_transformers import SparseEncoder
 
     from host.config import HostConfig
+    from host.errors import WorkerError
     from host.module import Module, ModuleConfig
     from workers.ane.shapes import Shape
     from workers.ane.token_heads import vocab_chunk
@@ -717,6 +718,30 @@ async def test_the_core_ml_lane_serves_splade_like_sparse_encoder(
     )
     assert worst_cos >= 0.9995 and worst_rel <= 0.02
 
+    # Packed rows only: the max is taken per SEGMENT (each segment's own bias row over the
+    # chunk's logits, `max_segments` times narrower chunks for the same memory bound), and a
+    # text alone in its row gets what it gets packed with the others.
+    packed = {"rows": 2, "seq_len": MAX_SEQ, "packed": True, "max_segments": 4}
+    assert vocab_chunk(Shape(2, MAX_SEQ, True, 4), 30522, max_pooling=True) == 4096
+    # A shape where even one vocabulary entry per chunk would break the bound is refused.
+    huge = {"rows": 1024, "seq_len": MAX_SEQ, "packed": True, "max_segments": 64}
+    limits = {"max_rows": 1024, "max_shape_tokens": 1 << 16}
+    async with Module(cfg) as mod:
+        with pytest.raises(WorkerError, match="per-segment max") as refused:
+            await mod.load("splade", "ane", {**extra, **limits, "shapes": [huge]})
+        assert refused.value.code == "shape_unsupported"
+        await mod.load("splade", "ane", {**extra, "shapes": [packed]})
+        p_docs = await mod.encode_outputs(TEXTS, ["sparse"], "splade", lane="ane")
+        alone = await mod.encode_outputs(TEXTS[-1:], ["sparse"], "splade", lane="ane")
+    ref_docs = SparseEncoder(str(dirs["splade"]), device="cpu").encode_document(TEXTS)
+    p_cos, p_rel = _compare_sparse([(p_docs.sparse, ref_docs)], 0.02)
+    (a_idx, a_val), (t_idx, t_val) = (alone.sparse or [])[0], (p_docs.sparse or [])[-1]
+    own = np.zeros(30522, np.float32), np.zeros(30522, np.float32)
+    own[0][a_idx], own[1][t_idx] = a_val, t_val
+    print(f"packed rows: worst sparse cos {p_cos:.7f}, worst value error {p_rel:.4f}")
+    assert p_cos >= 0.9995 and p_rel <= 0.02
+    assert _sparse_cos(*own) >= 0.99999
+
 
 # Sum pooling adds every token's activated logit, each carrying fp16's logit noise (a few
 # 1e-3, which also moves a logit near 0 across relu's kink): the sum is held to 0.1 absolute
@@ -727,7 +752,8 @@ ATOL_ANE_SUM = 0.1
 
 def test_the_core_ml_graph_sums_log1p_relu_splade(dirs, module_tmp):
     """The graph's other SPLADE path, in process on the reference executor: sum pooling of
-    log1p(log1p(relu(.))) (OpenSearch's), zeroing padding before the sum, on the tied BERT,
+    log1p(log1p(relu(.))) (OpenSearch's), zeroing padding before the sum (per segment on a
+    packed row), on the tied BERT,
     against `SparseEncoder`. (The BERT graph computes the erf GELU only, so a tanh-GELU head
     sits on an encoder its ingest refuses.)"""
     from sentence_transformers import SparseEncoder
@@ -737,6 +763,8 @@ def test_the_core_ml_graph_sums_log1p_relu_splade(dirs, module_tmp):
 
     from formats.owned.manifest import ingest_owned
     from tests.ane_support import load_reference_engine
+    from workers.ane.packing import plan
+    from workers.ane.shapes import Shape
     from workers.engine import NullProgress
     from workers.protocol import messages as m
 
@@ -754,13 +782,16 @@ def test_the_core_ml_graph_sums_log1p_relu_splade(dirs, module_tmp):
     }
     tok = AutoTokenizer.from_pretrained(str(src))
     seqs = [np.asarray(tok(t, truncation=True, max_length=MAX_SEQ)["input_ids"]) for t in TEXTS]
+    # Both paths: the short texts go to the packed shape (summed per segment by one matmul
+    # with the segments' membership), the others to the unpacked one.
+    shapes = [
+        {"rows": 4, "seq_len": MAX_SEQ},
+        {"rows": 2, "seq_len": MAX_SEQ, "packed": True, "max_segments": 4},
+    ]
+    chunks = plan([len(s) for s in seqs], [Shape(4, MAX_SEQ), Shape(2, MAX_SEQ, True, 4)])
+    assert {c.shape.packed for c in chunks} == {False, True}
     engine = load_reference_engine(
-        man,
-        {
-            "cache_root": str(module_tmp / "ane-cache"),
-            "shapes": [{"rows": 4, "seq_len": MAX_SEQ}],
-            "heads": heads,
-        },
+        man, {"cache_root": str(module_tmp / "ane-cache"), "shapes": shapes, "heads": heads}
     )
     try:
         req = m.ENCODE(

@@ -21,7 +21,8 @@ segment B = 1) - the classifier was trained with them, unlike llama.cpp's rerank
 Packed shapes put several sequences in one row: `segment_ids` (0 = pad, 1..K) and
 `position_ids` (restarting per segment) are inputs; the block-diagonal attention mask and the
 per-segment pooling are computed INSIDE the graph from the segment ids, so the host sends only
-ids.
+ids. An embedder's packed graph (BERT / XLM-RoBERTa, which has token outputs) also takes an
+`attention_mask` key mask, multiplied into the block-diagonal one.
 
 XLM-RoBERTa (`ModelConfig.family == "xlm-roberta"`) is this graph with three differences, all
 in constants, none in the ops: HF numbers its positions from `pad_token_id + 1`, so the
@@ -81,9 +82,13 @@ def output_names(manifest: Manifest) -> list[str]:
     return ["embedding", "embedding_l2"]
 
 
-def input_names(shape: Shape) -> list[str]:
+def input_names(shape: Shape, token_outputs: bool = False) -> list[str]:
+    """The graph's int32 (rows, seq_len) inputs. A packed graph with token outputs also takes
+    `attention_mask`, a key mask over the segments' own (a multi-vector query's unattended
+    expansion is 0 there)."""
     if shape.packed:
-        return ["input_ids", "token_type_ids", "segment_ids", "position_ids"]
+        names = ["input_ids", "token_type_ids", "segment_ids", "position_ids"]
+        return [*names, "attention_mask"] if token_outputs else names
     return ["input_ids", "token_type_ids", "attention_mask"]
 
 
@@ -215,7 +220,9 @@ class _Graph:
         weights = mb.reshape(x=mb.real_div(x=m, y=count), shape=[s.rows, 1, s.seq_len, 1])
         return bias, weights
 
-    def packed_masks(self, segment_ids: Var, position_ids: Var) -> tuple[Var, Var]:
+    def packed_masks(
+        self, segment_ids: Var, position_ids: Var, key_mask: Var | None = None
+    ) -> tuple[Var, Var]:
         s = self.shape
         seg = mb.cast(x=segment_ids, dtype="fp32")  # small ints: exact in fp16
         seg_k = mb.reshape(x=seg, shape=[s.rows, s.seq_len, 1, 1])
@@ -227,6 +234,11 @@ class _Graph:
         # select(allowed, 0, -1e4): coremltools types select by a and b only, so scalar
         # branches would declare a scalar output for a (B, S, 1, S) result.)
         allowed = mb.cast(x=allowed, dtype="fp32")
+        if key_mask is not None:
+            # The key mask hides a token from every query of its segment, its own row
+            # included, as the unpacked graph's key bias does.
+            keys = mb.cast(x=key_mask, dtype="fp32")
+            allowed = mb.mul(x=allowed, y=mb.reshape(x=keys, shape=[s.rows, s.seq_len, 1, 1]))
         bias = mb.mul(x=mb.sub(x=allowed, y=1.0), y=-MASK_BIAS)
         # One-hot segment membership (B, S, K) against the constants 1..K.
         ids = np.arange(1, s.max_segments + 1, dtype=np.float32).reshape(1, 1, -1)
@@ -284,14 +296,15 @@ def build_program(
     heads: GraphHeads | None = None,
 ) -> Program:
     """The MIL program of `manifest`'s encoder + head at `shape` (every dim static). An
-    embedder's unpacked shape also outputs every token's final state and the `heads` built on
-    them (`workers.ane.token_heads`)."""
+    embedder's graph, packed or not, also outputs every token's final state and the `heads`
+    built on them (`workers.ane.token_heads`)."""
     options = options or BuildOptions()
     cfg = manifest.config
     if shape.seq_len > cfg.max_positions:
         raise ValueError(f"seq_len {shape.seq_len} > the model's {cfg.max_positions} positions")
     g = _Graph(manifest, shape, options)
-    names = input_names(shape)
+    tokens = has_token_outputs(manifest, shape)
+    names = input_names(shape, tokens)
     placeholders = {
         n: mb.placeholder(shape=(shape.rows, shape.seq_len), dtype=types.int32) for n in names
     }
@@ -300,7 +313,7 @@ def build_program(
         pos = inp.get("position_ids")
         x = g.embeddings(inp["input_ids"], inp["token_type_ids"], pos)
         if shape.packed:
-            bias, weights = g.packed_masks(inp["segment_ids"], pos)
+            bias, weights = g.packed_masks(inp["segment_ids"], pos, inp.get("attention_mask"))
         else:
             bias, weights = g.unpacked_masks(inp["attention_mask"])
         for i in range(cfg.num_layers):
@@ -314,8 +327,10 @@ def build_program(
             outputs = g.classify(pooled)
         else:
             outputs = g.embed_outputs(pooled)
-        if has_token_outputs(manifest, shape):
-            outputs += token_outputs(x, inp["attention_mask"], heads or GraphHeads(), shape)
+        if tokens:
+            outputs += token_outputs(
+                x, inp["attention_mask"], heads or GraphHeads(), shape, inp.get("segment_ids")
+            )
         func.set_outputs(outputs)
     prog = Program()
     prog.add_function("main", func)

@@ -15,6 +15,13 @@ channels-first `(B, C, 1, S)` layout, every linear layer a 1x1 conv.
   every logit and zeroes padding before the sum. log1p is log(1 + x): MIL has no log1p, and
   fp16's rounding of 1 + x costs at most 2^-11 absolute, within the fp16 logits' own error.
 - bge-m3's lexical weights: relu of a one-channel 1x1 conv.
+
+Packed shapes: the per-token outputs are the row's columns as they are (segments side by
+side; the worker slices them), and SPLADE pools per SEGMENT through a membership mask
+(B, S, K): token t counts for segment k when its segment id is k and its key mask is 1.
+Sum pooling is then one matmul (B, chunk, 1, S) x (B, 1, S, K), as the encoder pools its
+vectors; max pooling adds a per-segment bias (B, 1, K, S) to the chunk's logits and reduces
+over S, a (B, chunk, K, S) tensor that `vocab_chunk` bounds like the logits themselves.
 """
 
 from __future__ import annotations
@@ -85,7 +92,8 @@ def _log1p_relu(v: Var, twice: bool) -> Var:
 
 
 def _splade(x: Var, mask: Var, head: SpladeHead, shape: Shape) -> Var:
-    """(B, V) pooled vocabulary vector. `mask` is (B, 1, 1, S): 1 for attended tokens."""
+    """(B, V) pooled vocabulary vector unpacked, (B, K, V) packed. `mask` is (B, 1, 1, S)
+    unpacked, 1 for attended tokens; (B, 1, S, K) packed, each segment's membership."""
     spec, t = head.spec, head.tensors
     h = _conv(x, t["dense.weight"], t["dense.bias"])
     if spec.hidden_act == "relu":
@@ -101,23 +109,35 @@ def _splade(x: Var, mask: Var, head: SpladeHead, shape: Shape) -> Var:
     )
     twice = spec.activation == "log1p_relu"
     is_max = spec.pooling == "max"
-    # Padding as an additive bias (max) or a 0/1 factor (sum), broadcast over the chunk.
-    pad_bias = mb.mul(x=mb.sub(x=mask, y=np.float32(1.0)), y=np.float32(-MASK_BIAS))
+    packed = shape.packed
+    pad_bias = None
+    if is_max:
+        # Tokens outside the pool as an additive bias, broadcast over the chunk: (B, 1, 1, S)
+        # unpacked, (B, 1, K, S) packed (one row of biases per segment).
+        member = mb.transpose(x=mask, perm=[0, 1, 3, 2]) if packed else mask
+        pad_bias = mb.mul(x=mb.sub(x=member, y=np.float32(1.0)), y=np.float32(-MASK_BIAS))
     dec_w, dec_b = t["decoder.weight"], t["decoder.bias"]
     vocab = spec.vocab_size
-    step = vocab_chunk(shape, vocab)
+    step = vocab_chunk(shape, vocab, is_max)
     pooled = []
     for start in range(0, vocab, step):
         stop = min(vocab, start + step)
         logits = _conv(h, dec_w[start:stop], dec_b[start:stop])  # (B, chunk, 1, S)
         if is_max:
+            # (B, chunk, 1 | K, 1): the max over the pool's tokens, per segment when packed.
             top = mb.reduce_max(x=mb.add(x=logits, y=pad_bias), axes=[3], keep_dims=True)
             pooled.append(_log1p_relu(top, twice))
+        elif packed:
+            # (B, chunk, 1, K): each segment's sum as one matmul with its membership.
+            pooled.append(mb.matmul(x=_log1p_relu(logits, twice), y=mask))
         else:
             act = mb.mul(x=_log1p_relu(logits, twice), y=mask)
             pooled.append(mb.reduce_sum(x=act, axes=[3], keep_dims=True))
     v = pooled[0] if len(pooled) == 1 else mb.concat(values=pooled, axis=1)
-    return mb.reshape(x=v, shape=[shape.rows, vocab], name=SPARSE_POOLED)
+    if not packed:
+        return mb.reshape(x=v, shape=[shape.rows, vocab], name=SPARSE_POOLED)
+    v = mb.reshape(x=v, shape=[shape.rows, vocab, shape.max_segments])
+    return mb.transpose(x=v, perm=[0, 2, 1], name=SPARSE_POOLED)  # (B, K, V) as `embedding`
 
 
 def _token_weights(x: Var, heads: GraphHeads, shape: Shape) -> Var:
@@ -127,15 +147,36 @@ def _token_weights(x: Var, heads: GraphHeads, shape: Shape) -> Var:
     return mb.reshape(x=w, shape=[shape.rows, shape.seq_len], name=TOKEN_WEIGHTS)
 
 
-def token_outputs(x: Var, attention_mask: Var, heads: GraphHeads, shape: Shape) -> list[Var]:
+def _membership(attention_mask: Var, segment_ids: Var, shape: Shape) -> Var:
+    """(B, 1, S, K): 1 where token t is in segment k (ids 1..K) and its key mask is 1."""
+    s = shape
+    seg = mb.reshape(x=mb.cast(x=segment_ids, dtype="fp32"), shape=[s.rows, s.seq_len, 1])
+    ids = np.arange(1, s.max_segments + 1, dtype=np.float32).reshape(1, 1, -1)
+    onehot = mb.cast(x=mb.equal(x=seg, y=ids), dtype="fp32")  # (B, S, K)
+    keys = mb.reshape(x=mb.cast(x=attention_mask, dtype="fp32"), shape=[s.rows, s.seq_len, 1])
+    return mb.expand_dims(x=mb.mul(x=onehot, y=keys), axes=[1])
+
+
+def token_outputs(
+    x: Var,
+    attention_mask: Var,
+    heads: GraphHeads,
+    shape: Shape,
+    segment_ids: Var | None = None,
+) -> list[Var]:
     """The token-level outputs of the final states `x` (B, H, 1, S), in
-    `GraphHeads.output_names` order. `attention_mask` is the graph's (B, S) int input."""
+    `GraphHeads.output_names` order. `attention_mask` is the graph's (B, S) int input;
+    `segment_ids` too on a packed shape."""
     outputs = [_rows(x, shape, TOKEN_STATES)]
     if heads.multivector is not None:
         outputs.append(_multivector(x, heads, shape))
     if heads.splade is not None:
-        m = mb.cast(x=attention_mask, dtype="fp32")
-        m = mb.reshape(x=m, shape=[shape.rows, 1, 1, shape.seq_len])
+        if shape.packed:
+            assert segment_ids is not None
+            m = _membership(attention_mask, segment_ids, shape)
+        else:
+            m = mb.cast(x=attention_mask, dtype="fp32")
+            m = mb.reshape(x=m, shape=[shape.rows, 1, 1, shape.seq_len])
         outputs.append(_splade(x, m, heads.splade, shape))
     if heads.token_weights is not None:
         outputs.append(_token_weights(x, heads, shape))

@@ -13,10 +13,10 @@ each stage for SHAPE_ADMITTED.
 
 The package key (what the compile cache files the package under) is (manifest_digest,
 kernel_revision, shape, precision, deployment target, coremltools version) plus `packed`, the
-head type, the token heads built into an embedder's unpacked graph (`GraphHeads.key_fields`:
-a digest of what the graph reads of each) and any non-default test-only `BuildOptions`:
-everything that changes the bytes of
-the package, nothing that does not. The compiled key adds the backend, its kind and what the
+head type, the token heads built into an embedder's graph, packed or not
+(`GraphHeads.key_fields`: a digest of what the graph reads of each) and any non-default
+test-only `BuildOptions`: everything that changes the bytes of the package, nothing that does
+not. The compiled key adds the backend, its kind and what the
 compiled form depends on (`Backend.compiled_key_fields`: the macOS build for `.mlmodelc`). One
 process builds a key at a time; others wait for it and reuse the result.
 """

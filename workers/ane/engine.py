@@ -41,7 +41,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,12 +69,14 @@ from workers.ane.executor import PackageError, UnsupportedOp
 from workers.ane.identity import KERNEL_REVISION, coremltools_version, kernel_revision
 from workers.ane.packing import Chunk, NoShapeFits, feeds_for, gather_rows, plan
 from workers.ane.program_ir import ProgramFormatError
+from workers.ane.refusals import refusals as declared_refusals
 from workers.ane.shapes import Shape
 from workers.ane.token_heads import (
     MULTIVECTOR,
     SPARSE_POOLED,
     TOKEN_STATES,
     TOKEN_WEIGHTS,
+    VOCAB_CHUNK_ELEMENTS,
     GraphHeads,
     has_token_outputs,
     token_refusal,
@@ -108,7 +110,7 @@ class _Model:
     device: str = "ane"  # what LOADED names: "ane+gpu" when Core ML may use the GPU too
     heads: dict[str, Any] = field(default_factory=dict)  # by output kind (workers.heads)
     head_limits: dict[str, int] = field(default_factory=dict)  # a head's own token limit
-    graph_heads: GraphHeads | None = None  # what its unpacked graphs build on token states
+    graph_heads: GraphHeads | None = None  # what its graphs build on token states
 
 
 @dataclass
@@ -264,6 +266,7 @@ class AneEngine(Engine):
                     dims=_dims(manifest),
                     cold_load_ms=0.0,
                     device=self._model.device,
+                    refuses=_refusals(self._model),
                 )
             raise EngineError(
                 "invalid_request", f"one model per Core ML worker: unload {self._model.ref!r} first"
@@ -297,6 +300,7 @@ class AneEngine(Engine):
             dims=_dims(manifest),
             cold_load_ms=(time.perf_counter() - start) * 1e3,
             device=model.device,
+            refuses=_refusals(model),
         )
 
     def _load_heads(self, model: _Model) -> None:
@@ -363,6 +367,15 @@ class AneEngine(Engine):
             )
         if packed and max_segments is not None and max_segments > seq_len:
             over.append(f"max_segments {max_segments} > seq_len {seq_len}")
+        splade = model.graph_heads.splade if model.graph_heads is not None else None
+        compared = rows * seq_len * (max_segments or 1)
+        if packed and splade is not None and splade.spec.pooling == "max":
+            if compared > VOCAB_CHUNK_ELEMENTS:
+                # Even one vocabulary entry per chunk would compare more than the bound.
+                over.append(
+                    f"rows*seq_len*max_segments {compared} > {VOCAB_CHUNK_ELEMENTS} "
+                    "(SPLADE's per-segment max)"
+                )
         if over:
             raise EngineError("shape_unsupported", "; ".join(over))
         return Shape(rows, seq_len, packed, max_segments if packed else 1)  # type: ignore[arg-type]
@@ -507,13 +520,14 @@ class AneEngine(Engine):
         return self._run(model, seqs, types, "logits", head.num_labels, progress)
 
     def encode(self, req: m.ENCODE, ids: np.ndarray, progress: Progress) -> list[Section]:
-        """Every requested output from ONE prediction per chunk of rows, on the unpacked
-        shapes (`token_heads` says what their graphs output): `dense` the pooled vector,
-        `tokens` the final states, `sparse` / `multivector` the heads' graph outputs finished
-        by the same worker-side code as the llama.cpp lane's (workers.heads). A multi-vector
-        query whose expansion tokens must be hidden from every position, themselves
-        included, is served exactly: their attention-mask entries are 0, which the graph's
-        key bias applies to every query row, their own included."""
+        """Every requested output from ONE prediction per chunk of rows, on the admitted
+        shapes, packed or not (`token_heads` says what their graphs output): `dense` the
+        pooled vector, `tokens` the final states, `sparse` / `multivector` the heads' graph
+        outputs finished by the same worker-side code as the llama.cpp lane's
+        (workers.heads). A multi-vector query whose expansion tokens must be hidden from every
+        position, themselves included, is served exactly: their attention-mask entries are 0,
+        which the graph's key bias applies to every query row, their own included (on a packed
+        row, within the item's segment, which no other segment sees anyway)."""
         model = self._require(req.model_ref)
         outputs = list(req.outputs)
         if not outputs or len(set(outputs)) != len(outputs):
@@ -586,49 +600,45 @@ class AneEngine(Engine):
         names: list[str],
         progress: Progress,
     ) -> dict[str, list[np.ndarray]]:
-        """Per graph output in `names`, per item: its pooled row, or its (n_tokens, C) columns
-        of a per-token output. Only unpacked shapes have token outputs; `attended[i]`: item
-        i's attention mask ends there (its query expansion is hidden)."""
+        """Per graph output in `names`, per item: its pooled row (its segment's, packed), or
+        its (n_tokens, C) columns of a per-token output, sliced at its offset in the row.
+        `attended[i]`: item i's key mask ends there (its query expansion is hidden from every
+        position of its segment, itself included)."""
         if not model.shapes:
             raise EngineError("shape_unsupported", "no shape is admitted (ADMIT_SHAPE first)")
         shapes = [
             c.shape for c in model.shapes.values() if has_token_outputs(model.manifest, c.shape)
         ]
-        if not shapes:
-            raise EngineError(
-                "shape_unsupported",
-                "token-level outputs run on unpacked shapes, and only packed ones are "
-                "admitted (ADMIT_SHAPE one with packed=false)",
-            )
         try:
             chunks = plan([len(s) for s in seqs], shapes)
         except NoShapeFits as e:
-            raise EngineError(
-                "shape_unsupported", f"{e} of the unpacked ones (token-level outputs)"
-            ) from None
+            raise EngineError("shape_unsupported", str(e)) from None
         types = [np.zeros(len(s), np.int32) for s in seqs]
         result: dict[str, list[np.ndarray]] = {n: [np.empty(0)] * len(seqs) for n in names}
         for chunk in chunks:
             sid = chunk.shape.id
             model.shapes.move_to_end(sid)
             feeds = _feeds(model.manifest, chunk, seqs, types)
+            placed = list(_placements(chunk, seqs))
             if attended is not None:
-                for r, (i,) in enumerate(chunk.rows):
-                    feeds["attention_mask"][r, attended[i] :] = 0
+                for r, _, i, at in placed:
+                    feeds["attention_mask"][r, at + attended[i] : at + len(seqs[i])] = 0
             out = model.shapes[sid].runner.run(feeds)
             absent = [n for n in names if n not in out]
             if absent:
                 raise EngineError(
                     "unsupported", f"shape {sid}'s compiled graph has no {absent[0]!r} output"
                 )
-            for r, (i,) in enumerate(chunk.rows):
-                k = len(seqs[i])
+            for r, k, i, at in placed:
+                stop = at + len(seqs[i])
                 for n in names:
                     v = out[n][r]
                     if n in (TOKEN_STATES, MULTIVECTOR):
-                        v = v[:, :k].T  # (C, S) channels-first -> the item's (k, C)
+                        v = v[:, at:stop].T  # (C, S) channels-first -> the item's (k, C)
                     elif n == TOKEN_WEIGHTS:
-                        v = v[:k]
+                        v = v[at:stop]
+                    elif chunk.shape.packed:  # pooled: (K, C) per row, the item's segment
+                        v = v[k]
                     result[n][i] = np.ascontiguousarray(v, dtype=np.float32)
             progress.advance("inference")
         return result
@@ -711,6 +721,12 @@ class AneEngine(Engine):
 _GRAPH_OUTPUT = {"dense": "embedding", "tokens": TOKEN_STATES, "multivector": MULTIVECTOR}
 
 
+def _refusals(model: _Model) -> list[m.Refusal]:
+    """What LOADED declares this worker refuses of `model` (workers.ane.refusals)."""
+    shapes = [c.shape for c in model.shapes.values()]
+    return declared_refusals(model.manifest, shapes, model.heads)
+
+
 def _sparse_section(
     head: sparse.Head | None, got: dict[str, list[np.ndarray]], seqs: list[np.ndarray]
 ) -> Section:
@@ -736,6 +752,17 @@ def _warmup_feeds(shape: Shape, manifest: Manifest) -> dict[str, np.ndarray]:
     return _feeds(manifest, Chunk(shape, [[0]]), [ids], [np.zeros(n, np.int32)])
 
 
+def _placements(chunk: Chunk, seqs: Sequence[np.ndarray]) -> Iterator[tuple[int, int, int, int]]:
+    """(row, segment index, item index, first column) of every item of a run: one item at
+    column 0 per unpacked row, a packed row's items side by side in plan order (as
+    `feeds_for` lays them out)."""
+    for r, items in enumerate(chunk.rows):
+        at = 0
+        for k, i in enumerate(items):
+            yield r, k, i, at
+            at += len(seqs[i])
+
+
 def _feeds(
     manifest: Manifest, chunk: Chunk, seqs: Sequence[np.ndarray], types: Sequence[np.ndarray]
 ) -> dict[str, np.ndarray]:
@@ -743,6 +770,10 @@ def _feeds(
     if manifest.config.type_vocab_size == 0:
         # A decoder's graph (Qwen3) has no token-type input: feed exactly the graph's inputs.
         del feeds["token_type_ids"]
+    if chunk.shape.packed and has_token_outputs(manifest, chunk.shape):
+        # An embedder's packed graph also takes a key mask: every token of a segment, until
+        # ENCODE hides an item's query expansion.
+        feeds["attention_mask"] = (feeds["segment_ids"] != 0).astype(np.int32)
     return feeds
 
 

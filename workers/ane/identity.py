@@ -15,7 +15,8 @@ from importlib.metadata import PackageNotFoundError, version
 #: it is part of every compile-cache key and of HELLO.
 #: ane-bert-2: an embedder's unpacked graph also outputs every token's final state and the
 #: token heads built on it (workers.ane.token_heads).
-KERNEL_REVISION = "ane-bert-2"
+#: ane-bert-3: its packed graph too, with a key-mask input and SPLADE pooled per segment.
+KERNEL_REVISION = "ane-bert-3"
 
 #: Per model family (`ModelConfig.family`). XLM-RoBERTa's graph is BERT's with its own
 #: position offset and head names, so its revision extends BERT's: a change to the shared

@@ -2,7 +2,7 @@
 without coremltools (the engine checks a compiled shape's outputs by these names, and the
 compile-cache key names the heads built in).
 
-A BERT or XLM-RoBERTa embedder's graph on an unpacked shape also outputs:
+A BERT or XLM-RoBERTa embedder's graph, on unpacked and packed shapes alike, also outputs:
 
     token_states   (rows, H, S)   every token's final hidden state, channels-first as the
                                   graph holds it (the worker transposes each item's columns)
@@ -10,15 +10,20 @@ A BERT or XLM-RoBERTa embedder's graph on an unpacked shape also outputs:
                                   layers, bge-m3's colbert_linear) of every token, L2-normalized
                                   per token when the head normalizes
     sparse_pooled  (rows, V)      SPLADE: the MLM head's vocabulary logits, `log1p(relu(.))`,
-                                  pooled (max or sum) over the row's attended tokens, computed
-                                  a vocabulary chunk at a time (`vocab_chunk`)
+                   (rows, K, V)   pooled (max or sum) over the attended tokens of the row
+                                  (unpacked) or of each of its K segments (packed), computed a
+                                  vocabulary chunk at a time (`vocab_chunk`)
     token_weights  (rows, S)      bge-m3's lexical weight `relu(w . h_t + b)` of every token
+
+A packed row's per-token outputs hold its segments side by side: the worker slices each item's
+columns at its offset in the row. Its `attention_mask` input is a KEY mask on top of the
+segments' block-diagonal one (0 hides a token from every query of its segment, itself
+included: a multi-vector query's unattended expansion), and the per-segment pooling reads it
+too.
 
 What is per token stays per token: which tokens a multi-vector side keeps (skiplist, bge-m3's
 CLS), bge-m3's largest weight per id and its dropped special ids, and SPLADE's top-k cut are
 the worker's, with the same code the llama.cpp lane runs (`workers.heads`).
-
-Packed shapes have none of these outputs: token-level requests run on the unpacked shapes.
 """
 
 from __future__ import annotations
@@ -47,10 +52,13 @@ TOKEN_WEIGHTS = "token_weights"
 TOKEN_FAMILIES = ("bert", "xlm-roberta")
 TOKEN_HEADS = ("embed_mean", "embed_cls")
 
-# One vocabulary chunk's logits (rows x chunk x seq_len) stay within this many elements:
-# 4 MB in fp16 on the device, 8 MB as the reference executor's float32. The vocabulary
-# projection of a whole shape is never alive at once (bert-base's 30522 entries over 8 x 128
-# tokens would be 250M elements).
+# One vocabulary chunk's largest tensor stays within this many elements: 4 MB in fp16 on the
+# device, 8 MB as the reference executor's float32. That tensor is the chunk's logits
+# (rows x chunk x seq_len), except for max pooling on a packed shape, where each logit is
+# compared once per segment of its row (rows x chunk x max_segments x seq_len: a max has no
+# matmul form, so the segment axis is a broadcast). The vocabulary projection of a whole shape
+# is never alive at once (bert-base's 30522 entries over 8 x 128 tokens would be 250M
+# elements).
 VOCAB_CHUNK_ELEMENTS = 1 << 21
 # Chunks are whole multiples of this many vocabulary entries (a 64-byte-aligned row of fp16
 # channels), at least one multiple.
@@ -62,21 +70,25 @@ VOCAB_CHUNK_ALIGN = 32
 VOCAB_CHUNK_MAX = MAX_ANE_DIM
 
 
-def vocab_chunk(shape: Shape, vocab: int) -> int:
+def vocab_chunk(shape: Shape, vocab: int, max_pooling: bool = False) -> int:
     """Vocabulary entries per chunk of SPLADE's projection at `shape`: 2048 at 8 x 128 tokens,
-    512 at 8 x 512, at most 16384."""
-    per = VOCAB_CHUNK_ELEMENTS // max(1, shape.rows * shape.seq_len)
-    per = max(VOCAB_CHUNK_ALIGN, per // VOCAB_CHUNK_ALIGN * VOCAB_CHUNK_ALIGN)
-    return min(vocab, per, VOCAB_CHUNK_MAX)
+    512 at 8 x 512, at most 16384; with `max_pooling` on a packed shape, `max_segments` times
+    fewer (256 at 8 x 128 with 8 segments). A multiple of 32 entries when 32 fit the bound,
+    else as many as fit (at least one; the engine refuses a shape where one does not)."""
+    per_entry = shape.rows * shape.seq_len
+    if max_pooling and shape.packed:
+        per_entry *= shape.max_segments
+    per = VOCAB_CHUNK_ELEMENTS // max(1, per_entry)
+    if per >= VOCAB_CHUNK_ALIGN:
+        per = per // VOCAB_CHUNK_ALIGN * VOCAB_CHUNK_ALIGN
+    return min(vocab, max(1, per), VOCAB_CHUNK_MAX)
 
 
 def has_token_outputs(manifest: Manifest, shape: Shape) -> bool:
-    """Whether `manifest`'s graph at `shape` gives token states (and its heads' outputs)."""
-    return (
-        manifest.config.family in TOKEN_FAMILIES
-        and manifest.head.type in TOKEN_HEADS
-        and not shape.packed
-    )
+    """Whether `manifest`'s graph at `shape` gives token states (and its heads' outputs):
+    an embedder of a token family's, packed or not (`shape` kept for the callers that ask
+    per shape)."""
+    return manifest.config.family in TOKEN_FAMILIES and manifest.head.type in TOKEN_HEADS
 
 
 def token_refusal(manifest: Manifest) -> str | None:
@@ -171,8 +183,8 @@ def _digest(meta: object, tensors: dict[str, np.ndarray]) -> str:
 
 
 def output_names(manifest: Manifest, shape: Shape, heads: GraphHeads | None) -> list[str]:
-    """The token-level outputs of `manifest`'s graph at `shape` (none for a packed shape,
-    another family or a cross-encoder)."""
+    """The token-level outputs of `manifest`'s graph at `shape` (none for another family or
+    a cross-encoder)."""
     if not has_token_outputs(manifest, shape):
         return []
     return (heads or GraphHeads()).output_names()

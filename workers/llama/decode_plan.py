@@ -21,6 +21,16 @@ ENC_DECODE_TOKENS_BLAS = 256
 # squared, so they pack smaller. 32 short texts, 2 single-threaded streams, OpenBLAS, CPU
 # seconds: bge-m3 at e5-small shape (384 wide) 128 -> 1.26-1.32, 256 -> 1.43-1.57, 512 -> 1.66;
 # bert-base (768 wide, attention a smaller share) 128 and 256 alike (2.28).
+# Why it is a trade: each decode's matmuls go to OpenBLAS, which packs every weight matrix once
+# a call (a cost per decode, whatever its rows), while the attention over the packed sequences
+# costs n_tokens² a decode. The total, decodes x packing + tokens a decode x all tokens x
+# attention, is least near sqrt(packing / attention) tokens a decode, which grows as
+# sqrt(width). A perf profile of the e5-small-shape bge-m3 request (32 texts, 871 tokens,
+# 128-token decodes) puts 98 % of the worker's CPU in llama_decode: OpenBLAS sgemm 62 % (its
+# kernel 45, packing the weights 14), the packed attention (ggml's f32 KQ dot products, KQV,
+# soft_max) 17.5 %, ggml's GELU 10.6 %, add / norm / copies 4.6 %; the numpy heads 1 %.
+# Re-measured there (interleaved, CPU seconds): 96 -> 1.30, 112 -> 1.29, 128 -> 1.27,
+# 144 -> 1.23, 176 -> 1.34: flat from 112 to 144.
 TOKEN_STATES_DECODE_TOKENS = 128
 # A request that is one decode (a lone input, at concurrency 1) would leave every stream but one
 # idle, so it runs with all the threads when it is long enough to gain from them. Measured on

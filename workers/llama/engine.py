@@ -176,6 +176,7 @@ class LlamaEngine(Engine):
             dims=loaded.n_embd,
             cold_load_ms=(time.perf_counter() - t0) * 1000.0,
             device=loaded.device,
+            refuses=heads.refusals(loaded.heads),
         )
 
     def unload(self, req: m.UNLOAD, progress: Progress) -> None:

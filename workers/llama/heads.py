@@ -12,6 +12,7 @@ from workers.engine import EngineError, Section, sparse_section
 from workers.heads import multivector, sparse
 from workers.heads.files import load_heads as load_heads  # loaded with the model
 from workers.llama.native import LoadedModel
+from workers.protocol import messages as m
 
 
 def sparse_needs_states(mdl: LoadedModel, side: str) -> bool:
@@ -45,10 +46,27 @@ def multivector_inputs(
     its side's cut, a query's expansion). llama.cpp attends to every position of a sequence,
     so a side whose expansion tokens must be hidden even from themselves is refused."""
     if head.needs_owned_mask(side):
-        raise EngineError(
-            "unsupported",
-            f"this model's {side} expansion tokens are hidden from every position, themselves "
-            "included; llama.cpp's attention cannot express that mask (serve the model's "
-            "queries on the Core ML lane, whose graph builds it)",
-        )
+        raise EngineError("unsupported", _owned_mask_reason(side))
     return [head.prepare_ids(s, side, limit) for s in seqs]
+
+
+def _owned_mask_reason(side: str) -> str:
+    return (
+        f"this model's {side} expansion tokens are hidden from every position, themselves "
+        "included; llama.cpp's attention cannot express that mask (serve the model's "
+        "queries on the Core ML lane, whose graph builds it)"
+    )
+
+
+def refusals(loaded: dict) -> list[m.Refusal]:
+    """What LOADED declares this engine refuses of the model's heads whatever the items: a
+    multi-vector side that needs the owned attention mask (`multivector_inputs` refuses it
+    with the same reason)."""
+    head = loaded.get("multivector")
+    if not isinstance(head, multivector.ColbertHead):
+        return []
+    return [
+        m.Refusal(output="multivector", side=side, reason=_owned_mask_reason(side))
+        for side in m.SIDES
+        if head.needs_owned_mask(side)
+    ]

@@ -131,9 +131,10 @@ class CLASSIFY(_Msg, tag="CLASSIFY", frozen=True):
 
 # What ENCODE may ask for: one pooled vector an item ("dense"), the final state of every token
 # ("tokens"), a learned sparse vector ("sparse") and a head's per-token vectors ("multivector").
-OUTPUT_KINDS = ("dense", "tokens", "sparse", "multivector")
 OutputKind = Literal["dense", "tokens", "sparse", "multivector"]
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("dense", "tokens", "sparse", "multivector")
 Side = Literal["query", "document"]
+SIDES: tuple[Side, ...] = ("query", "document")
 
 
 class ENCODE(_Msg, tag="ENCODE", frozen=True):
@@ -187,6 +188,15 @@ class SHUTDOWN(_Msg, tag="SHUTDOWN", frozen=True):
 # ---- replies (worker -> host) --------------------------------------------------------------
 
 
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """An ENCODE output the loaded model will refuse on this worker: on `side` only (None:
+    on every side), and why (the reason its ERR would give)."""
+
+    output: OutputKind
+    side: Side | None = None
+    reason: str
+
+
 class LOADED(_Msg, tag="LOADED", frozen=True):
     req_id: U64
     model_ref: str
@@ -195,6 +205,11 @@ class LOADED(_Msg, tag="LOADED", frozen=True):
     # Extension (optional): the device the model actually runs on ("cpu", "metal", "cuda"...),
     # so the host takes the right execution permit and certificates name it.
     device: str | None = None
+    # Extension (optional): the ENCODE outputs this worker refuses for the model whatever the
+    # items (llama.cpp: a query side whose expansion must be hidden from itself; Core ML: no
+    # graph with token outputs), so a host serving the model on two lanes sends each request
+    # to a lane that serves it.
+    refuses: list[Refusal] = []
 
 
 class VECTORS(_Msg, tag="VECTORS", frozen=True):
