@@ -20,7 +20,9 @@ What each output is judged on (the gates: certification.kind_gates):
 A lane that refuses an output (a worker ERR `unsupported`: no head for it, a query it cannot
 mask as the model does; `shape_unsupported`: a Core ML lane none of whose admitted shapes holds
 an item) leaves that output `not served` with the lane's reason, never passed. A Core ML lane
-admitted with packed shapes only serves every token-level output, and is judged on them.
+admitted with packed shapes only serves every token-level output, and is judged on them. A run
+told to leave the token-level outputs out (`RunOptions.token_outputs`) records each one beside
+a pooled vector `n/a`, not judged.
 A model without a pooled vector is fingerprinted on its own output over the probe set.
 """
 
@@ -52,6 +54,8 @@ MULTIVECTOR_CHECKS = [
     "multivector.maxsim_max_abs_error",
 ]
 LATE_CHECKS = ["late_chunking.min_cosine"]
+# The reason an output beside a pooled vector carries when the run leaves it out.
+UNJUDGED = "not judged in this run: token-level outputs left out (RunOptions.token_outputs)"
 LONG_DOCUMENT_SENTENCES = 4096  # at most this many: past 2 x 32k tokens
 
 
@@ -77,25 +81,22 @@ async def judge_kinds(
     batch_size: int = 8,
     sample_stride: int = 1,
     judge: str = ST,
+    token_outputs: bool = True,
 ) -> KindsJudged:
     """`judge`: the run's reference (certification.oracle); the token-level kinds are judged
     by transformers / sentence-transformers only, so under the numpy reference each output
-    is `n/a` with that reason."""
+    is `n/a` with that reason. `token_outputs=False` leaves the outputs beside a pooled
+    vector unjudged, each `n/a` saying so (runs that certify for another purpose: the long
+    late-chunking documents cost more than the dense corpus pass); a model without a pooled
+    vector is judged on its token outputs regardless, since they are all it serves."""
     record = client.record
     served = served_outputs(record.manifest)
-    out = KindsJudged()
     if judge != ST:
         why = f"token-level outputs are judged by sentence-transformers only ({ST_INSTALL})"
-        for output, names in (
-            ("sparse", SPARSE_CHECKS),
-            ("multivector", MULTIVECTOR_CHECKS),
-            ("late_chunking", LATE_CHECKS),
-        ):
-            if output in served or (output == "late_chunking" and "dense" in served):
-                checks = kg.not_applicable(names, why)
-                out.checks += checks
-                out.outputs.append(kg.output_verdict(output, checks))
-        return out
+        return _unjudged(served, why)
+    if not token_outputs and "dense" in served:
+        return _unjudged(served, UNJUDGED)
+    out = KindsJudged()
     from certification.reference.token_kinds import KindsReference
 
     ref = KindsReference(ref_dir)
@@ -128,6 +129,21 @@ async def judge_kinds(
             out.outputs.append(verdict)
     elif probes:
         out.probe = np.concatenate([p.reshape(-1) for p in probes])
+    return out
+
+
+def _unjudged(served: list[str], why: str) -> KindsJudged:
+    """Every token-level output of the model `n/a` with `why`."""
+    out = KindsJudged()
+    for output, names in (
+        ("sparse", SPARSE_CHECKS),
+        ("multivector", MULTIVECTOR_CHECKS),
+        ("late_chunking", LATE_CHECKS),
+    ):
+        if output in served or (output == "late_chunking" and "dense" in served):
+            checks = kg.not_applicable(names, why)
+            out.checks += checks
+            out.outputs.append(kg.output_verdict(output, checks))
     return out
 
 

@@ -97,6 +97,12 @@ class RunOptions:
     # Measure the lane's latency curve (what routing reads; a certificate without one has it
     # measured at load). Off only for smoke runs and tests that judge quality alone.
     curve: bool = True
+    # Judge the token-level outputs beside the pooled vector (late chunking of any mean-pooled
+    # embedder; bge-m3's sparse and multi-vector). Off, each is `n/a` saying it was not judged
+    # in this run: for tests that certify for another purpose (lanes' agreement, curves,
+    # reports), since the late-chunking documents read several contexts through both lane
+    # and reference. A model without a pooled vector is judged on them regardless.
+    token_outputs: bool = True
 
 
 @dataclass
@@ -170,6 +176,7 @@ async def certify(
             options.batch_size,
             options.sample_stride,
             judge=oracle.reference,
+            token_outputs=options.token_outputs,
         )
         checks += kinds.checks
         outputs += kinds.outputs

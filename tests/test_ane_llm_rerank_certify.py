@@ -63,6 +63,7 @@ def certs(module_tmp) -> dict[str, Certificate]:
                     sample_stride=stride,
                     runtime_config_extra=extra,
                     agreement=False,
+                    curve=False,  # quality alone: ~255 pairs on the reference executor
                 ),
                 store,
             )

@@ -9,6 +9,7 @@ runs wrote, and no other module ever reads them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -23,8 +24,10 @@ import msgspec
 import pytest
 
 from certification import report
+from certification.certificate import Certificate
 from certification.degrade import truncated_mantissa_copy
 from certification.identity import LaneIdentity
+from certification.kinds import UNJUDGED
 from certification.modules import build_module
 from certification.policy import check_certificate
 from certification.runner import RunOptions, certify
@@ -125,13 +128,17 @@ def test_llama_lane_certifies(llama_cert, cert_store):
     assert cert_store.find(cert.id[:6]).fingerprint == cert.fingerprint
 
 
-async def test_a_rerun_keeps_the_fingerprint(llama_cert, cert_store_root, cert_store):
+@pytest.fixture(scope="module")
+def rerun(llama_cert, cert_store_root, cert_store) -> Certificate:
+    """The llama lane again, fresh worker, other batching, every option at its default (the
+    token-level outputs judged, as a user's run judges them)."""
+    options = RunOptions(model="minilm-l6-v2", sample_stride=40, batch_size=5)
+    return asyncio.run(run(cert_store_root, cert_store, options))
+
+
+def test_a_rerun_keeps_the_fingerprint(llama_cert, rerun):
     """Same lane, fresh worker, other batching: noise below the grid margin is not drift."""
-    again = await run(
-        cert_store_root,
-        cert_store,
-        RunOptions(model="minilm-l6-v2", sample_stride=40, batch_size=5),
-    )
+    again = rerun
     assert again.id == llama_cert.id
     assert again.drift is not None and again.drift.same_key
     assert not again.drift.drifted and check(again, "fingerprint.drift").status == "pass"
@@ -145,7 +152,12 @@ async def test_degraded_llama_artifact_fails_quality(cert_store_root, cert_store
     cert = await run(
         cert_store_root,
         cert_store,
-        RunOptions(model="minilm-mant6", sample_stride=STRIDE, reference_dir=str(minilm_dir())),
+        RunOptions(
+            model="minilm-mant6",
+            sample_stride=STRIDE,
+            reference_dir=str(minilm_dir()),
+            token_outputs=False,
+        ),
     )
     assert cert.status == "failed" and cert.quality == "fail"
     assert "quality.min_cosine" in cert.failing
@@ -163,7 +175,12 @@ async def test_a_model_with_a_default_prompt_is_judged_on_the_corpus_as_it_is(
     cert = await run(
         cert_store_root,
         cert_store,
-        RunOptions(model=prompted_model, sample_stride=STRIDE, reference_dir=str(minilm_dir())),
+        RunOptions(
+            model=prompted_model,
+            sample_stride=STRIDE,
+            reference_dir=str(minilm_dir()),
+            token_outputs=False,
+        ),
     )
     assert cert.quality == "pass", cert.failing
     assert check(cert, "quality.min_cosine").value >= 0.9999
@@ -220,6 +237,7 @@ async def test_degraded_ane_graph_fails_quality(cert_store_root, cert_store, lla
             shapes=PACKED,
             sample_stride=40,  # blatant: few
             runtime_config_extra={"build_options": {"ln_eps_override": 1e-2}},
+            token_outputs=False,
         ),
     )  # items suffice
     assert cert.status == "failed"
@@ -342,7 +360,8 @@ async def test_module_refuses_an_uncertified_lane_in_strict_mode(
             await mod.load(model)
         assert f"required for {model} on the llama lane" in caplog.text
         assert "serving anyway" in caplog.text and [s.model for s in mod.served_lanes()] == [model]
-    cert = await run(cert_store_root, cert_store, RunOptions(model=model, sample_stride=40))
+    options = RunOptions(model=model, sample_stride=40, token_outputs=False)
+    cert = await run(cert_store_root, cert_store, options)
     assert cert.status == "certified"
     async with build_module(module_config(cert_store_root, runtime, **strict)) as mod:
         await mod.load(model)
@@ -381,10 +400,8 @@ def test_html_report_renders_plots_with_data(llama_cert, tmp_path):
     path = report.write(llama_cert, tmp_path / "cert.html")
     html = path.read_text()
     plots = parse_report(html)
-    # An embedder's late chunking has its own plot (one value per judged document).
-    assert set(plots) == {"cosine", "placement", "latency", "kind-late_chunking"}
-    late = llama_cert.measurements.kinds["late_chunking"]
-    assert sum(int(b["data-count"]) for b in plots["kind-late_chunking"]) == late.n_items
+    # Its token-level outputs were left unjudged: no plot for them (the default run's below).
+    assert set(plots) == {"cosine", "placement", "latency"}
     cosine = plots["cosine"]
     assert sum(int(b["data-count"]) for b in cosine) == llama_cert.corpus.n_items
     latency = plots["latency"]
@@ -392,3 +409,31 @@ def test_html_report_renders_plots_with_data(llama_cert, tmp_path):
     assert [b["data-device"] for b in plots["placement"]] == ["cpu"]
     assert "n/a: the llama lane runs on the CPU" in html
     assert llama_cert.id in html and "quality.min_cosine" in html
+
+
+def test_a_run_judges_late_chunking_unless_told_to_leave_token_outputs_out(
+    llama_cert, rerun, tmp_path
+):
+    """A mean-pooled embedder's certificate judges late chunking by default (the rerun, every
+    option at its default); `RunOptions(token_outputs=False)` (the session's run) leaves that
+    verdict `n/a` saying why, and measures nothing for it."""
+    judged = next(o for o in rerun.outputs if o.output == "late_chunking")
+    assert judged.status == "pass" and check(rerun, "late_chunking.min_cosine").value >= 0.9999
+    late = rerun.measurements.kinds["late_chunking"]
+    assert late.n_items > 1  # the corpus's late-chunking documents and the long one
+    assert (
+        "documents longer than the 256-token context"
+        in check(rerun, "late_chunking.min_cosine").detail
+    )
+    # An embedder's late chunking has its own plot in the report (one value per document).
+    plots = parse_report(report.write(rerun, tmp_path / "rerun.html").read_text())
+    assert set(plots) == {"cosine", "placement", "latency", "kind-late_chunking"}
+    assert sum(int(b["data-count"]) for b in plots["kind-late_chunking"]) == late.n_items
+
+    left_out = {o.output: o for o in llama_cert.outputs}
+    assert set(left_out) == {"dense", "late_chunking"} and left_out["dense"].status == "pass"
+    assert left_out["late_chunking"].status == "n/a"
+    assert left_out["late_chunking"].detail == UNJUDGED
+    assert check(llama_cert, "late_chunking.min_cosine").status == "n/a"
+    assert llama_cert.measurements.kinds == {}
+    assert llama_cert.status == "certified"  # an unjudged output fails nothing

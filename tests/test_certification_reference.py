@@ -255,7 +255,13 @@ async def test_a_wrong_reference_fails_the_run(store_root, cert_store, tmp_path,
     cert = await run(
         store_root,
         cert_store,
-        RunOptions(model="minilm-l6-v2", sample_stride=40, reference_dir=str(wrong), save=False),
+        RunOptions(
+            model="minilm-l6-v2",
+            sample_stride=40,
+            reference_dir=str(wrong),
+            save=False,
+            token_outputs=False,
+        ),
     )
     assert cert.status == "failed" and "quality.min_cosine" in cert.failing
     assert check(cert, "quality.min_cosine").value < 0.99

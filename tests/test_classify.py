@@ -252,7 +252,7 @@ def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, nam
     from formats.owned.manifest import ingest_owned
     from host.classify import activate
     from host.tokenization import Tokenizer
-    from workers.ane.engine import AneEngine
+    from tests.ane_support import load_reference_engine
     from workers.engine import NullProgress
     from workers.protocol import messages as m
 
@@ -267,22 +267,9 @@ def test_the_core_ml_graph_has_the_n_label_head(dirs, module_tmp, reference, nam
     labels = [MODELS[name][1][i] for i in range(3)]
     want = _matrix(reference[name]["default"], labels)
     bar = thresholds_for("ane", "fp16").rerank_max_abs
-    engine = AneEngine(man.dir, backend="reference")
+    config = {"cache_root": str(module_tmp / "compile-cache"), "model_ref": name, "shapes": [shape]}
+    engine = load_reference_engine(man, config)
     try:
-        engine.load(
-            m.LOAD(
-                req_id=1,
-                artifact_path=str(man.dir),
-                artifact_digest=man.digest,
-                format="coreml-owned",
-                runtime_config={
-                    "cache_root": str(module_tmp / "compile-cache"),
-                    "model_ref": name,
-                    "shapes": [shape],
-                },
-            ),
-            NullProgress(),
-        )
         logits = engine.classify(request, np.concatenate(ids), NullProgress())
     finally:
         engine.close()

@@ -298,9 +298,8 @@ def ane(cache, module_tmp):
     the store holds (the records name no directory)."""
     from formats.owned.manifest import load_manifest
     from ingest.owned import ensure_owned, hf_source
+    from tests.ane_support import load_reference_engine
     from workers.ane.engine import AneEngine
-    from workers.engine import NullProgress
-    from workers.protocol import messages as m
 
     store = ArtifactStore(cache / "models")
     made: dict[str, AneEngine] = {}
@@ -310,22 +309,12 @@ def ane(cache, module_tmp):
             rec = store.get(name)
             assert hf_source(rec) is None  # built from the GGUF, not from a directory
             man = load_manifest(ensure_owned(store, rec)[0])
-            engine = AneEngine(man.dir, backend="reference")
-            engine.load(
-                m.LOAD(
-                    req_id=1,
-                    artifact_path=man.dir,
-                    artifact_digest=man.digest,
-                    format="coreml-owned",
-                    runtime_config={
-                        "cache_root": str(module_tmp / "coreml-cache"),
-                        "model_ref": name,
-                        "shapes": [{"rows": 1, "seq_len": seq_len}],
-                    },
-                ),
-                NullProgress(),
-            )
-            made[name] = engine
+            config = {
+                "cache_root": str(module_tmp / "coreml-cache"),
+                "model_ref": name,
+                "shapes": [{"rows": 1, "seq_len": seq_len}],
+            }
+            made[name] = load_reference_engine(man, config)
         return made[name]
 
     yield get
