@@ -27,7 +27,7 @@ from certification.errors import LaneUnavailable
 from certification.identity import LaneIdentity, canonical_json
 from host.errors import WorkerError
 from host.lane_policy import LoadedLanes
-from host.module import Module
+from host.module import Module, load_heads_spec
 from host.token_outputs import TokenOutputs
 from host.tokenization import Tokenizer
 from ingest.owned import owned_dir
@@ -191,20 +191,15 @@ class LaneClient:
         from certification.placement_ops import per_op_estimate
 
         record = self.record
-        shapes = self._shapes or default_ane_shapes(record)
-        # The head files LOAD named (the host's `heads`, path and digest): the worker builds
-        # them into the graph, and its packages are keyed by them.
-        heads = {
-            kind: {"path": str(record.dir / h.file), "digest": h.digest}
-            for kind, h in record.manifest.heads.items()
-        }
+        # The heads LOAD named: the worker builds them into the graph, and its packages are
+        # keyed by them.
         return await asyncio.to_thread(
             per_op_estimate,
             owned_dir(self.module.store, record),
-            shapes,
+            self._shapes or default_ane_shapes(record),
             self._build_options,
             self._cache_root,
-            heads,
+            load_heads_spec(record),
         )
 
 

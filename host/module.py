@@ -163,18 +163,20 @@ def _kind_and_pooling(record: ModelRecord) -> dict:
     return out | _heads_config(record)
 
 
-def _heads_config(record: ModelRecord) -> dict:
-    """LOAD's `heads`: the worker loads each head beside the model (and checks its digest);
-    the same for both lanes."""
+def load_heads_spec(record: ModelRecord) -> dict[str, dict]:
+    """LOAD's `heads` ({kind: {path, digest, limit}}): the worker loads each head beside the
+    model and checks its digest; the same for both lanes, and what a Core ML package's key is
+    built from (certification's placement estimate reads it too)."""
     man = record.manifest
-    if not man.heads:
-        return {}
     return {
-        "heads": {
-            kind: {"path": str(record.dir / h.file), "digest": h.digest, "limit": man.max_tokens}
-            for kind, h in man.heads.items()
-        }
+        kind: {"path": str(record.dir / h.file), "digest": h.digest, "limit": man.max_tokens}
+        for kind, h in man.heads.items()
     }
+
+
+def _heads_config(record: ModelRecord) -> dict:
+    heads = load_heads_spec(record)
+    return {"heads": heads} if heads else {}
 
 
 def hello_device(build_flags: str | None) -> str | None:

@@ -15,7 +15,7 @@ from common.errors import ArtifactInvalid
 from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import UnsupportedModel
 from host.tokenization import Tokenizer
-from tests.ane_support import serve_on_ane
+from tests.ane_support import load_reference_engine, serve_on_ane
 from tests.test_hf_nomic_bert import PROMPTS, TEXTS, dirs  # noqa: F401  (the module's model)
 from workers.ane import placement, program_ir
 from workers.ane.build_options import BuildOptions
@@ -60,22 +60,10 @@ def reference(dirs) -> dict[str, np.ndarray]:  # noqa: F811
 def engines(manifest, module_tmp):
     out = {}
     for name, shape in (("unpacked", UNPACKED), ("packed", PACKED)):
-        engine = AneEngine(manifest.dir, backend="reference")
-        engine.load(
-            m.LOAD(
-                req_id=1,
-                artifact_path=manifest.dir,
-                artifact_digest=manifest.digest,
-                format="coreml-owned",
-                runtime_config={
-                    "model_ref": "nomic",
-                    "shapes": [shape],
-                    "cache_root": str(module_tmp / "cache"),
-                },
-            ),
-            NullProgress(),
+        out[name] = load_reference_engine(
+            manifest,
+            {"model_ref": "nomic", "shapes": [shape], "cache_root": str(module_tmp / "cache")},
         )
-        out[name] = engine
     yield out
     for engine in out.values():
         engine.close()

@@ -20,6 +20,7 @@ from certification.thresholds import thresholds_for
 from formats.owned.manifest import Manifest, build_body, ingest_owned
 from formats.owned.model import Head, ManifestError, UnsupportedModel
 from formats.owned.rank_head import SCORE_WEIGHT
+from tests.ane_support import load_reference_engine
 from tests.test_hf_qwen3 import EOT, QWEN2_SPLIT, tiny_qwen3_config
 from workers.ane import placement, program_ir
 from workers.ane.build_options import BuildOptions
@@ -167,18 +168,9 @@ def reference(dirs) -> dict:
 
 
 def _engine(manifest: Manifest, shape: dict, cache: Path) -> AneEngine:
-    engine = AneEngine(manifest.dir, backend="reference")
-    engine.load(
-        m.LOAD(
-            req_id=1,
-            artifact_path=manifest.dir,
-            artifact_digest=manifest.digest,
-            format="coreml-owned",
-            runtime_config={"model_ref": "rr", "shapes": [shape], "cache_root": str(cache)},
-        ),
-        NullProgress(),
+    return load_reference_engine(
+        manifest, {"model_ref": "rr", "shapes": [shape], "cache_root": str(cache)}
     )
-    return engine
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def truncate_mantissa(arr: np.ndarray, bits: int) -> np.ndarray:
 
 
 def output_names(manifest: Manifest) -> list[str]:
-    """The pooled outputs (the token-level ones: `token_heads.output_names`)."""
+    """The pooled outputs (the token-level ones: `token_heads.GraphHeads.output_names`)."""
     if manifest.head.type == "cross_encoder":
         return ["logits"]
     return ["embedding", "embedding_l2"]
@@ -303,7 +303,7 @@ def build_program(
     if shape.seq_len > cfg.max_positions:
         raise ValueError(f"seq_len {shape.seq_len} > the model's {cfg.max_positions} positions")
     g = _Graph(manifest, shape, options)
-    tokens = has_token_outputs(manifest, shape)
+    tokens = has_token_outputs(manifest)
     names = input_names(shape, tokens)
     placeholders = {
         n: mb.placeholder(shape=(shape.rows, shape.seq_len), dtype=types.int32) for n in names

@@ -67,7 +67,7 @@ def cache_key(
         head=manifest.head.type,
         kind=PACKAGE_KIND,
         **options.key_fields(),
-        **(heads.key_fields() if heads is not None and has_token_outputs(manifest, shape) else {}),
+        **(heads.key_fields() if heads is not None and has_token_outputs(manifest) else {}),
     )
 
 

@@ -606,9 +606,7 @@ class AneEngine(Engine):
         position of its segment, itself included)."""
         if not model.shapes:
             raise EngineError("shape_unsupported", "no shape is admitted (ADMIT_SHAPE first)")
-        shapes = [
-            c.shape for c in model.shapes.values() if has_token_outputs(model.manifest, c.shape)
-        ]
+        shapes = [c.shape for c in model.shapes.values()]  # every shape gives them (packed too)
         try:
             chunks = plan([len(s) for s in seqs], shapes)
         except NoShapeFits as e:
@@ -770,7 +768,7 @@ def _feeds(
     if manifest.config.type_vocab_size == 0:
         # A decoder's graph (Qwen3) has no token-type input: feed exactly the graph's inputs.
         del feeds["token_type_ids"]
-    if chunk.shape.packed and has_token_outputs(manifest, chunk.shape):
+    if chunk.shape.packed and has_token_outputs(manifest):
         # An embedder's packed graph also takes a key mask: every token of a segment, until
         # ENCODE hides an item's query expansion.
         feeds["attention_mask"] = (feeds["segment_ids"] != 0).astype(np.int32)

@@ -4,30 +4,30 @@ other lane instead of to an ERR.
 
 The rule, the same `AneEngine.encode` applies to each ENCODE:
 - a graph with no token outputs at all (a family or head without them): every output;
-- no admitted shape whose graph gives token outputs (`has_token_outputs`, packed or not; a
-  LOAD with no shapes admits none): every output that needs a prediction, which is all of
-  them but an inference-free sparse query side (it weighs its ids alone).
+- no admitted shape (a LOAD with none; every shape of a graph with token outputs gives them,
+  packed or not): every output that needs a prediction, which is all of them but an
+  inference-free sparse query side (it weighs its ids alone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from formats.owned.manifest import Manifest
 from workers.ane.shapes import Shape
-from workers.ane.token_heads import has_token_outputs, token_refusal
+from workers.ane.token_heads import token_refusal
 from workers.heads import sparse
 from workers.protocol import messages as m
 
 NO_TOKEN_SHAPE = "no admitted shape gives token-level outputs (ADMIT_SHAPE one first)"
 
 
-def refusals(manifest: Manifest, shapes: Iterable[Shape], heads: dict[str, Any]) -> list[m.Refusal]:
+def refusals(manifest: Manifest, shapes: Sequence[Shape], heads: dict[str, Any]) -> list[m.Refusal]:
     why = token_refusal(manifest)
     if why is not None:
         return [m.Refusal(output=k, reason=why) for k in m.OUTPUT_KINDS]
-    if any(has_token_outputs(manifest, s) for s in shapes):
+    if shapes:
         return []
     out = []
     for kind in m.OUTPUT_KINDS:

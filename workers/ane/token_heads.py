@@ -84,10 +84,9 @@ def vocab_chunk(shape: Shape, vocab: int, max_pooling: bool = False) -> int:
     return min(vocab, max(1, per), VOCAB_CHUNK_MAX)
 
 
-def has_token_outputs(manifest: Manifest, shape: Shape) -> bool:
-    """Whether `manifest`'s graph at `shape` gives token states (and its heads' outputs):
-    an embedder of a token family's, packed or not (`shape` kept for the callers that ask
-    per shape)."""
+def has_token_outputs(manifest: Manifest) -> bool:
+    """Whether `manifest`'s graphs give token states (and its heads' outputs): an embedder of
+    a token family's, on packed and unpacked shapes alike."""
     return manifest.config.family in TOKEN_FAMILIES and manifest.head.type in TOKEN_HEADS
 
 
@@ -180,11 +179,3 @@ def _digest(meta: object, tensors: dict[str, np.ndarray]) -> str:
         h.update(f"{name}{list(arr.shape)}".encode())
         h.update(arr.data.cast("B"))
     return h.hexdigest()
-
-
-def output_names(manifest: Manifest, shape: Shape, heads: GraphHeads | None) -> list[str]:
-    """The token-level outputs of `manifest`'s graph at `shape` (none for another family or
-    a cross-encoder)."""
-    if not has_token_outputs(manifest, shape):
-        return []
-    return (heads or GraphHeads()).output_names()
