@@ -19,8 +19,9 @@ sentence-transformers >= 1.5, lane / llama-cpp-python in process >= 0.95.
 
 Each contender reports wall seconds (`s`, `lane_ratio`) and its own CPU seconds (`cpu_s`,
 `lane_cpu_ratio`: this process and its live descendants, so the lane's worker is counted): on
-a shared machine the CPU figure is the steadier one. sentence-transformers runs at its best:
-`--threads` torch threads, a warm-up call, and what `CrossEncoder.predict` does itself
+a shared machine the CPU figure is the steadier one. Every contender has `--threads` threads:
+the lane's worker is planned as one of cores / threads workers. sentence-transformers runs at
+its best: `--threads` torch threads, a warm-up call, and what `CrossEncoder.predict` does itself
 (inference_mode, length-sorted left-padded batches, the LM head at the last position only);
 `sentence_transformers.run` names its kernels. `engine_in_process.decode_plan` is what the
 lane's code decoded with (contexts, threads, n_batch/n_ubatch, the shared prefix).
@@ -192,12 +193,18 @@ def _pairs(n: int, doc_tokens: int, tok) -> tuple[str, list[str]]:
     return query, docs
 
 
-async def _lane(store_root: str, query: str, docs: list[str], repeats: int):
+async def _lane(store_root: str, query: str, docs: list[str], repeats: int, threads: int):
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
 
     rt = tempfile.mkdtemp(prefix="syn-", dir="/tmp")
-    cfg = ModuleConfig(store_root=store_root, host=HostConfig(runtime_dir=rt, ping_interval_s=0))
+    # The worker runs `threads` llama.cpp threads, as torch and the in-process contenders do:
+    # the server's default plans two workers, one thread each on 2 cores, for a lone model.
+    cfg = ModuleConfig(
+        store_root=store_root,
+        host=HostConfig(runtime_dir=rt, ping_interval_s=0),
+        planned_workers=max(1, (os.cpu_count() or 1) // threads),
+    )
     async with Module(cfg) as mod:
         first = await mod.rerank(query, docs, model=NAME)
         pairs = mod._chat_pairs(mod._served[NAME]).compose(
@@ -405,7 +412,7 @@ def run(
     rec = ensure_model(store, hf_dir, NAME)
     tok = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     query, docs = _pairs(pairs, doc_tokens, tok)
-    lane_c, lane_s, composed = asyncio.run(_lane(str(store.root), query, docs, repeats))
+    lane_c, lane_s, composed = asyncio.run(_lane(str(store.root), query, docs, repeats, threads))
     lane_t, lane_cpu = statistics.median(lane_c.wall), statistics.median(lane_c.cpu)
     tokens = composed.total_tokens
     out: dict = {
