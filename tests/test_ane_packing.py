@@ -42,6 +42,28 @@ def test_long_items_prefer_unpacked_but_fall_back_to_packed() -> None:
     assert [c.shape for c in plan([200], [P256])] == [P256]
 
 
+@pytest.mark.parametrize(
+    ("n", "shapes", "expected"),
+    [
+        # ~290-token rerank pairs: three share a 1024-token row at 341 positions each, an
+        # unpacked 320-token row spends 320 on one.
+        (285, [Shape(1, 1024, True, 4), Shape(1, 320)], Shape(1, 320)),
+        # The same pairs against an unpacked 512-token row: packing is cheaper.
+        (285, [Shape(1, 1024, True, 4), Shape(1, 512)], Shape(1, 1024, True, 4)),
+        # Short inputs: eight to a 128-token row at 16 positions each, against 128.
+        (16, [Shape(8, 128, True, 8), Shape(8, 128)], Shape(8, 128, True, 8)),
+        # max_segments bounds the share: 4 of 10 tokens in a 256-token row cost 64 each.
+        (10, [Shape(1, 256, True, 4), Shape(1, 32)], Shape(1, 32)),
+        # A tie packs (the positions are the same).
+        (40, [Shape(1, 256, True, 4), Shape(1, 64)], Shape(1, 256, True, 4)),
+    ],
+)
+def test_packs_only_when_a_row_share_costs_no_more_than_the_fitting_unpacked_row(
+    n: int, shapes: list[Shape], expected: Shape
+) -> None:
+    assert {c.shape for c in plan([n, n, n, n], shapes)} == {expected}
+
+
 def test_no_shape_fits() -> None:
     with pytest.raises(NoShapeFits) as e:
         plan([5, 600], [U512, P256])
