@@ -427,7 +427,10 @@ def test_bge_m3_head_matches_flagembedding(bge_m3, module_tmp):
         for j in range(len(d)):
             # M3Embedder.colbert_score: sum of each query vector's best match / len(q).
             score = (wq[i] @ wd[j].T).max(1).sum()
-            assert abs(maxsim(q[i], d[j]) - score) < 1e-5
+            # A sum of one best match per query vector: its float32 error grows with the
+            # query's length (54 vectors summing to 35.26 were 1.1e-5 off), so the bar is
+            # per query vector.
+            assert abs(maxsim(q[i], d[j]) - score) < 1e-6 * len(wq[i])
             assert abs(mean_maxsim(q[i], d[j]) - score / len(wq[i])) < 1e-6
 
 
