@@ -326,6 +326,7 @@ class Module:
                 device,
                 load_extra=dict(runtime_config_extra or {}),
                 refuses=tuple(loaded.refuses),
+                max_item_tokens=loaded.max_item_tokens,
             )
             await self.residency.commit(ticket, lane_obj)  # its real RSS, held to the budget
             if self.config.require_certificate != "off" and lane in self.config.certificate_lanes:
@@ -402,12 +403,22 @@ class Module:
         device = self._served[served_key(name, lane)].device
         return LaneChoice(lane, device, f"{lane}/{device}: configured (lanes = [{lane!r}])")
 
-    def pick_lane(self, name: str, items: int, ask: Ask | None = None) -> str | None:
+    def pick_lane(
+        self, name: str, items: int, ask: Ask | None = None, *, longest: int = 0
+    ) -> str | None:
         """The lane a call of `items` inputs without `lane=` (asking `ask` of it: token-level
-        outputs) would go to now (None: not chosen yet); a caller that names it gets the
-        routed lane and knows which it is."""
+        outputs; its longest input `longest` tokens) would go to now (None: not chosen yet);
+        a caller that names it gets the routed lane and knows which it is."""
         choice = self._choices.get(name)
-        return None if choice is None else self.routing.lane_for(name, choice, items, ask)
+        if choice is None:
+            return None
+        return self.routing.lane_for(name, choice, items, ask, longest)
+
+    def max_item_tokens(self, name: str, lane: str) -> int | None:
+        """The most tokens one input may have on the loaded `lane` of `name`, as its worker's
+        LOADED declared it (None: the model's own limit, or the lane is not loaded)."""
+        served = self._served.get(served_key(name, _check_lane(lane)))
+        return served.max_item_tokens if served else None
 
     def refusals(self, name: str, lane: str) -> tuple[m.Refusal, ...]:
         """The ENCODE outputs the loaded `lane` of `name` refuses whatever the items, as its
@@ -565,14 +576,16 @@ class Module:
         lane: str | None = None,
         items: int = 1,
         ask: Ask | None = None,
+        longest: int = 0,
     ) -> Served:
         """The loaded lane a call of `items` inputs reaches (`name` or `default`, on `lane`
         or the default lane: for a routed model, the one expected to finish first of those
-        that serve what it asks, `ask`), loading it first when it is not; refused when the
-        model is not of `kind`."""
+        that serve what it asks, `ask`, and take its longest input, `longest` tokens),
+        loading it first when it is not; refused when the model is not of `kind`."""
         name = name or default
         if lane is None:
-            lane = self.routing.lane_for(name, await self.load_default_lane(name), items, ask)
+            choice = await self.load_default_lane(name)
+            lane = self.routing.lane_for(name, choice, items, ask, longest)
         key = served_key(name, _check_lane(lane))
         if key not in self._served:
             await self.load(name, lane)
@@ -613,6 +626,13 @@ class Module:
         encoded = served.tokenizer.encode(
             batch, truncate=truncate, prompt=text_prompt, direction=truncation_direction
         )
+        longest = max(encoded.n_tokens, default=0)
+        limit = self.max_item_tokens(served.record.name, served.lane_kind)
+        if lane is None and longest > (limit or longest):
+            # Routed before its lengths were known, to a lane whose shapes are shorter.
+            served = await self._load_for_call(
+                model, DEFAULT_EMBED, "embed", None, len(batch), longest=longest
+            )
         with self.admission.reserve(encoded.total_tokens):
             vectors = await self._embed_ids(served, encoded.ids, normalize, deadline_s)
         usage = Usage(prompt_tokens=encoded.total_tokens, total_tokens=encoded.total_tokens)
@@ -728,7 +748,10 @@ class Module:
     ) -> np.ndarray:
         """Embed already-tokenized inputs (a scheduler's coalesced batch); no admission here:
         the caller admitted them."""
-        served = await self._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids))
+        longest = max((len(x) for x in ids), default=0)
+        served = await self._load_for_call(
+            model, DEFAULT_EMBED, "embed", lane, len(ids), longest=longest
+        )
         check_served(served.record, ["dense"])
         return await self._embed_ids(served, ids, normalize, deadline_s)
 

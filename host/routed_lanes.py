@@ -18,7 +18,8 @@ and the lane each call goes to.
   (host.lane_router.route), from the lanes' latency curves and the inputs each has in flight,
   which `in_flight` counts around every request a lane's worker is sent; a call for
   token-level outputs only among the lanes that serve them (what each worker's LOADED
-  declared it refuses).
+  declared it refuses), and a call with an item longer than a lane takes (LOADED's
+  `max_item_tokens`) only among the others.
 
 The Module owns one `RoutedLanes` and gives it itself (`PairHost`); this module imports
 nothing of host.module.
@@ -57,6 +58,8 @@ class PairHost(LoadedLanes, Protocol):
     def supervisor(self, name: str, lane: str | None = None) -> Lane | None: ...
 
     def refusals(self, name: str, lane: str) -> tuple[m.Refusal, ...]: ...
+
+    def max_item_tokens(self, name: str, lane: str) -> int | None: ...
 
 
 class RoutedLanes:
@@ -167,11 +170,19 @@ class RoutedLanes:
 
     # ---- each call --------------------------------------------------------------------------
 
-    def lane_for(self, name: str, choice: LaneChoice, items: int, ask: Ask | None = None) -> str:
+    def lane_for(
+        self,
+        name: str,
+        choice: LaneChoice,
+        items: int,
+        ask: Ask | None = None,
+        longest: int = 0,
+    ) -> str:
         """The lane a call of `items` inputs without `lane=` goes to: the chosen lane, or for
         a routed model the loaded, unquarantined lane expected to finish it first among
-        those that serve what it asks (`ask`: token-level outputs and their sides; each
-        lane's worker declared what it refuses when it loaded)."""
+        those that serve what it asks (`ask`: token-level outputs and their sides) and take
+        its longest item (`longest` tokens: a Core ML lane's longest admitted shape may hold
+        fewer than the model's limit); each lane's worker declared both when it loaded."""
         curves = self._curves.get(name)
         if not choice.lanes or not curves:
             return choice.lane
@@ -185,6 +196,9 @@ class RoutedLanes:
             ready[lane] = curves[lane]
             in_flight[lane] = self._busy.get(supervisor, 0)
             why = refusal(self.host.refusals(name, lane), ask)
+            limit = self.host.max_item_tokens(name, lane)
+            if why is None and limit is not None and longest > limit:
+                why = f"an item of {longest} tokens: the lane takes {limit} at most"
             if why is not None:
                 refused[lane] = why
         return route(ready, in_flight, items, refused) if ready else choice.lane

@@ -25,3 +25,6 @@ class Served:
     load_extra: dict | None = None  # the runtime_config_extra LOAD was given (its identity)
     # The ENCODE outputs its worker refuses whatever the items (LOADED's declaration).
     refuses: tuple[m.Refusal, ...] = ()
+    # The most tokens one item may have on this lane (LOADED's declaration; None: the model's
+    # own limit).
+    max_item_tokens: int | None = None

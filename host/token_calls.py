@@ -65,6 +65,7 @@ class TokenHost(Protocol):
         lane: str | None = None,
         items: int = 1,
         ask: Ask | None = None,
+        longest: int = 0,
     ) -> Served: ...
 
 
@@ -145,7 +146,10 @@ class TokenCalls:
         """Module.encode_token_ids."""
         kinds = check_outputs(outputs)
         ask = Ask(tuple(kinds), (side,))
-        served = await self.host._load_for_call(model, DEFAULT_EMBED, "embed", lane, len(ids), ask)
+        longest = max((len(x) for x in ids), default=0)
+        served = await self.host._load_for_call(
+            model, DEFAULT_EMBED, "embed", lane, len(ids), ask, longest
+        )
         return await self.request(served, ids, kinds, side, normalize, deadline_s)
 
     async def late_chunk(

@@ -95,8 +95,9 @@ class EmbeddingModels(Protocol):
         """One row per input of `ids`, already admitted (a coalesced batch), on `lane`."""
         ...
 
-    def pick_lane(self, name: str, items: int) -> str | None:
-        """The lane a batch of `items` inputs should go to now (None: the module decides)."""
+    def pick_lane(self, name: str, items: int, *, longest: int = 0) -> str | None:
+        """The lane a batch of `items` inputs, the longest `longest` tokens, should go to now
+        (None: the module decides)."""
         ...
 
     def serving_lanes(self, name: str) -> tuple[str, ...]:
@@ -353,7 +354,7 @@ class _Queue:
         ids = [x for p in batch for x in p.ids]
         start = time.monotonic()
         module = self.sched.module
-        lane = module.pick_lane(self.model, len(ids))
+        lane = module.pick_lane(self.model, len(ids), longest=max(len(x) for x in ids))
         try:
             vectors = await module.embed_token_ids(ids, self.model, self.normalize, lane=lane)
         except WorkerError as exc:

@@ -123,7 +123,7 @@ class FaultyModels:
     def supervisor(self, name: str) -> Lane | None:
         return self.lane if name == MODEL else None
 
-    def pick_lane(self, name: str, items: int) -> str | None:
+    def pick_lane(self, name: str, items: int, *, longest: int = 0) -> str | None:
         return "llama"
 
     def serving_lanes(self, name: str) -> tuple[str, ...]:

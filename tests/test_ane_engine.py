@@ -386,6 +386,17 @@ def test_compute_units_are_validated_and_the_environment_overrides(monkeypatch) 
     assert resolve_compute_units(parse_runtime_config({}), {}) == "cpu_and_ne"
 
 
+def test_loaded_declares_the_longest_item_its_shapes_take(rerank_engine: AneEngine) -> None:
+    """LOADED.max_item_tokens is the longest admitted row (packed or not), which a host
+    serving the model on two lanes reads to send a longer item to the other lane; a LOAD of
+    the model already loaded declares it again."""
+    manifest = h.cross_encoder()
+    assert manifest.config.max_seq_length > 128  # the shapes hold less than the model does
+    again = h.load_request(manifest, shapes=[h.RERANK_UNPACKED, h.RERANK_PACKED])
+    loaded = rerank_engine.load(again, NullProgress())
+    assert isinstance(loaded, m.LOADED) and loaded.max_item_tokens == 128
+
+
 def test_worker_started_for_one_artifact_refuses_another() -> None:
     engine = AneEngine(h.minilm().dir, backend="reference")
     with pytest.raises(EngineError) as e:

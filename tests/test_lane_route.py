@@ -143,7 +143,9 @@ def test_certification_records_the_curve_and_the_agreement(certs):
     assert agreement.min_cosine is not None and agreement.passed, agreement.describe()
 
 
-async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp_path, certs):
+async def test_two_certified_lanes_serve_together_routed_by_size(
+    store_root, tmp_path, certs, monkeypatch
+):
     ane, llama = certs
     # The Neural Engine's shape of curve (quick alone) and the GPU's (cheap in bulk).
     fast_alone = with_curve(ane, [0.002, 0.008, 0.032, 0.128])
@@ -180,6 +182,22 @@ async def test_two_certified_lanes_serve_together_routed_by_size(store_root, tmp
         late = await mod.late_chunk(["The cat sits ", "on the mat."], MODEL)
         assert (states.lane, late.lane) == (serving, serving)
         assert mod.refusals(MODEL, "llama") == ()
+        # An input longer than a lane's longest shape goes to the other lane, whatever the
+        # size rule says. This Core ML lane's shape holds the model's whole limit (its worker
+        # declared 256); a lane admitted with shorter shapes is stood for by what its worker
+        # would declare, the one thing the router reads of it (the declaration itself:
+        # test_ane_engine).
+        assert mod.max_item_tokens(MODEL, "ane") == 256
+        assert mod.max_item_tokens(MODEL, "llama") is None  # the model's own limit
+        declared = mod.max_item_tokens
+        monkeypatch.setattr(mod, "max_item_tokens", lambda n, lane: 16 if lane == "ane" else None)
+        assert mod.pick_lane(MODEL, 1, longest=16) == "ane"
+        assert mod.pick_lane(MODEL, 1, longest=17) == "llama"
+        long_query = "a cat sits on the old red mat near the river bank while markets fell"
+        short, long = await mod.embed(["a cat"]), await mod.embed([long_query])
+        assert long.usage.prompt_tokens > 16 >= short.usage.prompt_tokens
+        assert (short.lane, long.lane) == ("ane", "llama")  # routed again once tokenized
+        monkeypatch.setattr(mod, "max_item_tokens", declared)
     cos = np.sum(one.vectors[0] * many.vectors[0])
     assert cos >= 0.9998  # one text, two lanes: the same vector
 

@@ -267,6 +267,7 @@ class AneEngine(Engine):
                     cold_load_ms=0.0,
                     device=self._model.device,
                     refuses=_refusals(self._model),
+                    max_item_tokens=_longest(self._model),
                 )
             raise EngineError(
                 "invalid_request", f"one model per Core ML worker: unload {self._model.ref!r} first"
@@ -301,6 +302,7 @@ class AneEngine(Engine):
             cold_load_ms=(time.perf_counter() - start) * 1e3,
             device=model.device,
             refuses=_refusals(model),
+            max_item_tokens=_longest(model),
         )
 
     def _load_heads(self, model: _Model) -> None:
@@ -723,6 +725,12 @@ def _refusals(model: _Model) -> list[m.Refusal]:
     """What LOADED declares this worker refuses of `model` (workers.ane.refusals)."""
     shapes = [c.shape for c in model.shapes.values()]
     return declared_refusals(model.manifest, shapes, model.heads)
+
+
+def _longest(model: _Model) -> int | None:
+    """What LOADED declares as the longest item this worker serves of `model`: its longest
+    admitted shape's row (a packed row holds an item that long too); None without shapes."""
+    return max((c.shape.seq_len for c in model.shapes.values()), default=None)
 
 
 def _sparse_section(

@@ -210,6 +210,10 @@ class LOADED(_Msg, tag="LOADED", frozen=True):
     # graph with token outputs), so a host serving the model on two lanes sends each request
     # to a lane that serves it.
     refuses: list[Refusal] = []
+    # Extension (optional): the most tokens one item may have on this worker for the model
+    # (Core ML: its longest admitted shape), so a host serving the model on two lanes sends a
+    # longer item to a lane that takes it. None: the model's own limit.
+    max_item_tokens: Count | None = None
 
 
 class VECTORS(_Msg, tag="VECTORS", frozen=True):
