@@ -534,15 +534,11 @@ def _quickstart(args: argparse.Namespace) -> int:
     ensure_defaults()
     _models_ls(argparse.Namespace(json=False))
     console.rule("embedding through a supervised llama.cpp worker")
-    code = _embed(
-        argparse.Namespace(
-            texts=QUICKSTART_SENTENCES,
-            model=None,
-            no_normalize=False,
-            no_truncate=False,
-            json=False,
-        )
-    )
+    # Through the embed command's own parser, so the call carries every flag it has (a
+    # hand-built Namespace missed the ones added later, and quickstart failed on them).
+    from cli.main import build_parser
+
+    code = _embed(build_parser().parse_args(["embed", *QUICKSTART_SENTENCES]))
     console.print("next: `synapse rerank QUERY DOC...`, `synapse generate PROMPT`")
     sys.stdout.flush()
     return code

@@ -55,6 +55,15 @@ def test_embed_json_prints_unit_vectors(synapse_cache_dir):
     assert out["usage"]["total_tokens"] > 4
 
 
+def test_quickstart_installs_the_defaults_and_embeds(synapse_cache_dir):
+    """What `make run` runs, the README's first command."""
+    proc = synapse(synapse_cache_dir, "quickstart")
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "minilm-l6-v2" in out and "Le chat dort sur le tapis." in out
+    assert "next: `synapse rerank" in out
+
+
 def test_typed_error_exit_code(synapse_cache_dir):
     proc = synapse(synapse_cache_dir, "embed", "--model", "nope", "x")
     assert proc.returncode == 2
