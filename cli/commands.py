@@ -536,9 +536,9 @@ def _quickstart(args: argparse.Namespace) -> int:
     console.rule("embedding through a supervised llama.cpp worker")
     # Through the embed command's own parser, so the call carries every flag it has (a
     # hand-built Namespace missed the ones added later, and quickstart failed on them).
-    from cli.main import build_parser
-
-    code = _embed(build_parser().parse_args(["embed", *QUICKSTART_SENTENCES]))
+    parser = argparse.ArgumentParser(prog="synapse")
+    add_model_commands(parser.add_subparsers(dest="command"))
+    code = _embed(parser.parse_args(["embed", *QUICKSTART_SENTENCES]))
     console.print("next: `synapse rerank QUERY DOC...`, `synapse generate PROMPT`")
     sys.stdout.flush()
     return code
