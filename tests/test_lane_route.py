@@ -189,7 +189,6 @@ async def test_two_certified_lanes_serve_together_routed_by_size(
         # test_ane_engine).
         assert mod.max_item_tokens(MODEL, "ane") == 256
         assert mod.max_item_tokens(MODEL, "llama") is None  # the model's own limit
-        declared = mod.max_item_tokens
         monkeypatch.setattr(mod, "max_item_tokens", lambda n, lane: 16 if lane == "ane" else None)
         assert mod.pick_lane(MODEL, 1, longest=16) == "ane"
         assert mod.pick_lane(MODEL, 1, longest=17) == "llama"
@@ -197,7 +196,6 @@ async def test_two_certified_lanes_serve_together_routed_by_size(
         short, long = await mod.embed(["a cat"]), await mod.embed([long_query])
         assert long.usage.prompt_tokens > 16 >= short.usage.prompt_tokens
         assert (short.lane, long.lane) == ("ane", "llama")  # routed again once tokenized
-        monkeypatch.setattr(mod, "max_item_tokens", declared)
     cos = np.sum(one.vectors[0] * many.vectors[0])
     assert cos >= 0.9998  # one text, two lanes: the same vector
 
