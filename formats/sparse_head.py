@@ -37,6 +37,9 @@ FORMAT_VERSION = 1
 
 HeadKind = Literal["splade", "static", "token_weights"]
 Source = Literal["splade", "inference_free_splade", "bge_m3"]
+# The kinds whose vector holds one weight per distinct token id of the text, so never more
+# entries than the text has tokens (splade's may fill the vocabulary).
+PER_TOKEN_HEADS: tuple[HeadKind, ...] = ("static", "token_weights")
 # The transformers activations the MLM head's transform may name (`hidden_act`): the erf
 # GELU, its tanh approximations (three names of one function), and ReLU.
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")

@@ -232,10 +232,8 @@ class TokenCalls:
     ) -> dict[str, list]:
         """ENCODE `ids` on `served`'s worker in protocol-sized requests: per kind, per item."""
         check_served(served.record, kinds)
-        heads = served.record.manifest.heads
-        head_dims = {k: h.dims for k, h in heads.items()}
         longest = max((len(x) for x in ids), default=1)
-        width = reply_width(kinds, served.dims, longest, head_dims)
+        width = reply_width(kinds, served.dims, longest, served.record.manifest.heads)
         with self.host.routing.in_flight(served.lane, len(ids)):  # what the router sees
             return await request_outputs(
                 served.lane,

@@ -7,7 +7,7 @@ item depends on its tokens, so a chunk is bounded by its widest possible item.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -16,6 +16,7 @@ import numpy as np
 from common.errors import InvalidRequest
 from formats.multivector_head import maxsim as maxsim  # re-exported for Module.rerank
 from host.batching import plan_chunks
+from ingest.store import HeadSpec
 from workers.protocol import messages as m
 from workers.protocol import payloads
 
@@ -56,7 +57,9 @@ def check_outputs(outputs: Sequence[str]) -> list[m.OutputKind]:
     return got  # type: ignore[return-value]
 
 
-def reply_width(outputs: Sequence[str], n_embd: int, longest: int, head_dims: dict) -> int:
+def reply_width(
+    outputs: Sequence[str], n_embd: int, longest: int, heads: Mapping[str, HeadSpec]
+) -> int:
     """f32 words one item's reply can take at most: what bounds a chunk under max_frame."""
     width = 0
     for kind in outputs:
@@ -65,10 +68,25 @@ def reply_width(outputs: Sequence[str], n_embd: int, longest: int, head_dims: di
         elif kind == "tokens":
             width += longest * n_embd
         elif kind == "multivector":
-            width += longest * int(head_dims.get("multivector", n_embd))
-        elif kind == "sparse":  # an index and a value per active entry, at most the vocabulary
-            width += 2 * int(head_dims.get("sparse", 0) or longest)
+            head = heads.get("multivector")
+            width += longest * (head.dims if head is not None else n_embd)
+        elif kind == "sparse":  # an index and a value per active entry
+            width += 2 * sparse_entries(heads.get("sparse"), longest)
     return max(1, width)
+
+
+def sparse_entries(head: HeadSpec | None, longest: int) -> int:
+    """The most entries an item of `longest` ids can have in its sparse vector: the vocabulary,
+    cut to one per token where the head keeps one weight per token id, and to the model's
+    top-k where it has one."""
+    if head is None or not head.dims:
+        return longest
+    bound = head.dims
+    if head.entries_per_token:
+        bound = min(bound, longest)
+    if head.max_active:
+        bound = min(bound, head.max_active)
+    return bound
 
 
 async def request_outputs(
@@ -86,6 +104,16 @@ async def request_outputs(
     sparse (indices, values)."""
     lengths = [len(x) for x in ids]
     max_tokens, max_items, max_frame = budgets
+    # `width` bounds the longest item's reply. A reply over the agreed frame is a protocol
+    # violation that costs the worker its life and the lane a strike, so the module refuses
+    # such an item here, before anything is sent.
+    if width * 4 > max_frame:
+        widest = max(range(len(lengths)), key=lengths.__getitem__)
+        raise InvalidRequest(
+            f"item {widest} ({lengths[widest]} tokens): its {', '.join(outputs)} output may "
+            f"take {width * 4} bytes, over the {max_frame}-byte protocol frame; ask for fewer "
+            "outputs or send a shorter text"
+        )
     got: dict[str, list] = {k: [] for k in outputs}
     for chunk in plan_chunks(lengths, max_tokens, max_items, max_frame, width):
         req = m.ENCODE(

@@ -49,7 +49,7 @@ from formats.digest import sha256_file
 from formats.gguf_header import ArrayInfo
 from formats.safetensors_io import weight_elements
 from formats.sparse_head import HEADS_DIR as SPARSE_HEADS_DIR
-from formats.sparse_head import SPARSE_CONFIG
+from formats.sparse_head import PER_TOKEN_HEADS, SPARSE_CONFIG
 from ingest import gemma
 from ingest.digest import copy_with_digest, read_digest_file, write_digest_file
 from ingest.durable import (
@@ -113,6 +113,12 @@ class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     # Inference-free query side: queries are weighed by their ids alone, tokenized without
     # special tokens (as its SparseStaticEmbedding tokenizes them), and read by no forward.
     bare_query: bool = False
+    # A sparse head's bound on one item's entries, below the vocabulary: at most one per token
+    # of the item (every route keeps one weight per distinct token id: bge-m3's lexical
+    # weights, a static route), and at most `max_active` (the model's top-k; 0: no cut). The
+    # host sizes its requests by the widest reply an item can take.
+    entries_per_token: bool = False
+    max_active: int = 0
 
 
 class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -178,6 +184,8 @@ def _ingest_heads(src: Path, staging: Path) -> tuple[dict[str, HeadSpec], list[s
             dims=sp.vocab_size,
             digest=sp.digest,
             bare_query=not sp.query_needs_forward,
+            entries_per_token=all(k in PER_TOKEN_HEADS for k in sp.routes.values()),
+            max_active=sp.max_active_dims or 0,
         )
         if source != "bge_m3":  # SPLADE's vector is its output; bge-m3 keeps its CLS vector
             outputs = ["sparse", "tokens"]

@@ -615,15 +615,12 @@ def served_store(colbert, bge_m3, module_tmp):
     return store
 
 
-def _module(store, runtime_dir):
+def _module(store, runtime_dir, **host):
     from host.config import HostConfig
     from host.module import Module, ModuleConfig
 
-    return Module(
-        ModuleConfig(
-            store_root=str(store.root), host=HostConfig(runtime_dir=runtime_dir, ping_interval_s=0)
-        )
-    )
+    host_config = HostConfig(runtime_dir=runtime_dir, ping_interval_s=0, **host)
+    return Module(ModuleConfig(store_root=str(store.root), host=host_config))
 
 
 async def test_the_llama_lane_serves_colbert_like_multivectorencoder(
@@ -662,21 +659,51 @@ async def test_the_llama_lane_serves_colbert_like_multivectorencoder(
     assert max(abs(got_scores[i] - want_scores[i]) for i in range(len(DOCUMENTS))) < 1e-3
 
 
+# A frame that holds one long text's three outputs, but not six texts' sparse replies were a
+# sparse vector as wide as the vocabulary.
+FRAME = 32768
+
+
 async def test_bge_m3_gives_dense_sparse_and_multi_vector_from_one_pass(
-    served_store, bge_m3, short_runtime_dir
+    served_store, bge_m3, short_runtime_dir, monkeypatch
 ):
     """bge-m3 served: its CLS vector, lexical weights and colbert vectors as FlagEmbedding's
     formulas compute them on transformers, all three from one ENCODE."""
+    from common.errors import InvalidRequest
+    from host import token_outputs
+
     texts = QUERIES + DOCUMENTS
     manifest = served_store.get("bge-m3").manifest
     assert set(manifest.heads) == {"sparse", "multivector"} and manifest.outputs == []
-    async with _module(served_store, short_runtime_dir) as mod:
+    # Lexical weights hold one entry per distinct token, never the whole vocabulary: the
+    # host sizes its requests by that, so a small frame still carries every text at once.
+    assert manifest.heads["sparse"].entries_per_token
+    assert len(texts) * 2 * 4 * manifest.heads["sparse"].dims > FRAME
+    plans = []
+    plan = token_outputs.plan_chunks
+    monkeypatch.setattr(
+        token_outputs, "plan_chunks", lambda *a: plans.append(plan(*a)) or plans[-1]
+    )
+    async with _module(served_store, short_runtime_dir, max_frame=FRAME) as mod:
         got = await mod.encode_outputs(texts, ["dense", "sparse", "multivector"], "bge-m3")
+        sparse_alone = await mod.encode_outputs(texts, ["sparse"], "bge-m3")
+        lane = mod.supervisor("bge-m3")
+        pid = lane.state().pid
+        # A reply that could outgrow the frame is refused before it is asked for: the
+        # worker lives on and the lane takes no strike.
+        with pytest.raises(InvalidRequest, match="over the 32768-byte protocol frame"):
+            await mod.encode_outputs(texts, ["tokens", "multivector"], "bge-m3")
+        assert lane.state().strikes == 0
+        again = await mod.encode_outputs(texts[:1], ["sparse"], "bge-m3")
+        assert lane.state().pid == pid and lane.state().restarts == 0
+    assert len(plans[0]) > 1 and len(plans[1]) == 1  # the sparse replies in one request
+    assert again.sparse is not None and sparse_alone.sparse is not None
     dense, colbert_vecs, lexical = _bge_m3_references(bge_m3, texts)
     assert got.dense is not None and _cos(got.dense, dense).min() >= 0.9999
     for ours, ref in zip(got.multivector or [], colbert_vecs, strict=True):
         assert ours.shape == ref.shape and _cos(ours, ref).min() >= 0.9999
-    for (idx, val), ref in zip(got.sparse or [], lexical, strict=True):
+    sparse = [*(got.sparse or []), *sparse_alone.sparse, *again.sparse]
+    for (idx, val), ref in zip(sparse, lexical * 2 + lexical[:1], strict=True):
         assert [str(i) for i in idx] == sorted(ref, key=int)
         want = np.array([ref[str(i)] for i in idx], np.float32)
         assert np.max(np.abs(val - want) / want) <= 0.10

@@ -599,6 +599,10 @@ async def test_the_llama_lane_serves_splade_like_sparse_encoder(
         host=HostConfig(runtime_dir=short_runtime_dir, ping_interval_s=0),
     )
     assert served_store.get("splade").manifest.outputs == ["sparse", "tokens"]
+    # A SPLADE vector (either route of the inference-free one) may fill the vocabulary: the
+    # host sizes its requests by the vocabulary, not by the texts' tokens.
+    for name in ("splade", "ifree"):
+        assert not served_store.get(name).manifest.heads["sparse"].entries_per_token
     async with Module(cfg) as mod:
         docs = await mod.encode_outputs(TEXTS, ["sparse"], "splade")
         ifree_docs = await mod.encode_outputs(TEXTS, ["sparse"], "ifree")
