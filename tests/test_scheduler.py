@@ -208,11 +208,15 @@ async def test_bounded_queue_and_token_budget_refuse_at_once():
 
 
 async def test_deadline_and_close_answer_every_waiter():
-    cfg = SchedulerConfig(request_timeout_s=0.2, batches_in_flight=1)
+    # The blocker's deadline must outlast its own tokenizing and dispatch on a loaded machine
+    # (at 0.2 s it could expire in the queue, and the lane never became busy), and pass while
+    # the worker is frozen; the request behind it has a short one.
+    cfg = SchedulerConfig(request_timeout_s=2.0, batches_in_flight=1)
     async with faulty(cfg) as (models, sched, batches):
         with frozen(models):
             blocker = asyncio.create_task(sched.embed_texts([LONG] * 16))
             await _until(lambda: _busy(models.lane))
+            sched.config.request_timeout_s = 0.2
             with pytest.raises(DeadlineExceeded):  # queued, then timed out
                 await asyncio.wait_for(sched.embed_texts(["waits behind the blocker"]), 10)
             with pytest.raises(DeadlineExceeded):
