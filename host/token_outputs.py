@@ -69,10 +69,18 @@ def reply_width(
             width += longest * n_embd
         elif kind == "multivector":
             head = heads.get("multivector")
-            width += longest * (head.dims if head is not None else n_embd)
+            width += multivector_rows(head, longest) * (head.dims if head else n_embd)
         elif kind == "sparse":  # an index and a value per active entry
             width += 2 * sparse_entries(heads.get("sparse"), longest)
     return max(1, width)
+
+
+def multivector_rows(head: HeadSpec | None, longest: int) -> int:
+    """The most vectors an item of `longest` ids can have: one per id, plus the prefix ids
+    the worker inserts, or the length a query is padded to, whichever is more."""
+    if head is None:
+        return longest
+    return max(longest + head.prefix_rows, head.expansion_rows)
 
 
 def sparse_entries(head: HeadSpec | None, longest: int) -> int:

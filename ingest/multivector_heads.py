@@ -100,6 +100,10 @@ class MultiVectorHeadInfo(msgspec.Struct, frozen=True):
     # The query side needs an attention mask llama.cpp cannot express (expansion not attended).
     query_needs_owned_mask: bool = False
     reference_similarity: Similarity = "maxsim"
+    # How many more vectors than ids an item can have: the worker inserts a side's prefix ids
+    # and pads a query to its expansion length.
+    prefix_rows: int = 0
+    expansion_rows: int = 0
 
 
 def _json(path: Path) -> Any:
@@ -153,6 +157,8 @@ def ingest_multivector_head(model_dir: Path, out_dir: Path) -> MultiVectorHeadIn
         digest=sha256_file(heads / SPEC_FILE),
         query_needs_owned_mask=exp is not None and not exp.attend,
         reference_similarity=spec.reference_similarity,
+        prefix_rows=max(len(spec.query_prefix_ids), len(spec.document_prefix_ids)),
+        expansion_rows=exp.length if exp is not None else 0,
     )
 
 

@@ -119,6 +119,10 @@ class HeadSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     # host sizes its requests by the widest reply an item can take.
     entries_per_token: bool = False
     max_active: int = 0
+    # A multi-vector head's rows per item: the item's ids, plus the side's prefix ids the
+    # worker inserts (at most `prefix_rows`), or a query padded to `expansion_rows`.
+    prefix_rows: int = 0
+    expansion_rows: int = 0
 
 
 class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -173,7 +177,13 @@ def _ingest_heads(src: Path, staging: Path) -> tuple[dict[str, HeadSpec], list[s
     outputs: list[str] = []
     mv = ingest_multivector_head(src, staging)
     if mv is not None:
-        heads["multivector"] = HeadSpec(file=mv.file, dims=mv.dims, digest=mv.digest)
+        heads["multivector"] = HeadSpec(
+            file=mv.file,
+            dims=mv.dims,
+            digest=mv.digest,
+            prefix_rows=mv.prefix_rows,
+            expansion_rows=mv.expansion_rows,
+        )
         if mv.kind != "bge-m3":
             outputs = ["multivector", "tokens"]
     source = sparse_source(src)

@@ -636,6 +636,9 @@ async def test_the_llama_lane_serves_colbert_like_multivectorencoder(
     ref = MultiVectorEncoder(str(colbert), device="cpu")
     manifest = served_store.get("colbert").manifest
     assert manifest.outputs == ["multivector", "tokens"] and "multivector" in manifest.heads
+    # What the host sizes its requests by: a query padded to its expansion, a prefix id added.
+    head = manifest.heads["multivector"]
+    assert (head.prefix_rows, head.expansion_rows) == (1, Q_LEN)
     async with _module(served_store, short_runtime_dir) as mod:
         docs = await mod.encode_outputs(DOCUMENTS, ["multivector"], "colbert")
         queries = await mod.encode_outputs(QUERIES, ["multivector"], "colbert", side="query")

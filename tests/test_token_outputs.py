@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from host.token_outputs import reply_width, sparse_entries
+from host.token_outputs import multivector_rows, reply_width, sparse_entries
 from ingest.store import HeadSpec
 
 VOCAB = 250_002
@@ -13,6 +13,8 @@ SPLADE = HeadSpec(file="heads/sparse.json", dims=VOCAB)
 LEXICAL = HeadSpec(file="heads/sparse.json", dims=VOCAB, entries_per_token=True)
 TOP_K = HeadSpec(file="heads/sparse.json", dims=VOCAB, max_active=64)
 COLBERT = HeadSpec(file="heads/colbert.safetensors", dims=128)
+# A ColBERT whose worker inserts a one-id prefix and pads queries to 32 ids.
+EXPANDING = HeadSpec(file="heads/colbert.safetensors", dims=128, prefix_rows=1, expansion_rows=32)
 
 
 @pytest.mark.parametrize(
@@ -39,3 +41,18 @@ def test_each_output_adds_its_widest_reply():
     assert reply_width(["sparse"], 384, 30, heads) == 2 * 30  # an index and a value each
     assert reply_width(["sparse"], 384, 30, {"sparse": SPLADE}) == 2 * VOCAB
     assert reply_width(["dense", "sparse", "multivector"], 384, 30, heads) == 384 + 60 + 3840
+
+
+@pytest.mark.parametrize(
+    ("head", "longest", "rows"),
+    [
+        (None, 20, 20),  # a model's token states: one per id
+        (COLBERT, 20, 20),
+        (EXPANDING, 5, 32),  # a short query padded to its expansion length
+        (EXPANDING, 40, 41),  # a long text with the prefix id inserted
+    ],
+)
+def test_a_multi_vector_reply_holds_at_most(head, longest, rows):
+    assert multivector_rows(head, longest) == rows
+    if head is not None:
+        assert reply_width(["multivector"], 384, longest, {"multivector": head}) == rows * 128
