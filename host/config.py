@@ -14,6 +14,9 @@ from workers.cpus import usable_cpu_count
 from workers.protocol.messages import DEFAULT_MAX_FRAME
 
 _LANE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+# The smallest max_frame the host accepts: a control frame (LOAD with a model's heads, an ERR
+# with its message) is a few KiB of JSON and must fit with room to spare.
+MIN_MAX_FRAME = 32 * 1024
 
 
 class HostConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,6 +48,15 @@ class HostConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigInvalid(f"{name} must be > 0")
         if self.strike_limit < 1:
             raise ConfigInvalid("strike_limit must be >= 1")
+        # Workers offer DEFAULT_MAX_FRAME in HELLO and a connection agrees on the smaller of
+        # both sides. The module sizes its requests and their replies with this value before
+        # any connection exists, so a larger one would plan frames the connection then refuses
+        # (or a reply the worker may not send, which costs it its life and the lane a strike).
+        if not MIN_MAX_FRAME <= self.max_frame <= DEFAULT_MAX_FRAME:
+            raise ConfigInvalid(
+                f"max_frame must be within {MIN_MAX_FRAME}..{DEFAULT_MAX_FRAME} bytes "
+                f"(workers accept frames up to {DEFAULT_MAX_FRAME}); got {self.max_frame}"
+            )
 
     def resolved_runtime_dir(self) -> Path:
         if self.runtime_dir:  # an explicit choice is used as given (and created)
