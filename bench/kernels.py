@@ -8,8 +8,9 @@ llama_cpp loads (workers.llama.openblas_core); a bench that did not would compar
 workers with a peer server, or an in-process ceiling, on SSE3.
 
 - `match_workers()`: the workers' choice, made in the bench process before anything in it
-  loads OpenBLAS, and left in `os.environ`, so every process the bench starts afterwards (a
-  peer server, our server and its workers, ceiling shards) is exec'd with the same
+  loads OpenBLAS (an inherited `OPENBLAS_CORETYPE` older than the CPU's kernels is dropped
+  first: `drop_held_back`), and left in `os.environ`, so every process the bench starts
+  afterwards (a peer server, our server and its workers, ceiling shards) is exec'd with the same
   `OPENBLAS_CORETYPE`. Importing this module makes it (`CHOICE`, the workers' log line): a
   bench imports it before anything that loads OpenBLAS (numpy does, at import).
 - `process_kernels(pid)`: what one process runs on: each OpenBLAS mapped into it (Linux:
@@ -42,10 +43,40 @@ _GETTERS = ("openblas_get_corename", "scipy_openblas_get_corename64_", "openblas
 NOT_LINUX = "not read off Linux (macOS: Accelerate, whose kernels the OS picks)"
 
 
+# An inherited OPENBLAS_CORETYPE older than the CPU's kernels (some machines set Haswell
+# machine-wide, AVX-512 CPUs included) would hold every OpenBLAS side of a bench below what
+# torch's MKL and ONNX Runtime's MLAS pick for themselves by CPUID, and a ratio against those
+# would measure the variable. A bench drops it, and says so, unless this is set to "inherit".
+# (Workers themselves always keep a user's value.)
+INHERIT = "SYNAPSE_BENCH_OPENBLAS"
+
+
+def drop_held_back(environ: dict[str, str] | os._Environ, flags: set[str]) -> str | None:
+    """Remove an inherited OPENBLAS_CORETYPE that names older kernels than `flags` support;
+    returns what was done, for the report (None: nothing dropped)."""
+    value = environ.get(ENV)
+    if not value or environ.get(INHERIT) == "inherit":
+        return None
+    better = openblas_core.held_back(value, flags)
+    if better is None:
+        return None
+    del environ[ENV]
+    return (
+        f"inherited {ENV}={value} dropped: this CPU runs {better} kernels, as the bench's "
+        f"other sides do ({INHERIT}=inherit keeps it)"
+    )
+
+
 def match_workers(environ: dict[str, str] | os._Environ | None = None) -> str:
-    """Make the llama workers' OpenBLAS choice for this process and everything it starts.
-    Returns the workers' own log line (what was chosen and why)."""
-    return openblas_core.apply(os.environ if environ is None else environ)
+    """Make the llama workers' OpenBLAS choice for this process and everything it starts,
+    after dropping an inherited value that holds the CPU back. Returns the workers' own log
+    line (what was chosen and why), with what was dropped."""
+    environ = os.environ if environ is None else environ
+    dropped = None
+    if sys.platform.startswith("linux"):
+        dropped = drop_held_back(environ, openblas_core.this_cpu_flags())
+    line = openblas_core.apply(environ)
+    return f"{line}; {dropped}" if dropped else line
 
 
 # At import, so a bench that imports this module first has decided before OpenBLAS loads.

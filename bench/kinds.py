@@ -23,7 +23,9 @@ plans cores / threads workers) and torch `--threads` threads (default: every cor
 off. Their timed runs alternate (lane, reference, lane, ...) so a machine shared with other
 work slows both alike; each side's CPU seconds (the worker's and this process's for the lane)
 are reported beside the wall times (m3: the worker's share too, `lane_one_pass_worker_cpu_s`),
-and so are both sides' kernels.
+and so are both sides' kernels: torch's MKL picks its vector width by CPUID, and the lane's
+OpenBLAS gets the workers' choice (an inherited `OPENBLAS_CORETYPE` that names older kernels
+than the CPU runs is dropped and reported: see bench.kernels).
 
 Both directories are built once under `<synapse cache>/bench/real-sizes/` and ingested at this
 platform's embedding precision. One JSON object on stdout (and in --out); each figure is the
@@ -47,6 +49,12 @@ from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+# The workers' OpenBLAS choice, made before numpy loads OpenBLAS (bench.kernels): the lane's
+# matmuls then run the vector width torch's MKL picks for itself.
+from bench import kernels  # first
+
+# isort: split
 
 import numpy as np
 
@@ -183,14 +191,13 @@ class _Clock:
 
 def _lane_kernels(mod, name: str, threads: int) -> dict:
     """What the lane computes with: llama.cpp's build flags (its BLAS among them), the
-    OpenBLAS kernels the worker picks, and its threads."""
-    from workers.llama.openblas_core import apply as openblas_pick
-
+    OpenBLAS kernels its worker runs (read from the worker process) and why, and its threads."""
     lane = mod.supervisor(name, "llama")
     hello = lane.hello if lane is not None else None
     return {
         "llama_cpp_build_flags": hello.engine.build_flags if hello else None,
-        "openblas": openblas_pick(dict(os.environ)),
+        "openblas_choice": kernels.CHOICE,
+        "openblas": kernels.process_kernels(lane.state().pid) if lane is not None else None,
         "n_threads": threads,
         "head_threads": threads,
     }
@@ -201,6 +208,7 @@ def _torch_kernels() -> dict:
 
     return {
         "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "mkl": torch.backends.mkl.is_available(),
         "onednn": torch.backends.mkldnn.is_available(),

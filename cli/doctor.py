@@ -54,12 +54,17 @@ def _llama_cpp() -> dict:
     if proc.returncode != 0:
         return {"available": False, "reason": proc.stderr.strip()[-300:]}
     from host.module import hello_device  # late, as the Module import below
+    from workers.llama import openblas_core
 
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "available": True,
         "version": _version("llama_cpp_python"),
         "device": hello_device(probe["build_flags"]) or "cpu",
+        # The OpenBLAS kernels a CPU worker will run and why: the workers' own rule and log
+        # line, on a copy of this environment (a user's OPENBLAS_CORETYPE that holds the CPU
+        # back is kept, and the line says so).
+        "openblas": openblas_core.apply(dict(os.environ)),
         **probe,
     }
 
@@ -193,6 +198,7 @@ def main(as_json: bool) -> int:
                 else ""
             ),
         )
+        table.add_row("llama.cpp OpenBLAS", llama["openblas"])
     ne, apple, cm = data["neural_engine"], data["apple"], data["coreml"]
     if ne["present"] is None:
         ne_text = f"unknown — {apple['reason'] or ne['source']}"

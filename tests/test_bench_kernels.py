@@ -17,6 +17,8 @@ import pytest
 from bench import kernels
 from workers.llama import openblas_core as oc
 
+AVX512 = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="/proc and OpenBLAS are Linux's here"
 )
@@ -169,3 +171,61 @@ async def test_the_watch_reads_a_live_llama_worker(short_runtime_dir):
     for lib, family in report["openblas"].items():
         assert oc.choose(family, _flags(), {}) is None, (lib, family)
     assert report["OPENBLAS_CORETYPE"] == os.environ.get(kernels.ENV)  # conftest's choice
+
+
+@pytest.mark.parametrize(
+    "environ, flags, kept",
+    [
+        ({kernels.ENV: "Haswell"}, AVX512, None),  # held the CPU back: dropped
+        ({kernels.ENV: "Haswell", kernels.INHERIT: "inherit"}, AVX512, "Haswell"),
+        ({kernels.ENV: "SkylakeX"}, AVX512, "SkylakeX"),  # the CPU's own: kept
+        ({kernels.ENV: "Haswell"}, {"avx", "avx2", "fma"}, "Haswell"),
+        ({kernels.ENV: "NoSuchCore"}, AVX512, "NoSuchCore"),  # unjudged: kept
+        ({}, AVX512, None),
+    ],
+)
+def test_an_inherited_value_older_than_the_cpu_is_dropped(environ, flags, kept):
+    env = dict(environ)
+    note = kernels.drop_held_back(env, flags)
+    assert env.get(kernels.ENV) == kept
+    assert (note is not None) == (kept is None and kernels.ENV in environ)
+    if note is not None:
+        assert f"{kernels.ENV}={environ[kernels.ENV]} dropped" in note
+
+
+@linux_only
+@needs_openblas
+@pytest.mark.parametrize("inherit", [False, True])
+def test_a_bench_started_under_a_held_back_value_runs_the_cpu_kernels(inherit):
+    """A fresh interpreter started with OPENBLAS_CORETYPE=Sandybridge (AVX only): importing
+    bench.kernels drops it when this CPU runs better, so the bench process and its children
+    load what the workers' rule gives without it; SYNAPSE_BENCH_OPENBLAS=inherit keeps it."""
+    better = oc.held_back("Sandybridge", _flags())
+    if better is None:
+        pytest.skip("this CPU runs nothing newer than AVX kernels")
+    env = {**_base_env(), kernels.ENV: "Sandybridge"}
+    env.pop(kernels.INHERIT, None)
+    if inherit:
+        env[kernels.INHERIT] = "inherit"
+    code = textwrap.dedent(f"""
+        import json, subprocess, sys
+        from bench import kernels
+        child = subprocess.Popen([sys.executable, "-c", {_CHILD!r}],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        inside = child.stdout.readline().strip()
+        print(json.dumps({{"choice": kernels.CHOICE, "inside": inside,
+                          "child": kernels.process_kernels(child.pid)}}))
+        child.communicate("")
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    if inherit:
+        assert found["child"]["OPENBLAS_CORETYPE"] == "Sandybridge"
+        assert found["inside"].lower() == "sandybridge"
+    else:
+        assert "Sandybridge dropped" in found["choice"]
+        expected = oc.choose(oc.corename(oc.library() or ""), _flags(), {})
+        assert found["child"]["OPENBLAS_CORETYPE"] == expected
+        assert oc.held_back(found["inside"], _flags()) is None, found

@@ -50,6 +50,24 @@ def test_the_rule(detected, flags, env, want):
     assert oc.choose(detected, flags, env) == want
 
 
+@pytest.mark.parametrize(
+    "coretype, flags, want",
+    [
+        ("Haswell", SAPPHIRE, "SkylakeX"),  # a machine-wide Haswell on an AVX-512 CPU
+        ("zen", SAPPHIRE, "SkylakeX"),  # OpenBLAS's Zen runs the Haswell kernels
+        ("Prescott", ZEN3, "Haswell"),
+        ("Sandybridge", ZEN3, "Haswell"),
+        ("Haswell", ZEN3, None),  # what the CPU runs at best
+        ("Cooperlake", SAPPHIRE, None),
+        ("SkylakeX", ZEN3, None),  # newer than the CPU: not ours to judge here
+        ("NoSuchCore", SAPPHIRE, None),  # a name not ranked is left unjudged
+        ("Haswell", {"sse3"}, None),
+    ],
+)
+def test_a_user_value_that_holds_the_cpu_back(coretype, flags, want):
+    assert oc.held_back(coretype, flags) == want
+
+
 def test_avx512_needs_every_skylakex_flag():
     assert oc.best_coretype(SAPPHIRE - {"avx512vl"}) == "Haswell"
 
@@ -65,6 +83,9 @@ def test_a_user_setting_is_kept_and_reported():
     assert env == {"OPENBLAS_CORETYPE": "Haswell"}
     if sys.platform.startswith("linux"):
         assert "set by the user" in line
+        better = oc.held_back("Haswell", oc.this_cpu_flags())
+        # Kept, but the line says what the CPU could run instead.
+        assert (f"this CPU runs {better} kernels" in line) == (better is not None), line
 
 
 @linux_openblas

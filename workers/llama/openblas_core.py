@@ -12,7 +12,10 @@ The rule: a user's own `OPENBLAS_CORETYPE` always wins; otherwise, only when the
 own pick is a pre-AVX fallback while the CPU flags say better, name the best family the flags
 support (AVX-512 F/BW/DQ/VL/CD -> SkylakeX, AVX2+FMA -> Haswell, AVX -> Sandybridge). An
 OpenBLAS that knows the CPU is left alone. The pick is read in a child interpreter (loading
-the library in this process would fix its kernels before the choice is made).
+the library in this process would fix its kernels before the choice is made). A user's value
+that names older kernels than the CPU runs is kept, and the log line says so (some machines set
+OPENBLAS_CORETYPE=Haswell machine-wide: on an AVX-512 EPYC that made a bge-m3 encode 1.4x
+slower than the library's own pick).
 """
 
 from __future__ import annotations
@@ -73,6 +76,29 @@ def best_coretype(flags: set[str]) -> str | None:
     return None
 
 
+# OpenBLAS kernel families (as openblas_get_corename spells them, lower-cased) by the widest x86
+# vector instructions they use: 0 below AVX, 1 AVX, 2 AVX2 (OpenBLAS's Zen runs the Haswell
+# kernels), 3 AVX-512. Only to tell when a user's OPENBLAS_CORETYPE holds this CPU back.
+_ISA_LEVEL = {
+    **dict.fromkeys(_PRE_AVX, 0),
+    **dict.fromkeys(("sandybridge", "bulldozer", "piledriver", "steamroller", "excavator"), 1),
+    **dict.fromkeys(("haswell", "zen"), 2),
+    **dict.fromkeys(("skylakex", "cooperlake", "sapphirerapids"), 3),
+}
+_BEST_LEVEL = {"Sandybridge": 1, "Haswell": 2, "SkylakeX": 3}
+
+
+def held_back(coretype: str, flags: set[str]) -> str | None:
+    """The family these CPU flags support when `coretype` names older kernels (a machine-wide
+    OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU runs llama.cpp's matmuls at half their vector
+    width), else None: also for a name not ranked here, which is left unjudged."""
+    level = _ISA_LEVEL.get(coretype.strip().lower())
+    best = best_coretype(flags)
+    if level is None or best is None:
+        return None
+    return best if _BEST_LEVEL[best] > level else None
+
+
 def choose(detected: str | None, flags: set[str], env: dict[str, str]) -> str | None:
     """The OPENBLAS_CORETYPE to set, None to leave the library's own pick (see module doc)."""
     if env.get(ENV) or not detected:
@@ -87,6 +113,16 @@ def cpu_flags(cpuinfo: str) -> set[str]:
         if line.startswith("flags"):
             return set(line.partition(":")[2].split())
     return set()
+
+
+def this_cpu_flags() -> set[str]:
+    if sys.platform != "linux":  # procfs: Linux only (macOS builds use Accelerate anyway)
+        return set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return cpu_flags(f.read())
+    except OSError:
+        return set()
 
 
 def library() -> str | None:
@@ -125,17 +161,14 @@ def apply(environ: os._Environ | dict[str, str] | None = None) -> str:
     if not sys.platform.startswith("linux"):  # macOS builds use Accelerate, not OpenBLAS
         return "openblas: not used on this platform"
     if environ.get(ENV):
-        return f"openblas: {ENV}={environ[ENV]} (set by the user)"
+        better = held_back(environ[ENV], this_cpu_flags())
+        hint = f"; this CPU runs {better} kernels: unset it to let OpenBLAS pick" if better else ""
+        return f"openblas: {ENV}={environ[ENV]} (set by the user{hint})"
     lib = library()
     if lib is None:
         return "openblas: not installed (llama.cpp uses its own kernels)"
     detected = corename(lib)
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = cpu_flags(f.read())
-    except OSError:
-        flags = set()
-    pick = choose(detected, flags, dict(environ))
+    pick = choose(detected, this_cpu_flags(), dict(environ))
     if pick is None:
         return f"openblas: {detected or 'unknown'} kernels (the library's own pick)"
     # Keep the override only when the library loads exactly those kernels (a name it does not
