@@ -73,14 +73,21 @@ def match_workers(environ: dict[str, str] | os._Environ | None = None) -> str:
     line (what was chosen and why), with what was dropped."""
     environ = os.environ if environ is None else environ
     dropped = None
-    if sys.platform.startswith("linux"):
+    # Only while no OpenBLAS is loaded here: one that is has its kernels already, and a drop
+    # then would split this process from the ones it starts (a test importing a bench).
+    if sys.platform == "linux" and not _openblas_loaded_here():
         dropped = drop_held_back(environ, openblas_core.this_cpu_flags())
     line = openblas_core.apply(environ)
     return f"{line}; {dropped}" if dropped else line
 
 
-# At import, so a bench that imports this module first has decided before OpenBLAS loads.
-CHOICE = match_workers()
+def _openblas_loaded_here() -> bool:
+    if sys.platform != "linux":  # procfs: Linux only
+        return False
+    try:
+        return bool(openblas_libraries(Path("/proc/self/maps").read_text(errors="replace")))
+    except OSError:
+        return False
 
 
 def openblas_libraries(maps: str) -> list[str]:
@@ -91,6 +98,10 @@ def openblas_libraries(maps: str) -> list[str]:
         if path.startswith("/") and ".so" in path and "openblas" in Path(path).name.lower():
             paths.add(path)
     return sorted(paths)
+
+
+# At import, so a bench that imports this module first has decided before OpenBLAS loads.
+CHOICE = match_workers()
 
 
 def parse_environ(raw: bytes) -> dict[str, str]:

@@ -229,3 +229,15 @@ def test_a_bench_started_under_a_held_back_value_runs_the_cpu_kernels(inherit):
         expected = oc.choose(oc.corename(oc.library() or ""), _flags(), {})
         assert found["child"]["OPENBLAS_CORETYPE"] == expected
         assert oc.held_back(found["inside"], _flags()) is None, found
+
+
+@linux_only
+def test_a_process_that_already_loaded_openblas_keeps_the_inherited_value():
+    """This test process loaded numpy's OpenBLAS under its environment: a drop now would run
+    the processes it starts on other kernels than its own, so nothing is dropped."""
+    import numpy  # noqa: F401  (maps its OpenBLAS, if not yet)
+
+    assert kernels._openblas_loaded_here()
+    env = {kernels.ENV: "Sandybridge"}
+    line = kernels.match_workers(env)
+    assert env == {kernels.ENV: "Sandybridge"} and "dropped" not in line

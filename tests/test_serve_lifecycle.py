@@ -263,7 +263,10 @@ def test_keep_alive_unloads_an_idle_model(ttl_server):
 def test_keep_alive_never_unloads_a_busy_model(ttl_server):
     with httpx.Client(base_url=ttl_server.url, timeout=300) as http:
         started = time.monotonic()
-        long = _Background(ttl_server.url, "/v1/embeddings", {"model": F32, "input": LONG_INPUT})
+        # Four times LONG_INPUT: it must stay in flight past 3 x TTL_S from the start, and
+        # 16 such inputs took under 1.5 s on a quiet AVX-512 machine.
+        body = {"model": F32, "input": LONG_INPUT * 4}
+        long = _Background(ttl_server.url, "/v1/embeddings", body)
         thread = long.thread
         first = _until(
             lambda: (e := _entry(http, F32))["loaded"] and e["in_flight"] and e,
