@@ -75,7 +75,8 @@ def match_workers(environ: dict[str, str] | os._Environ | None = None) -> str:
     dropped = None
     # Only while no OpenBLAS is loaded here: one that is has its kernels already, and a drop
     # then would split this process from the ones it starts (a test importing a bench).
-    if sys.platform == "linux" and not _openblas_loaded_here():
+    # (Off Linux neither procfs nor cpuinfo flags are read, and nothing is dropped.)
+    if not _openblas_loaded_here():
         dropped = drop_held_back(environ, openblas_core.this_cpu_flags())
     line = openblas_core.apply(environ)
     return f"{line}; {dropped}" if dropped else line

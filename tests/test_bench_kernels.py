@@ -35,11 +35,6 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _flags() -> set[str]:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        return oc.cpu_flags(f.read())
-
-
 def _spawn(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD],
@@ -108,11 +103,11 @@ def test_a_bench_gives_its_own_process_and_its_children_the_workers_kernels(benc
         [sys.executable, "-c", code], env=_base_env(), capture_output=True, text=True, check=True
     )
     found = json.loads(out.stdout.strip().splitlines()[-1])
-    expected = oc.choose(oc.corename(oc.library() or ""), _flags(), {})
+    expected = oc.choose(oc.corename(oc.library() or ""), oc.this_cpu_flags(), {})
     for side in ("self", "child"):
         report = found[side]
         for lib, family in report["openblas"].items():
-            assert oc.choose(family, _flags(), {}) is None, (side, lib, family)
+            assert oc.choose(family, oc.this_cpu_flags(), {}) is None, (side, lib, family)
         if expected is not None:  # the rule names kernels here: every side carries them
             assert report["OPENBLAS_CORETYPE"] == expected, (side, report)
     child_system = [v for k, v in found["child"]["openblas"].items() if "scipy" not in k]
@@ -169,7 +164,7 @@ async def test_the_watch_reads_a_live_llama_worker(short_runtime_dir):
     (report,) = watch.seen
     assert report["openblas"], report
     for lib, family in report["openblas"].items():
-        assert oc.choose(family, _flags(), {}) is None, (lib, family)
+        assert oc.choose(family, oc.this_cpu_flags(), {}) is None, (lib, family)
     assert report["OPENBLAS_CORETYPE"] == os.environ.get(kernels.ENV)  # conftest's choice
 
 
@@ -200,7 +195,7 @@ def test_a_bench_started_under_a_held_back_value_runs_the_cpu_kernels(inherit):
     """A fresh interpreter started with OPENBLAS_CORETYPE=Sandybridge (AVX only): importing
     bench.kernels drops it when this CPU runs better, so the bench process and its children
     load what the workers' rule gives without it; SYNAPSE_BENCH_OPENBLAS=inherit keeps it."""
-    better = oc.held_back("Sandybridge", _flags())
+    better = oc.held_back("Sandybridge", oc.this_cpu_flags())
     if better is None:
         pytest.skip("this CPU runs nothing newer than AVX kernels")
     env = {**_base_env(), kernels.ENV: "Sandybridge"}
@@ -226,9 +221,9 @@ def test_a_bench_started_under_a_held_back_value_runs_the_cpu_kernels(inherit):
         assert found["inside"].lower() == "sandybridge"
     else:
         assert "Sandybridge dropped" in found["choice"]
-        expected = oc.choose(oc.corename(oc.library() or ""), _flags(), {})
+        expected = oc.choose(oc.corename(oc.library() or ""), oc.this_cpu_flags(), {})
         assert found["child"]["OPENBLAS_CORETYPE"] == expected
-        assert oc.held_back(found["inside"], _flags()) is None, found
+        assert oc.held_back(found["inside"], oc.this_cpu_flags()) is None, found
 
 
 @linux_only

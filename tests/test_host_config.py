@@ -7,6 +7,7 @@ import pytest
 
 from host.config import MIN_MAX_FRAME, HostConfig
 from host.errors import ConfigInvalid
+from workers.protocol import messages as m
 from workers.protocol.messages import DEFAULT_MAX_FRAME
 from workers.protocol.session import HostSession
 
@@ -29,9 +30,12 @@ def test_max_frame_refused_from_a_config_file_too():
 
 
 def test_the_host_budget_is_the_frame_every_connection_agrees_on():
-    # The module plans with HostConfig.max_frame before a connection exists; the agreement
-    # takes the smaller of both sides, so any accepted value is exactly what gets agreed with a
-    # worker offering the default.
-    for max_frame in (MIN_MAX_FRAME, DEFAULT_MAX_FRAME):
+    # The module plans with HostConfig.max_frame before a connection exists; a worker offers
+    # DEFAULT_MAX_FRAME in its HELLO and the session agrees on the smaller, so every accepted
+    # value is exactly the frame the connection then enforces.
+    for max_frame in (MIN_MAX_FRAME, 1 << 20, DEFAULT_MAX_FRAME):
         session = HostSession("N", HostConfig(max_frame=max_frame).max_frame)
-        assert min(session.max_frame, DEFAULT_MAX_FRAME) == max_frame
+        offer = m.HELLO(v=3, nonce="N", engine=m.EngineInfo(engine="t", version="0"), pid=1)
+        assert offer.max_frame == DEFAULT_MAX_FRAME  # what a worker offers unless told less
+        session.receive_frame(m.encode(offer))
+        assert session.accept_hello().max_frame == max_frame == session.max_frame

@@ -28,11 +28,6 @@ linux_openblas = pytest.mark.skipif(
 )
 
 
-def _this_cpu() -> set[str]:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        return oc.cpu_flags(f.read())
-
-
 @pytest.mark.parametrize(
     "detected, flags, env, want",
     [
@@ -95,7 +90,7 @@ def test_this_machine_gets_the_kernels_its_flags_support():
     assert detected, "the probe read no core name from the system OpenBLAS"
     env: dict[str, str] = {}
     line = oc.apply(env)
-    pick = oc.choose(detected, _this_cpu(), {})
+    pick = oc.choose(detected, oc.this_cpu_flags(), {})
     if pick is None:
         assert env == {} and detected in line
     else:  # the library loads exactly the named kernels with the override
@@ -133,6 +128,6 @@ def test_the_worker_process_decides_before_llama_cpp_loads():
     assert done.returncode != 0
     lines = [ln for ln in done.stderr.splitlines() if "openblas:" in ln]
     assert len(lines) == 1, done.stderr[-2000:]
-    pick = oc.choose(oc.corename(oc.library()), _this_cpu(), {})
+    pick = oc.choose(oc.corename(oc.library()), oc.this_cpu_flags(), {})
     if pick is not None:
         assert f"OPENBLAS_CORETYPE={pick}" in lines[0]
