@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from bench.serve import _Conn, _vector
+
+REPO = Path(__file__).resolve().parent.parent
 
 REQUEST = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -114,3 +124,44 @@ def test_vector_decodes_base64_as_little_endian_float32() -> None:
     encoded = base64.b64encode(values.tobytes()).decode()
     assert np.array_equal(_vector(encoded), values.astype(np.float64))
     assert np.array_equal(_vector(values.tolist()), values.astype(np.float64))
+
+
+# A bench that started a server (in a session of its own, as bench.serve starts both), then
+# waits in a `finally` that stops it: what every bench does around its measurements.
+_BENCH_WITH_A_SERVER = textwrap.dedent(
+    """
+    import sys, tempfile, time
+    from bench.serve import _Proc
+    server = _Proc(
+        [sys.executable, "-c", "import time; time.sleep(120)"], None, tempfile.mkdtemp(), "s"
+    )
+    try:
+        print(server.proc.pid, flush=True)
+        time.sleep(120)
+    finally:
+        server.stop()
+    """
+)
+
+
+def test_sigterm_to_a_bench_stops_the_servers_it_started() -> None:
+    """SIGTERM (timeout, a CI runner) must not orphan a server: under the default action the
+    bench died at once and its servers, in their own sessions, kept running."""
+    bench = subprocess.Popen(
+        [sys.executable, "-c", _BENCH_WITH_A_SERVER],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert bench.stdout is not None
+    server = psutil.Process(int(bench.stdout.readline()))
+    try:
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(30) == 128 + signal.SIGTERM
+        server.wait(10)  # raises TimeoutExpired if the server outlived the bench
+    finally:
+        for proc in (bench, server):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                proc.kill()
+        bench.wait()
