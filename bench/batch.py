@@ -36,6 +36,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The ceiling shards, the job's workers and Ray's inherit the OpenBLAS kernels our workers
 # choose, decided here before numpy loads OpenBLAS (bench.kernels).
 from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+from bench.sigterm import exit_on_sigterm
 
 # isort: split
 
@@ -92,14 +93,20 @@ def ceiling(path: Path, config: ModuleConfig, workers: int) -> dict:
         )
         for k in range(workers)
     ]
-    for p in procs:  # each has loaded and tokenized (outside the timing)
-        assert p.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    shards = [json.loads(p.communicate()[0]) for p in procs]
-    seconds = time.perf_counter() - start
+    try:
+        for p in procs:  # each has loaded and tokenized (outside the timing)
+            assert p.stdout.readline().strip() == "ready"
+        start = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        shards = [json.loads(p.communicate()[0]) for p in procs]
+        seconds = time.perf_counter() - start
+    finally:  # a failed or interrupted bench leaves no shard computing on
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     result = _rates(sum(s["rows"] for s in shards), sum(s["tokens"] for s in shards), seconds)
     result["engines"], result["threads_each"] = workers, shards[0]["threads"]
     result["kernels"] = [s["kernels"] for s in shards]
@@ -150,7 +157,8 @@ def run_shard(shard: str, corpus_path: str, max_tokens: int, max_items: int) -> 
             work.append((req, np.concatenate([part[i] for i in batch])))
     mine = work[k::n]
     print("ready", flush=True)
-    sys.stdin.readline()
+    if sys.stdin.readline().strip() != "go":
+        return  # end of input: the bench that started this shard is gone; nobody would read it
     for req, payload in mine:
         engine.embed(req, payload, NullProgress())
     print(
@@ -189,6 +197,7 @@ def main() -> None:
     parser.add_argument("--max-worker-batch-tokens", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-batch-items", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    exit_on_sigterm()  # its shards, in sessions of their own, are killed on the way out
     if args.shard:
         run_shard(args.shard, args.corpus, args.max_worker_batch_tokens, args.max_batch_items)
         return

@@ -61,6 +61,7 @@ from pathlib import Path
 # Every side on the OpenBLAS kernels our workers run on, decided before anything here loads
 # OpenBLAS (numpy below does) and inherited by both servers: see bench.kernels.
 from bench import kernels  # first: it makes the choice (before numpy loads OpenBLAS)
+from bench.sigterm import exit_on_sigterm
 
 # isort: split
 
@@ -109,24 +110,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM (`timeout`, a CI runner, `kill`) ends this bench the way Ctrl-C does, by an
-    exception, so the `finally` that stops its servers runs. The servers run in sessions of
-    their own, so neither the terminal's signals nor the bench's death reach them: under the
-    default action they outlived it, each still holding a worker, a model and CPU."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread may set handlers; it started the servers anyway
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_exit)
-
-
-def _raise_exit(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 class _Proc:
     def __init__(self, argv: list[str], env: dict, workdir: str, name: str) -> None:
-        _exit_on_sigterm()  # before the server exists: no window in which it could be orphaned
+        exit_on_sigterm()  # before the server exists: no window in which it could be orphaned
         self.log = open(Path(workdir) / f"{name}.log", "wb")  # closed in stop()
         self.lines: list[str] = []
         # Own session for each server: with CFS autogroups, CPU is shared per session, and
