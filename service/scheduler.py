@@ -121,8 +121,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # lane, so the worker starts it the moment the first is done instead of idling while the
     # first one's callers get their answers and send again. Not the default: on 2 cores,
     # 16-token inputs at concurrency 32, 2 x 256-token batches measured 0.97-0.98x of
-    # 1 x 512 (bench.serve --scheduler, interleaved runs): the host's work then competes with
-    # the engine for the cores, and smaller decodes cost the worker ~3% more per input.
+    # 1 x 512 on AVX2 kernels and 0.93x on AVX-512 ones (bench.serve --scheduler, interleaved
+    # runs): the host's work then competes with the engine for the cores, and smaller decodes
+    # cost the worker more per input (batches of 16 ran 8-12% slower per input than 32
+    # in-process on AVX-512, where streaming the weights weighs more).
     batches_in_flight: int = 1
     max_queue_items: int = 4096  # queued inputs per model; over it -> 429
     request_timeout_s: float = 300.0  # a queued or running request's total wait -> 504

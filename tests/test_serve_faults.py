@@ -210,7 +210,11 @@ async def test_over_the_queue_bound_is_a_fast_429_with_retry_after(server):
 
 async def test_a_client_that_disconnects_while_queued_is_never_computed(server):
     model = "minilm-l6-v2"
-    heavy = [f"heavy {i} " + "word " * 400 for i in range(64)]  # 64 x 256 tokens: seconds
+    heavy = [f"heavy {i} " + "word " * 400 for i in range(64)]  # 64 x 256 tokens
+    # Three times as much in front of it: a disconnect is noticed within WATCH_AFTER_S (up to
+    # twice that), and 64 inputs alone finished sooner than that on a fast CPU, so the batcher
+    # took the hung-up request before its disconnect was seen (128 inputs computed, not 64).
+    blocker = heavy * 3
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
 
         async def metrics() -> str:
@@ -220,7 +224,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(server):
             return metric(await metrics(), "synapse_batch_items_sum", model=model) or 0.0
 
         before = await items_computed()
-        first = asyncio.create_task(ac.post("/v1/embeddings", json={"input": heavy}))
+        first = asyncio.create_task(ac.post("/v1/embeddings", json={"input": blocker}))
         await _wait_for(lambda: _lane_busy(ac), 60, 0.01)
 
         # A raw client sends a whole request that must queue behind `first`, then hangs up.
@@ -247,7 +251,7 @@ async def test_a_client_that_disconnects_while_queued_is_never_computed(server):
         text = await metrics()
         assert metric(text, "synapse_errors_total", code="client_closed_request") == 1
         assert metric(text, "synapse_inflight_tokens") == 0
-        assert await items_computed() - before == len(heavy)  # `first` only
+        assert await items_computed() - before == len(blocker)  # `first` only
 
 
 async def _lane_busy(ac: httpx.AsyncClient) -> bool:
