@@ -117,7 +117,6 @@ def test_a_gguf_ingested_model_skips_both_baselines_with_the_reason():
 
 
 @pytest.mark.model
-@pytest.mark.model
 def test_the_default_model_one_repeat(store_root):
     result = run_bench(DEFAULT_EMBED, repeats=1, threads=2, store_root=store_root, sentences=12)
     assert (result["model"], result["sentences"], result["repeats"]) == (DEFAULT_EMBED, 12, 1)
@@ -133,7 +132,6 @@ def test_the_default_model_one_repeat(store_root):
     _check_cosines(result)
 
 
-@pytest.mark.model
 @pytest.mark.model
 def test_a_last_token_model_with_a_prompt(tmp_path):
     from ingest.hf_dir import FAMILIES
