@@ -197,10 +197,10 @@ def main() -> None:
     parser.add_argument("--max-worker-batch-tokens", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-batch-items", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    exit_on_sigterm()  # its shards, in sessions of their own, are killed on the way out
     if args.shard:
         run_shard(args.shard, args.corpus, args.max_worker_batch_tokens, args.max_batch_items)
         return
+    exit_on_sigterm()  # its shards, in sessions of their own, are killed on the way out
     ensure_defaults()
     load_before = _load()
     with tempfile.TemporaryDirectory(prefix="syn-bb-", dir="/tmp") as tmp:

@@ -85,7 +85,6 @@ _ISA_LEVEL = {
     **dict.fromkeys(("haswell", "zen"), 2),
     **dict.fromkeys(("skylakex", "cooperlake", "sapphirerapids"), 3),
 }
-_BEST_LEVEL = {"Sandybridge": 1, "Haswell": 2, "SkylakeX": 3}
 
 
 def held_back(coretype: str, flags: set[str]) -> str | None:
@@ -96,7 +95,7 @@ def held_back(coretype: str, flags: set[str]) -> str | None:
     best = best_coretype(flags)
     if level is None or best is None:
         return None
-    return best if _BEST_LEVEL[best] > level else None
+    return best if _ISA_LEVEL[best.lower()] > level else None
 
 
 def choose(detected: str | None, flags: set[str], env: dict[str, str]) -> str | None:
